@@ -1,0 +1,33 @@
+"""autopar: a compiled-graph auto-parallelizer for training PyTorch models on heterogeneous clusters.
+
+Public surface (see shared/spec/api.md): ``Cluster``, ``plan``, ``compile``, ``launch``, ``init``,
+``Plan``, ``models``, and the errors ``ClusterError``, ``PlanError``, ``LaunchError``.
+Submodules are imported lazily so ``import autopar`` stays cheap and does nothing at import time.
+"""
+
+from importlib import import_module
+
+from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError
+
+__all__ = [
+    "AutoparError", "ClusterError", "PlanError", "LaunchError",
+    "Cluster", "Plan", "plan", "compile", "launch", "init", "models",
+]
+
+_LAZY = {
+    "Cluster": ("autopar.cluster", "Cluster"),
+    "Plan": ("autopar.plan", "Plan"),
+    "plan": ("autopar.api", "plan"),
+    "compile": ("autopar.api", "compile"),
+    "launch": ("autopar.runtime.launch", "launch"),
+    "init": ("autopar.runtime.launch", "init"),
+    "models": ("autopar.models", None),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = import_module(module)
+        return mod if attr is None else getattr(mod, attr)
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -1,0 +1,136 @@
+"""Cost tables: what the planners read about a model on a cluster.
+
+``ModelCosts`` holds, for one captured model, device-independent per-block facts (parameter bytes,
+activation bytes saved for backward per sample, output bytes per sample, FLOPs per sample) and, per
+device type, the forward and backward time of every block sampled at a few micro-batch sizes.
+Times between samples are interpolated linearly; above the largest sample they are extrapolated
+linearly from the last two samples (time grows at least linearly with the batch once a device is
+busy). The tables come from ``autopar.profile`` (measurement, roofline transfer, kernel timings) or,
+in solver tests, from ``ModelCosts.synthetic``.
+
+Memory terms (bytes): weights ``param_bytes``; gradients the same size; optimizer state
+``optimizer_bytes_per_param`` per parameter (AdamW keeps two fp32 moments: 8; SGD with momentum: 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES"]
+
+# Optimizer state per parameter, fp32.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
+
+
+@dataclass(eq=False)
+class ModelCosts:
+    block_names: tuple[str, ...]
+    params: np.ndarray                # parameter count per block
+    param_bytes: np.ndarray           # weight bytes per block
+    act_bytes: np.ndarray             # activation bytes saved for backward, per sample
+    out_bytes: np.ndarray             # bytes of the block's output, per sample (pipeline traffic)
+    fwd_flops: np.ndarray             # forward FLOPs per sample
+    sample_batches: np.ndarray        # micro-batch sizes the time tables were sampled at (ascending)
+    fwd_table: dict[str, np.ndarray]  # device type -> (len(sample_batches), num_blocks) seconds
+    bwd_table: dict[str, np.ndarray]
+    optimizer_bytes_per_param: int = 8
+    grad_bytes_per_param: int = 4
+    tied_groups: tuple[tuple[int, ...], ...] = ()  # blocks sharing one parameter (e.g. tied embedding)
+    sources: dict[str, str] = field(default_factory=dict)  # device type -> "measured"/"roofline"/"emulated"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        return tuple(self.fwd_table)
+
+    @property
+    def total_params(self) -> int:
+        return int(self.params.sum())
+
+    def _interp(self, table: np.ndarray, micro_batch: float) -> np.ndarray:
+        xs = self.sample_batches
+        b = float(micro_batch)
+        if b <= 0:
+            return np.zeros(table.shape[1])
+        if len(xs) == 1:
+            return table[0] * (b / xs[0])
+        if b <= xs[0]:
+            return table[0] * (b / xs[0])
+        if b >= xs[-1]:
+            slope = (table[-1] - table[-2]) / (xs[-1] - xs[-2])
+            return table[-1] + np.maximum(slope, 0.0) * (b - xs[-1])
+        i = int(np.searchsorted(xs, b)) - 1
+        w = (b - xs[i]) / (xs[i + 1] - xs[i])
+        return table[i] * (1 - w) + table[i + 1] * w
+
+    def fwd_time(self, device_type: str, micro_batch: float) -> np.ndarray:
+        """Forward seconds of every block on one device of ``device_type`` at this micro-batch."""
+        key = ("f", device_type, micro_batch)
+        if key not in self._cache:
+            self._cache[key] = self._interp(self.fwd_table[device_type], micro_batch)
+        return self._cache[key]
+
+    def bwd_time(self, device_type: str, micro_batch: float) -> np.ndarray:
+        key = ("b", device_type, micro_batch)
+        if key not in self._cache:
+            self._cache[key] = self._interp(self.bwd_table[device_type], micro_batch)
+        return self._cache[key]
+
+    def step_time(self, device_type: str, micro_batch: float, blocks: slice = slice(None)) -> float:
+        """Forward + backward seconds of a block range at one micro-batch."""
+        return float(self.fwd_time(device_type, micro_batch)[blocks].sum()
+                     + self.bwd_time(device_type, micro_batch)[blocks].sum())
+
+    def state_bytes(self, blocks: slice = slice(None), zero_stage: int = 0, shard_fraction: float = 1.0) -> float:
+        """Weights + gradients + optimizer state of a block range, under a ZeRO stage.
+
+        ``shard_fraction`` is the part of the sharded state this device keeps (1/N for even shards).
+        """
+        p = float(self.params[blocks].sum())
+        w = float(self.param_bytes[blocks].sum())
+        g = p * self.grad_bytes_per_param
+        o = p * self.optimizer_bytes_per_param
+        if zero_stage >= 1:
+            o *= shard_fraction
+        if zero_stage >= 2:
+            g *= shard_fraction
+        if zero_stage >= 3:
+            w *= shard_fraction
+        return w + g + o
+
+    @classmethod
+    def synthetic(
+        cls,
+        fwd_s_per_sample: dict[str, list[float]] | dict[str, np.ndarray],
+        *,
+        param_bytes: list[float] | np.ndarray | None = None,
+        act_bytes: list[float] | np.ndarray | None = None,
+        out_bytes: list[float] | np.ndarray | None = None,
+        overhead_s: float = 0.0,
+        bwd_ratio: float = 2.0,
+    ) -> "ModelCosts":
+        """Costs linear in the micro-batch (plus a fixed per-call overhead), for solver tests."""
+        first = next(iter(fwd_s_per_sample.values()))
+        n = len(first)
+        sb = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 64.0])
+        fwd = {k: np.outer(sb, np.asarray(v, float)) + overhead_s for k, v in fwd_s_per_sample.items()}
+        bwd = {k: v * bwd_ratio for k, v in fwd.items()}
+        pb = np.asarray(param_bytes if param_bytes is not None else np.full(n, 4e6), float)
+        return cls(
+            block_names=tuple(f"block{i}" for i in range(n)),
+            params=pb / 4, param_bytes=pb,
+            act_bytes=np.asarray(act_bytes if act_bytes is not None else np.full(n, 1e6), float),
+            out_bytes=np.asarray(out_bytes if out_bytes is not None else np.full(n, 1e5), float),
+            fwd_flops=np.full(n, 1e9), sample_batches=sb, fwd_table=fwd, bwd_table=bwd,
+            sources={k: "synthetic" for k in fwd},
+        )

@@ -1,0 +1,155 @@
+"""Plans: the planner's decision as plain frozen data, with a JSON round-trip and a readable summary.
+
+Terms
+- block: one unit a pipeline can cut between (embedding, one transformer layer, the head), numbered
+  0..num_blocks-1 in execution order (see ``passes.blocks``).
+- stage: a contiguous run of blocks ``[block_start, block_stop)`` held by a set of *members*.
+- member: one data-parallel participant of a stage; a tuple of ranks that together form a
+  tensor-parallel group (a 1-tuple when there is no tensor parallelism).
+- micro-batch: pipeline micro-batch m flows through every stage; stage member g computes
+  ``stage.micro_batches[g][m]`` samples of it (shares may be uneven and may be 0).
+  A plan with a single stage is pure data parallelism: members then step through their own lists of
+  micro-batches independently (gradient accumulation) and the lists may differ in length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+__all__ = ["Stage", "Predicted", "Plan", "Schedule"]
+
+Schedule = Literal["none", "gpipe", "1f1b"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    block_start: int
+    block_stop: int
+    groups: tuple[tuple[int, ...], ...]
+    micro_batches: tuple[tuple[int, ...], ...]
+    # Per member: the attention-head (or shard-unit) count of each rank of its tensor-parallel group.
+    tp_shares: tuple[tuple[int, ...], ...] = ()
+    # Per member: relative size of its ZeRO shard (memory-proportional sharding); () = even.
+    zero_shares: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if not 0 <= self.block_start < self.block_stop:
+            raise ValueError(f"Stage: block range [{self.block_start}, {self.block_stop}) is empty")
+        if len(self.micro_batches) != len(self.groups):
+            raise ValueError("Stage.micro_batches: need one list per member group")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for g in self.groups for r in g)
+
+    @property
+    def num_layers(self) -> int:
+        return self.block_stop - self.block_start
+
+    def member_batch(self, g: int) -> int:
+        return sum(self.micro_batches[g])
+
+    def __repr__(self) -> str:
+        return (f"Stage(blocks={self.block_start}:{self.block_stop}, groups={self.groups}, "
+                f"micro_batches={self.micro_batches})")
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    step_time_s: float
+    samples_per_s: float
+    memory_bytes: dict[int, int]
+    upper_bound_samples_per_s: float = 0.0
+    compute_bound_samples_per_s: float = 0.0
+    efficiency: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    strategy: str
+    global_batch_size: int
+    zero_stage: int
+    schedule: Schedule
+    stages: tuple[Stage, ...]
+    predicted: Predicted
+    block_names: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for s in self.stages for r in s.ranks))
+
+    @property
+    def rank_batch(self) -> dict[int, int]:
+        """Samples of the global batch each rank computes per step (a whole TP group shares them)."""
+        out: dict[int, int] = {}
+        for stage in self.stages:
+            for g, members in enumerate(stage.groups):
+                for r in members:
+                    out[r] = stage.member_batch(g)
+        return dict(sorted(out.items()))
+
+    @property
+    def num_micro_batches(self) -> int:
+        return max(len(m) for s in self.stages for m in s.micro_batches)
+
+    def stage_of(self, rank: int) -> tuple[int, int]:
+        """(stage index, member index) of a rank."""
+        for s, stage in enumerate(self.stages):
+            for g, members in enumerate(stage.groups):
+                if rank in members:
+                    return s, g
+        raise KeyError(f"rank {rank} is not in the plan")
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["predicted"]["memory_bytes"] = {str(k): v for k, v in self.predicted.memory_bytes.items()}
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        def tup(x):
+            return tuple(tup(i) for i in x) if isinstance(x, list) else x
+
+        stages = tuple(
+            Stage(
+                block_start=s["block_start"], block_stop=s["block_stop"], groups=tup(s["groups"]),
+                micro_batches=tup(s["micro_batches"]), tp_shares=tup(s.get("tp_shares", [])),
+                zero_shares=tuple(s.get("zero_shares", [])),
+            )
+            for s in d["stages"]
+        )
+        p = dict(d["predicted"])
+        p["memory_bytes"] = {int(k): v for k, v in p["memory_bytes"].items()}
+        return cls(
+            strategy=d["strategy"], global_batch_size=d["global_batch_size"], zero_stage=d["zero_stage"],
+            schedule=d["schedule"], stages=stages, predicted=Predicted(**p),
+            block_names=tuple(d.get("block_names", ())), notes=tuple(d.get("notes", ())),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    # -- display -------------------------------------------------------------------------------
+    def summary(self, cluster=None) -> str:
+        """A readable table: one row per stage member."""
+        from autopar.report import plan_table  # local: rich is only needed for display
+
+        return plan_table(self, cluster)
+
+    def __repr__(self) -> str:
+        return (f"Plan(strategy={self.strategy!r}, zero={self.zero_stage}, schedule={self.schedule!r}, "
+                f"stages={len(self.stages)}, rank_batch={self.rank_batch}, "
+                f"step={self.predicted.step_time_s:.4g}s)")
