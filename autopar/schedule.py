@@ -1,0 +1,425 @@
+"""Pipeline schedules as data, and a simulator that dry-runs them before any process group exists.
+
+Terms
+- stage: one pipeline stage, executed by one worker that runs its action list in order. (A stage with
+  several data-parallel members is still one worker here: its durations are those of its slowest member.)
+- micro-batch: pipeline micro-batch ``m`` in ``0..num_micro-1``; micro-batches may differ in size, so
+  durations are given per (stage, micro-batch).
+- action: ``Action(stage, kind, micro)``, written compactly like torch.distributed.pipelining, e.g.
+  ``"2F0"`` (stage 2, forward, micro-batch 0) or ``"1RECV_B3"``. Kinds:
+  ``F`` forward, ``B`` backward (input and weight gradients together), and the communication kinds
+  ``SEND_F`` (send this stage's forward output to stage+1), ``RECV_F`` (receive this stage's forward
+  input from stage-1), ``SEND_B`` (send the gradient of this stage's input to stage-1), ``RECV_B``
+  (receive the gradient of this stage's output from stage+1).
+- schedule: ``PipelineSchedule``: one action list per stage. A *compute-only* schedule holds only F and
+  B; sends and receives between consecutive stages are implied. ``with_comm`` lowers it to an explicit
+  schedule for the runtime.
+- dependencies: F(s, m) needs F(s-1, m) plus the transfer time across boundary s-1; B(s, m) needs
+  F(s, m) and B(s+1, m) plus the transfer across boundary s. In an explicit schedule, F(s, m) needs
+  RECV_F(s, m), which needs SEND_F(s-1, m) (issued after F(s-1, m)) plus the transfer; sends are
+  asynchronous (take no worker time), a receive blocks its worker until the data has arrived.
+- timeline: the simulated execution: per stage the (action, start_s, end_s) of every action, the step
+  time (makespan), the busy (compute) seconds per stage, and the bubble fraction
+  ``1 - sum(busy_s) / (num_stages * step_time_s)``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from autopar.errors import AutoparError
+
+__all__ = [
+    "Action", "ActionKind", "PipelineSchedule", "ScheduleError", "Timeline",
+    "gpipe", "one_f_one_b", "make_schedule", "with_comm", "simulate", "dry_run", "plot_timeline",
+]
+
+ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+_COMPUTE = ("F", "B")
+_COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)\s*$")
+
+
+class ScheduleError(AutoparError):
+    """A schedule is malformed (wrong stage, duplicate or missing action) or deadlocks."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    stage: int
+    kind: ActionKind
+    micro: int
+
+    def __post_init__(self):
+        if self.kind not in _COMPUTE + _COMM:
+            raise ScheduleError(f"Action.kind: {self.kind!r} is not one of {_COMPUTE + _COMM}")
+        if self.stage < 0 or self.micro < 0:
+            raise ScheduleError(f"Action: stage ({self.stage}) and micro ({self.micro}) must be >= 0")
+
+    def __repr__(self) -> str:
+        return f"{self.stage}{self.kind}{self.micro}"
+
+    __str__ = __repr__
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in _COMPUTE
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The inverse of ``repr``: ``Action.parse("2F0") == Action(2, "F", 0)``."""
+        m = _ACTION_RE.match(text)
+        if m is None:
+            raise ScheduleError(f"Action: cannot parse {text!r} (expected e.g. '2F0' or '1RECV_B3')")
+        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSchedule:
+    """One action list per stage; ``name`` says which generator made it ("gpipe", "1f1b", ...)."""
+
+    name: str
+    num_micro: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.actions)
+
+    @property
+    def has_comm(self) -> bool:
+        return any(not a.is_compute for acts in self.actions for a in acts)
+
+    def __repr__(self) -> str:
+        rows = "; ".join(" ".join(map(repr, acts)) for acts in self.actions)
+        return f"PipelineSchedule({self.name!r}, stages={self.num_stages}, micro={self.num_micro}: {rows})"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "num_micro": self.num_micro,
+                "actions": [[repr(a) for a in acts] for acts in self.actions]}
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelineSchedule":
+        try:
+            return cls(name=str(d["name"]), num_micro=int(d["num_micro"]),
+                       actions=tuple(tuple(Action.parse(a) for a in acts) for acts in d["actions"]))
+        except KeyError as e:
+            raise ScheduleError(f"PipelineSchedule: missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "PipelineSchedule":
+        return cls.from_dict(json.loads(text))
+
+
+# -- generators -------------------------------------------------------------------------------------
+
+def _check_sizes(num_stages: int, num_micro: int) -> None:
+    if num_stages < 1:
+        raise ScheduleError(f"num_stages: need >= 1, got {num_stages}")
+    if num_micro < 1:
+        raise ScheduleError(f"num_micro: need >= 1, got {num_micro}")
+
+
+def gpipe(num_stages: int, num_micro: int) -> PipelineSchedule:
+    """All forwards, then all backwards (in micro-batch order, as torch's ScheduleGPipe)."""
+    _check_sizes(num_stages, num_micro)
+    acts = tuple(
+        tuple(Action(s, "F", m) for m in range(num_micro)) + tuple(Action(s, "B", m) for m in range(num_micro))
+        for s in range(num_stages)
+    )
+    return PipelineSchedule("gpipe", num_micro, acts)
+
+
+def one_f_one_b(num_stages: int, num_micro: int) -> PipelineSchedule:
+    """1F1B (PipeDream-flush): stage s runs min(S-1-s, M) warm-up forwards, then alternates one forward
+    and one backward, then drains; it holds at most min(M, S-s) micro-batches' activations."""
+    _check_sizes(num_stages, num_micro)
+    out = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, num_micro)
+        acts = [Action(s, "F", m) for m in range(warmup)]
+        f, b = warmup, 0
+        while f < num_micro:
+            acts += [Action(s, "F", f), Action(s, "B", b)]
+            f, b = f + 1, b + 1
+        acts += [Action(s, "B", m) for m in range(b, num_micro)]
+        out.append(tuple(acts))
+    return PipelineSchedule("1f1b", num_micro, tuple(out))
+
+
+def make_schedule(name: str, num_stages: int, num_micro: int) -> PipelineSchedule:
+    """The generator by name: "gpipe" or "1f1b"."""
+    generators = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    if name not in generators:
+        raise ScheduleError(f"schedule: unknown {name!r}; choose one of {sorted(generators)}")
+    return generators[name](num_stages, num_micro)
+
+
+def with_comm(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Lower a compute-only schedule: RECV_F before each F of stage > 0, SEND_F after each F of a
+    stage before the last, RECV_B before each B of a stage before the last, SEND_B after each B of
+    stage > 0. Sends are meant to be asynchronous (isend), receives blocking."""
+    if schedule.has_comm:
+        raise ScheduleError("with_comm: the schedule already has SEND/RECV actions")
+    last = schedule.num_stages - 1
+    out = []
+    for s, acts in enumerate(schedule.actions):
+        lowered: list[Action] = []
+        for a in acts:
+            if a.kind == "F":
+                if s > 0:
+                    lowered.append(Action(s, "RECV_F", a.micro))
+                lowered.append(a)
+                if s < last:
+                    lowered.append(Action(s, "SEND_F", a.micro))
+            else:
+                if s < last:
+                    lowered.append(Action(s, "RECV_B", a.micro))
+                lowered.append(a)
+                if s > 0:
+                    lowered.append(Action(s, "SEND_B", a.micro))
+        out.append(tuple(lowered))
+    return PipelineSchedule(schedule.name, schedule.num_micro, tuple(out))
+
+
+# -- simulation -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The simulated execution of a schedule (see the module docstring)."""
+
+    events: tuple[tuple[tuple[Action, float, float], ...], ...]   # per stage, in execution order
+    transfers: tuple[tuple[tuple[Action, float, float], ...], ...]  # per receiving stage: data in flight
+    step_time_s: float
+    busy_s: tuple[float, ...]
+    schedule_name: str = ""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.events)
+
+    @property
+    def bubble_fraction(self) -> float:
+        if self.step_time_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s) / (self.num_stages * self.step_time_s)
+
+    @property
+    def stage_end_s(self) -> tuple[float, ...]:
+        """When each stage finished its last action."""
+        return tuple(max((e for _, _, e in ev), default=0.0) for ev in self.events)
+
+    def __repr__(self) -> str:
+        return (f"Timeline({self.schedule_name!r}, stages={self.num_stages}, step={self.step_time_s:.4g}s, "
+                f"bubble={self.bubble_fraction:.1%})")
+
+
+def _as_matrix(x, shape: tuple[int, int], name: str) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim == 1 and shape[0] == 1 and a.shape[0] == shape[1]:
+        a = a[None, :]
+    if a.size == 0 and shape[0] == 0:
+        return np.zeros(shape)
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} ([stage][micro]), got {a.shape}")
+    if not np.all(np.isfinite(a)) or np.any(a < 0):
+        raise ValueError(f"{name}: durations must be finite and >= 0")
+    return a
+
+
+def _validate(schedule: PipelineSchedule, num_micro: int) -> bool:
+    """Structural checks; returns whether the schedule has explicit communication."""
+    S = schedule.num_stages
+    explicit = schedule.has_comm
+    seen: set[Action] = set()
+    for s, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.stage != s:
+                raise ScheduleError(f"action {a!r} is in the list of stage {s}")
+            if a.micro >= num_micro:
+                raise ScheduleError(f"action {a!r}: micro-batch {a.micro} >= num_micro {num_micro}")
+            if a in seen:
+                raise ScheduleError(f"action {a!r} appears twice")
+            if (a.kind in ("RECV_F", "SEND_B") and s == 0) or (a.kind in ("SEND_F", "RECV_B") and s == S - 1):
+                raise ScheduleError(f"action {a!r}: stage {s} has no neighbour in that direction")
+            seen.add(a)
+    needed = [Action(s, k, m) for s in range(S) for k in _COMPUTE for m in range(num_micro)]
+    if explicit:
+        needed += [Action(s, k, m) for s in range(S) for m in range(num_micro)
+                   for k in (("RECV_F", "SEND_B") if s > 0 else ()) + (("SEND_F", "RECV_B") if s < S - 1 else ())]
+    missing = [a for a in needed if a not in seen]
+    if missing:
+        shown = ", ".join(map(repr, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise ScheduleError(f"schedule {schedule.name!r} is missing {len(missing)} action(s): {shown}")
+    return explicit
+
+
+def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=None,
+             comm_bwd_time_s=None) -> Timeline:
+    """Execute the per-stage action lists in order, each stage on its own worker.
+
+    ``fwd_time_s`` and ``bwd_time_s`` are arrays [stage][micro] of seconds; ``comm_time_s`` is
+    [boundary][micro] (boundary s sits between stage s and s+1; None = free), the transfer time of
+    micro-batch m's activation across it; ``comm_bwd_time_s`` the same for the gradient going back
+    (None = same as forward). An action starts when its worker is free and its dependencies are done
+    plus the transfer. Raises ``ScheduleError`` on a malformed schedule or a deadlock, naming the stuck
+    actions."""
+    S, M = schedule.num_stages, schedule.num_micro
+    fwd = _as_matrix(fwd_time_s, (S, M), "fwd_time_s").tolist()   # lists of floats: fast scalar access
+    bwd = _as_matrix(bwd_time_s, (S, M), "bwd_time_s").tolist()
+    comm_f = (np.zeros((S - 1, M)) if comm_time_s is None
+              else _as_matrix(comm_time_s, (S - 1, M), "comm_time_s")).tolist()
+    comm_b = comm_f if comm_bwd_time_s is None else _as_matrix(comm_bwd_time_s, (S - 1, M), "comm_bwd_time_s").tolist()
+    explicit = _validate(schedule, M)
+
+    lists = [[(a.stage, a.kind, a.micro) for a in acts] for acts in schedule.actions]
+    done: dict[tuple[int, str, int], float] = {}   # action key -> end time (issue time for sends)
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(S)]
+    transfers: list[list[tuple[Action, float, float]]] = [[] for _ in range(S)]
+    busy = [0.0] * S
+    free = [0.0] * S
+    ptr = [0] * S
+
+    def ready_time(key) -> float | None:
+        """When the inputs of ``key`` are available on its worker; None if a dependency is not done."""
+        s, k, m = key
+        if k == "F":
+            if s == 0:
+                return 0.0
+            dep = (s, "RECV_F", m) if explicit else (s - 1, "F", m)
+            t = done.get(dep)
+            return None if t is None else (t if explicit else t + comm_f[s - 1][m])
+        if k == "B":
+            t_f = done.get((s, "F", m))
+            if t_f is None:
+                return None
+            if s == S - 1:
+                return t_f
+            dep = (s, "RECV_B", m) if explicit else (s + 1, "B", m)
+            t = done.get(dep)
+            if t is None:
+                return None
+            return max(t_f, t if explicit else t + comm_b[s][m])
+        if k == "SEND_F" or k == "SEND_B":
+            return done.get((s, k[-1], m))
+        if k == "RECV_F":
+            t = done.get((s - 1, "SEND_F", m))
+            return None if t is None else t + comm_f[s - 1][m]
+        t = done.get((s + 1, "SEND_B", m))   # RECV_B
+        return None if t is None else t + comm_b[s][m]
+
+    queue = deque(range(S))
+    queued = [True] * S
+    while queue:
+        s = queue.popleft()
+        queued[s] = False
+        progressed = False
+        while ptr[s] < len(lists[s]):
+            key = lists[s][ptr[s]]
+            t_ready = ready_time(key)
+            if t_ready is None:
+                break
+            _, k, m = key
+            action = schedule.actions[s][ptr[s]]
+            if k == "F" or k == "B":
+                start = max(free[s], t_ready)
+                dur = fwd[s][m] if k == "F" else bwd[s][m]
+                end = start + dur
+                busy[s] += dur
+                free[s] = end
+                events[s].append((action, start, end))
+                if not explicit:
+                    if k == "F" and s > 0:
+                        t0 = done[(s - 1, "F", m)]
+                        transfers[s].append((Action(s, "RECV_F", m), t0, t0 + comm_f[s - 1][m]))
+                    elif k == "B" and s < S - 1:
+                        t0 = done[(s + 1, "B", m)]
+                        transfers[s].append((Action(s, "RECV_B", m), t0, t0 + comm_b[s][m]))
+            elif k.startswith("SEND"):
+                end = start = max(free[s], t_ready)   # asynchronous: issued, no worker time
+                events[s].append((action, start, end))
+            else:   # a blocking receive: the worker waits until the data has arrived
+                start = free[s]
+                end = max(free[s], t_ready)
+                free[s] = end
+                events[s].append((action, start, end))
+                comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
+                transfers[s].append((action, t_ready - comm, t_ready))
+            done[key] = end
+            ptr[s] += 1
+            progressed = True
+        if progressed:
+            for n in (s - 1, s + 1):
+                if 0 <= n < S and not queued[n] and ptr[n] < len(lists[n]):
+                    queue.append(n)
+                    queued[n] = True
+
+    stuck = [schedule.actions[s][ptr[s]] for s in range(S) if ptr[s] < len(lists[s])]
+    if stuck:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} deadlocks: stuck at {', '.join(map(repr, stuck))} "
+            f"(each waits on an action that is ordered after another stuck action)")
+    step = max((free[s] for s in range(S)), default=0.0)
+    step = max([step] + [e for ev in events for _, _, e in ev])
+    return Timeline(events=tuple(map(tuple, events)), transfers=tuple(map(tuple, transfers)),
+                    step_time_s=float(step), busy_s=tuple(map(float, busy)), schedule_name=schedule.name)
+
+
+def dry_run(schedule: PipelineSchedule) -> Timeline:
+    """Simulate with unit durations and free transfers: raises ``ScheduleError`` if it deadlocks."""
+    S, M = schedule.num_stages, schedule.num_micro
+    ones = np.ones((S, M))
+    return simulate(schedule, ones, 2 * ones, np.zeros((max(S - 1, 0), M)))
+
+
+# -- display ----------------------------------------------------------------------------------------
+
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "comm": "#8172B3", "idle": "#E5E5E5"}
+
+
+def plot_timeline(timeline: Timeline, path, labels: Sequence[str] | None = None) -> None:
+    """A Gantt chart of the timeline saved as PNG: one row per stage (or rank, via ``labels``);
+    forward, backward, communication (data in flight towards that row, a thin bar) and idle time
+    (including a worker blocked in a receive) in distinct colours."""
+    from matplotlib.figure import Figure   # lazy: plotting is optional and slow to import
+    from matplotlib.patches import Patch
+
+    S = timeline.num_stages
+    labels = list(labels) if labels is not None else [f"stage {s}" for s in range(S)]
+    if len(labels) != S:
+        raise ValueError(f"labels: need one per stage ({S}), got {len(labels)}")
+    step = timeline.step_time_s if timeline.step_time_s > 0 else 1.0
+    fig = Figure(figsize=(min(4 + 0.15 * sum(map(len, timeline.events)), 18), 1.0 + 0.6 * S))
+    ax = fig.add_subplot(1, 1, 1)
+    for row, s in enumerate(range(S)):
+        y = S - 1 - row
+        ax.broken_barh([(0, step)], (y - 0.4, 0.8), facecolors=_COLOURS["idle"])
+        for a, t0, t1 in timeline.transfers[s]:
+            if t1 > t0:
+                ax.broken_barh([(t0, t1 - t0)], (y - 0.4, 0.2), facecolors=_COLOURS["comm"])
+        for a, t0, t1 in timeline.events[s]:
+            if a.is_compute and t1 > t0:
+                ax.broken_barh([(t0, t1 - t0)], (y - 0.35, 0.7), facecolors=_COLOURS[a.kind],
+                               edgecolors="white", linewidth=0.5)
+                if (t1 - t0) / step > 0.02:
+                    ax.text((t0 + t1) / 2, y, str(a.micro), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(S))
+    ax.set_yticklabels(list(reversed(labels)))
+    ax.set_xlim(0, step)
+    ax.set_xlabel("time (s)")
+    ax.set_title(f"{timeline.schedule_name or 'pipeline'}: step {timeline.step_time_s:.4g} s, "
+                 f"bubble {timeline.bubble_fraction:.1%}", loc="left", fontsize=10)
+    ax.legend(handles=[Patch(color=_COLOURS[k], label=name) for k, name in
+                       (("F", "forward"), ("B", "backward"), ("comm", "communication"), ("idle", "idle"))],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
