@@ -108,7 +108,8 @@ class Cluster:
             if d.rank != i:
                 raise ClusterError(f"devices[{i}].rank: {d.rank} should be {i} (ranks are 0..n-1 in order)")
             if not 0 <= d.node < self.num_nodes or d.node < last_node:
-                raise ClusterError(f"devices[{i}].node: {d.node} out of order or not in 0..{self.num_nodes - 1}")
+                raise ClusterError(f"devices[{i}].node: {d.node} is out of order or not in "
+                                   f"0..{self.num_nodes - 1}")
             if d.local_rank != local[d.node]:
                 raise ClusterError(f"devices[{i}].local_rank: {d.local_rank} should be {local[d.node]}")
             if seen.setdefault(d.spec.name, d.spec) != d.spec:
@@ -443,7 +444,8 @@ def _parse(d: Any) -> Cluster:
     _check_keys(d, _TOP_KEYS, "")
     name = _name(d["name"], "name") if "name" in d else "cluster"
     if "nodes" not in d:
-        raise ClusterError("nodes: missing; give a list of nodes, e.g. nodes: [{device: A100-80GB, count: 8}]")
+        raise ClusterError("nodes: missing; give a list of nodes, "
+                           "e.g. nodes: [{device: A100-80GB, count: 8}]")
     nodes = d["nodes"]
     if not isinstance(nodes, list):
         raise ClusterError(f"nodes: {nodes!r} is not a list of nodes")

@@ -105,8 +105,9 @@ def _host_side_Bps(spec: DeviceSpec, link: LinkModel) -> float:
 
 
 def _network(cluster: "Cluster", link: LinkModel) -> tuple[float, float]:
-    bw = link.network_bandwidth_Bps if link.network_bandwidth_Bps is not None else cluster.network_bandwidth_Bps
-    lat = link.network_latency_s if link.network_latency_s is not None else cluster.network_latency_s
+    bw, lat = link.network_bandwidth_Bps, link.network_latency_s
+    bw = cluster.network_bandwidth_Bps if bw is None else bw
+    lat = cluster.network_latency_s if lat is None else lat
     return bw, lat
 
 

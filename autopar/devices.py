@@ -128,7 +128,8 @@ _PRESET_LIST: tuple[DeviceSpec, ...] = (
     # no NVLink, PCIe Gen4 x16 -> 32 per direction.
     _gpu("RTX4090-24GB",  "nvidia",  165.2,  82.6,  24, 1008,  32),
     # AMD Instinct MI210 Accelerator datasheet: peak FP16/BF16 181.0 TFLOPS, FP32 vector 22.6 TFLOPS,
-    # 64GB HBM2e at 1.6 TB/s (1,638.4 GB/s), Infinity Fabric up to 3 links, 300 GB/s peak aggregate -> 150 per direction.
+    # 64GB HBM2e at 1.6 TB/s (1,638.4 GB/s), Infinity Fabric up to 3 links, 300 GB/s peak aggregate
+    # -> 150 per direction.
     _gpu("MI210-64GB",    "amd",     181.0,  22.6,  64, 1638.4, 150),
     # AMD Instinct MI250X Accelerator datasheet: peak FP16/BF16 383.0 TFLOPS, FP32 vector 47.9 TFLOPS,
     # 128GB HBM2e at 3.2 TB/s (3,276.8 GB/s), up to 8 Infinity Fabric links, 800 GB/s aggregate -> 400.
