@@ -1,0 +1,304 @@
+"""The runtime base: launch/init/context, failure handling, and emulated-device clocks.
+
+Real multi-process gloo launches are few (they cost seconds each here): a happy path (two launches at
+once), a rank raising mid-loop, and a hung rank. Parent-side failure detection (signals, the overall
+timeout) is tested on plain sleeping processes, without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import Cluster
+from autopar.errors import LaunchError
+from autopar.runtime import emulate, launch as launch_mod
+from autopar.runtime.emulate import ClockStats, EmulatedClock, NullClock, clock_for
+from autopar.runtime.launch import (context, default_backend, init, is_initialized, launch, shutdown,
+                                    subgroup_backend)
+
+
+def _slow_cluster(count: int = 3, speed: float = 0.5) -> Cluster:
+    return Cluster.from_dict({"nodes": [{"device": {"name": "slow", "emulate": "cpu", "speed": speed,
+                                                    "memory_GB": 2}, "count": count}]})
+
+
+def _children() -> dict[int, str]:
+    """pid -> "state cmdline" of this process's live children (from /proc, no psutil)."""
+    out = {}
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            pids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            out[int(pid)] = f"{state} {cmd}"
+    return out
+
+
+def _new_children(before: dict[int, str]) -> dict[int, str]:
+    return {pid: what for pid, what in _children().items()
+            if pid not in before and "resource_tracker" not in what}
+
+
+# --- functions run by the ranks (module level: spawn pickles them by reference) ---------------------
+
+def _happy(rank: int, scale: float):
+    ctx = context()
+    t = torch.full((4,), float(rank + 1) * scale)
+    dist.all_reduce(t)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    big = torch.arange(1000.0, requires_grad=True)
+    with clock_for(ctx.cluster.devices[rank]).compute():
+        sum(i * i for i in range(2000))
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "sum": t, "state": model.state_dict(),
+            "view": big[:2] * 1, "speed": ctx.speed, "device": str(ctx.device),
+            "backend": ctx.backend, "threads": torch.get_num_threads(), "env_rank": os.environ["RANK"],
+            "pair": (rank, [t.clone()])}
+
+
+def _raise_at_step_2(rank: int):
+    t = torch.ones(8)
+    for step in range(5):
+        if rank == 1 and step == 2:
+            raise ValueError(f"boom at step {step}")
+        dist.all_reduce(t)          # the other ranks block here at step 2
+    return float(t[0])
+
+
+def _hang_rank_0(rank: int):
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 0:
+        time.sleep(600)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+# --- real launches ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_launch_returns_values_by_rank_and_all_reduce_works_two_launches_at_once():
+    clusters = [_slow_cluster(3), _slow_cluster(2, speed=0.25)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(launch, _happy, c, scale, timeout_s=100)
+                   for c, scale in zip(clusters, (1.0, 10.0))]
+        results = [f.result() for f in futures]
+
+    torch.manual_seed(0)
+    expected_state = torch.nn.Linear(3, 2).state_dict()
+    for (cluster, scale, speed), res in zip([(clusters[0], 1.0, 0.5), (clusters[1], 10.0, 0.25)],
+                                            results):
+        n = len(cluster)
+        assert [r["rank"] for r in res] == list(range(n))
+        for rank, r in enumerate(res):
+            assert r["world_size"] == n and r["env_rank"] == str(rank)
+            assert torch.equal(r["sum"], torch.full((4,), scale * n * (n + 1) / 2))
+            assert type(r["state"]) is OrderedDict and list(r["state"]) == ["weight", "bias"]
+            for k, v in expected_state.items():
+                assert torch.equal(r["state"][k], v)
+            assert r["view"].shape == (2,) and not r["view"].requires_grad
+            assert r["view"].untyped_storage().nbytes() == 2 * 4      # a clone, not the 1000-float base
+            assert r["speed"] == speed and r["device"] == "cpu" and r["backend"] == "gloo"
+            assert r["threads"] == max(1, launch_mod._num_cpus() // n)
+            assert r["pair"][0] == rank and torch.equal(r["pair"][1][0], r["sum"])
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_raising_mid_loop_stops_every_rank_and_names_it():
+    before = _children()
+    with pytest.raises(LaunchError) as info:
+        launch(_raise_at_step_2, _slow_cluster(3))
+    err = info.value
+    assert err.rank == 1
+    message = str(err)
+    assert "rank 1 (slow) failed: ValueError: boom at step 2" in message
+    assert "Traceback" in message and "_raise_at_step_2" in message
+    assert _new_children(before) == {}
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_rank_makes_peers_time_out_and_is_named():
+    before = _children()
+    with pytest.raises(LaunchError) as info:
+        launch(_hang_rank_0, _slow_cluster(3), step_timeout_s=2.0)
+    assert info.value.rank == 0
+    assert "rank 0 (slow) hung" in str(info.value)
+    assert "step_timeout_s=2.0" in str(info.value)
+    assert _new_children(before) == {}
+
+
+# --- parent-side failure detection on plain processes ----------------------------------------------
+
+def _start(targets):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=t, args=a) for t, a in targets]
+    for p in procs:
+        p.start()
+    return procs
+
+
+@pytest.mark.timeout(60)
+def test_monitor_names_a_rank_killed_by_a_signal_and_kills_the_rest():
+    procs = _start([(time.sleep, (60,)), (time.sleep, (0,)), (time.sleep, (60,))])
+    os.kill(procs[2].pid, signal.SIGKILL)
+    procs[1].join()
+    procs[2].join()
+    with tempfile.TemporaryDirectory() as d, pytest.raises(LaunchError) as info:
+        torch.save(1, launch_mod._result_path(Path(d), 1))      # rank 1 finished normally
+        launch_mod._monitor(procs, Path(d), None, None, 60.0, _slow_cluster(3))
+    assert info.value.rank == 2
+    message = str(info.value)
+    assert "rank 2 (slow) failed: process killed by signal SIGKILL without reporting" in message
+    assert "rank 0: still running, killed" in message
+    assert "rank 1" not in message
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.timeout(60)
+def test_monitor_enforces_the_overall_timeout():
+    procs = _start([(time.sleep, (60,)), (time.sleep, (0,)), (time.sleep, (60,))])
+    with tempfile.TemporaryDirectory() as d:
+        for r in (1,):   # rank 1 finishes with a result
+            torch.save(r, launch_mod._result_path(Path(d), r))
+        with pytest.raises(LaunchError) as info:
+            launch_mod._monitor(procs, Path(d), time.monotonic() + 1.0, 1.0, 60.0, _slow_cluster(3))
+    assert "timed out after timeout_s=1.0 s with rank(s) 0 (slow), 2 (slow) still running" in \
+        str(info.value)
+    assert info.value.rank == 0
+    assert not any(p.is_alive() for p in procs)
+
+
+# --- launch/init argument checks (no processes) ----------------------------------------------------
+
+def test_launch_rejects_an_unpicklable_fn_before_starting_anything():
+    with pytest.raises(LaunchError, match="module-level function"):
+        launch(lambda rank: rank, _slow_cluster(2))
+    with pytest.raises(LaunchError, match="timeout_s"):
+        launch(_happy, _slow_cluster(2), timeout_s=0)
+
+
+def test_init_reads_torchrun_env_and_checks_world_size(monkeypatch):
+    cluster = _slow_cluster(3)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match="RANK is not set"):
+        init(cluster)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(LaunchError, match="WORLD_SIZE=4 but the cluster has 3 devices"):
+        init(cluster)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(LaunchError, match="MASTER_ADDR is not set"):
+        init(cluster)
+    assert not is_initialized() and not dist.is_initialized()
+
+
+def test_init_context_double_init_and_shutdown_in_process():
+    cluster = _slow_cluster(1, speed=0.25)
+    with pytest.raises(LaunchError, match="not initialised"):
+        context()
+    ctx = init(cluster, rank=0, world_size=1, store=dist.HashStore(), step_timeout_s=5.0)
+    try:
+        assert context() is ctx
+        assert (ctx.rank, ctx.world_size, ctx.device, ctx.speed, ctx.backend) == \
+            (0, 1, torch.device("cpu"), 0.25, "gloo")
+        assert ctx.spec.name == "slow" and ctx.is_emulated
+        with pytest.raises(LaunchError, match="already initialised as rank 0"):
+            init(cluster, rank=0, world_size=1, store=dist.HashStore())
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.ones(2))
+    finally:
+        shutdown()
+    assert not is_initialized() and not dist.is_initialized()
+    with pytest.raises(LaunchError):
+        context()
+
+
+def test_backends_for_gpu_cpu_and_mixed_clusters():
+    gpus = Cluster.homogeneous("A100-80GB", count=2)
+    mixed = Cluster.from_dict({"nodes": [
+        {"device": "A100-80GB", "count": 2},
+        {"device": {"name": "slow", "emulate": "cpu", "speed": 0.5, "memory_GB": 2}, "count": 1}]})
+    assert default_backend(gpus) == "nccl"
+    assert default_backend(_slow_cluster(2)) == "gloo"
+    assert default_backend(mixed) == "gloo"
+    assert subgroup_backend(mixed, [0, 1]) == "nccl"
+    assert subgroup_backend(mixed, [1, 2]) == "gloo"
+
+
+# --- emulated clocks -------------------------------------------------------------------------------
+
+class _FakeTime:
+    def __init__(self):
+        self.cpu = self.wall = 0.0
+        self.sleeps = []
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.wall += s
+
+
+def test_emulated_clock_sleeps_to_cpu_time_over_speed_with_fake_timers():
+    ft = _FakeTime()
+    clock = EmulatedClock(0.25, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep)
+    with clock.compute():
+        ft.cpu += 1.0
+        ft.wall += 1.5          # contention: 1 s of CPU took 1.5 s of wall time
+    assert ft.sleeps == [2.5]   # 1.0 / 0.25 - 1.5
+    with clock.compute():
+        with clock.compute():   # nested blocks are measured once, by the outermost
+            ft.cpu += 0.5
+            ft.wall += 3.0      # slower than 0.5 / 0.25 already: no sleep
+    assert ft.sleeps == [2.5]
+    assert clock.stats() == ClockStats(speed=0.25, compute_s=1.5, slept_s=2.5, num_blocks=2)
+
+
+def test_emulated_clock_busy_loop_at_quarter_speed_takes_four_times_its_cpu_time():
+    clock = EmulatedClock(0.25)
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    with clock.compute():
+        x = 0
+        while time.thread_time() - cpu0 < 0.05:
+            x += 1
+    cpu_s, wall_s = time.thread_time() - cpu0, time.perf_counter() - wall0
+    assert clock.compute_s == pytest.approx(cpu_s, abs=5e-3)
+    assert wall_s >= clock.compute_s / 0.25
+    if clock.slept_s > 0:       # not slowed by contention beyond 4x: the sleep made up the rest
+        assert wall_s == pytest.approx(4 * cpu_s, abs=0.1)
+    assert clock.num_blocks == 1
+
+
+def test_clock_for_devices():
+    slow = _slow_cluster(1, speed=0.5).devices[0]
+    assert isinstance(clock_for(slow), EmulatedClock) and clock_for(slow).speed == 0.5
+    assert isinstance(clock_for(slow.spec), EmulatedClock)
+    gpu = Cluster.homogeneous("A100-80GB", count=1).devices[0]
+    null = clock_for(gpu)
+    assert isinstance(null, NullClock)
+    with null.compute():
+        pass
+    assert null.stats() == ClockStats(None, 0.0, 0.0, 0)
+    assert isinstance(clock_for(_slow_cluster(1, speed=1.0).devices[0]), NullClock)
+    for bad in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="speed"):
+            EmulatedClock(bad)
+    assert emulate.__all__ == ["ClockStats", "EmulatedClock", "NullClock", "clock_for"]
