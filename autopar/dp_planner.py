@@ -1,0 +1,456 @@
+"""Heterogeneous data-parallel planning with ZeRO (Poplar-style) and its two baselines.
+
+Terms
+- rank: one device of the cluster taking part in the plan (``ranks``, default all); every rank holds
+  a replica (ZeRO-0) or an even 1/N shard (ZeRO-1: optimizer state; 2: + gradients; 3: + weights).
+- share: the samples of the global batch a rank computes each step; it steps through its own list of
+  micro-batches (gradient accumulation), so shares and list lengths may differ between ranks.
+- micro-step curve: seconds of one micro-step (forward + backward of every block) as a function of
+  the micro-batch size, a monotone PCHIP interpolant of the cost tables (``micro_step_curve``);
+  under ZeRO-3 each micro-step also pays the gathers it needs (``ZeroComm.per_micro_step_s``).
+- max micro-batch: the largest micro-batch a rank holds in ``memory_fraction`` of its memory next to
+  its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``).
+- ZeRO communication, per step, over a ring of the plan's ranks (``autopar.comm``):
+  ZeRO-0 all-reduce of the gradients after the last micro-step; ZeRO-1 the same, then an all-gather
+  of the updated parameters; ZeRO-2 reduce-scatter of the gradients + all-gather of the parameters;
+  ZeRO-3, on every micro-step, an all-gather of the parameters for forward, another for backward and
+  a reduce-scatter of the gradients.
+- rank time: its micro-step curve summed over its micro-batches. Step time: the slowest rank's time,
+  plus the per-step collectives (which every rank enters together after its last micro-step).
+
+Strategies: ``"dp"`` chooses shares and micro-batches that minimise the step time exactly
+(``autopar.allocate``); ``"uniform-dp"`` (DeepSpeed-style) gives every rank ``B/N`` samples (the first
+``B mod N`` one more) in micro-batches of one size, the least max micro-batch over ranks;
+``"proportional-dp"`` (Whale-style) gives shares proportional to ``peak_flops_bf16`` (largest
+remainder rounding) in micro-batches capped by each rank's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from scipy.interpolate import PchipInterpolator
+
+from autopar import comm
+from autopar.allocate import allocate, balanced_split
+from autopar.costs import ModelCosts
+from autopar.errors import PlanError
+from autopar.plan import Plan, Predicted, Stage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
+    from autopar.devices import DeviceSpec
+
+__all__ = [
+    "DpStrategy", "DP_STRATEGIES", "ZERO_STAGES", "DEFAULT_WORKSPACE_BYTES", "ZeroComm", "RankMemory",
+    "zero_comm", "micro_step_curve", "rank_memory", "max_micro_batch", "plan_dp", "with_bounds",
+    "dp_upper_bound",
+]
+
+DpStrategy = Literal["dp", "uniform-dp", "proportional-dp"]
+DP_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp")
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+# Kept free on every device besides states and activations: CUDA context, library workspaces,
+# collective buffers. memory_fraction leaves room for fragmentation on top of it.
+DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+# Upper limit of a max micro-batch when activations cost (almost) nothing.
+_MICRO_LIMIT = 1 << 20
+
+
+# -- communication -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ZeroComm:
+    """Communication of one ZeRO stage over a ring of ranks: seconds and bytes each rank sends."""
+
+    zero_stage: int
+    per_step_s: float             # after the last micro-step (ZeRO-0/1/2)
+    per_micro_step_s: float       # on every micro-step (ZeRO-3)
+    per_step_bytes: float
+    per_micro_step_bytes: float
+
+    def bytes_moved(self, num_micro_steps: int) -> float:
+        return self.per_step_bytes + self.per_micro_step_bytes * num_micro_steps
+
+
+def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
+              link: comm.LinkModel = comm.DEFAULT_LINK) -> ZeroComm:
+    """The collectives of ``zero_stage`` over the ring ``ranks`` (see the module docstring)."""
+    _check_zero_stage(zero_stage)
+    ranks = tuple(ranks)
+    n = len(ranks)
+    grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
+    param_bytes = float(costs.param_bytes.sum())
+    ring = (n - 1) / n if n else 0.0   # fraction of a buffer each rank sends in a ring RS / AG
+    ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link)
+    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes, link)
+    ag = comm.allgather_time_s(cluster, ranks, param_bytes, link)
+    if zero_stage == 0:
+        return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0)
+    if zero_stage == 1:
+        return ZeroComm(1, ar + ag, 0.0, ring * (2 * grad_bytes + param_bytes), 0.0)
+    if zero_stage == 2:
+        return ZeroComm(2, rs + ag, 0.0, ring * (grad_bytes + param_bytes), 0.0)
+    return ZeroComm(3, 0.0, 2 * ag + rs, 0.0, ring * (2 * param_bytes + grad_bytes))
+
+
+# -- profiling curves and memory -------------------------------------------------------------------
+def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
+                     comm_cost: ZeroComm | None = None, *, max_batch: int | None = None) -> PchipInterpolator:
+    """Seconds of one micro-step on ``device_type`` as a function of the micro-batch size.
+
+    Built from the sizes the cost tables were sampled at plus 1 and ``max_batch`` (so evaluating at
+    ``1..max_batch`` never extrapolates); PCHIP keeps monotone samples monotone. ``comm_cost`` adds
+    its per-micro-step collectives (non-zero under ZeRO-3 only).
+    """
+    _check_zero_stage(zero_stage)
+    if device_type not in costs.fwd_table:
+        raise PlanError(f"device_type: no cost table for {device_type!r} "
+                        f"(the costs cover {list(costs.device_types)})")
+    if comm_cost is not None and comm_cost.zero_stage != zero_stage:
+        raise ValueError(f"comm_cost: computed for ZeRO-{comm_cost.zero_stage}, not ZeRO-{zero_stage}")
+    xs = {1.0} | {float(b) for b in costs.sample_batches if b >= 1}
+    if max_batch is not None:
+        xs.add(float(max(1, max_batch)))
+    if len(xs) == 1:
+        xs.add(2.0)
+    x = np.array(sorted(xs))
+    extra = comm_cost.per_micro_step_s if comm_cost is not None else 0.0
+    y = np.array([costs.step_time(device_type, b) for b in x]) + extra
+    return PchipInterpolator(x, y, extrapolate=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Memory of one rank under a ZeRO stage, bytes."""
+
+    usable_bytes: float        # memory_fraction * device memory
+    state_bytes: float         # weights + gradients + optimizer state kept (sharded per the stage)
+    gathered_bytes: float      # ZeRO-3: the largest block's full weights while gathered
+    workspace_bytes: float
+    act_bytes_per_sample: float
+
+    @property
+    def fixed_bytes(self) -> float:
+        return self.state_bytes + self.gathered_bytes + self.workspace_bytes
+
+    def peak_bytes(self, micro_batch: int) -> int:
+        return int(math.ceil(self.fixed_bytes + self.act_bytes_per_sample * micro_batch))
+
+    @property
+    def max_micro(self) -> int:
+        room = self.usable_bytes - self.fixed_bytes
+        if room < self.act_bytes_per_sample or room < 0:
+            return 0
+        if self.act_bytes_per_sample <= 0:
+            return _MICRO_LIMIT
+        return min(_MICRO_LIMIT, int(room // self.act_bytes_per_sample))
+
+
+def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shards: int,
+                memory_fraction: float = 0.9, *,
+                workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> RankMemory:
+    _check_zero_stage(zero_stage)
+    if not (isinstance(num_shards, int) and num_shards >= 1):
+        raise ValueError(f"num_shards: {num_shards!r} must be an integer >= 1")
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
+    gathered = float(costs.param_bytes.max()) if zero_stage == 3 and costs.num_blocks else 0.0
+    return RankMemory(
+        usable_bytes=memory_fraction * spec.memory_bytes,
+        state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
+        gathered_bytes=gathered, workspace_bytes=float(workspace_bytes),
+        act_bytes_per_sample=float(costs.act_bytes.sum()),
+    )
+
+
+def max_micro_batch(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shards: int,
+                    memory_fraction: float = 0.9, *,
+                    workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> int:
+    """The largest micro-batch that fits on ``spec`` next to its ZeRO state; 0 when 1 sample does not."""
+    return rank_memory(costs, spec, zero_stage, num_shards, memory_fraction,
+                       workspace_bytes=workspace_bytes).max_micro
+
+
+# -- planning -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    zero_stage: int
+    shares: tuple[int, ...]
+    micro: tuple[tuple[int, ...], ...]
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    bytes_moved: float
+    memory_bytes: dict[int, int]
+    note: str = ""
+
+
+def _check_zero_stage(zero_stage) -> None:
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise PlanError(f"zero_stage: {zero_stage!r} must be one of {ZERO_STAGES} or 'auto'")
+
+
+def _check_ranks(cluster: "Cluster", ranks) -> tuple[int, ...]:
+    if ranks is None:
+        return tuple(range(len(cluster)))
+    out = tuple(ranks)
+    if not out:
+        raise PlanError("ranks: empty; a data-parallel plan needs at least one rank")
+    for r in out:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < len(cluster):
+            raise PlanError(f"ranks: {r!r} is not a rank of the cluster (ranks 0..{len(cluster) - 1})")
+    if len(set(out)) != len(out):
+        raise PlanError(f"ranks: {out} repeats a rank")
+    return tuple(sorted(int(r) for r in out))
+
+
+def _check_dp_batch(dp_batch, ranks: tuple[int, ...], global_batch: int) -> dict[int, int]:
+    pinned = {}
+    for r, s in dict(dp_batch).items():
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r not in ranks:
+            raise PlanError(f"dp_batch: rank {r!r} is not in the plan (ranks {list(ranks)})")
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+            raise PlanError(f"dp_batch[{r}] = {s!r}: need an integer number of samples >= 0")
+        pinned[int(r)] = int(s)
+    total = sum(pinned.values())
+    if len(pinned) == len(ranks) and total != global_batch:
+        raise PlanError(f"dp_batch pins every rank to {total} samples in all, but the global batch "
+                        f"is {global_batch}: the shares must cover it exactly")
+    if total > global_batch:
+        raise PlanError(f"dp_batch pins {total} samples, more than the global batch of {global_batch}")
+    return pinned
+
+
+def _largest_remainder(weights: Sequence[float], total: int) -> list[int]:
+    w = np.asarray(weights, dtype=float)
+    exact = w / w.sum() * total
+    out = np.floor(exact).astype(int)
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: total - int(out.sum())]:
+        out[i] += 1
+    return [int(v) for v in out]
+
+
+def _uniform_split(samples: int, micro: int) -> tuple[int, ...]:
+    full, rest = divmod(samples, micro)
+    return (micro,) * full + ((rest,) if rest else ())
+
+
+def _fit_error(costs, cluster, ranks, mems, zero_stage) -> str | None:
+    """Why ``zero_stage`` cannot run on these ranks (states or one sample do not fit), or None."""
+    for r, m in zip(ranks, mems):
+        if m.fixed_bytes > m.usable_bytes:
+            return (f"ZeRO-{zero_stage}: rank {r} ({cluster.devices[r].spec.name}) needs "
+                    f"{m.fixed_bytes:.4g} bytes for states, gathered weights and workspace, and has "
+                    f"{m.usable_bytes:.4g} usable")
+    if all(m.max_micro == 0 for m in mems):
+        i = max(range(len(ranks)), key=lambda j: mems[j].usable_bytes - mems[j].fixed_bytes)
+        m = mems[i]
+        return (f"ZeRO-{zero_stage}: a micro-batch of 1 sample needs {m.peak_bytes(1):.4g} bytes "
+                f"(states {m.state_bytes:.4g} + gathered {m.gathered_bytes:.4g} + activations "
+                f"{m.act_bytes_per_sample:.4g} + workspace {m.workspace_bytes:.4g}) and the roomiest "
+                f"device, rank {ranks[i]} ({cluster.devices[ranks[i]].spec.name}), has "
+                f"{m.usable_bytes:.4g} usable")
+    return None
+
+
+def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="") -> _Candidate:
+    rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
+    slow = int(np.argmax(rank_time))
+    steps = [len(mb) for mb in micro]
+    if zc.zero_stage == 3:
+        comm_s = zc.per_micro_step_s * steps[slow]
+        compute_s = rank_time[slow] - comm_s
+    else:
+        comm_s = zc.per_step_s
+        compute_s = rank_time[slow]
+    memory = {r: m.peak_bytes(max(mb, default=0)) for r, m, mb in zip(ranks, mems, micro)}
+    return _Candidate(
+        zero_stage=zc.zero_stage, shares=tuple(shares), micro=tuple(tuple(m) for m in micro),
+        step_time_s=compute_s + comm_s, compute_s=compute_s, comm_s=comm_s,
+        bytes_moved=zc.bytes_moved(max(steps)), memory_bytes=memory, note=note,
+    )
+
+
+def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
+                workspace_bytes, link) -> _Candidate:
+    n = len(ranks)
+    specs = [cluster.devices[r].spec for r in ranks]
+    mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes)
+            for s in specs]
+    why = _fit_error(costs, cluster, ranks, mems, zero_stage)
+    if why:
+        raise PlanError(why)
+    caps = [m.max_micro for m in mems]
+    zc = zero_comm(costs, cluster, ranks, zero_stage, link)
+    # One curve (and so one allocation table) per device type.
+    by_type: dict[str, tuple] = {}
+    fns = []
+    for spec, cap in zip(specs, caps):
+        key = (spec.name, cap)
+        if key not in by_type:
+            curve = micro_step_curve(costs, spec.name, zero_stage, zc, max_batch=min(cap, global_batch))
+            by_type[key] = lambda b, c=curve: float(c(b))
+        fns.append(by_type[key])
+
+    def evaluate(shares, micro, note=""):
+        return _evaluate(shares, micro, fns, zc, ranks, mems, note)
+
+    if strategy == "uniform-dp":
+        micro_size = min(caps)
+        if micro_size == 0:
+            r = ranks[caps.index(0)]
+            raise PlanError(f"ZeRO-{zero_stage}: uniform-dp needs every rank to hold a micro-batch; "
+                            f"rank {r} ({cluster.devices[r].spec.name}) cannot hold 1 sample")
+        micro_size = min(micro_size, -(-global_batch // n))
+        base, extra = divmod(global_batch, n)
+        shares = [base + (1 if i < extra else 0) for i in range(n)]
+        return evaluate(shares, [_uniform_split(s, micro_size) for s in shares])
+    if strategy == "proportional-dp":
+        able = [i for i in range(n) if caps[i] > 0]
+        got = _largest_remainder([specs[i].peak_flops_bf16 for i in able], global_batch)
+        shares = [0] * n
+        for i, s in zip(able, got):
+            shares[i] = s
+        return evaluate(shares, [balanced_split(s, -(-s // caps[i])) if s else () for i, s in
+                                 enumerate(shares)])
+    fixed = {ranks.index(r): s for r, s in pinned.items()}
+    alloc = allocate(fns, caps, global_batch, fixed_shares=fixed)
+    best = evaluate(alloc.shares, alloc.micro_batches)
+    if not fixed:
+        # The allocator is exact over even splits; a baseline's uneven split (one remainder
+        # micro-batch) can still win on a concave curve, so the better of them is kept.
+        for other in ("uniform-dp", "proportional-dp"):
+            try:
+                alt = _plan_stage(costs, cluster, ranks, global_batch, other, zero_stage, {},
+                                  memory_fraction, workspace_bytes, link)
+            except PlanError:
+                continue
+            if alt.step_time_s < best.step_time_s * (1 - 1e-12):
+                best = replace(alt, note=f"{other}'s allocation predicted faster; kept it")
+    return best
+
+
+def _compute_bound(costs, cluster, ranks, global_batch, memory_fraction, workspace_bytes) -> float:
+    """Sum over ranks of the best samples/s each reaches alone: its best micro-batch, no communication."""
+    total = 0.0
+    cache: dict[str, float] = {}
+    for r in ranks:
+        spec = cluster.devices[r].spec
+        if spec.name not in cache:
+            cap = max(max_micro_batch(costs, spec, z, len(ranks), memory_fraction,
+                                      workspace_bytes=workspace_bytes) for z in ZERO_STAGES)
+            cap = min(cap, global_batch)
+            if cap == 0:
+                cache[spec.name] = 0.0
+            else:
+                curve = micro_step_curve(costs, spec.name, max_batch=cap)
+                b = np.arange(1, cap + 1, dtype=float)
+                t = curve(b)
+                cache[spec.name] = float(np.max(np.where(t > 0, b / np.maximum(t, 1e-300), 0.0)))
+        total += cache[spec.name]
+    return total
+
+
+def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strategy: DpStrategy = "dp",
+            zero_stage: int | Literal["auto"] = "auto", dp_batch: Mapping[int, int] | None = None,
+            ranks: Sequence[int] | None = None, memory_fraction: float = 0.9,
+            workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+            link: comm.LinkModel = comm.DEFAULT_LINK) -> Plan:
+    """A data-parallel plan (one stage over every block, one member per rank) and its prediction.
+
+    ``zero_stage="auto"`` tries every stage and keeps the fastest that fits (fewest bytes moved on a
+    tie); ``Plan.notes`` lists each stage's predicted step time or why it does not fit.
+    ``dp_batch`` pins some ranks' shares (strategy "dp" only); the others take the rest.
+    ``ranks`` restricts the plan to a subset of the cluster. Upper bound and efficiency are left at
+    0: see ``with_bounds`` and ``dp_upper_bound``.
+    """
+    if strategy not in DP_STRATEGIES:
+        raise PlanError(f"strategy: {strategy!r} is not a data-parallel strategy {DP_STRATEGIES}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
+        raise PlanError(f"global_batch: {global_batch!r} must be an integer >= 1")
+    global_batch = int(global_batch)
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
+    ranks = _check_ranks(cluster, ranks)
+    pinned = {}
+    if dp_batch is not None:
+        if strategy != "dp":
+            raise PlanError(f"dp_batch: pinned shares need strategy='dp', not {strategy!r}")
+        pinned = _check_dp_batch(dp_batch, ranks, global_batch)
+    for r in ranks:
+        name = cluster.devices[r].spec.name
+        if name not in costs.fwd_table:
+            raise PlanError(f"costs: no time table for device type {name!r} of rank {r} "
+                            f"(the costs cover {list(costs.device_types)})")
+    if zero_stage == "auto":
+        stages = ZERO_STAGES
+    else:
+        _check_zero_stage(zero_stage)
+        stages = (int(zero_stage),)
+
+    found: dict[int, _Candidate] = {}
+    failed: dict[int, str] = {}
+    for z in stages:
+        try:
+            found[z] = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
+                                   memory_fraction, workspace_bytes, link)
+        except PlanError as e:
+            failed[z] = str(e)
+    if not found:
+        if len(failed) == 1:
+            raise PlanError(f"{strategy}: " + next(iter(failed.values())))
+        raise PlanError(f"{strategy}: no ZeRO stage fits: " + "; ".join(failed.values()))
+    best_time = min(c.step_time_s for c in found.values())
+    tied = [c for c in found.values() if c.step_time_s <= best_time * (1 + 1e-9)]
+    best = min(tied, key=lambda c: (c.bytes_moved, c.zero_stage))
+
+    notes = []
+    for z in stages:
+        if z in found:
+            c = found[z]
+            mark = " (chosen)" if z == best.zero_stage else ""
+            notes.append(f"zero-{z}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
+                         f"comm {c.comm_s:.4g} s, {c.bytes_moved:.4g} B sent per rank)"
+                         + (f"; {c.note}" if c.note else ""))
+        else:
+            notes.append(f"zero-{z}: does not fit: {failed[z]}")
+
+    stage = Stage(block_start=0, block_stop=max(costs.num_blocks, 1),
+                  groups=tuple((r,) for r in ranks), micro_batches=best.micro)
+    predicted = Predicted(
+        step_time_s=best.step_time_s, samples_per_s=global_batch / best.step_time_s,
+        memory_bytes=dict(best.memory_bytes),
+        compute_bound_samples_per_s=_compute_bound(costs, cluster, ranks, global_batch,
+                                                   memory_fraction, workspace_bytes),
+        breakdown={"compute_s": best.compute_s, "comm_s": best.comm_s},
+    )
+    return Plan(strategy=strategy, global_batch_size=global_batch, zero_stage=best.zero_stage,
+                schedule="none", stages=(stage,), predicted=predicted,
+                block_names=tuple(costs.block_names), notes=tuple(notes))
+
+
+def with_bounds(plan: Plan, upper_bound_samples_per_s: float) -> Plan:
+    """A copy of ``plan`` with the upper bound and ``efficiency = samples_per_s / upper bound`` set."""
+    ub = float(upper_bound_samples_per_s)
+    eff = plan.predicted.samples_per_s / ub if ub > 0 else 0.0
+    return replace(plan, predicted=replace(plan.predicted, upper_bound_samples_per_s=ub, efficiency=eff))
+
+
+def dp_upper_bound(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
+                   memory_fraction: float = 0.9, workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+                   link: comm.LinkModel = comm.DEFAULT_LINK) -> float:
+    """Sum over device types of the "dp" throughput on that type's ranks alone (0 where it cannot fit)."""
+    total = 0.0
+    for type_ranks in cluster.device_types().values():
+        try:
+            plan = plan_dp(costs, cluster, global_batch, ranks=type_ranks, memory_fraction=memory_fraction,
+                           workspace_bytes=workspace_bytes, link=link)
+        except PlanError:
+            continue
+        total += plan.predicted.samples_per_s
+    return total
