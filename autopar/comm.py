@@ -23,6 +23,15 @@ Collectives take ``nbytes`` as the size of the full buffer on each rank (the uns
   allgather       (n-1) steps of nbytes/n            (each rank starts with nbytes/n)
   broadcast       pipelined along the ring: nbytes/bw + (n-1) latencies
 A collective over one rank costs 0.
+
+Algorithms (keyword ``algorithm``)
+- "ring" (default): one flat ring over the ranks in the given order, as above.
+- "hierarchical": ranks grouped by node (groups in order of first appearance): a ring inside every node
+  (all nodes at once, the slowest one counts), then m rings across nodes at once, the j-th through
+  the j-th rank of every node, each on a 1/m shard (m = the smallest group; every device has its own
+  NIC, as in GPU clusters), then the intra-node ring again where the collective needs it. This is
+  how NCCL's many channels reach m x the per-NIC bandwidth across nodes.
+- "auto": the faster of the two (NCCL chooses its algorithm per size too).
 """
 
 from __future__ import annotations
@@ -38,12 +47,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster import Cluster
 
 __all__ = [
-    "LinkModel", "DEFAULT_LINK", "LinkKind", "link_kind", "family", "pair_bandwidth_Bps",
+    "LinkModel", "DEFAULT_LINK", "LinkKind", "Algorithm", "link_kind", "family", "pair_bandwidth_Bps",
     "pair_latency_s", "ring_link", "p2p_time_s", "allreduce_time_s", "reduce_scatter_time_s",
     "allgather_time_s", "broadcast_time_s",
 ]
 
 LinkKind = Literal["intra", "network", "bridge"]
+Algorithm = Literal["ring", "hierarchical", "auto"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,33 +187,67 @@ def ring_link(cluster: "Cluster", ranks: Sequence[int],
     return bw, lat
 
 
-def _ring_steps_time_s(cluster, ranks, nbytes, steps_per_rank: int, link: LinkModel) -> float:
-    _check_nbytes(nbytes)
-    ranks = _ring(cluster, ranks)
+def _ring_steps_time_s(cluster, ranks: tuple[int, ...], nbytes: float, steps_per_rank: int,
+                       link: LinkModel) -> float:
     n = len(ranks)
     if n == 1:
         return 0.0
     bw, lat = ring_link(cluster, ranks, link)
-    steps = steps_per_rank * (n - 1)
-    return steps * (lat + nbytes / n / bw)
+    return steps_per_rank * (n - 1) * (lat + nbytes / n / bw)
+
+
+def _node_groups(cluster, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
+    groups: dict[int, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(cluster.devices[r].node, []).append(r)
+    return [tuple(g) for g in groups.values()]
+
+
+def _hierarchical_time_s(cluster, groups: list[tuple[int, ...]], nbytes: float, intra_steps: int,
+                         inter_steps: int, link: LinkModel) -> float:
+    """``intra_steps`` intra-node ring passes (1 or 2) around ``inter_steps`` passes across nodes."""
+    m = min(len(g) for g in groups)
+    intra = max(_ring_steps_time_s(cluster, g, nbytes, 1, link) for g in groups)
+    inter = max(_ring_steps_time_s(cluster, tuple(g[j] for g in groups), nbytes / m, inter_steps, link)
+                for j in range(m))
+    return intra_steps * intra + inter
+
+
+def _collective_time_s(cluster, ranks, nbytes, ring_steps: int, intra_steps: int, inter_steps: int,
+                       link: LinkModel, algorithm: str) -> float:
+    _check_nbytes(nbytes)
+    ranks = _ring(cluster, ranks)
+    if algorithm not in ("ring", "hierarchical", "auto"):
+        raise ValueError(f"algorithm: {algorithm!r} is not one of 'ring', 'hierarchical', 'auto'")
+    if len(ranks) == 1:
+        return 0.0
+    ring = _ring_steps_time_s(cluster, ranks, nbytes, ring_steps, link)
+    if algorithm == "ring":
+        return ring
+    groups = _node_groups(cluster, ranks)
+    if len(groups) == 1 or len(groups) == len(ranks):
+        return ring  # one node, or one rank per node: the hierarchy is the ring itself
+    hier = _hierarchical_time_s(cluster, groups, nbytes, intra_steps, inter_steps, link)
+    return hier if algorithm == "hierarchical" else min(ring, hier)
 
 
 def allreduce_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
-                     link: LinkModel = DEFAULT_LINK) -> float:
-    """Ring allreduce of an ``nbytes`` buffer: 2 (n-1) / n * nbytes / bw + 2 (n-1) latencies."""
-    return _ring_steps_time_s(cluster, ranks, nbytes, 2, link)
+                     link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
+    """Allreduce of an ``nbytes`` buffer. Ring: 2 (n-1) / n * nbytes / bw + 2 (n-1) latencies;
+    hierarchical: intra reduce-scatter, inter allreduce of 1/m shards, intra all-gather."""
+    return _collective_time_s(cluster, ranks, nbytes, 2, 2, 2, link, algorithm)
 
 
 def reduce_scatter_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
-                          link: LinkModel = DEFAULT_LINK) -> float:
-    """Ring reduce-scatter of an ``nbytes`` buffer into n shards: (n-1)/n * nbytes/bw + (n-1) latencies."""
-    return _ring_steps_time_s(cluster, ranks, nbytes, 1, link)
+                          link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
+    """Reduce-scatter of an ``nbytes`` buffer into n shards. Ring: (n-1)/n * nbytes/bw + (n-1) latencies."""
+    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm)
 
 
 def allgather_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
-                     link: LinkModel = DEFAULT_LINK) -> float:
-    """Ring all-gather of n shards into an ``nbytes`` buffer: (n-1)/n * nbytes/bw + (n-1) latencies."""
-    return _ring_steps_time_s(cluster, ranks, nbytes, 1, link)
+                     link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
+    """All-gather of n shards into an ``nbytes`` buffer. Ring: (n-1)/n * nbytes/bw + (n-1) latencies."""
+    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm)
 
 
 def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,

@@ -284,8 +284,8 @@ BAD = [
     (_node(count=2.5), ["nodes[1].count", "2.5"]),
     ({"nodes": [{"device": "A100-80GB"}]}, ["nodes[0].count", "missing"]),
     ({"nodes": [{"device": "A100-80GB", "cout": 8}]}, ["nodes[0].cout", "did you mean 'count'"]),
-    ({"nodes": [{"device": "A100-80G", "count": 8}]}, ["nodes[0].device", "'A100-80G'", "did you mean 'A100-80GB'",
-                                                   "MI300X-192GB"]),
+    ({"nodes": [{"device": "A100-80G", "count": 8}]},
+     ["nodes[0].device", "'A100-80G'", "did you mean 'A100-80GB'", "MI300X-192GB"]),
     ({"nodes": [{"device": 42, "count": 8}]}, ["nodes[0].device", "42"]),
     ({"nodes": [{"count": 8}]}, ["nodes[0].device", "missing"]),
     (_node(repeat=0), ["nodes[1].repeat", "0"]),
@@ -445,3 +445,35 @@ def test_comm_rejects_bad_arguments():
     with pytest.raises(ValueError, match="nbytes: -1"):
         comm.p2p_time_s(c, 0, 1, -1)
     assert comm.allreduce_time_s(c, [3], 1e9) == 0 and comm.p2p_time_s(c, 2, 2, 1e9) == 0
+
+
+def test_hierarchical_allreduce():
+    c = load("poplar-a100")
+    s = 1e9
+    lat_intra = c.latency_s(0, 1)
+    intra_rs = 3 * (lat_intra + s / 4 / 300e9)
+    inter_ar = 2 * 1 * (10e-6 + s / 4 / 2 / 12.5e9)
+    got = comm.allreduce_time_s(c, range(8), s, algorithm="hierarchical")
+    assert got == pytest.approx(2 * intra_rs + inter_ar, rel=1e-12)
+    assert comm.reduce_scatter_time_s(c, range(8), s, algorithm="hierarchical") == pytest.approx(
+        intra_rs + inter_ar / 2, rel=1e-12)
+    assert got < comm.allreduce_time_s(c, range(8), s)          # m NICs at once beat one flat ring
+    assert comm.allreduce_time_s(c, range(8), s, algorithm="auto") == got
+    # One node, or one rank per node: the hierarchy is the ring.
+    for ranks in (range(4), [0, 4]):
+        hier = comm.allreduce_time_s(c, ranks, s, algorithm="hierarchical")
+        assert hier == comm.allreduce_time_s(c, ranks, s)
+    # Tiny messages: latency dominates and auto keeps whichever is faster.
+    tiny = [comm.allreduce_time_s(c, range(8), 8, algorithm=a) for a in ("ring", "hierarchical", "auto")]
+    assert tiny[2] == min(tiny[:2])
+    with pytest.raises(ValueError, match="algorithm: 'tree'"):
+        comm.allreduce_time_s(c, range(8), s, algorithm="tree")
+
+
+@pytest.mark.parametrize("name", ["mixed-3", "hethub-768"])
+def test_hierarchical_monotone_in_bytes(name):
+    c = load(name)
+    for fn in (comm.allreduce_time_s, comm.reduce_scatter_time_s, comm.allgather_time_s):
+        for alg in ("hierarchical", "auto"):
+            times = [fn(c, range(len(c)), s, algorithm=alg) for s in (0, 1e3, 1e6, 1e9)]
+            assert times == sorted(times) and times[0] > 0
