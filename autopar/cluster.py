@@ -52,7 +52,7 @@ from autopar.devices import (
 from autopar.errors import ClusterError
 
 __all__ = [
-    "DeviceSpec", "Device", "Cluster", "builtin", "builtin_names", "DEFAULT_NETWORK_BANDWIDTH_Bps",
+    "DeviceSpec", "Device", "Cluster", "builtin", "builtin_names", "load", "DEFAULT_NETWORK_BANDWIDTH_Bps",
     "DEFAULT_NETWORK_LATENCY_s",
 ]
 
@@ -167,6 +167,31 @@ class Cluster:
         return _assemble("local-gpu", [[(s, 1) for s in specs]], [None],
                          DEFAULT_NETWORK_BANDWIDTH_Bps, DEFAULT_NETWORK_LATENCY_s)
 
+    def subset(self, ranks, *, name: str | None = None) -> "Cluster":
+        """The sub-cluster of ``ranks`` (renumbered 0.. in rank order; nodes that keep a device keep
+        their order, intra-node link and the network), e.g. one device type alone."""
+        chosen = sorted(set(ranks))
+        if not chosen or len(chosen) != len(list(ranks)):
+            raise ClusterError(f"ranks: {list(ranks)!r} must be distinct ranks, at least one")
+        for r in chosen:
+            comm._check_rank(self, r, "ranks")
+        node_groups: list[list[tuple[DeviceSpec, int]]] = []
+        node_intra: list[float | None] = []
+        last = None
+        for r in chosen:
+            d = self.devices[r]
+            if d.node != last:
+                node_groups.append([])
+                node_intra.append(self.node_intra_Bps[d.node])
+                last = d.node
+            groups = node_groups[-1]
+            if groups and groups[-1][0] == d.spec:
+                groups[-1] = (d.spec, groups[-1][1] + 1)
+            else:
+                groups.append((d.spec, 1))
+        return _assemble(name or f"{self.name}[{len(chosen)}]", node_groups, node_intra,
+                         self.network_bandwidth_Bps, self.network_latency_s)
+
     # -- queries ---------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.devices)
@@ -274,6 +299,14 @@ class Cluster:
 
 
 # -- built-in clusters ---------------------------------------------------------------------------
+
+def load(source: str | os.PathLike) -> Cluster:
+    """A cluster file, or the name of a built-in cluster (``"demo"``) when no such file exists."""
+    path = os.fspath(source)
+    if not os.path.exists(path) and path in builtin_names():
+        return builtin(path)
+    return Cluster.from_yaml(path)
+
 
 def _builtin_dir():
     return resources.files("autopar") / "clusters"

@@ -477,3 +477,26 @@ def test_hierarchical_monotone_in_bytes(name):
         for alg in ("hierarchical", "auto"):
             times = [fn(c, range(len(c)), s, algorithm=alg) for s in (0, 1e3, 1e6, 1e9)]
             assert times == sorted(times) and times[0] > 0
+
+
+def test_subset_keeps_nodes_links_and_types():
+    c = load("mixed-3")
+    a100 = c.subset(c.device_types()["A100-40GB"])
+    assert len(a100) == 8 and a100.num_nodes == 1 and list(a100.device_types()) == ["A100-40GB"]
+    s = c.subset([9, 3, 2])
+    assert [d.spec.name for d in s.devices] == ["H100-80GB", "H100-80GB", "A100-40GB"]
+    assert s.num_nodes == 2 and s.link_kind(0, 1) == "intra" and s.link_kind(1, 2) == "network"
+    assert s.network_bandwidth_Bps == c.network_bandwidth_Bps
+    assert c.subset(range(len(c)), name=c.name) == c
+    for bad in ([], [1, 1], [24]):
+        with pytest.raises(ClusterError, match="ranks"):
+            c.subset(bad)
+
+
+def test_load_takes_a_path_or_a_builtin_name(tmp_path, monkeypatch):
+    from autopar.cluster import load as load_cluster
+    assert load_cluster(CLUSTERS / "poplar-a100.yaml") == load("poplar-a100")
+    monkeypatch.chdir(tmp_path)
+    assert load_cluster("demo") == builtin("demo")
+    with pytest.raises(ClusterError, match="no such cluster file"):
+        load_cluster("demo2")
