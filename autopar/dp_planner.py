@@ -17,6 +17,9 @@ Terms
   a reduce-scatter of the gradients.
 - rank time: its micro-step curve summed over its micro-batches. Step time: the slowest rank's time,
   plus the per-step collectives (which every rank enters together after its last micro-step).
+  Under ZeRO-3 the per-micro-step collectives are charged to each rank for its own micro-steps; a
+  runtime whose ranks must all join every gather (ranks with fewer micro-steps joining with empty
+  ones) waits a little longer than predicted when the counts differ.
 
 Strategies: ``"dp"`` chooses shares and micro-batches that minimise the step time exactly
 (``autopar.allocate``); ``"uniform-dp"`` (DeepSpeed-style) gives every rank ``B/N`` samples (the first
@@ -85,9 +88,9 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
     param_bytes = float(costs.param_bytes.sum())
     ring = (n - 1) / n if n else 0.0   # fraction of a buffer each rank sends in a ring RS / AG
-    ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link)
-    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes, link)
-    ag = comm.allgather_time_s(cluster, ranks, param_bytes, link)
+    ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link=link)
+    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes, link=link)
+    ag = comm.allgather_time_s(cluster, ranks, param_bytes, link=link)
     if zero_stage == 0:
         return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0)
     if zero_stage == 1:
@@ -301,6 +304,9 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         return _evaluate(shares, micro, fns, zc, ranks, mems, note)
 
     if strategy == "uniform-dp":
+        if global_batch < n:
+            raise PlanError(f"uniform-dp gives every rank work: needs a global batch of at least "
+                            f"{n} samples for {n} ranks, got {global_batch}")
         micro_size = min(caps)
         if micro_size == 0:
             r = ranks[caps.index(0)]
@@ -318,6 +324,12 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
             shares[i] = s
         return evaluate(shares, [balanced_split(s, -(-s // caps[i])) if s else () for i, s in
                                  enumerate(shares)])
+    for r, s in pinned.items():
+        m = mems[ranks.index(r)]
+        if s > 0 and m.max_micro == 0:
+            raise PlanError(f"ZeRO-{zero_stage}: dp_batch[{r}] = {s}, but rank {r} "
+                            f"({cluster.devices[r].spec.name}) cannot hold 1 sample: it needs "
+                            f"{m.peak_bytes(1):.4g} bytes and has {m.usable_bytes:.4g} usable")
     fixed = {ranks.index(r): s for r, s in pinned.items()}
     alloc = allocate(fns, caps, global_batch, fixed_shares=fixed)
     best = evaluate(alloc.shares, alloc.micro_batches)

@@ -259,3 +259,34 @@ def test_dp_keeps_a_baselines_allocation_when_its_uneven_split_wins():
     assert _micro(uni) == {0: (3, 3, 1), 1: (3, 3, 1)}
     assert dp.predicted.step_time_s == pytest.approx(uni.predicted.step_time_s)
     assert "uniform-dp's allocation predicted faster" in dp.notes[0]
+
+
+def test_dp_matches_brute_force_over_pinned_compositions():
+    """End to end: no pinned composition of the batch (dp_batch) beats the planner's own choice."""
+    costs = _costs(fast_s=1e-3, slow_s=2.5e-3, overhead_s=1.5e-3, act_bytes=60e6)
+    cluster = _cluster()
+    for batch in (1, 5, 9):
+        for zero in (0, 3):
+            best = plan_dp(costs, cluster, batch, zero_stage=zero).predicted.step_time_s
+            brute = min(
+                plan_dp(costs, cluster, batch, zero_stage=zero,
+                        dp_batch={0: a, 1: b, 2: batch - a - b}).predicted.step_time_s
+                for a in range(batch + 1) for b in range(batch + 1 - a))
+            assert best == pytest.approx(brute, rel=1e-12)
+
+
+def test_uniform_dp_needs_a_sample_per_rank():
+    with pytest.raises(PlanError, match="at least 3 samples for 3 ranks, got 2"):
+        plan_dp(_costs(), _cluster(), 2, strategy="uniform-dp")
+
+
+def test_rank_that_holds_states_but_no_sample_gets_none():
+    costs, cluster = _costs(act_bytes=50e6), _cluster(slow_GB=0.5)   # "slow": states fit, 1 sample not
+    assert max_micro_batch(costs, cluster.devices[2].spec, 0, 3) == 0
+    plan = plan_dp(costs, cluster, 12, zero_stage=0)
+    assert plan.rank_batch == {0: 6, 1: 6, 2: 0}
+    assert plan_dp(costs, cluster, 12, strategy="proportional-dp", zero_stage=0).rank_batch[2] == 0
+    with pytest.raises(PlanError, match=r"dp_batch\[2\] = 3, but rank 2 \(slow\) cannot hold 1 sample"):
+        plan_dp(costs, cluster, 12, zero_stage=0, dp_batch={2: 3})
+    with pytest.raises(PlanError, match="rank 2 .* cannot hold 1 sample"):
+        plan_dp(costs, cluster, 12, strategy="uniform-dp", zero_stage=0)
