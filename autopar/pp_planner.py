@@ -1,0 +1,556 @@
+"""Heterogeneous pipeline planning (HETHUB-style): stage device groupings, an uneven block split by
+dynamic programming, a micro-batch count search, and a final prediction from the schedule simulator.
+
+Terms
+- grouping: an ordered list of pipeline stages, each a tuple of *members* (data-parallel participants
+  of the stage; a member is a tuple of ranks, a 1-tuple without tensor parallelism). See
+  ``stage_groupings``.
+- split: the number of consecutive blocks each stage holds (``sizes``, summing to ``num_blocks``).
+- micro-batch sizes: ``M`` micro-batches of ``global_batch // M`` or one more sample (the larger ones
+  first). A member's share of each micro-batch is proportional to its speed on its stage's blocks.
+- stage time ``t_s``: forward + backward seconds of stage s on one (largest) micro-batch: its slowest
+  member, plus the p2p send of its output to the next stage (split over min(k, l) parallel links
+  between stages of k and l members).
+- classic estimate: ``sum_s t_s + (M - 1) * max_s t_s``; the split minimises it (``split_blocks``).
+- stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
+  ZeRO) + activations of the micro-batches in flight: GPipe holds all M, 1F1B holds ``min(M, S - s)``
+  on stage s. It must fit in ``memory_fraction`` of each member's device memory.
+- prediction: ``simulate`` of the generated schedule with per-micro-batch durations and p2p times,
+  each stage's gradient all-reduce over its members starting when the stage finishes
+  (``plan_timeline``). ZeRO-3's per-micro-batch parameter gathers and tied-weight copies are not
+  modelled here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from autopar.comm import allreduce_time_s, p2p_time_s
+from autopar.errors import PlanError
+from autopar.plan import Plan, Predicted, Stage
+from autopar.schedule import Timeline, make_schedule, simulate
+
+__all__ = [
+    "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
+    "split_objective", "split_blocks", "plan_pipeline", "plan_timeline", "stage_durations",
+]
+
+ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
+_GiB = float(1 << 30)
+_TOP_K = 6            # candidates (by classic estimate) that the simulator ranks
+_TIE = 1e-3           # relative step-time difference below which plans count as equally fast
+
+
+# -- groupings ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StageGrouping:
+    """Which devices form each pipeline stage: ``stages[s]`` = members of stage s, a member = ranks."""
+
+    name: str
+    stages: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def __repr__(self) -> str:
+        return f"StageGrouping({self.name!r}, {[tuple(r for m in st for r in m) for st in self.stages]})"
+
+
+def stage_groupings(cluster, ranks: Sequence[int] | None = None) -> list[StageGrouping]:
+    """Candidate stage device groupings, in this order, duplicates removed: every device its own stage
+    (rank order); every node one stage (its devices data-parallel members); every device type one
+    stage (``cluster.device_types()`` order)."""
+    ranks = tuple(range(len(cluster.devices))) if ranks is None else tuple(ranks)
+    chosen = set(ranks)
+    out: list[StageGrouping] = []
+
+    def add(name, stages):
+        stages = tuple(st for st in stages if st)
+        if stages and all(g.stages != stages for g in out):
+            out.append(StageGrouping(name, stages))
+
+    add("per-device", [((r,),) for r in ranks])
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(cluster.devices[r].node, []).append(r)
+    add("per-node", [tuple((r,) for r in rs) for rs in nodes.values()])
+    add("per-type", [tuple((r,) for r in rs if r in chosen) for rs in cluster.device_types().values()])
+    return out
+
+
+def _chunk_grouping(ranks: Sequence[int], num_stages: int) -> StageGrouping:
+    """``ranks`` in order cut into ``num_stages`` runs of near-equal length (members of one stage)."""
+    q, r = divmod(len(ranks), num_stages)
+    stages, i = [], 0
+    for s in range(num_stages):
+        k = q + (1 if s < r else 0)
+        stages.append(tuple((x,) for x in ranks[i:i + k]))
+        i += k
+    return StageGrouping(f"{num_stages}-chunks", tuple(stages))
+
+
+# -- small pure helpers ------------------------------------------------------------------------------
+
+def micro_sizes(batch: int, num_micro: int) -> tuple[int, ...]:
+    """``num_micro`` sizes summing to ``batch`` that differ by at most 1, the larger first."""
+    q, r = divmod(batch, num_micro)
+    return (q + 1,) * r + (q,) * (num_micro - r)
+
+
+def micro_candidates(batch: int, num_stages: int) -> tuple[int, ...]:
+    """Micro-batch counts to try: 1..16, then a geometric ladder, S multiples and divisors of the batch
+    up to max(4S, 64); never more than the batch."""
+    hi = min(batch, max(4 * num_stages, 64))
+    cands = set(range(1, min(hi, 16) + 1))
+    x = 16.0
+    while x < hi:
+        cands.add(int(round(x)))
+        x *= 1.25
+    cands.update(k * num_stages for k in (1, 2, 3, 4))
+    cands.update(d for d in range(1, hi + 1) if batch % d == 0)
+    cands.add(hi)
+    return tuple(sorted(c for c in cands if 1 <= c <= hi))
+
+
+def member_shares(samples: int, speeds: Sequence[float], rotate: int = 0) -> tuple[int, ...]:
+    """Split ``samples`` in proportion to ``speeds`` (largest remainder; sums exactly). Equal remainders
+    go first to member ``rotate``, then the following ones (cyclically), so that successive
+    micro-batches can spread the extra samples over equally fast members."""
+    w = np.asarray(speeds, dtype=np.float64)
+    if samples == 0:
+        return (0,) * len(w)
+    exact = samples * w / w.sum()
+    base = np.floor(exact).astype(int)
+    rest = samples - int(base.sum())
+    frac = exact - base
+    order = sorted(range(len(w)), key=lambda g: (-frac[g], (g - rotate) % len(w)))
+    base[order[:rest]] += 1
+    return tuple(int(x) for x in base)
+
+
+def split_objective(stage_times_s: Sequence[float], num_micro: int) -> float:
+    """The classic pipeline estimate ``sum_s t_s + (M - 1) * max_s t_s``."""
+    return float(sum(stage_times_s) + (num_micro - 1) * max(stage_times_s))
+
+
+def _dp_min_sum(cost: np.ndarray) -> tuple[float, list[int] | None]:
+    """Min over splits of sum_s cost[s, i_s, i_{s+1}] (inf entries forbidden); boundaries or None."""
+    S, n1, _ = cost.shape
+    best = np.full(n1, np.inf)
+    best[0] = 0.0
+    args = np.empty((S, n1), dtype=np.int64)
+    cols = np.arange(n1)
+    for s in range(S):
+        total = best[:, None] + cost[s]
+        args[s] = total.argmin(axis=0)
+        best = total[args[s], cols]
+    if not np.isfinite(best[-1]):
+        return math.inf, None
+    bounds = [n1 - 1]
+    for s in range(S - 1, -1, -1):
+        bounds.append(int(args[s, bounds[-1]]))
+    return float(best[-1]), bounds[::-1]
+
+
+def _dp_min_max(cost: np.ndarray) -> float:
+    """Min over splits of max_s cost[s, i_s, i_{s+1}]: the smallest possible bottleneck."""
+    S, n1, _ = cost.shape
+    best = np.full(n1, np.inf)
+    best[0] = 0.0
+    for s in range(S):
+        best = np.maximum(best[:, None], cost[s]).min(axis=0)
+    return float(best[-1])
+
+
+def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, ...], float] | None:
+    """The split minimising ``split_objective`` and its value, or None if no split is feasible.
+
+    ``stage_time_s[s, i, j]`` is t_s if stage s holds blocks ``[i, j)``, inf where that does not fit
+    in memory (entries with ``j <= i`` are ignored). Exact: walks the (sum, max) Pareto frontier from
+    the top: a min-sum DP under a bottleneck cap, then the cap just below the max it found, until the
+    cap is infeasible or no smaller bottleneck can win (sums only grow as the cap shrinks)."""
+    cost = np.array(stage_time_s, dtype=np.float64)
+    S, n1, n1b = cost.shape
+    if n1 != n1b or S < 1 or n1 - 1 < S:
+        return None
+    cost[:, np.tril_indices(n1)[0], np.tril_indices(n1)[1]] = np.inf
+    floor = _dp_min_max(cost)
+    if not np.isfinite(floor):
+        return None
+    best_value, best_bounds = math.inf, None
+    capped = cost
+    while True:
+        total, bounds = _dp_min_sum(capped)
+        if bounds is None:
+            break
+        times = [cost[s, bounds[s], bounds[s + 1]] for s in range(S)]
+        top = max(times)
+        value = total + (num_micro - 1) * top
+        if value < best_value:
+            best_value, best_bounds = value, bounds
+        if num_micro == 1 or total + (num_micro - 1) * floor >= best_value or top <= floor:
+            break
+        capped = np.where(cost < top, cost, np.inf)
+    sizes = tuple(best_bounds[s + 1] - best_bounds[s] for s in range(S))
+    return sizes, float(best_value)
+
+
+# -- cost tensors for one grouping and micro-batch count --------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    costs: object
+    cluster: object
+    global_batch: int
+    zero_stage: int
+    memory_fraction: float
+
+    def type_of(self, rank: int) -> str:
+        return self.cluster.devices[rank].spec.name
+
+    def cap_bytes(self, rank: int) -> float:
+        return self.cluster.devices[rank].spec.memory_bytes * self.memory_fraction
+
+
+def _state_fractions(zero_stage: int, num_members: int) -> tuple[float, float, float]:
+    f = 1.0 / num_members
+    return (f if zero_stage >= 3 else 1.0), (f if zero_stage >= 2 else 1.0), (f if zero_stage >= 1 else 1.0)
+
+
+def _in_flight(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
+    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
+
+
+def _p2p_alpha_beta(cluster, src: int, dst: int) -> tuple[float, float]:
+    alpha = p2p_time_s(cluster, src, dst, 0.0)
+    return alpha, (p2p_time_s(cluster, src, dst, 1e9) - alpha) / 1e9
+
+
+def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, schedule: str) -> np.ndarray:
+    """[s, i, j] = t_s on blocks [i, j) at the largest micro-batch, inf where it does not fit."""
+    c = ctx.costs
+    n = c.num_blocks
+    S = grouping.num_stages
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
+    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    span = lambda p: p[None, :] - p[:, None]               # noqa: E731  [i, j] = p[j] - p[i]
+    params, wbytes, act = span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes))
+    out = np.full((S, n + 1, n + 1), np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for s, members in enumerate(grouping.stages):
+            nm = len(members)
+            x = b / nm
+            by_type: dict[str, list[int]] = {}
+            for m in members:
+                by_type.setdefault(ctx.type_of(m[0]), []).append(m[0])
+            taus = {t: span(pre(c.fwd_time(t, x) + c.bwd_time(t, x))) for t in by_type}
+            rate = sum(len(rs) / taus[t] for t, rs in by_type.items())   # members' samples/s, / x
+            t_stage = nm / rate
+            fw, fg, fo = _state_fractions(ctx.zero_stage, nm)
+            state = wbytes * fw + params * (c.grad_bytes_per_param * fg + c.optimizer_bytes_per_param * fo)
+            fly = _in_flight(schedule, s, S, num_micro)
+            fits = np.ones_like(t_stage, dtype=bool)
+            for t, rs in by_type.items():
+                share = np.ceil(b * (1.0 / taus[t]) / rate - 1e-9) if nm > 1 else np.full_like(t_stage, b)
+                need = state + act * share * fly
+                fits &= need <= min(ctx.cap_bytes(r) for r in rs)
+            t_s = np.where(fits, t_stage, np.inf)
+            if s < S - 1:
+                nxt = grouping.stages[s + 1]
+                alpha, beta = _p2p_alpha_beta(ctx.cluster, members[0][0], nxt[0][0])
+                per_link = math.ceil(b / min(nm, len(nxt)))
+                t_s = t_s + (alpha + beta * per_link * np.concatenate([[0.0], c.out_bytes]))[None, :]
+            t_s[np.tril_indices(n + 1)] = np.inf
+            out[s] = np.where(np.isfinite(t_s), t_s, np.inf)
+    return out
+
+
+# -- exact stage durations, memory and the simulated prediction -------------------------------------
+
+def stage_durations(costs, cluster, stages: Sequence[Stage]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-micro-batch forward and backward seconds [stage][micro] (slowest member) and transfer
+    seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
+    min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
+    first ranks."""
+    S = len(stages)
+    M = max(len(mb) for st in stages for mb in st.micro_batches)
+    fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
+    for s, st in enumerate(stages):
+        blocks = slice(st.block_start, st.block_stop)
+        for g, members in enumerate(st.groups):
+            t = cluster.devices[members[0]].spec.name
+            for m, x in enumerate(st.micro_batches[g]):
+                fwd[s, m] = max(fwd[s, m], float(costs.fwd_time(t, x)[blocks].sum()))
+                bwd[s, m] = max(bwd[s, m], float(costs.bwd_time(t, x)[blocks].sum()))
+        if s < S - 1:
+            nxt = stages[s + 1]
+            links = min(len(st.groups), len(nxt.groups))
+            per_sample = float(costs.out_bytes[st.block_stop - 1])
+            for m in range(M):
+                size = sum(mb[m] for mb in st.micro_batches if m < len(mb))
+                comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0],
+                                        per_sample * math.ceil(size / links))
+    return fwd, bwd, comm
+
+
+def _allreduce_s(costs, cluster, stage: Stage) -> float:
+    if len(stage.groups) < 2:
+        return 0.0
+    grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
+    return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
+
+
+def plan_timeline(plan: Plan, costs, cluster) -> tuple[Timeline, float]:
+    """The simulated timeline of a pipeline plan's schedule and its step time (the last stage to finish
+    its backward and then its gradient all-reduce). The planner predicts with this same function."""
+    stages = plan.stages
+    M = plan.num_micro_batches
+    fwd, bwd, comm = stage_durations(costs, cluster, stages)
+    name = plan.schedule if plan.schedule in ("gpipe", "1f1b") else "1f1b"
+    timeline = simulate(make_schedule(name, len(stages), M), fwd, bwd, comm)
+    ends = timeline.stage_end_s
+    step = max(ends[s] + _allreduce_s(costs, cluster, st) for s, st in enumerate(stages))
+    return timeline, float(step)
+
+
+def _memory_bytes(ctx: _Context, stages: Sequence[Stage], schedule: str) -> dict[int, int]:
+    c = ctx.costs
+    out = {}
+    for s, st in enumerate(stages):
+        blocks = slice(st.block_start, st.block_stop)
+        nm = len(st.groups)
+        fw, fg, fo = _state_fractions(ctx.zero_stage, nm)
+        p = float(c.params[blocks].sum())
+        state = float(c.param_bytes[blocks].sum()) * fw + p * (c.grad_bytes_per_param * fg
+                                                               + c.optimizer_bytes_per_param * fo)
+        act = float(c.act_bytes[blocks].sum())
+        fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
+        for g, members in enumerate(st.groups):
+            need = state + act * max(st.micro_batches[g]) * fly
+            for r in members:
+                out[r] = int(math.ceil(need))
+    return dict(sorted(out.items()))
+
+
+def _build_stages(ctx: _Context, grouping: StageGrouping, sizes: Sequence[int], num_micro: int) -> tuple[Stage, ...]:
+    c = ctx.costs
+    micro = micro_sizes(ctx.global_batch, num_micro)
+    stages, start = [], 0
+    for members, k in zip(grouping.stages, sizes):
+        blocks = slice(start, start + k)
+        ref = max(micro[0] / len(members), 1.0)
+        speeds = [1.0 / max(c.step_time(ctx.type_of(m[0]), ref, blocks), 1e-30) for m in members]
+        per_micro, rotate = [], 0
+        for b in micro:
+            per_micro.append(member_shares(b, speeds, rotate))
+            rotate += b
+        stages.append(Stage(block_start=start, block_stop=start + k, groups=tuple(members),
+                            micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members)))))
+        start += k
+    return tuple(stages)
+
+
+# -- the planner ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    estimate_s: float
+    grouping: StageGrouping
+    sizes: tuple[int, ...]
+    num_micro: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    step_time_s: float
+    candidate: _Candidate
+    schedule: str
+    stages: tuple[Stage, ...]
+    timeline: Timeline
+    memory_bytes: dict
+
+
+def _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
+                memory_fraction, ranks) -> tuple[int, ...]:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
+        raise PlanError(f"global_batch: {global_batch!r}, need an integer >= 1")
+    if schedule not in ("auto", "gpipe", "1f1b"):
+        raise PlanError(f"schedule: {schedule!r} is not one of 'auto', 'gpipe', '1f1b'")
+    if zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_stage: {zero_stage!r} is not one of 0, 1, 2, 3")
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
+    if num_micro is not None and not (isinstance(num_micro, (int, np.integer)) and 1 <= num_micro <= global_batch):
+        raise PlanError(f"num_micro: {num_micro!r}, need an integer in 1..global_batch ({global_batch})")
+    ranks = tuple(range(len(cluster.devices))) if ranks is None else tuple(int(r) for r in ranks)
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < len(cluster.devices) for r in ranks):
+        raise PlanError(f"ranks: {ranks!r}, need distinct ranks of the cluster (0..{len(cluster.devices) - 1})")
+    missing = sorted({cluster.devices[r].spec.name for r in ranks} - set(costs.fwd_table))
+    if missing:
+        raise PlanError(f"costs: no time table for device type(s) {missing} (tables for {list(costs.fwd_table)})")
+    n = costs.num_blocks
+    if pp_layers is not None:
+        layers = list(pp_layers)
+        bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1]
+        if not layers or bad:
+            raise PlanError(f"pp_layers: {layers!r}, every entry must be a positive integer")
+        if sum(layers) != n:
+            raise PlanError(f"pp_layers: {layers} covers {sum(layers)} blocks, the model has {n}")
+        if len(layers) > len(ranks):
+            raise PlanError(f"pp_layers: {len(layers)} stages need at least {len(layers)} devices, "
+                            f"{len(ranks)} given")
+    return ranks
+
+
+def _no_fit_error(ctx: _Context, ranks: Sequence[int], tried: int) -> PlanError:
+    c = ctx.costs
+    state = c.state_bytes(slice(None), ctx.zero_stage)
+    act = float(c.act_bytes.sum())
+    avail = {}
+    for r in ranks:
+        t = ctx.type_of(r)
+        cnt, cap = avail.get(t, (0, ctx.cap_bytes(r)))
+        avail[t] = (cnt + 1, cap)
+    have = ", ".join(f"{t}: {k} x {cap / _GiB:.3g} GiB" for t, (k, cap) in avail.items())
+    return PlanError(
+        f"no pipeline plan fits in memory ({tried} stage layouts x micro-batch counts tried): the model "
+        f"needs {state / _GiB:.3g} GiB of weights+gradients+optimizer state (ZeRO-{ctx.zero_stage} within "
+        f"a stage) plus {act / _GiB:.3g} GiB of activations per sample in flight; available per device "
+        f"({ctx.memory_fraction:.0%} of memory): {have}")
+
+
+def plan_pipeline(costs, cluster, global_batch: int, *, schedule: ScheduleChoice = "auto",
+                  pp_layers: Sequence[int] | None = None, num_micro: int | None = None, zero_stage: int = 0,
+                  uniform: bool = False, memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+                  bounds: bool = True) -> Plan:
+    """The fastest heterogeneous pipeline plan (see the module docstring), or with ``uniform=True`` the
+    Megatron-style baseline (equal blocks per stage, one device per stage in rank order).
+
+    ``pp_layers`` pins blocks per stage; ``num_micro`` pins the micro-batch count; ``ranks`` restricts
+    the devices; ``bounds`` also computes the homogeneous upper bound (one sub-plan per device type).
+    Raises ``PlanError`` on bad arguments or when nothing fits."""
+    ranks = _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
+                        memory_fraction, ranks)
+    ctx = _Context(costs, cluster, int(global_batch), zero_stage, memory_fraction)
+    n = costs.num_blocks
+    pinned = tuple(int(x) for x in pp_layers) if pp_layers is not None else None
+
+    if uniform:
+        k = len(pinned) if pinned else min(len(ranks), n)
+        groupings = [StageGrouping("uniform", tuple(((r,),) for r in ranks[:k]))]
+        if pinned is None:
+            q, rem = divmod(n, k)
+            pinned = tuple(q + (1 if s < rem else 0) for s in range(k))
+    else:
+        groupings = [g for g in stage_groupings(cluster, ranks) if g.num_stages <= n]
+        if pinned is not None:
+            groupings = [g for g in groupings if g.num_stages == len(pinned)] or [_chunk_grouping(ranks, len(pinned))]
+
+    dp_schedule = "1f1b" if schedule == "auto" else schedule
+    candidates: list[_Candidate] = []
+    tried = 0
+    for grouping in groupings:
+        S = grouping.num_stages
+        counts = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)
+        for M in counts:
+            tried += 1
+            cost = _stage_cost_tensor(ctx, grouping, M, dp_schedule)
+            if pinned is not None:
+                b = np.concatenate([[0], np.cumsum(pinned)])
+                times = [cost[s, b[s], b[s + 1]] for s in range(S)]
+                if all(np.isfinite(times)):
+                    candidates.append(_Candidate(split_objective(times, M), grouping, pinned, M))
+                continue
+            found = split_blocks(cost, M)
+            if found is not None:
+                candidates.append(_Candidate(found[1], grouping, found[0], M))
+    if not candidates:
+        raise _no_fit_error(ctx, ranks, tried)
+
+    candidates.sort(key=lambda c: c.estimate_s)
+    shortlist = candidates[:_TOP_K]
+    best_per_grouping = {}
+    for c in candidates:
+        best_per_grouping.setdefault(c.grouping.name, c)
+    shortlist += [c for c in best_per_grouping.values() if c not in shortlist]
+
+    scored: list[_Scored] = []
+    names = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    for cand in shortlist:
+        stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro)
+        for name in names:
+            mem = _memory_bytes(ctx, stages, name)
+            if any(v > ctx.cap_bytes(r) for r, v in mem.items()):
+                continue
+            probe = _make_plan(ctx, "pp", name, stages, 0.0, {}, mem, ())
+            timeline, step = plan_timeline(probe, costs, cluster)
+            scored.append(_Scored(step, cand, name, stages, timeline, mem))
+    if not scored:
+        raise _no_fit_error(ctx, ranks, tried)
+    # Near-ties (within _TIE) go to 1F1B (less activation memory), then fewer micro-batches.
+    fastest = min(x.step_time_s for x in scored)
+    scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.step_time_s,
+                               x.schedule != "1f1b", x.candidate.num_micro))
+    best = scored[0]
+
+    notes = [f"chosen: {_describe(best)}"]
+    notes += [f"runner-up: {_describe(x)}" for x in scored[1:6]]
+    breakdown = {
+        "bubble_fraction": best.timeline.bubble_fraction,
+        "pipeline_s": best.timeline.step_time_s,
+        "allreduce_s": best.step_time_s - best.timeline.step_time_s,
+        "estimate_s": best.candidate.estimate_s,
+        "num_micro": float(best.candidate.num_micro),
+        "num_stages": float(len(best.stages)),
+        "max_busy_s": max(best.timeline.busy_s),
+    }
+    upper = 0.0
+    if bounds and not uniform:
+        upper = _upper_bound(costs, cluster, ctx, ranks, schedule, num_micro)
+    strategy = "uniform-pp" if uniform else "pp"
+    return _make_plan(ctx, strategy, best.schedule, best.stages, best.step_time_s, breakdown,
+                      best.memory_bytes, tuple(notes), upper=upper, compute=_compute_bound(ctx, best, ranks))
+
+
+def _describe(x: _Scored) -> str:
+    members = "/".join(str(len(st.groups)) for st in x.stages)
+    return (f"{x.candidate.grouping.name} S={len(x.stages)} M={x.candidate.num_micro} {x.schedule} "
+            f"layers={list(x.candidate.sizes)} members={members}: {x.step_time_s:.4g} s "
+            f"(estimate {x.candidate.estimate_s:.4g} s, bubble {x.timeline.bubble_fraction:.1%})")
+
+
+def _compute_bound(ctx: _Context, best: _Scored, ranks: Sequence[int]) -> float:
+    """Every device running the whole model at the plan's micro-batch size, no bubbles or traffic."""
+    b = float(micro_sizes(ctx.global_batch, best.candidate.num_micro)[0])
+    return float(sum(b / ctx.costs.step_time(ctx.type_of(r), b) for r in ranks))
+
+
+def _upper_bound(costs, cluster, ctx: _Context, ranks, schedule, num_micro) -> float:
+    total = 0.0
+    for t in dict.fromkeys(ctx.type_of(r) for r in ranks):
+        sub = [r for r in ranks if ctx.type_of(r) == t]
+        try:
+            p = plan_pipeline(costs, cluster, ctx.global_batch, schedule=schedule, num_micro=num_micro,
+                              zero_stage=ctx.zero_stage, memory_fraction=ctx.memory_fraction, ranks=sub,
+                              bounds=False)
+        except PlanError:
+            continue   # this type alone cannot hold the model: it adds nothing to the bound
+        total += p.predicted.samples_per_s
+    return total
+
+
+def _make_plan(ctx: _Context, strategy: str, schedule: str, stages, step_s: float, breakdown: dict,
+               memory: dict, notes: tuple, upper: float = 0.0, compute: float = 0.0) -> Plan:
+    sps = ctx.global_batch / step_s if step_s > 0 else 0.0
+    predicted = Predicted(step_time_s=step_s, samples_per_s=sps, memory_bytes=dict(memory),
+                          upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute,
+                          efficiency=sps / upper if upper > 0 else 0.0, breakdown=dict(breakdown))
+    return Plan(strategy=strategy, global_batch_size=ctx.global_batch, zero_stage=ctx.zero_stage,
+                schedule=schedule, stages=tuple(stages), predicted=predicted,
+                block_names=tuple(ctx.costs.block_names), notes=notes)
