@@ -58,6 +58,7 @@ __all__ = [
 
 DEFAULT_NETWORK_BANDWIDTH_Bps = 12.5e9  # 100 Gb/s per device (InfiniBand EDR / 100GbE)
 DEFAULT_NETWORK_LATENCY_s = 10e-6
+MAX_DEVICES = 1 << 16  # a typo guard (count: 80000), far above any cluster we plan for
 
 _TOP_KEYS = ("name", "nodes", "network")
 _NODE_KEYS = ("device", "count", "repeat", "intra_bandwidth_GBps", "devices")
@@ -144,13 +145,15 @@ class Cluster:
         return _build(d, source)
 
     @classmethod
-    def homogeneous(cls, preset_name: str | DeviceSpec, count: int, per_node: int | None = None,
+    def homogeneous(cls, preset: str | DeviceSpec, count: int, per_node: int | None = None,
                     *, name: str | None = None, network_bandwidth_Bps: float = DEFAULT_NETWORK_BANDWIDTH_Bps,
                     network_latency_s: float = DEFAULT_NETWORK_LATENCY_s) -> "Cluster":
         """``count`` devices of one preset (or spec), ``per_node`` to a node (default: one node);
         when ``per_node`` does not divide ``count`` the last node holds the rest."""
-        spec = preset_name if isinstance(preset_name, DeviceSpec) else _preset(preset_name, "preset")
+        spec = preset if isinstance(preset, DeviceSpec) else _preset(preset, "preset")
         count = _positive_int(count, "count")
+        if count > MAX_DEVICES:
+            raise ClusterError(f"count: {count} is more than {MAX_DEVICES} devices")
         per_node = count if per_node is None else _positive_int(per_node, "per_node")
         sizes = [per_node] * (count // per_node) + ([count % per_node] if count % per_node else [])
         return _assemble(name or f"{spec.name}x{count}", [[(spec, n)] for n in sizes],
@@ -494,6 +497,7 @@ def _parse(d: Any) -> Cluster:
     node_groups: list[list[tuple[DeviceSpec, int]]] = []
     node_intra: list[float | None] = []
     names: dict[str, tuple[DeviceSpec, str]] = {}
+    total = 0
     for i, node in enumerate(nodes):
         path = f"nodes[{i}]"
         node = _mapping(node, path, "a node mapping like {device: A100-80GB, count: 8}")
@@ -522,6 +526,10 @@ def _parse(d: Any) -> Cluster:
         repeat = _positive_int(node["repeat"], f"{path}.repeat") if "repeat" in node else 1
         intra = (_positive_number(node["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s") * 1e9
                  if "intra_bandwidth_GBps" in node else None)
+        total += repeat * sum(n for _, n, _ in groups)
+        if total > MAX_DEVICES:
+            raise ClusterError(f"{path}: the cluster reaches {total} devices here, more than "
+                               f"{MAX_DEVICES}; check count and repeat")
         for _ in range(repeat):
             node_groups.append([(s, n) for s, n, _ in groups])
             node_intra.append(intra)

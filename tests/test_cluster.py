@@ -500,3 +500,10 @@ def test_load_takes_a_path_or_a_builtin_name(tmp_path, monkeypatch):
     assert load_cluster("demo") == builtin("demo")
     with pytest.raises(ClusterError, match="no such cluster file"):
         load_cluster("demo2")
+
+
+def test_absurd_sizes_are_refused_before_building():
+    with pytest.raises(ClusterError, match=r"nodes\[0\]: the cluster reaches 800000 devices"):
+        Cluster.from_dict({"nodes": [{"device": "T4-16GB", "count": 8, "repeat": 100000}]})
+    with pytest.raises(ClusterError, match="count: 1000000"):
+        Cluster.homogeneous(preset="T4-16GB", count=10**6)
