@@ -10,7 +10,7 @@ Terms
   under ZeRO-3 each micro-step also pays the gathers it needs (``ZeroComm.per_micro_step_s``).
 - max micro-batch: the largest micro-batch a rank holds in ``memory_fraction`` of its memory next to
   its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``).
-- ZeRO communication, per step, over a ring of the plan's ranks (``autopar.comm``):
+- ZeRO communication, per step, among the plan's ranks (``autopar.comm``, flat or hierarchical rings):
   ZeRO-0 all-reduce of the gradients after the last micro-step; ZeRO-1 the same, then an all-gather
   of the updated parameters; ZeRO-2 reduce-scatter of the gradients + all-gather of the parameters;
   ZeRO-3, on every micro-step, an all-gather of the parameters for forward, another for backward and
@@ -80,17 +80,18 @@ class ZeroComm:
 
 
 def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
-              link: comm.LinkModel = comm.DEFAULT_LINK) -> ZeroComm:
-    """The collectives of ``zero_stage`` over the ring ``ranks`` (see the module docstring)."""
+              link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> ZeroComm:
+    """The collectives of ``zero_stage`` over ``ranks`` (see the module docstring); ``algorithm`` as in
+    ``autopar.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks)."""
     _check_zero_stage(zero_stage)
     ranks = tuple(ranks)
     n = len(ranks)
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
     param_bytes = float(costs.param_bytes.sum())
     ring = (n - 1) / n if n else 0.0   # fraction of a buffer each rank sends in a ring RS / AG
-    ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link=link)
-    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes, link=link)
-    ag = comm.allgather_time_s(cluster, ranks, param_bytes, link=link)
+    ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link=link, algorithm=algorithm)
+    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes, link=link, algorithm=algorithm)
+    ag = comm.allgather_time_s(cluster, ranks, param_bytes, link=link, algorithm=algorithm)
     if zero_stage == 0:
         return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0)
     if zero_stage == 1:
@@ -280,7 +281,7 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="") -> _Candid
 
 
 def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
-                workspace_bytes, link) -> _Candidate:
+                workspace_bytes, link, algorithm) -> _Candidate:
     n = len(ranks)
     specs = [cluster.devices[r].spec for r in ranks]
     mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes)
@@ -289,7 +290,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
     if why:
         raise PlanError(why)
     caps = [m.max_micro for m in mems]
-    zc = zero_comm(costs, cluster, ranks, zero_stage, link)
+    zc = zero_comm(costs, cluster, ranks, zero_stage, link, algorithm)
     # One curve (and so one allocation table) per device type.
     by_type: dict[str, tuple] = {}
     fns = []
@@ -339,7 +340,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         for other in ("uniform-dp", "proportional-dp"):
             try:
                 alt = _plan_stage(costs, cluster, ranks, global_batch, other, zero_stage, {},
-                                  memory_fraction, workspace_bytes, link)
+                                  memory_fraction, workspace_bytes, link, algorithm)
             except PlanError:
                 continue
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
@@ -372,7 +373,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
             zero_stage: int | Literal["auto"] = "auto", dp_batch: Mapping[int, int] | None = None,
             ranks: Sequence[int] | None = None, memory_fraction: float = 0.9,
             workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
-            link: comm.LinkModel = comm.DEFAULT_LINK) -> Plan:
+            link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> Plan:
     """A data-parallel plan (one stage over every block, one member per rank) and its prediction.
 
     ``zero_stage="auto"`` tries every stage and keeps the fastest that fits (fewest bytes moved on a
@@ -410,7 +411,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     for z in stages:
         try:
             found[z] = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
-                                   memory_fraction, workspace_bytes, link)
+                                   memory_fraction, workspace_bytes, link, algorithm)
         except PlanError as e:
             failed[z] = str(e)
     if not found:
@@ -455,13 +456,13 @@ def with_bounds(plan: Plan, upper_bound_samples_per_s: float) -> Plan:
 
 def dp_upper_bound(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
                    memory_fraction: float = 0.9, workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
-                   link: comm.LinkModel = comm.DEFAULT_LINK) -> float:
+                   link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> float:
     """Sum over device types of the "dp" throughput on that type's ranks alone (0 where it cannot fit)."""
     total = 0.0
     for type_ranks in cluster.device_types().values():
         try:
             plan = plan_dp(costs, cluster, global_batch, ranks=type_ranks, memory_fraction=memory_fraction,
-                           workspace_bytes=workspace_bytes, link=link)
+                           workspace_bytes=workspace_bytes, link=link, algorithm=algorithm)
         except PlanError:
             continue
         total += plan.predicted.samples_per_s

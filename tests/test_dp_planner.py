@@ -165,10 +165,14 @@ def test_zero_auto_prefers_fewest_bytes_on_a_tie_and_zero3_pays_per_micro_step()
     assert z3.predicted.breakdown["comm_s"] == pytest.approx(
         zc.per_micro_step_s * len(_micro(z3)[bottleneck]), rel=1e-12)
     grad = costs.params.sum() * 4
-    ag = comm.allgather_time_s(cluster, (0, 1, 2), costs.param_bytes.sum())
-    assert zc.per_micro_step_s == pytest.approx(2 * ag + comm.reduce_scatter_time_s(cluster, (0, 1, 2), grad))
+    ag = comm.allgather_time_s(cluster, (0, 1, 2), costs.param_bytes.sum(), algorithm="auto")
+    rs = comm.reduce_scatter_time_s(cluster, (0, 1, 2), grad, algorithm="auto")
+    assert zc.per_micro_step_s == pytest.approx(2 * ag + rs)
     assert zero_comm(costs, cluster, (0, 1, 2), 0).per_step_s == pytest.approx(
-        comm.allreduce_time_s(cluster, (0, 1, 2), grad))
+        comm.allreduce_time_s(cluster, (0, 1, 2), grad, algorithm="auto"))
+    ring = zero_comm(costs, cluster, (0, 1, 2), 2, algorithm="ring")
+    assert ring.per_step_s == pytest.approx(comm.reduce_scatter_time_s(cluster, (0, 1, 2), grad)
+                                            + comm.allgather_time_s(cluster, (0, 1, 2), costs.param_bytes.sum()))
 
 
 # -- pins, subsets, bounds ------------------------------------------------------------------------------
