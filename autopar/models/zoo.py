@@ -1,0 +1,96 @@
+"""The zoo: model names -> ``ModelCase`` builders, and loading user models by ``package.module:factory``.
+
+Terms
+- zoo name: a preset of one family (``gpt-tiny``, ``llama-140b``...), see ``names()``.
+- factory: a user function that takes no arguments and returns a ``ModelCase``, or a tuple
+  ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autopar.models import bert, gpt, llama, mlp, resnet, thirdparty, vit
+from autopar.models.case import ModelCase, ModelZooError, apply_overrides
+
+__all__ = ["build", "names", "load", "config_of"]
+
+_FAMILIES = (gpt, llama, bert, vit, resnet, mlp, thirdparty)
+
+
+def _registry() -> dict[str, tuple[Any, Callable[..., ModelCase]]]:
+    """zoo name -> (preset config, make_case of its family)."""
+    return {name: (cfg, family.make_case) for family in _FAMILIES for name, cfg in family.PRESETS.items()}
+
+
+def names() -> list[str]:
+    """Every zoo name, sorted."""
+    return sorted(_registry())
+
+
+def config_of(name: str) -> Any:
+    """The preset config of a zoo name (a frozen dataclass)."""
+    return _lookup(name)[0]
+
+
+def _lookup(name: str):
+    registry = _registry()
+    if name not in registry:
+        raise ModelZooError(f"model: unknown zoo name {name!r}; the zoo has {', '.join(sorted(registry))} "
+                            "(or pass 'package.module:factory')")
+    return registry[name]
+
+
+def build(name: str, device: str | torch.device = "cpu", *, seed: int = 0, **overrides: Any) -> ModelCase:
+    """Build zoo model ``name`` on ``device`` (``"cpu"``, ``"cuda"``, ``"meta"``...) with weights drawn
+    from ``seed``; ``overrides`` replace fields of the preset config (e.g. ``num_layers=2``)."""
+    cfg, make_case = _lookup(name)
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    return make_case(name, cfg, device=device, seed=seed)
+
+
+def load(spec: str, device: str | torch.device | None = None, *, seed: int = 0) -> ModelCase:
+    """A zoo name (built on ``device``, default ``cpu``) or ``package.module:factory``. A factory's model
+    stays where the factory put it unless ``device`` is given."""
+    if not isinstance(spec, str) or not spec:
+        raise ModelZooError(f"model: expected a zoo name or 'package.module:factory', got {spec!r}")
+    if ":" not in spec:
+        return build(spec, device if device is not None else "cpu", seed=seed)
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelZooError(f"model: cannot import module {module_name!r} of {spec!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelZooError(f"model: {module_name!r} has no callable {attr!r} (from {spec!r})")
+    case = _as_case(spec, factory())
+    if device is not None:
+        case = ModelCase(name=case.name, model=case.model.to(device),
+                         example_inputs=tuple(t.to(device) for t in case.example_inputs), loss_fn=case.loss_fn,
+                         config=case.config, num_params_expected=case.num_params_expected,
+                         fwd_flops_per_sample_expected=case.fwd_flops_per_sample_expected,
+                         make_batch=case.make_batch)
+    return case
+
+
+def _as_case(spec: str, made: Any) -> ModelCase:
+    if isinstance(made, ModelCase):
+        return made
+    if isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module):
+        model, example_inputs = made[0], made[1]
+        loss_fn = made[2] if len(made) == 3 else None
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        if not isinstance(example_inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+            raise ModelZooError(f"model: factory {spec!r} returned example_inputs that are not a tuple of tensors")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ModelZooError(f"model: factory {spec!r} returned a loss_fn that is not callable")
+        return ModelCase(name=spec, model=model, example_inputs=tuple(example_inputs), loss_fn=loss_fn)
+    raise ModelZooError(f"model: factory {spec!r} returned {type(made).__name__}; expected a ModelCase or a "
+                        "tuple (model, example_inputs) or (model, example_inputs, loss_fn)")
