@@ -37,6 +37,7 @@ from autopar.schedule import Timeline, make_schedule, simulate
 __all__ = [
     "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
     "split_objective", "split_blocks", "plan_pipeline", "plan_timeline", "stage_durations",
+    "pp_upper_bound", "save_plan_timeline",
 ]
 
 ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
@@ -242,24 +243,32 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
     span = lambda p: p[None, :] - p[:, None]               # noqa: E731  [i, j] = p[j] - p[i]
     params, wbytes, act = span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes))
     out = np.full((S, n + 1, n + 1), np.inf)
+    valid = (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         for s, members in enumerate(grouping.stages):
             nm = len(members)
-            x = b / nm
             by_type: dict[str, list[int]] = {}
             for m in members:
                 by_type.setdefault(ctx.type_of(m[0]), []).append(m[0])
-            taus = {t: span(pre(c.fwd_time(t, x) + c.bwd_time(t, x))) for t in by_type}
-            rate = sum(len(rs) / taus[t] for t, rs in by_type.items())   # members' samples/s, / x
-            t_stage = nm / rate
             fw, fg, fo = _state_fractions(ctx.zero_stage, nm)
             state = wbytes * fw + params * (c.grad_bytes_per_param * fg + c.optimizer_bytes_per_param * fo)
             fly = _in_flight(schedule, s, S, num_micro)
-            fits = np.ones_like(t_stage, dtype=bool)
+            # Each member's share of a micro-batch is proportional to its speed on the blocks (as in
+            # _build_stages); the largest-remainder rounding never exceeds the ceiling used here.
+            ref = max(b / nm, 1.0)
+            speed = {t: 1.0 / span(pre(c.fwd_time(t, ref) + c.bwd_time(t, ref))) for t in by_type}
+            total = sum(len(rs) * speed[t] for t, rs in by_type.items())
+            t_stage = np.zeros((n + 1, n + 1))
+            fits = valid.copy()
             for t, rs in by_type.items():
-                share = np.ceil(b * (1.0 / taus[t]) / rate - 1e-9) if nm > 1 else np.full_like(t_stage, b)
-                need = state + act * share * fly
-                fits &= need <= min(ctx.cap_bytes(r) for r in rs)
+                share = np.full((n + 1, n + 1), float(b)) if nm == 1 else np.ceil(b * speed[t] / total - 1e-9)
+                share = np.where(valid, share, 0.0)
+                time_t = np.zeros((n + 1, n + 1))
+                for k in np.unique(share[valid]):
+                    if k > 0:
+                        time_t = np.where(share == k, span(pre(c.fwd_time(t, int(k)) + c.bwd_time(t, int(k)))), time_t)
+                t_stage = np.maximum(t_stage, time_t)
+                fits &= state + act * share * fly <= min(ctx.cap_bytes(r) for r in rs)
             t_s = np.where(fits, t_stage, np.inf)
             if s < S - 1:
                 nxt = grouping.stages[s + 1]
@@ -283,11 +292,16 @@ def stage_durations(costs, cluster, stages: Sequence[Stage]) -> tuple[np.ndarray
     fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
+        seen: dict[tuple[str, int], tuple[float, float]] = {}   # (type, samples) -> (fwd, bwd) seconds
         for g, members in enumerate(st.groups):
             t = cluster.devices[members[0]].spec.name
             for m, x in enumerate(st.micro_batches[g]):
-                fwd[s, m] = max(fwd[s, m], float(costs.fwd_time(t, x)[blocks].sum()))
-                bwd[s, m] = max(bwd[s, m], float(costs.bwd_time(t, x)[blocks].sum()))
+                if (t, x) not in seen:
+                    seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
+                                    float(costs.bwd_time(t, x)[blocks].sum()))
+                f, b = seen[(t, x)]
+                fwd[s, m] = max(fwd[s, m], f)
+                bwd[s, m] = max(bwd[s, m], b)
         if s < S - 1:
             nxt = stages[s + 1]
             links = min(len(st.groups), len(nxt.groups))
@@ -428,12 +442,13 @@ def _no_fit_error(ctx: _Context, ranks: Sequence[int], tried: int) -> PlanError:
 def plan_pipeline(costs, cluster, global_batch: int, *, schedule: ScheduleChoice = "auto",
                   pp_layers: Sequence[int] | None = None, num_micro: int | None = None, zero_stage: int = 0,
                   uniform: bool = False, memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
-                  bounds: bool = True) -> Plan:
+                  bounds: bool = False) -> Plan:
     """The fastest heterogeneous pipeline plan (see the module docstring), or with ``uniform=True`` the
     Megatron-style baseline (equal blocks per stage, one device per stage in rank order).
 
     ``pp_layers`` pins blocks per stage; ``num_micro`` pins the micro-batch count; ``ranks`` restricts
-    the devices; ``bounds`` also computes the homogeneous upper bound (one sub-plan per device type).
+    the devices; ``bounds=True`` also fills the upper bound and efficiency from ``pp_upper_bound``
+    (left at 0 by default, as ``plan_dp`` does, for the joint planner to set).
     Raises ``PlanError`` on bad arguments or when nothing fits."""
     ranks = _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
                         memory_fraction, ranks)
@@ -511,8 +526,9 @@ def plan_pipeline(costs, cluster, global_batch: int, *, schedule: ScheduleChoice
         "max_busy_s": max(best.timeline.busy_s),
     }
     upper = 0.0
-    if bounds and not uniform:
-        upper = _upper_bound(costs, cluster, ctx, ranks, schedule, num_micro)
+    if bounds:
+        upper = pp_upper_bound(costs, cluster, ctx.global_batch, schedule=schedule, zero_stage=zero_stage,
+                               memory_fraction=memory_fraction, ranks=ranks)
     strategy = "uniform-pp" if uniform else "pp"
     return _make_plan(ctx, strategy, best.schedule, best.stages, best.step_time_s, breakdown,
                       best.memory_bytes, tuple(notes), upper=upper, compute=_compute_bound(ctx, best, ranks))
@@ -531,18 +547,40 @@ def _compute_bound(ctx: _Context, best: _Scored, ranks: Sequence[int]) -> float:
     return float(sum(b / ctx.costs.step_time(ctx.type_of(r), b) for r in ranks))
 
 
-def _upper_bound(costs, cluster, ctx: _Context, ranks, schedule, num_micro) -> float:
+def pp_upper_bound(costs, cluster, global_batch: int, *, schedule: ScheduleChoice = "auto", zero_stage: int = 0,
+                   memory_fraction: float = 0.9, ranks: Sequence[int] | None = None) -> float:
+    """Sum over device types of the samples/s ``plan_pipeline`` reaches on that type's devices alone
+    (a type that cannot hold the model alone adds 0)."""
+    ranks = tuple(range(len(cluster.devices))) if ranks is None else tuple(ranks)
+    by_type: dict[str, list[int]] = {}
+    for r in ranks:
+        by_type.setdefault(cluster.devices[r].spec.name, []).append(r)
     total = 0.0
-    for t in dict.fromkeys(ctx.type_of(r) for r in ranks):
-        sub = [r for r in ranks if ctx.type_of(r) == t]
+    for sub in by_type.values():
         try:
-            p = plan_pipeline(costs, cluster, ctx.global_batch, schedule=schedule, num_micro=num_micro,
-                              zero_stage=ctx.zero_stage, memory_fraction=ctx.memory_fraction, ranks=sub,
-                              bounds=False)
+            p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=zero_stage,
+                              memory_fraction=memory_fraction, ranks=sub)
         except PlanError:
-            continue   # this type alone cannot hold the model: it adds nothing to the bound
+            continue
         total += p.predicted.samples_per_s
     return total
+
+
+def save_plan_timeline(plan: Plan, costs, cluster, path) -> Timeline:
+    """Simulate a pipeline plan and save its Gantt chart (``autopar.schedule.plot_timeline``) to
+    ``path``: one row per stage, labelled with its ranks and device types. Returns the timeline."""
+    from autopar.schedule import plot_timeline
+
+    timeline, _ = plan_timeline(plan, costs, cluster)
+    labels = []
+    for s, st in enumerate(plan.stages):
+        types = dict.fromkeys(cluster.devices[r].spec.name for r in st.ranks)
+        rs = st.ranks
+        shown = f"{rs[0]}" if len(rs) == 1 else f"{rs[0]}..{rs[-1]}" if list(rs) == list(range(rs[0], rs[-1] + 1)) \
+            else ",".join(map(str, rs[:4])) + ("..." if len(rs) > 4 else "")
+        labels.append(f"stage {s} [{st.block_start}:{st.block_stop}) r{shown} {'/'.join(types)}")
+    plot_timeline(timeline, path, labels=labels)
+    return timeline
 
 
 def _make_plan(ctx: _Context, strategy: str, schedule: str, stages, step_s: float, breakdown: dict,

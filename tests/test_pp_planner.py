@@ -13,7 +13,7 @@ from autopar.errors import PlanError
 from autopar.plan import Plan
 from autopar.pp_planner import (
     StageGrouping, _Context, _stage_cost_tensor, member_shares, micro_candidates, micro_sizes,
-    plan_pipeline, plan_timeline, split_blocks, split_objective, stage_groupings,
+    plan_pipeline, plan_timeline, save_plan_timeline, split_blocks, split_objective, stage_groupings,
 )
 
 GiB = 1 << 30
@@ -143,7 +143,7 @@ def test_fast_slow_split_and_speedup_over_uniform():
 
 def test_plan_is_consistent_and_prediction_is_the_simulation():
     cluster, costs = _fast_slow()
-    plan = plan_pipeline(costs, cluster, 30, num_micro=7)
+    plan = plan_pipeline(costs, cluster, 30, num_micro=7, bounds=True)
     assert plan.num_micro_batches == 7
     for st in plan.stages:
         totals = [sum(mb[m] for mb in st.micro_batches) for m in range(7)]
@@ -153,7 +153,10 @@ def test_plan_is_consistent_and_prediction_is_the_simulation():
     assert plan.predicted.step_time_s == pytest.approx(step)
     assert plan.predicted.samples_per_s == pytest.approx(30 / step)
     assert plan.predicted.breakdown["bubble_fraction"] == pytest.approx(timeline.bubble_fraction)
-    assert 0 < plan.predicted.efficiency <= 1
+    # Upper bound: each type alone runs the whole model (linear costs: 0.36 s and 0.72 s per sample).
+    assert plan.predicted.upper_bound_samples_per_s == pytest.approx(1 / 0.36 + 1 / 0.72)
+    assert plan.predicted.efficiency == pytest.approx(plan.predicted.samples_per_s / (1 / 0.36 + 1 / 0.72))
+    assert 0.5 < plan.predicted.efficiency < 1
     assert plan.predicted.compute_bound_samples_per_s >= plan.predicted.samples_per_s
     assert plan.notes[0].startswith("chosen:") and any(n.startswith("runner-up:") for n in plan.notes)
     assert all(v <= 4 * GiB * 0.9 for v in plan.predicted.memory_bytes.values())
@@ -255,3 +258,12 @@ def test_mixed_cluster_plan_is_valid():
         assert need <= cluster.devices[r].spec.memory_bytes * 0.9
     uniform = plan_pipeline(costs, cluster, 512, uniform=True)
     assert plan.predicted.samples_per_s > uniform.predicted.samples_per_s
+
+
+def test_save_plan_timeline_writes_png(tmp_path):
+    cluster, costs = _fast_slow()
+    plan = plan_pipeline(costs, cluster, 16, num_micro=4)
+    out = tmp_path / "plan.png"
+    timeline = save_plan_timeline(plan, costs, cluster, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert timeline.step_time_s == pytest.approx(plan.predicted.step_time_s)
