@@ -508,13 +508,15 @@ def plan_pipeline(costs, cluster, global_batch: int, *, schedule: ScheduleChoice
             scored.append(_Scored(step, cand, name, stages, timeline, mem))
     if not scored:
         raise _no_fit_error(ctx, ranks, tried)
-    # Near-ties (within _TIE) go to 1F1B (less activation memory), then fewer micro-batches.
+    # Near-ties with the fastest (within _TIE) go to 1F1B, which holds less activation memory.
     fastest = min(x.step_time_s for x in scored)
-    scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.step_time_s,
-                               x.schedule != "1f1b", x.candidate.num_micro))
+    scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.schedule != "1f1b", x.step_time_s))
     best = scored[0]
 
     notes = [f"chosen: {_describe(best)}"]
+    idle = [r for r in ranks if r not in {x for st in best.stages for x in st.ranks}]
+    if idle:
+        notes.append(f"unused ranks (more devices than blocks): {idle}")
     notes += [f"runner-up: {_describe(x)}" for x in scored[1:6]]
     breakdown = {
         "bubble_fraction": best.timeline.bubble_fraction,

@@ -129,6 +129,7 @@ def test_fast_slow_split_and_speedup_over_uniform():
     cluster, costs = _fast_slow()
     plan = plan_pipeline(costs, cluster, 32)
     assert plan.strategy == "pp" and plan.num_stages == 2
+    assert plan.schedule == "1f1b"   # GPipe is no faster here and holds more activations
     assert [s.ranks for s in plan.stages] == [(0,), (1,)]
     assert abs(plan.stages[0].num_layers - 8) <= 1 and abs(plan.stages[1].num_layers - 4) <= 1
     uniform = plan_pipeline(costs, cluster, 32, uniform=True)
@@ -237,6 +238,15 @@ def test_nothing_fits_names_needed_and_available():
     assert "needs 0.149 GiB" in msg and "fast: 1 x 0.009 GiB" in msg and "slow: 1 x 0.009 GiB" in msg
     with pytest.raises(PlanError, match="no pipeline plan fits"):
         plan_pipeline(costs, cluster, 8, uniform=True)
+
+
+def test_uniform_with_more_devices_than_blocks_leaves_ranks_unused():
+    cluster = _cluster(*[_emulated("d", 1.0) for _ in range(5)])
+    costs = ModelCosts.synthetic({"d": [0.01] * 3})
+    plan = plan_pipeline(costs, cluster, 12, uniform=True)
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (2,)]
+    assert "unused ranks (more devices than blocks): [3, 4]" in plan.notes
+    assert plan_pipeline(costs, cluster, 12, uniform=True, pp_layers=[2, 1]).stages[1].ranks == (1,)
 
 
 def test_mixed_cluster_plan_is_valid():
