@@ -300,7 +300,8 @@ def _raise_failure(procs, workdir: Path, step_timeout_s, cluster):
         detail = ""
     else:
         culprit = min(failures, key=lambda r: (failures[r]["time"] or 0.0, r))
-        head = f"rank {_name(cluster, culprit)} failed: {failures[culprit]['summary']}"
+        head = (f"rank {_name(cluster, culprit)} failed: {failures[culprit]['summary']} (only collective "
+                f"errors: a rank may have skipped a collective or returned early)")
         detail = failures[culprit]["traceback"]
     others = [f"rank {r}: {f['summary']}" for r, f in sorted(failures.items()) if r != culprit]
     others += [f"rank {r}: still running, killed" for r in still_running if r != culprit]
