@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
 from autopar.comm import allreduce_time_s, p2p_time_s
+from autopar.costs import ModelCosts
 from autopar.errors import PlanError
 from autopar.plan import Plan, Predicted, Stage
 from autopar.schedule import Timeline, make_schedule, simulate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
 
 __all__ = [
     "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
@@ -63,7 +67,7 @@ class StageGrouping:
         return f"StageGrouping({self.name!r}, {[tuple(r for m in st for r in m) for st in self.stages]})"
 
 
-def stage_groupings(cluster, ranks: Sequence[int] | None = None) -> list[StageGrouping]:
+def stage_groupings(cluster: "Cluster", ranks: Sequence[int] | None = None) -> list[StageGrouping]:
     """Candidate stage device groupings, in this order, duplicates removed: every device its own stage
     (rank order); every node one stage (its devices data-parallel members); every device type one
     stage (``cluster.device_types()`` order)."""
@@ -206,8 +210,8 @@ def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, .
 
 @dataclass(frozen=True, slots=True)
 class _Context:
-    costs: object
-    cluster: object
+    costs: ModelCosts
+    cluster: "Cluster"
     global_batch: int
     zero_stage: int
     memory_fraction: float
@@ -282,7 +286,8 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
 
 # -- exact stage durations, memory and the simulated prediction -------------------------------------
 
-def stage_durations(costs, cluster, stages: Sequence[Stage]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stage_durations(costs: ModelCosts, cluster: "Cluster",
+                    stages: Sequence[Stage]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds [stage][micro] (slowest member) and transfer
     seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
@@ -320,7 +325,7 @@ def _allreduce_s(costs, cluster, stage: Stage) -> float:
     return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
 
 
-def plan_timeline(plan: Plan, costs, cluster) -> tuple[Timeline, float]:
+def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Timeline, float]:
     """The simulated timeline of a pipeline plan's schedule and its step time (the last stage to finish
     its backward and then its gradient all-reduce). The planner predicts with this same function."""
     stages = plan.stages
@@ -439,7 +444,7 @@ def _no_fit_error(ctx: _Context, ranks: Sequence[int], tried: int) -> PlanError:
         f"({ctx.memory_fraction:.0%} of memory): {have}")
 
 
-def plan_pipeline(costs, cluster, global_batch: int, *, schedule: ScheduleChoice = "auto",
+def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, schedule: ScheduleChoice = "auto",
                   pp_layers: Sequence[int] | None = None, num_micro: int | None = None, zero_stage: int = 0,
                   uniform: bool = False, memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
                   bounds: bool = False) -> Plan:
@@ -549,8 +554,9 @@ def _compute_bound(ctx: _Context, best: _Scored, ranks: Sequence[int]) -> float:
     return float(sum(b / ctx.costs.step_time(ctx.type_of(r), b) for r in ranks))
 
 
-def pp_upper_bound(costs, cluster, global_batch: int, *, schedule: ScheduleChoice = "auto", zero_stage: int = 0,
-                   memory_fraction: float = 0.9, ranks: Sequence[int] | None = None) -> float:
+def pp_upper_bound(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
+                   schedule: ScheduleChoice = "auto", zero_stage: int = 0, memory_fraction: float = 0.9,
+                   ranks: Sequence[int] | None = None) -> float:
     """Sum over device types of the samples/s ``plan_pipeline`` reaches on that type's devices alone
     (a type that cannot hold the model alone adds 0)."""
     ranks = tuple(range(len(cluster.devices))) if ranks is None else tuple(ranks)
@@ -568,7 +574,7 @@ def pp_upper_bound(costs, cluster, global_batch: int, *, schedule: ScheduleChoic
     return total
 
 
-def save_plan_timeline(plan: Plan, costs, cluster, path) -> Timeline:
+def save_plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", path) -> Timeline:
     """Simulate a pipeline plan and save its Gantt chart (``autopar.schedule.plot_timeline``) to
     ``path``: one row per stage, labelled with its ranks and device types. Returns the timeline."""
     from autopar.schedule import plot_timeline

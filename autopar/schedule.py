@@ -368,8 +368,7 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
         raise ScheduleError(
             f"schedule {schedule.name!r} deadlocks: stuck at {', '.join(map(repr, stuck))} "
             f"(each waits on an action that is ordered after another stuck action)")
-    step = max((free[s] for s in range(S)), default=0.0)
-    step = max([step] + [e for ev in events for _, _, e in ev])
+    step = max((e for ev in events for _, _, e in ev), default=0.0)
     return Timeline(events=tuple(map(tuple, events)), transfers=tuple(map(tuple, transfers)),
                     step_time_s=float(step), busy_s=tuple(map(float, busy)), schedule_name=schedule.name)
 
