@@ -219,3 +219,26 @@ def test_load_factories(tmp_path, monkeypatch):
             zoo.load("user_models_for_zoo_test:missing")
     finally:
         sys.modules.pop("user_models_for_zoo_test", None)
+
+
+def test_cases_pickle_for_worker_processes():
+    import pickle
+    case = pickle.loads(pickle.dumps(zoo.build("gpt-tiny")))
+    inputs, targets = case.batch(2)
+    assert case.loss_fn(case.model(*inputs), targets).dim() == 0
+
+
+def test_third_party_config_driven_paths():
+    case = zoo.build("hf-llama-tiny")
+    ids, mask, labels = case.example_inputs
+    loss, logits = case.model(ids, mask, labels, return_dict=False)
+    torch.testing.assert_close(loss, case.model(input_ids=ids, labels=labels)["loss"])
+    assert logits.shape == (2, 32, 256)
+    out = case.model(input_ids=ids, output_hidden_states=True)
+    assert "loss" not in out and len(out["hidden_states"]) == len(case.model.layers) + 1
+    longer = torch.randint(0, 256, (1, 40))  # past the cached rotary table: the cache regrows
+    assert case.model(input_ids=longer)["logits"].shape == (1, 40, 256)
+    assert case.model.layers[0].self_attn.rotary_emb.max_seq_len_cached == 40
+    gpt_case = zoo.build("hf-gpt-tiny")
+    padded = gpt_case.model(ids, torch.cat([mask[:, :-4], torch.zeros_like(mask[:, -4:])], dim=1))["logits"]
+    torch.testing.assert_close(padded[:, :-4], gpt_case.model(ids)["logits"][:, :-4])  # causal: pads at the end
