@@ -337,4 +337,24 @@ def test_clock_for_devices():
     for bad in (0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="speed"):
             EmulatedClock(bad)
-    assert emulate.__all__ == ["ClockStats", "EmulatedClock", "NullClock", "clock_for"]
+    assert emulate.__all__ == ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "oversubscription"]
+
+
+def test_time_scale_keeps_speed_ratios_when_ranks_outnumber_cores():
+    assert emulate.oversubscription(3, num_cores=2) == 1.5
+    assert emulate.oversubscription(2, num_cores=8) == 1.0
+    ft = _FakeTime()
+    clocks = {speed: EmulatedClock(speed, time_scale=1.5, cpu_time=lambda: ft.cpu,
+                                   wall_time=lambda: ft.wall, sleep=ft.sleep) for speed in (1.0, 0.5)}
+    walls = {}
+    for speed, clock in clocks.items():
+        start = ft.wall
+        with clock.compute():
+            ft.cpu += 1.0
+            ft.wall += 1.5          # three ranks on two cores: 1 s of CPU takes 1.5 s
+        walls[speed] = ft.wall - start
+    assert walls == {1.0: 1.5, 0.5: 3.0}    # the 1:2 ratio survives the contention
+    scaled = clock_for(_slow_cluster(1, speed=1.0).devices[0], time_scale=1.5)
+    assert isinstance(scaled, EmulatedClock) and scaled.time_scale == 1.5
+    with pytest.raises(ValueError, match="time_scale"):
+        EmulatedClock(0.5, time_scale=0)

@@ -13,6 +13,11 @@ Terms
   ``sleep max(0, cpu_time / speed - wall_elapsed)``. If contention already made the block slower than
   that, it does not sleep. Communication (blocked waiting, no CPU) is therefore never slowed down;
   wrap only the compute.
+- time scale: an optional common factor on every emulated device's target,
+  ``cpu_time / speed * time_scale``. When more ranks than cores share this machine, even a speed-1.0
+  rank runs slower than the CPU; ``time_scale = num_ranks / num_cores`` (``oversubscription``)
+  slows every device alike so that the *ratios* between speeds stay right. It only applies to an
+  ``EmulatedClock``; ``clock_for`` gives one to every emulated device when ``time_scale > 1``.
 - totals: ``compute_s`` (CPU time measured in blocks), ``slept_s`` (time added by sleeping),
   ``num_blocks``; ``stats()`` returns them as a frozen ``ClockStats`` for reporting.
 
@@ -22,12 +27,13 @@ Blocks may nest; only the outermost block measures and sleeps.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for"]
+__all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "oversubscription"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +47,17 @@ class ClockStats:
 class EmulatedClock:
     """Slows compute blocks down to ``speed`` x this CPU (see the module docstring)."""
 
-    def __init__(self, speed: float, *, cpu_time: Callable[[], float] = time.thread_time,
+    def __init__(self, speed: float, *, time_scale: float = 1.0,
+                 cpu_time: Callable[[], float] = time.thread_time,
                  wall_time: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep):
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf:
             raise ValueError(f"EmulatedClock.speed: must be a finite number > 0, got {speed!r}")
+        if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) \
+                or not 0 < time_scale < math.inf:
+            raise ValueError(f"EmulatedClock.time_scale: must be a finite number > 0, got {time_scale!r}")
         self.speed = float(speed)
+        self.time_scale = float(time_scale)
         self._cpu_time, self._wall_time, self._sleep = cpu_time, wall_time, sleep
         self.compute_s = 0.0
         self.slept_s = 0.0
@@ -70,7 +81,7 @@ class EmulatedClock:
             self._depth = 0
             cpu_s = max(0.0, self._cpu_time() - cpu0)
             wall_s = self._wall_time() - wall0
-            sleep_s = max(0.0, cpu_s / self.speed - wall_s)
+            sleep_s = max(0.0, cpu_s / self.speed * self.time_scale - wall_s)
             if sleep_s > 0:
                 self._sleep(sleep_s)
             self.compute_s += cpu_s
@@ -81,7 +92,7 @@ class EmulatedClock:
         return ClockStats(self.speed, self.compute_s, self.slept_s, self.num_blocks)
 
     def __repr__(self) -> str:
-        return (f"EmulatedClock(speed={self.speed}, compute_s={self.compute_s:.3f}, "
+        return (f"EmulatedClock(speed={self.speed}, time_scale={self.time_scale}, compute_s={self.compute_s:.3f}, "
                 f"slept_s={self.slept_s:.3f}, num_blocks={self.num_blocks})")
 
 
@@ -104,10 +115,22 @@ class NullClock:
         return "NullClock()"
 
 
-def clock_for(device) -> EmulatedClock | NullClock:
-    """The clock for a cluster ``Device`` (or its ``DeviceSpec``): emulated devices at a speed other
-    than 1.0 get an ``EmulatedClock``; everything else, GPUs above all, a ``NullClock``."""
+def clock_for(device, time_scale: float = 1.0) -> EmulatedClock | NullClock:
+    """The clock for a cluster ``Device`` (or its ``DeviceSpec``): an emulated device gets an
+    ``EmulatedClock`` unless it runs at speed 1.0 with no time scale; everything else, GPUs above all,
+    a ``NullClock``."""
     spec = getattr(device, "spec", device)
-    if getattr(spec, "emulate", None) and float(spec.speed) != 1.0:
-        return EmulatedClock(spec.speed)
+    if getattr(spec, "emulate", None) and (float(spec.speed) != 1.0 or time_scale != 1.0):
+        return EmulatedClock(spec.speed, time_scale=time_scale)
     return NullClock()
+
+
+def oversubscription(num_ranks: int, num_cores: int | None = None) -> float:
+    """``max(1, num_ranks / num_cores)``: the ``time_scale`` that keeps emulated speed ratios right when
+    ``num_ranks`` CPU processes share ``num_cores`` cores (default: the cores this process may use)."""
+    if num_cores is None:
+        try:
+            num_cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            num_cores = os.cpu_count() or 1
+    return max(1.0, num_ranks / max(1, num_cores))
