@@ -11,6 +11,7 @@ import importlib
 import multiprocessing
 import os
 import signal
+import socket
 import tempfile
 import time
 from collections import OrderedDict
@@ -233,6 +234,29 @@ def test_init_reads_torchrun_env_and_checks_world_size(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(LaunchError, match="MASTER_ADDR is not set"):
         init(cluster)
+    assert not is_initialized() and not dist.is_initialized()
+
+
+def test_init_under_torchrun_env_joins_through_master_addr_and_port(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    ctx = init(_slow_cluster(1))
+    try:
+        assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.speed) == (0, 1, 0, 0.5)
+        assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+    finally:
+        shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_init_of_a_gpu_rank_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(LaunchError, match=r"rank 0 is a GPU \(A100-80GB\).*0 CUDA device"):
+        init(Cluster.homogeneous("A100-80GB", count=1), rank=0, world_size=1, store=dist.HashStore())
     assert not is_initialized() and not dist.is_initialized()
 
 

@@ -162,6 +162,11 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     local_rank = (_env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ
                   else cluster.devices[rank].local_rank)
     if spec.backend == "nccl":
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not 0 <= local_rank < num_gpus:
+            raise LaunchError(f"init: rank {rank} is a GPU ({spec.name}) with LOCAL_RANK={local_rank} but "
+                              f"this process sees {num_gpus} CUDA device(s); use an emulated cluster "
+                              f"(emulate: cpu) to run on CPUs")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
