@@ -21,17 +21,21 @@ __all__ = ["softmax"]
 
 @triton.jit
 def _online_lse(x_row, N, BLOCK_N: tl.constexpr):
-    """Running max ``m`` and sum of ``exp(x - m)`` over a row read in chunks."""
+    """Max ``m`` of a row read in chunks and the sum ``s`` of ``exp(x - m)``: each lane keeps its own
+    running max and rescaled running sum; lanes are combined once at the end."""
     cols = tl.arange(0, BLOCK_N)
-    m = -float("inf")
-    s = 0.0
+    m_lane = tl.full([BLOCK_N], -float("inf"), tl.float32)
+    s_lane = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         c = start + cols
         x = tl.load(x_row + c, mask=c < N, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-        m = m_new
+        m_new = tl.maximum(m_lane, x)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # no (-inf) - (-inf)
+        s_lane = s_lane * tl.exp(m_lane - m_safe) + tl.exp(x - m_safe)
+        m_lane = m_new
+    m = tl.max(m_lane, axis=0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    s = tl.sum(s_lane * tl.exp(m_lane - m_safe), axis=0)
     return m, s
 
 

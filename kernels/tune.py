@@ -31,7 +31,7 @@ from .cache import KERNEL_NAMES, canonical_shape, shape_bucket, write_entries
 from .configs import elementwise_candidates, matmul_candidates, row_candidates
 from .devices import local_device_name, peak_for
 
-__all__ = ["TuneResult", "NoGpuError", "DEFAULT_SHAPES", "tune", "main"]
+__all__ = ["TuneResult", "NoGpuError", "DEFAULT_SHAPES", "call_work", "tune", "main"]
 
 # Shapes of Llama-7B/GPT-2-class training steps (8k tokens): big enough to reach HBM peak.
 DEFAULT_SHAPES: dict[str, list[tuple[int, ...]]] = {
@@ -72,7 +72,7 @@ class TuneResult:
         return "FLOP/s" if self.flops else "B/s"
 
 
-def _work(kernel: str, direction: str, shape, dtype: torch.dtype) -> tuple[int, int]:
+def call_work(kernel: str, direction: str, shape, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes moved, FLOPs) of one call."""
     es = torch.finfo(dtype).bits // 8
     if kernel == "matmul":
@@ -162,7 +162,7 @@ def tune(kernels: Sequence[str] | None = None, shapes: Mapping[str, Sequence[Seq
                     continue
                 time_s, cfg = min(timed, key=lambda t: t[0])
                 name = kernel if direction == "fwd" else f"{kernel}.bwd"
-                bytes_moved, flops = _work(kernel, direction, shape, dtype)
+                bytes_moved, flops = call_work(kernel, direction, shape, dtype)
                 achieved = (flops or bytes_moved) / time_s
                 if peak is None or (flops and dtype == torch.float32):
                     fraction = None

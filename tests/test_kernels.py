@@ -48,6 +48,16 @@ def test_chunked_row_path_matches_torch(kernel, shape, dtype):
     _assert_ok(compare(kernel, shape, dtype, config=CHUNK, bwd_config=CHUNK))
 
 
+@pytest.mark.parametrize("config", [None, CHUNK], ids=["single", "chunked"])
+def test_softmax_of_masked_rows_like_torch(config):
+    # causal-attention rows: leading -inf, a row of only -inf (NaN in torch too)
+    x = torch.randn(4, 40)
+    x[0] = float("-inf")
+    x[1, 20:] = float("-inf")
+    x[2, :39] = float("-inf")
+    torch.testing.assert_close(kernels.softmax(x, config=config), torch.softmax(x, -1), equal_nan=True)
+
+
 @pytest.mark.parametrize("kernel", ["bias_gelu", "swiglu"])
 def test_elementwise_block_not_dividing_the_row(kernel):
     cfg = ElementwiseConfig(block=64, num_warps=1)
