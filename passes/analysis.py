@@ -1,0 +1,333 @@
+"""Analysis: annotate every node of a captured graph with shapes, FLOPs, bytes and memory.
+
+The graph is interpreted on *fake* tensors (``FakeTensorMode``), so a 140B-parameter model on the
+``meta`` device is analysed without allocating a byte of its weights. For each node we record:
+
+- ``node.meta["autopar.tensor"]``: ``TensorInfo`` (shape, dtype) of its output (first tensor output);
+- ``node.meta["autopar.cost"]``: ``NodeCost``: forward and backward FLOPs (``torch.utils.flop_counter``
+  for the ops it covers: matmuls, convolutions, attention; a per-element estimate for the rest), bytes
+  moved (inputs + outputs, split into parameter bytes, which do not scale with the batch, and
+  activation bytes, which do), activation bytes saved for backward (captured with
+  ``saved_tensors_hooks``), and the op class used by the roofline model.
+
+Backward FLOPs and saved bytes are measured by running the node's op on detached fake inputs and
+asking autograd for the gradients under the flop counter; nodes with the same signature (op, input
+shapes, parameter shapes) share one measurement, so identical transformer layers cost one.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["TensorInfo", "NodeCost", "annotate_pass", "OP_CLASSES"]
+
+OP_CLASSES = ("matmul", "attention", "memory")
+
+# Per-element FLOP estimates for ops the flop counter does not cover (forward).
+_ELEMENT_FLOPS = {
+    "layer_norm": 8, "group_norm": 8, "batch_norm": 8, "rms_norm": 6, "softmax": 5, "log_softmax": 5,
+    "gelu": 8, "silu": 4, "tanh": 4, "sigmoid": 4, "cross_entropy": 6, "exp": 2, "pow": 1, "rsqrt": 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    op_class: str            # "matmul" | "attention" | "memory"
+    fwd_flops: float
+    bwd_flops: float
+    act_bytes: float         # activation bytes read + written in forward (scale with the batch)
+    param_bytes_read: float  # parameter / buffer bytes read in forward (independent of the batch)
+    saved_bytes: float       # intermediates this op saves for backward (not its inputs, not params)
+    saved_input_nodes: tuple[str, ...]  # graph values (by node name) this op saves for backward
+    out_bytes: float
+    num_ops: int             # aten ops dispatched in forward (for per-op overhead)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _target_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__.lower()
+    t = node.target
+    return getattr(t, "__name__", None) or str(t)
+
+
+def _classify(name: str, flops: float) -> str:
+    if "attention" in name:
+        return "attention"
+    return "matmul" if flops > 0 else "memory"
+
+
+def _element_flops(name: str) -> int:
+    for key, k in _ELEMENT_FLOPS.items():
+        if key in name:
+            return k
+    return 1
+
+
+class _CountingOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Analyzer(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, with_backward: bool):
+        super().__init__(gm, garbage_collect_values=True)
+        self.fake_mode = fake_mode
+        self.with_backward = with_backward
+        self._cache: dict[Any, tuple[float, float, tuple[int, ...], int]] = {}
+        self._param_ids = {id(p) for p in gm.parameters()} | {id(b) for b in gm.buffers()}
+        self._value_node: dict[int, str] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _signature(self, n: fx.Node, args, kwargs):
+        def key(x):
+            if isinstance(x, torch.Tensor):
+                return ("T", tuple(x.shape), x.dtype, x.requires_grad)
+            if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+                return x
+            return type(x).__name__
+        flat, _ = tree_flatten((args, kwargs))
+        if n.op == "call_module":
+            mod = self.module.get_submodule(n.target)
+            target = (type(mod).__name__, tuple((k, tuple(p.shape)) for k, p in mod.named_parameters()),
+                      repr(mod) if len(repr(mod)) < 300 else None)
+        else:
+            target = n.target
+        return (n.op, target, tuple(key(x) for x in flat))
+
+    def _fwd_bwd(self, n: fx.Node, args, kwargs):
+        """Run the op on detached inputs; return (fwd_flops, bwd_flops, saved intermediates bytes,
+        indices of saved inputs, num_ops, output)."""
+        name = _target_name(n, self.module).split(".")
+        inplace = any(p.endswith("_") and not p.endswith("__") for p in name[:2])
+        with_backward = self.with_backward and not inplace
+        flat, spec = tree_flatten((args, kwargs))
+        leaves = []
+        det = []
+        for x in flat:
+            if isinstance(x, torch.Tensor) and with_backward and x.is_floating_point():
+                y = x.detach().requires_grad_(True)
+                leaves.append(y)
+                det.append(y)
+            else:
+                det.append(x)
+        args2, kwargs2 = torch.utils._pytree.tree_unflatten(det, spec)
+        saved: list[torch.Tensor] = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        counter = _CountingOps()
+        with FlopCounterMode(display=False) as fc, counter:
+            if with_backward:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = getattr(self, n.op)(n.target, args2, kwargs2)
+            else:
+                out = getattr(self, n.op)(n.target, args2, kwargs2)
+        fwd = float(fc.get_total_flops())
+        num_ops = counter.count
+        attn = _attention_flops(n, args, kwargs) if "scaled_dot_product" in ".".join(name) else None
+        if attn is not None and fwd < attn:
+            # The flop counter has no formula for the CPU attention kernels; count it from the shapes.
+            fwd = attn
+        bwd = 0.0
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        if with_backward and outs:
+            mod_params = []
+            if n.op == "call_module":
+                mod_params = [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
+            wrt = leaves + mod_params
+            if wrt:
+                with FlopCounterMode(display=False) as fb:
+                    torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs],
+                                        allow_unused=True)
+                bwd = float(fb.get_total_flops())
+                if attn is not None and bwd < 2.5 * attn:
+                    bwd = 2.5 * attn  # as torch.utils.flop_counter's attention backward formula
+        saved_bytes = 0
+        saved_inputs = []
+        # Identify saved tensors by storage: ops often save a view (a reshape, a transpose) of an input.
+        leaf_st = {_storage(t): i for i, t in enumerate(det) if isinstance(t, torch.Tensor)}
+        param_st = {_storage(self.fake_mode.from_tensor(p)) for p in mod_params_all(self.module, n)}
+        out_st = {_storage(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)}
+        seen = set()
+        for t in saved:
+            st = _storage(t)
+            if st in seen:
+                continue
+            seen.add(st)
+            if st in leaf_st:
+                saved_inputs.append(leaf_st[st])
+            elif st in param_st:
+                continue
+            elif st in out_st:
+                saved_inputs.append(-1)  # its own output
+            else:
+                saved_bytes += _nbytes(t)
+        return fwd, bwd, saved_bytes, tuple(saved_inputs), num_ops, out
+
+    # -- interpreter hook ----------------------------------------------------------------------
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            out = super().run_node(n)
+            self._annotate_value(n, out)
+            if n.op == "placeholder":
+                n.meta["autopar.cost"] = NodeCost("memory", 0, 0, 0, 0, 0, (), _out_bytes(out), 0)
+            return out
+        if n.op == "get_attr":
+            out = super().run_node(n)
+            self._annotate_value(n, out)
+            pb = _out_bytes(out)
+            n.meta["autopar.cost"] = NodeCost("memory", 0, 0, 0, 0, 0, (), 0, 0)
+            n.meta["autopar.attr_bytes"] = pb
+            return out
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        try:
+            with self.fake_mode:
+                sig = self._signature(n, args, kwargs)
+                if sig in self._cache:
+                    fwd, bwd, saved_bytes, saved_idx, num_ops = self._cache[sig]
+                    out = getattr(self, n.op)(n.target, args, kwargs)
+                else:
+                    fwd, bwd, saved_bytes, saved_idx, num_ops, out = self._fwd_bwd(n, args, kwargs)
+                    self._cache[sig] = (fwd, bwd, saved_bytes, saved_idx, num_ops)
+        except Exception as exc:
+            raise type(exc)(f"while analysing node {n.format_node()}: {exc}") from exc if _reraisable(exc) \
+                else RuntimeError(f"while analysing node {n.format_node()}: {exc}")
+        name = _target_name(n, self.module)
+        flat_in = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        in_nodes = [a for a in n.all_input_nodes]
+        param_read = 0.0
+        act_in = 0.0
+        for a in in_nodes:
+            if a.op == "get_attr":
+                param_read += a.meta.get("autopar.attr_bytes", 0)
+            else:
+                ti = a.meta.get("autopar.tensor")
+                act_in += ti.nbytes if ti is not None else 0
+        if n.op == "call_module":
+            mod = self.module.get_submodule(n.target)
+            param_read += sum(_nbytes(p) for p in mod.parameters()) + sum(_nbytes(b) for b in mod.buffers())
+        out_b = _out_bytes(out)
+        is_view = (n.op == "call_function" and n.target is operator.getitem) or \
+            name.split(".")[0] in _VIEW_OPS or name.split(".")[-1] in _VIEW_OPS
+        if is_view:
+            act_in = 0.0
+            out_b_moved = 0.0
+        else:
+            out_b_moved = out_b
+        if fwd == 0.0:
+            numel = 0 if is_view else sum(o.numel() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+            fwd = float(numel * _element_flops(name))
+            bwd = fwd if any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat_in) else 0.0
+        # Which graph values the op saves for backward (by producing node): dedupe at block level.
+        tensor_inputs = [x for x in tree_flatten((n.args, n.kwargs))[0]]
+        saved_nodes = []
+        for i in saved_idx:
+            if i == -1:
+                saved_nodes.append(n.name)
+            elif 0 <= i < len(tensor_inputs) and isinstance(tensor_inputs[i], fx.Node):
+                src = tensor_inputs[i]
+                if src.op != "get_attr":
+                    saved_nodes.append(src.name)
+        self._annotate_value(n, out)
+        n.meta["autopar.cost"] = NodeCost(
+            op_class=_classify(name, float(self._cache[sig][0])), fwd_flops=fwd, bwd_flops=bwd,
+            act_bytes=act_in + out_b_moved, param_bytes_read=param_read, saved_bytes=float(saved_bytes),
+            saved_input_nodes=tuple(saved_nodes), out_bytes=float(out_b), num_ops=num_ops,
+        )
+        return out
+
+    def _annotate_value(self, n: fx.Node, out: Any) -> None:
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor):
+                n.meta["autopar.tensor"] = TensorInfo(tuple(int(s) for s in o.shape), o.dtype)
+                return
+
+
+def _attention_flops(n: fx.Node, args, kwargs) -> float | None:
+    """Forward FLOPs of scaled-dot-product attention: QK^T and PV, 2 FLOPs per multiply-add."""
+    q = args[0] if args else kwargs.get("query")
+    v = args[2] if len(args) > 2 else kwargs.get("value")
+    if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return None
+    *batch, tq, d = q.shape
+    tk, dv = v.shape[-2], v.shape[-1]
+    b = 1
+    for s in batch:
+        b *= int(s)
+    return float(2 * b * tq * tk * d + 2 * b * tq * tk * dv)
+
+
+def _storage(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def mod_params_all(gm: fx.GraphModule, n: fx.Node) -> list[torch.Tensor]:
+    if n.op != "call_module":
+        return []
+    mod = gm.get_submodule(n.target)
+    return list(mod.parameters()) + list(mod.buffers())
+
+
+_VIEW_OPS = ("view", "reshape", "transpose", "permute", "size", "contiguous", "expand", "getattr", "split",
+             "chunk", "getitem", "unsqueeze", "squeeze", "flatten", "unflatten", "t", "_unsafe_view", "alias",
+             "slice", "select", "detach")
+
+
+def _reraisable(exc: Exception) -> bool:
+    try:
+        type(exc)("x")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _out_bytes(out: Any) -> float:
+    return float(sum(_nbytes(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)))
+
+
+def annotate_pass(gm: fx.GraphModule, example_inputs: tuple, *, with_backward: bool = True) -> fx.GraphModule:
+    """Annotate every node of ``gm`` in place (see the module docstring) and return it."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                           tuple(example_inputs))
+    with torch.no_grad() if not with_backward else torch.enable_grad():
+        _Analyzer(gm, fake_mode, with_backward).run(*fake_inputs)
+    return gm

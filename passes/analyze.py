@@ -1,0 +1,65 @@
+"""The analysis orchestrator: capture -> annotate -> blocks -> per-block statistics.
+
+``analyze(model, example_inputs)`` runs the passes in order and returns an ``Analysis``: the captured
+graph (annotated in place), the blocks and their statistics at the example's batch size, and the
+blocks that share parameters. Everything per sample is the example's figure divided by its batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from passes.analysis import annotate_pass
+from passes.blocks import Block, BlockStats, assign_blocks_pass, block_stats
+from passes.capture import Captured, capture
+
+__all__ = ["Analysis", "analyze"]
+
+
+@dataclass(frozen=True)
+class Analysis:
+    captured: Captured
+    batch_size: int
+    blocks: tuple[Block, ...]
+    stats: tuple[BlockStats, ...]
+    tied_groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def method(self) -> str:
+        return self.captured.method
+
+    @property
+    def total_params(self) -> int:
+        return sum(s.params for s in self.stats)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(s.fwd_flops for s in self.stats)
+
+    def distinct_blocks(self) -> dict[str, list[int]]:
+        """struct_hash -> indices of the blocks with that structure."""
+        out: dict[str, list[int]] = {}
+        for s in self.stats:
+            out.setdefault(s.struct_hash, []).append(s.index)
+        return out
+
+
+def _batch_size(example_inputs: tuple) -> int:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError("example_inputs: need at least one tensor with a batch dimension (dim 0)")
+
+
+def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto") -> Analysis:
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    captured = capture(model, example_inputs, method=method)
+    annotate_pass(captured.gm, example_inputs)
+    blocks = assign_blocks_pass(captured.gm)
+    stats, tied = block_stats(captured.gm, blocks)
+    return Analysis(captured=captured, batch_size=_batch_size(example_inputs), blocks=blocks, stats=stats,
+                    tied_groups=tied)

@@ -1,0 +1,132 @@
+"""Capture: model + example inputs -> ``torch.fx.GraphModule``.
+
+First ``torch.fx.symbolic_trace``; where plain fx fails (data- or shape-dependent Python control flow,
+keyword-heavy signatures, dataclass outputs: the way model hubs write models), fall back to
+``torch.export`` (non-strict), whose graph is an fx graph too, unlifted back to a GraphModule that holds
+the original parameters. The batch dimension of every input is exported as dynamic where torch.export
+can prove it (``Dim.AUTO``), else the graph is specialised to the example's batch size and
+``Captured.batch_static`` says so.
+
+Every node keeps the qualified path of the module that produced it: ``module_path(node)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+__all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss"]
+
+
+class CaptureError(ValueError):
+    """Neither torch.fx nor torch.export could capture the model."""
+
+
+@dataclass(frozen=True)
+class Captured:
+    gm: fx.GraphModule
+    method: Literal["fx", "export"]
+    batch_static: bool = False
+    fx_error: str | None = None  # why plain fx failed, when the export path was taken
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost module this node belongs to ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        # torch.export names module paths like "L['self'].layers.0" in some versions; keep the tail.
+        return _clean_path(path)
+    return ""
+
+
+def _clean_path(path: str) -> str:
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):].lstrip(".")
+    return path
+
+
+def _user_line(exc: BaseException) -> str:
+    """The innermost frame of the traceback that is not in torch: the user's model line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if "/torch/" not in fr.filename and "/passes/capture.py" not in fr.filename:
+            return f'{fr.filename}:{fr.lineno}: {fr.line}'
+    return "(no frame outside torch)"
+
+
+def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, bool]:
+    from torch.export import Dim
+
+    dyn = tuple({0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in example_inputs)
+    try:
+        ep = torch.export.export(model, example_inputs, dynamic_shapes=dyn, strict=False)
+        static = False
+    except Exception:
+        ep = torch.export.export(model, example_inputs, strict=False)
+        static = True
+    gm = ep.module()
+    # Export names module paths relative to the root; nothing else to fix up. Check the batch dim
+    # really is symbolic on the placeholders (Dim.AUTO may specialise it, e.g. for a batch of 1).
+    if not static:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
+                if isinstance(val.shape[0], int):
+                    static = True
+    return gm, static
+
+
+def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", "fx", "export"] = "auto") -> Captured:
+    """Capture ``model`` as an fx GraphModule; see the module docstring for the order of attempts."""
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    fx_error = None
+    if method in ("auto", "fx"):
+        try:
+            gm = fx.symbolic_trace(model)
+            return Captured(gm=gm, method="fx")
+        except Exception as exc:  # noqa: BLE001 - any tracing failure sends us to the fallback
+            fx_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+            fx_line = _user_line(exc)
+            if method == "fx":
+                raise CaptureError(f"torch.fx could not trace {type(model).__name__} at {fx_line}: {fx_error}") from exc
+    try:
+        gm, static = _export(model, example_inputs)
+    except Exception as exc:  # noqa: BLE001
+        ex_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+        msg = f"cannot capture {type(model).__name__}: torch.export failed at {_user_line(exc)}: {ex_error}"
+        if fx_error:
+            msg += f"; torch.fx failed at {fx_line}: {fx_error}"
+        msg += ". Make that line independent of tensor values (use torch.where / torch.cond) or pass "\
+               "example inputs that the model accepts."
+        raise CaptureError(msg) from exc
+    return Captured(gm=gm, method="export", batch_static=static, fx_error=fx_error)
+
+
+def output_to_loss(output: Any) -> torch.Tensor:
+    """The loss from a model output that carries it: a tensor, a dict / dataclass with ``loss``, or a tuple
+    whose first element is the loss (model-hub conventions)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    if dataclasses.is_dataclass(output) and hasattr(output, "loss"):
+        return output.loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ValueError(f"loss_fn=None but the model output ({type(output).__name__}) carries no loss")
