@@ -9,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are importe
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def _assert_ok(result):
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=_ids)
 @pytest.mark.parametrize("kernel", ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu"])
 def test_row_and_elementwise_kernels_match_torch(kernel, shape, dtype):
-    _assert_ok(compare(kernel, shape, dtype, seed=hash((kernel, shape)) % 1000))
+    _assert_ok(compare(kernel, shape, dtype, seed=zlib.crc32(f"{kernel}{shape}".encode())))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
@@ -48,6 +49,7 @@ def test_chunked_row_path_matches_torch(kernel, shape, dtype):
     _assert_ok(compare(kernel, shape, dtype, config=CHUNK, bwd_config=CHUNK))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's -inf - -inf
 @pytest.mark.parametrize("config", [None, CHUNK], ids=["single", "chunked"])
 def test_softmax_of_masked_rows_like_torch(config):
     # causal-attention rows: leading -inf, a row of only -inf (NaN in torch too)
