@@ -153,7 +153,9 @@ def run_benchmark(sizes, dtype, modes, use_compile, out_dir: Path, device: str =
     peak = peak_for(device_name)
     torch_ops = _torch_ops()
     compiled = {k: torch.compile(f, dynamic=False) for k, f in torch_ops.items()} if use_compile else {}
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per shape and mode
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 256))
     rows = []
     for kernel, shapes in sizes.items():
         for shape in shapes:
