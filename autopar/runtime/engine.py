@@ -1,0 +1,96 @@
+"""Execution engines: what runs a ``Plan`` on one rank under ``torch.distributed``.
+
+An engine is built on every rank from the same ``EngineInputs`` (only ``rank``, ``device`` and
+``clock`` differ) and exposes two calls:
+
+- ``step(inputs, targets) -> float``: one optimizer step on the *global* batch (every rank is given
+  the whole global batch and takes its own share, ``share_slices``); returns the global mean loss,
+  identical on every rank.
+- ``state_dict() -> dict[str, Tensor]``: the full, unsharded model state on every rank, with the keys
+  of the user's ``model.state_dict()``.
+
+Exactness: after any number of steps the state equals the same optimizer stepping on one device
+over the whole global batch (gradients are weighted by each micro-batch's sample count over the
+global batch size, so the sum over ranks is the global-batch mean gradient).
+
+``select_engine(plan)`` picks the engine class for a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.plan import Plan
+
+__all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "compute_loss"]
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    gm: fx.GraphModule        # captured graph; node.meta["autopar.block"] = block index (passes.blocks)
+    model: nn.Module          # the user's model; gm shares its parameters
+    plan: Plan
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None  # None: the output carries the loss
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    rank: int
+    world_size: int
+    device: torch.device
+    clock: Any                # autopar.runtime.emulate.EmulatedClock or NullClock: `with clock.compute():`
+    group: Any = None         # process group of the plan's ranks (None: the default group)
+
+
+class Engine(Protocol):
+    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+def share_slices(plan: Plan, stage: int = 0) -> list[slice]:
+    """Rows of the global batch each member of ``stage`` owns, member by member (for single-stage
+    plans: each rank's share of the step)."""
+    out, start = [], 0
+    for g in range(len(plan.stages[stage].groups)):
+        n = plan.stages[stage].member_batch(g)
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def micro_slices(sizes: tuple[int, ...], offset: int = 0) -> list[slice]:
+    """Consecutive slices of the given sizes starting at ``offset`` (sizes of 0 give empty slices)."""
+    out, start = [], offset
+    for n in sizes:
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def compute_loss(output: Any, targets: torch.Tensor | None, loss_fn) -> torch.Tensor:
+    """The micro-batch mean loss from a model output (``loss_fn`` or the output's own loss)."""
+    if loss_fn is not None:
+        return loss_fn(output, targets)
+    from passes.capture import output_to_loss
+
+    return output_to_loss(output)
+
+
+def select_engine(plan: Plan):
+    """The engine class that runs ``plan``."""
+    tp = any(len(g) > 1 for s in plan.stages for g in s.groups)
+    if tp:
+        from autopar.runtime.tp import TensorParallelEngine
+
+        if len(plan.stages) == 1:
+            return TensorParallelEngine
+    if len(plan.stages) == 1 and not tp:
+        from autopar.runtime.dp import DataParallelEngine
+
+        return DataParallelEngine
+    from autopar.runtime.pipeline import PipelineEngine
+
+    return PipelineEngine
