@@ -55,6 +55,7 @@ class BlockStats:
     saved_bytes: float         # activation bytes kept for backward
     cut_bytes: float           # bytes crossing a pipeline cut placed right after this block
     flops_by_class: tuple[tuple[str, float], ...]
+    bwd_flops_by_class: tuple[tuple[str, float], ...]
     bytes_by_class: tuple[tuple[str, float], ...]
     num_ops: int
 
@@ -227,9 +228,11 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
             ti = by_name[name].meta.get("autopar.tensor")
             saved += ti.nbytes if ti else 0
         fl: dict[str, float] = defaultdict(float)
+        bf: dict[str, float] = defaultdict(float)
         by: dict[str, float] = defaultdict(float)
         for c in costs:
             fl[c.op_class] += c.fwd_flops
+            bf[c.op_class] += c.bwd_flops
             by[c.op_class] += c.act_bytes + c.param_bytes_read
         stats.append(BlockStats(
             index=b.index, name=b.name, struct_hash=b.struct_hash,
@@ -237,7 +240,8 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
             fwd_flops=sum(c.fwd_flops for c in costs), bwd_flops=sum(c.bwd_flops for c in costs),
             act_bytes=sum(c.act_bytes for c in costs), param_bytes_read=sum(c.param_bytes_read for c in costs),
             saved_bytes=float(saved), cut_bytes=cut[b.index],
-            flops_by_class=tuple(sorted(fl.items())), bytes_by_class=tuple(sorted(by.items())),
+            flops_by_class=tuple(sorted(fl.items())), bwd_flops_by_class=tuple(sorted(bf.items())),
+            bytes_by_class=tuple(sorted(by.items())),
             num_ops=sum(c.num_ops for c in costs),
         ))
     return tuple(stats), tied

@@ -1,0 +1,313 @@
+"""The ``autopar`` command line (also ``python -m autopar``). See ``autopar --help``.
+
+Errors on bad input are one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main", "build_parser"]
+
+_DESCRIPTION = """\
+autopar: plan and run training of a PyTorch model over a heterogeneous cluster.
+
+  autopar demo                                   plan + train a small GPT on an emulated 3-device cluster
+  autopar analyze --model gpt2-small             per-block parameters, FLOPs, memory, time per device type
+  autopar plan --model llama-7b --cluster benchmarks/clusters/mixed-3.yaml --global-batch 256
+  autopar train --model gpt-tiny --cluster demo --global-batch 48 --steps 5
+  autopar models                                 the model zoo
+  autopar tune                                   Triton kernel tuning runs (needs a GPU)
+
+MODEL is a zoo name (autopar models) or package.module:factory. CLUSTER is a YAML file or a built-in
+name (demo). On a machine without GPUs, devices marked `emulate: cpu` are CPU processes slowed to their
+speed: figures from such runs are emulated, and planner figures are predictions of the cost model.
+"""
+
+
+class _Fail(Exception):
+    pass
+
+
+def _load_model(spec: str, device: str | None = None):
+    from autopar.models import load
+
+    return load(spec, device=device)
+
+
+def _planning_device(spec: str) -> str:
+    """Small models are analysed with real weights (so they can be measured), big ones on meta."""
+    from autopar.models import config_of, names
+
+    if spec in names():
+        case = _load_model(spec, device="meta")
+        return "cpu" if case.num_params_expected < 50_000_000 else "meta"
+    return "cpu"
+
+
+def _load_cluster(arg: str | None):
+    from autopar.cluster import Cluster, load
+
+    return Cluster.detect() if arg is None else load(arg)
+
+
+def _progress(total: int, label: str):
+    """A rich progress bar on stderr; returns (advance callback, stop callback)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), transient=True)
+    task = prog.add_task(label, total=total)
+    prog.start()
+    return (lambda: prog.advance(task)), prog.stop
+
+
+def _write_json(obj, dest: str) -> None:
+    text = json.dumps(obj, indent=2)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+
+
+def _prepare(model_spec: str, cluster, need_measure: bool = True):
+    from autopar.api import prepare
+
+    case = _load_model(model_spec, device=_planning_device(model_spec))
+    distinct = None
+    advance, stop = (lambda: None), (lambda: None)
+    if need_measure and sys.stderr.isatty():
+        from passes.analyze import analyze
+
+        distinct = len(analyze(case.model, case.example_inputs).distinct_blocks()) * 7
+        advance, stop = _progress(distinct, "profiling blocks")
+    try:
+        return case, prepare(case.model, cluster, case.example_inputs, progress=advance)
+    finally:
+        stop()
+
+
+# -- commands ------------------------------------------------------------------------------------
+def cmd_models(args) -> int:
+    from autopar.models import load, names
+    from autopar.report import fmt_count, render
+    from rich.table import Table
+
+    t = Table(title="model zoo")
+    for c in ("name", "parameters", "fwd FLOPs / sample"):
+        t.add_column(c, justify="left" if c == "name" else "right")
+    for n in names():
+        case = load(n, device="meta")
+        fl = case.fwd_flops_per_sample_expected
+        t.add_row(n, fmt_count(case.num_params_expected), fmt_count(fl) if fl else "-")
+    print(render(t), end="")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from autopar.report import analysis_table
+
+    cluster = _load_cluster(args.cluster)
+    case, prep = _prepare(args.model, cluster)
+    a, costs = prep.analysis, prep.costs
+    batch = args.batch or a.batch_size
+    if args.json != "-":
+        print(analysis_table(a, costs, batch), end="")
+        print(f"capture: {a.method}; analysis {prep.analyze_s:.2f} s, profiling {prep.profile_s:.2f} s")
+    if args.json:
+        per = a.batch_size
+        blocks = []
+        for s in a.stats:
+            blocks.append(dict(
+                name=s.name, params=s.params, fwd_flops=s.fwd_flops * batch / per,
+                bwd_flops=s.bwd_flops * batch / per, activation_bytes=s.saved_bytes * batch / per,
+                param_bytes=s.param_bytes, cut_bytes=s.cut_bytes * batch / per, struct_hash=s.struct_hash,
+                time_s={t: {"fwd": float(costs.fwd_time(t, batch)[s.index]), "bwd": float(costs.bwd_time(t, batch)[s.index])}
+                        for t in costs.device_types}))
+        _write_json(dict(
+            model=args.model, capture=a.method, batch=batch, blocks=blocks,
+            total=dict(params=a.total_params, fwd_flops=a.fwd_flops * batch / per,
+                       bwd_flops=sum(s.bwd_flops for s in a.stats) * batch / per,
+                       activation_bytes=sum(s.saved_bytes for s in a.stats) * batch / per),
+            tied_blocks=[list(g) for g in a.tied_groups], time_sources=costs.sources,
+        ), args.json)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from autopar.api import _num_heads, plan_from_costs
+    import time
+
+    cluster = _load_cluster(args.cluster)
+    case, prep = _prepare(args.model, cluster)
+    t0 = time.perf_counter()
+    pp_layers = [int(x) for x in args.pp_layers.split(",")] if args.pp_layers else None
+    p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
+                        zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
+                        pp_layers=pp_layers, num_heads=_num_heads(case.model))
+    dt = time.perf_counter() - t0
+    if args.json != "-":
+        print(p.summary(cluster), end="")
+        print(f"planning {dt:.2f} s (analysis {prep.analyze_s:.2f} s, cost tables {prep.profile_s:.2f} s; "
+              f"time sources: {', '.join(sorted(set(prep.costs.sources.values())))})")
+    if args.json:
+        d = p.to_dict()
+        d["planning_s"] = dt
+        _write_json(d, args.json)
+    if args.timeline:
+        from autopar.pp_planner import save_plan_timeline
+
+        save_plan_timeline(p, prep.costs, cluster, args.timeline)
+        if args.json != "-":
+            print(f"timeline written to {args.timeline}")
+    return 0
+
+
+def _print_run(results, cluster, baseline: str | None) -> dict:
+    from autopar.plan import Plan
+
+    emu = " (emulated devices)" if cluster.is_emulated else ""
+    summary = {}
+    for r in results:
+        p = Plan.from_json(r.plan_json)
+        gb = p.global_batch_size
+        meas = r.measured_step_s
+        print(f"\n== strategy {r.strategy}: {p.strategy}, ZeRO-{p.zero_stage}, rank batch {p.rank_batch}")
+        for i, (loss, t) in enumerate(zip(r.losses, r.step_times_s)):
+            print(f"  step {i + 1:3d}  loss {loss:.4f}  {t * 1e3:8.1f} ms")
+        print(f"  measured{emu}: {gb / meas:.2f} samples/s ({meas * 1e3:.1f} ms/step, median); "
+              f"predicted {gb / r.predicted_step_s:.2f} samples/s; measured/predicted step time "
+              f"{meas / r.predicted_step_s:.2f}")
+        summary[r.strategy] = dict(measured_samples_per_s=gb / meas, predicted_samples_per_s=gb / r.predicted_step_s,
+                                   measured_over_predicted=meas / r.predicted_step_s, losses=list(r.losses))
+    if baseline and baseline in summary and len(summary) > 1:
+        first = results[0].strategy
+        sp = summary[first]["measured_samples_per_s"] / summary[baseline]["measured_samples_per_s"]
+        pr = summary[first]["predicted_samples_per_s"] / summary[baseline]["predicted_samples_per_s"]
+        print(f"\nspeedup of {first} over {baseline}, measured in the same run{emu}: {sp:.2f}x "
+              f"(predicted {pr:.2f}x)")
+        summary["speedup"] = dict(measured=sp, predicted=pr)
+    return summary
+
+
+def cmd_train(args) -> int:
+    from autopar.trainer import RunSpec, run_comparison
+
+    cluster = _load_cluster(args.cluster)
+    strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
+    spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
+                   steps=args.steps, strategies=strategies,
+                   zero_stage=args.zero if args.zero == "auto" else int(args.zero))
+    print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
+          f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.steps} steps")
+    results = run_comparison(spec, cluster)
+    from autopar.plan import Plan
+
+    print(Plan.from_json(results[0].plan_json).summary(cluster), end="")
+    summary = _print_run(results, cluster, strategies[1] if len(strategies) > 1 else None)
+    if args.json:
+        _write_json(summary, args.json)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    args.model = args.model or "gpt-tiny"
+    args.cluster = args.cluster or "demo"
+    args.strategy = "auto"
+    args.compare = "uniform-dp"
+    args.zero = "auto"
+    return cmd_train(args)
+
+
+def cmd_tune(args, rest: list[str]) -> int:
+    from kernels import tune
+
+    def shapes_for_model(name):
+        from passes.triton_patterns import find_kernel_patterns, kernel_shapes
+        from passes.analyze import analyze
+
+        case = _load_model(name, device="meta")
+        a = analyze(case.model, case.example_inputs)
+        gm = a.captured.gm
+        for n in gm.graph.nodes:  # the pattern pass reads shapes from tensor_meta
+            ti = n.meta.get("autopar.tensor")
+            if ti is not None and "tensor_meta" not in n.meta:
+                from torch.fx.passes.shape_prop import _extract_tensor_metadata
+                import torch
+
+                n.meta["tensor_meta"] = _extract_tensor_metadata(torch.empty(ti.shape, dtype=ti.dtype, device="meta"))
+        return kernel_shapes(find_kernel_patterns(gm))
+
+    return tune.main(rest, shapes_for_model=shapes_for_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description=_DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("models", help="list the model zoo")
+
+    a = sub.add_parser("analyze", help="per-block parameters, FLOPs, activations and time per device type")
+    a.add_argument("--model", required=True, help="zoo name or package.module:factory")
+    a.add_argument("--cluster", help="cluster YAML file or built-in name (default: this machine)")
+    a.add_argument("--batch", type=int, help="micro-batch size for FLOPs and times (default: the example's)")
+    a.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-' for stdout)")
+
+    def plan_args(q, train=False):
+        q.add_argument("--model", required=not train, help="zoo name or package.module:factory")
+        q.add_argument("--cluster", required=not train, help="cluster YAML file or built-in name (demo)")
+        q.add_argument("--global-batch", type=int, required=not train, help="samples per optimizer step")
+        q.add_argument("--strategy", default="auto",
+                       choices=["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"])
+        q.add_argument("--zero", default="auto", choices=["auto", "0", "1", "2", "3"], help="ZeRO stage")
+        q.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-' for stdout)")
+
+    q = sub.add_parser("plan", help="plan a model on a cluster and show the predicted throughput")
+    plan_args(q)
+    q.add_argument("--schedule", default="auto", choices=["auto", "gpipe", "1f1b"])
+    q.add_argument("--pp-layers", help="pin blocks per pipeline stage, e.g. 8,4")
+    q.add_argument("--timeline", metavar="OUT.png", help="write the simulated per-rank Gantt chart")
+
+    t = sub.add_parser("train", help="really train on this machine (emulated devices are CPU processes)")
+    plan_args(t)
+    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
+
+    d = sub.add_parser("demo", help="plan and train a small GPT on the emulated demo cluster vs uniform-dp")
+    d.add_argument("--model", default=None, help="default gpt-tiny")
+    d.add_argument("--cluster", default=None, help="default the built-in demo cluster")
+    d.add_argument("--global-batch", type=int, default=96)
+    d.add_argument("--steps", type=int, default=6)
+    d.add_argument("--json", metavar="OUT")
+
+    sub.add_parser("tune", help="Triton kernel tuning runs on the local GPU (autopar tune --help)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "tune":
+        try:
+            return cmd_tune(None, argv[1:])
+        except ValueError as exc:
+            print(f"autopar tune: error: {exc}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"models": cmd_models, "analyze": cmd_analyze, "plan": cmd_plan, "train": cmd_train,
+               "demo": cmd_demo}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError, _Fail) as exc:
+        msg = " ".join(str(exc).split())
+        print(f"autopar {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

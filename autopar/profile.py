@@ -1,0 +1,284 @@
+"""Per-device cost: the forward and backward time of every block on every device type of a cluster.
+
+Three sources, in order of preference (``ModelCosts.sources`` records which one each type got):
+
+1. **measured** on a real local device of that type (a CUDA GPU whose name matches, or this CPU):
+   each *distinct* block (``struct_hash``) is split out of the graph, fed real activations, and timed
+   forward and backward (warm-up, repeats, median); results are cached on disk keyed by block
+   signature, micro-batch, device name and dtype.
+2. **emulated**: an emulated CPU device (``emulate: cpu, speed: s``) costs the CPU measurement divided
+   by ``s``. This is emulation: the figures say so wherever they are printed.
+3. **roofline** transfer for device types not at hand: per block and op class (matmul, attention,
+   memory-bound), ``max(FLOPs / peak, bytes / bandwidth)`` divided by a per-class efficiency, plus a
+   per-op overhead. Efficiencies are calibrated by non-negative least squares (scipy ``nnls``) from
+   what was measured on this machine (``calibrate``), or default to typical GPU figures.
+
+A fourth input, Triton kernel timings from ``autopar tune`` (``kernels.timing``), replaces the
+roofline time of the nodes a tuned kernel covers when a tuning cache exists for that device.
+
+GPU device types are costed for mixed-precision training (bf16 peak, 2-byte activations); CPU and
+emulated devices for fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from autopar.costs import OPTIMIZER_STATE_BYTES, ModelCosts
+
+__all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
+           "measure_blocks", "cache_dir", "DEFAULT_SAMPLE_BATCHES"]
+
+DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """Inverse efficiencies per op class (1 / fraction of peak reached) and a per-op overhead (s)."""
+    matmul: float
+    attention: float
+    memory: float
+    op_overhead_s: float
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.matmul, self.attention, self.memory, self.op_overhead_s])
+
+
+# Typical large-model training on current GPUs: ~60% of peak on GEMMs, ~45% on fused attention,
+# ~75% of HBM bandwidth on memory-bound kernels, ~4 us per kernel launch.
+DEFAULT_GPU_EFFICIENCY = Efficiency(matmul=1 / 0.6, attention=1 / 0.45, memory=1 / 0.75, op_overhead_s=4e-6)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("AUTOPAR_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "autopar"
+
+
+# -- roofline ------------------------------------------------------------------------------------
+def roofline_features(stats, micro_batch: float, batch_size: int, peak_flops: float, bandwidth_Bps: float,
+                      bytes_scale: float = 1.0, backward: bool = False) -> np.ndarray:
+    """Feature vector [matmul s, attention s, memory s, num_ops] of one block at ``micro_batch``.
+
+    ``stats`` is a ``passes.blocks.BlockStats`` measured at ``batch_size`` samples; FLOPs and activation
+    bytes scale linearly with the micro-batch, parameter bytes do not.
+    """
+    scale = micro_batch / batch_size
+    flops = dict(stats.bwd_flops_by_class if backward else stats.flops_by_class)
+    byts = dict(stats.bytes_by_class)
+    total_b = max(sum(byts.values()), 1.0)
+    act_frac = stats.act_bytes / total_b if total_b else 0.0
+    bwd_mult = 2.0 if backward else 1.0  # backward reads activations and grads and writes grads
+    out = []
+    for cls in ("matmul", "attention", "memory"):
+        f = flops.get(cls, 0.0) * scale
+        b = byts.get(cls, 0.0) * bytes_scale * bwd_mult
+        b = b * act_frac * scale + b * (1 - act_frac)
+        out.append(max(f / peak_flops, b / bandwidth_Bps))
+    out.append(stats.num_ops * (2.0 if backward else 1.0))
+    return np.array(out)
+
+
+def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
+    """Fit inverse efficiencies and a per-op overhead to measured times (non-negative least squares,
+    relative error weighting so small and large blocks count alike)."""
+    from scipy.optimize import nnls
+
+    a = np.asarray(features, float)
+    t = np.asarray(times_s, float)
+    w = 1.0 / np.maximum(t, 1e-9)
+    x, _ = nnls(a * w[:, None], t * w)
+    # A class never exercised by the data keeps a neutral value rather than zero.
+    used = (a > 0).any(axis=0)
+    x = np.where(used & (x > 0), x, np.array([1.0, 1.0, 1.0, 0.0]) if not used.all() else x)
+    return Efficiency(*[float(v) for v in x])
+
+
+# -- measurement ---------------------------------------------------------------------------------
+def _tile_batch(inputs: tuple, b: int) -> tuple:
+    out = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            idx = torch.arange(b, device=t.device) % t.shape[0]
+            out.append(t[idx])
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def _median_time(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: torch.device | None = None,
+                   repeats: int = 3, use_cache: bool = True, progress=None) -> dict[int, np.ndarray]:
+    """Measured forward and backward seconds of every block at each micro-batch in ``batches``.
+
+    Returns {micro_batch: array (2, num_blocks)} (row 0 forward, row 1 backward). Each distinct block is
+    timed once and its time copied to the identical ones.
+    """
+    from torch.fx.passes.split_module import split_module
+
+    gm = analysis.captured.gm
+    device = device or torch.device("cpu")
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    n = len(analysis.blocks)
+    cache_file = cache_dir() / "measure.json"
+    cache = _load_json(cache_file) if use_cache else {}
+    split = split_module(gm, model, lambda node: node.meta["autopar.block"], keep_original_order=True)
+    subs = {int(name.split("_")[1]): mod for name, mod in split.named_children() if name.startswith("submod_")}
+    rep: dict[str, int] = {}
+    for s in analysis.stats:
+        rep.setdefault(s.struct_hash, s.index)
+    out: dict[int, np.ndarray] = {}
+    for b in batches:
+        res = np.zeros((2, n))
+        todo = [i for i in rep.values() if _key(analysis.stats[i].struct_hash, b, dev_name, threads()) not in cache]
+        captured_inputs: dict[int, tuple] = {}
+        if todo:
+            hooks = [subs[i].register_forward_pre_hook(
+                lambda m, args, i=i: captured_inputs.__setitem__(i, tuple(
+                    a.detach() if isinstance(a, torch.Tensor) else a for a in args))) for i in todo if i in subs]
+            with torch.no_grad():
+                split(*_tile_batch(example_inputs, b))
+            for h in hooks:
+                h.remove()
+        for i in todo:
+            if i not in subs or i not in captured_inputs:
+                continue
+            mod, args = subs[i], captured_inputs[i]
+
+            def fwd():
+                return mod(*args)
+
+            def fwd_bwd():
+                a2 = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                      for a in args]
+                outs = [o for o in torch.utils._pytree.tree_flatten(mod(*a2))[0]
+                        if isinstance(o, torch.Tensor) and o.requires_grad]
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+            with torch.no_grad():
+                tf = _median_time(fwd, repeats, sync)
+            tfb = _median_time(fwd_bwd, repeats, sync)
+            mod.zero_grad(set_to_none=True)
+            cache[_key(analysis.stats[i].struct_hash, b, dev_name, threads())] = [tf, max(tfb - tf, 0.0)]
+            if progress is not None:
+                progress()
+        for s in analysis.stats:
+            k = _key(s.struct_hash, b, dev_name, threads())
+            if k in cache:
+                res[:, s.index] = cache[k]
+        out[b] = res
+    if use_cache:
+        _save_json(cache_file, cache)
+    return out
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def _key(h: str, b: int, dev: str, nthreads: int) -> str:
+    return f"{h}|b{b}|{dev}|t{nthreads}|fp32"
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_json(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: measurements are just not cached
+
+
+# -- the cost tables -----------------------------------------------------------------------------
+def _roofline_table(analysis, spec, batches, eff: Efficiency, gpu: bool) -> tuple[np.ndarray, np.ndarray]:
+    peak = spec.peak_flops_bf16 if gpu else spec.peak_flops_fp32
+    bytes_scale = 0.5 if gpu else 1.0
+    fwd = np.zeros((len(batches), len(analysis.stats)))
+    bwd = np.zeros_like(fwd)
+    x = eff.as_array()
+    for bi, b in enumerate(batches):
+        for s in analysis.stats:
+            ff = roofline_features(s, b, analysis.batch_size, peak, spec.mem_bandwidth_Bps, bytes_scale)
+            fb = roofline_features(s, b, analysis.batch_size, peak, spec.mem_bandwidth_Bps, bytes_scale, True)
+            fwd[bi, s.index] = ff @ x
+            bwd[bi, s.index] = fb @ x
+    return fwd, bwd
+
+
+def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
+                sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
+                efficiency: Efficiency | None = None, progress=None) -> ModelCosts:
+    """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
+
+    ``measure``: time blocks on this machine for emulated / local device types (default: when the model
+    has real weights). Without measurement, emulated devices fall back to a roofline of the nominal CPU.
+    """
+    stats = analysis.stats
+    batches = np.array(sorted(sample_batches), dtype=float)
+    on_meta = model is None or any(p.is_meta for p in model.parameters())
+    if measure is None:
+        measure = not on_meta
+    types = cluster.device_types()
+    fwd_table, bwd_table, sources = {}, {}, {}
+    measured = None
+    need_cpu = any(cluster.spec_of(t).is_emulated or cluster.spec_of(t).vendor == "cpu" for t in types)
+    if measure and need_cpu and not on_meta:
+        measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
+    for t in types:
+        spec = cluster.spec_of(t)
+        if spec.is_emulated or spec.vendor == "cpu":
+            speed = spec.speed if spec.is_emulated else 1.0
+            if measured is not None:
+                fwd_table[t] = np.stack([measured[int(b)][0] for b in batches]) / speed
+                bwd_table[t] = np.stack([measured[int(b)][1] for b in batches]) / speed
+                sources[t] = "emulated" if spec.is_emulated else "measured"
+                continue
+            from autopar.devices import CPU_NOMINAL
+
+            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1e-5), False)
+            fwd_table[t], bwd_table[t] = f / speed, b_ / speed
+            sources[t] = "roofline (nominal CPU)"
+            continue
+        f, b_ = _roofline_table(analysis, spec, batches, efficiency or DEFAULT_GPU_EFFICIENCY, True)
+        fwd_table[t], bwd_table[t] = f, b_
+        sources[t] = "roofline"
+    per = analysis.batch_size
+    return ModelCosts(
+        block_names=tuple(s.name for s in stats),
+        params=np.array([s.params for s in stats], float),
+        param_bytes=np.array([s.param_bytes for s in stats], float),
+        act_bytes=np.array([s.saved_bytes / per for s in stats], float),
+        out_bytes=np.array([s.cut_bytes / per for s in stats], float),
+        fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
+        sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table,
+        optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES.get(optimizer, 8),
+        tied_groups=analysis.tied_groups, sources=sources,
+    )

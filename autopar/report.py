@@ -1,0 +1,102 @@
+"""Readable tables (rich) for analyses, plans and training runs. Display only: no decisions here."""
+
+from __future__ import annotations
+
+import io
+
+__all__ = ["fmt_count", "fmt_bytes", "fmt_time", "plan_table", "analysis_table", "render"]
+
+
+def fmt_count(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def render(*renderables, width: int = 140) -> str:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    for r in renderables:
+        console.print(r)
+    return buf.getvalue()
+
+
+def plan_table(plan, cluster=None) -> str:
+    """One row per stage member: ranks, device types, blocks, batch share, micro-batches, memory."""
+    from rich.table import Table
+
+    t = Table(title=f"plan: strategy={plan.strategy}, ZeRO-{plan.zero_stage}, schedule={plan.schedule}, "
+                    f"global batch {plan.global_batch_size}")
+    for col in ("stage", "blocks", "ranks", "device", "samples", "micro-batches", "pred. memory"):
+        t.add_column(col, justify="right" if col in ("samples", "pred. memory") else "left")
+    for s, stage in enumerate(plan.stages):
+        for g, members in enumerate(stage.groups):
+            dev = ""
+            if cluster is not None:
+                dev = ", ".join(sorted({cluster.devices[r].spec.name for r in members}))
+            mem = max((plan.predicted.memory_bytes.get(r, 0) for r in members), default=0)
+            mbs = stage.micro_batches[g]
+            mb_txt = f"{len(mbs)} x {max(mbs) if mbs else 0}" if len(set(mbs)) <= 1 else " ".join(map(str, mbs))
+            tp = f" tp{stage.tp_shares[g]}" if stage.tp_shares and len(members) > 1 else ""
+            names = plan.block_names
+            blocks = f"{stage.block_start}-{stage.block_stop - 1}"
+            if names and len(names) >= stage.block_stop:
+                blocks += f" ({names[stage.block_start]}..{names[stage.block_stop - 1]})"
+            t.add_row(str(s), blocks, ",".join(map(str, members)) + tp, dev, str(stage.member_batch(g)),
+                      mb_txt, fmt_bytes(mem))
+    p = plan.predicted
+    lines = [f"predicted step {fmt_time(p.step_time_s)}, {p.samples_per_s:.2f} samples/s (cost model"
+             f"{'; emulated devices' if cluster is not None and cluster.is_emulated else ''})"]
+    if p.upper_bound_samples_per_s:
+        lines.append(f"upper bound {p.upper_bound_samples_per_s:.2f} samples/s, efficiency {p.efficiency:.1%}"
+                     + (f"; compute bound {p.compute_bound_samples_per_s:.2f} samples/s"
+                        if p.compute_bound_samples_per_s else ""))
+    if plan.notes:
+        lines.append("why this plan:")
+        lines.extend(f"  {n}" for n in plan.notes)
+    return render(t) + "\n".join(lines) + "\n"
+
+
+def analysis_table(analysis, costs, batch: int) -> str:
+    from rich.table import Table
+
+    per = analysis.batch_size
+    types = costs.device_types
+    t = Table(title=f"analysis ({analysis.method} capture), micro-batch {batch}")
+    for col in ("#", "block", "params", "fwd FLOPs", "act. saved", *[f"{ty} fwd+bwd" for ty in types]):
+        t.add_column(col, justify="left" if col == "block" else "right")
+    rows = list(analysis.stats)
+    times = {ty: costs.fwd_time(ty, batch) + costs.bwd_time(ty, batch) for ty in types}
+    distinct = analysis.distinct_blocks()
+    shown_hash = set()
+    for s in rows:
+        same = distinct[s.struct_hash]
+        if len(same) > 2 and s.struct_hash in shown_hash:
+            continue
+        shown_hash.add(s.struct_hash)
+        label = s.name if len(same) <= 2 else f"{s.name} (x{len(same)} identical)"
+        t.add_row(str(s.index), label, fmt_count(s.params), fmt_count(s.fwd_flops * batch / per),
+                  fmt_bytes(s.saved_bytes * batch / per), *[fmt_time(times[ty][s.index]) for ty in types])
+    t.add_row("", "total", fmt_count(analysis.total_params), fmt_count(analysis.fwd_flops * batch / per),
+              fmt_bytes(sum(s.saved_bytes for s in rows) * batch / per),
+              *[fmt_time(float(times[ty].sum())) for ty in types], end_section=True)
+    src = ", ".join(f"{ty}: {costs.sources.get(ty, '?')}" for ty in types)
+    return render(t) + f"time sources: {src}\n"

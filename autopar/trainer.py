@@ -1,0 +1,81 @@
+"""Real training runs on this machine: the worker that ``autopar train`` and ``autopar demo`` launch on
+every rank, comparing strategies side by side in ONE run (the same processes, one after the other).
+
+On a CPU-only machine the devices are *emulated* (CPU processes slowed to their speed); every figure
+this module reports from such a run says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RunSpec", "StrategyResult", "train_worker", "run_comparison"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: str                  # zoo name or package.module:factory
+    cluster_dict: dict
+    global_batch: int
+    steps: int
+    strategies: tuple[str, ...]
+    lr: float = 1e-3
+    warmup_steps: int = 1
+    seed: int = 0
+    zero_stage: object = "auto"
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    strategy: str
+    plan_json: str
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]     # measured wall time of each step (max over ranks)
+    predicted_step_s: float
+
+    @property
+    def measured_step_s(self) -> float:
+        timed = self.step_times_s[1:] if len(self.step_times_s) > 1 else self.step_times_s
+        return statistics.median(timed)
+
+
+def train_worker(rank: int, spec: RunSpec) -> list[dict]:
+    """Runs on every rank: for each strategy, compile, train ``steps`` steps, record loss and time."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.cluster import Cluster
+    from autopar.models import load
+
+    cluster = Cluster.from_dict(spec.cluster_dict)
+    out = []
+    for strategy in spec.strategies:
+        case = load(spec.model, device="cpu", seed=spec.seed)
+        compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), strategy=strategy,
+                                   zero_stage=spec.zero_stage)
+        losses, times = [], []
+        for step in range(spec.steps + spec.warmup_steps):
+            inputs, targets = case.batch(spec.global_batch, seed=step)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = compiled.step(inputs, targets)
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if step >= spec.warmup_steps:
+                losses.append(float(loss))
+                times.append(float(dt))
+        out.append(dict(strategy=strategy, plan_json=compiled.plan.to_json(), losses=tuple(losses),
+                        step_times_s=tuple(times), predicted_step_s=compiled.plan.predicted.step_time_s))
+    return out
+
+
+def run_comparison(spec: RunSpec, cluster) -> list[StrategyResult]:
+    import autopar
+
+    results = autopar.launch(train_worker, cluster, spec)
+    return [StrategyResult(**r) for r in results[0]]
