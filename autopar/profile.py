@@ -42,19 +42,25 @@ DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """Inverse efficiencies per op class (1 / fraction of peak reached) and a per-op overhead (s)."""
+    """Inverse efficiencies (1 / fraction of peak reached) per term of the roofline, and a per-op
+    overhead in seconds. Terms: matmul and attention FLOPs (or their activation traffic, whichever
+    binds), memory-bound activation traffic, and weight traffic (weights read forward; read and their
+    gradient written backward), which large weights (an embedding, an LM head) make expensive."""
     matmul: float
     attention: float
     memory: float
+    weights: float
     op_overhead_s: float
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.matmul, self.attention, self.memory, self.op_overhead_s])
+        return np.array([self.matmul, self.attention, self.memory, self.weights, self.op_overhead_s])
 
 
 # Typical large-model training on current GPUs: ~60% of peak on GEMMs, ~45% on fused attention,
 # ~75% of HBM bandwidth on memory-bound kernels, ~4 us per kernel launch.
-DEFAULT_GPU_EFFICIENCY = Efficiency(matmul=1 / 0.6, attention=1 / 0.45, memory=1 / 0.75, op_overhead_s=4e-6)
+DEFAULT_GPU_EFFICIENCY = Efficiency(matmul=1 / 0.6, attention=1 / 0.45, memory=1 / 0.75, weights=1 / 0.75,
+                                    op_overhead_s=4e-6)
+_NEUTRAL = np.array([1.0, 1.0, 1.0, 1.0, 0.0])
 
 
 def cache_dir() -> Path:
@@ -65,39 +71,39 @@ def cache_dir() -> Path:
 # -- roofline ------------------------------------------------------------------------------------
 def roofline_features(stats, micro_batch: float, batch_size: int, peak_flops: float, bandwidth_Bps: float,
                       bytes_scale: float = 1.0, backward: bool = False) -> np.ndarray:
-    """Feature vector [matmul s, attention s, memory s, num_ops] of one block at ``micro_batch``.
+    """Feature vector [matmul s, attention s, memory s, weights s, num_ops] of one block at ``micro_batch``;
+    the predicted time is its dot product with ``Efficiency.as_array()``.
 
     ``stats`` is a ``passes.blocks.BlockStats`` measured at ``batch_size`` samples; FLOPs and activation
-    bytes scale linearly with the micro-batch, parameter bytes do not.
+    bytes scale linearly with the micro-batch, weight bytes do not.
     """
     scale = micro_batch / batch_size
     flops = dict(stats.bwd_flops_by_class if backward else stats.flops_by_class)
-    byts = dict(stats.bytes_by_class)
-    total_b = max(sum(byts.values()), 1.0)
-    act_frac = stats.act_bytes / total_b if total_b else 0.0
-    bwd_mult = 2.0 if backward else 1.0  # backward reads activations and grads and writes grads
+    act = dict(stats.bytes_by_class)
+    mult = 2.0 if backward else 1.0  # backward reads activations and writes their gradients
     out = []
     for cls in ("matmul", "attention", "memory"):
         f = flops.get(cls, 0.0) * scale
-        b = byts.get(cls, 0.0) * bytes_scale * bwd_mult
-        b = b * act_frac * scale + b * (1 - act_frac)
+        b = act.get(cls, 0.0) * bytes_scale * mult * scale
         out.append(max(f / peak_flops, b / bandwidth_Bps))
-    out.append(stats.num_ops * (2.0 if backward else 1.0))
+    # Forward reads the weights it uses; backward reads them again and writes every weight gradient.
+    weights = stats.param_bytes_read + (stats.param_bytes if backward else 0.0)
+    out.append(weights * bytes_scale / bandwidth_Bps)
+    out.append(stats.num_ops * mult)
     return np.array(out)
 
 
 def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
-    """Fit inverse efficiencies and a per-op overhead to measured times (non-negative least squares,
-    relative error weighting so small and large blocks count alike)."""
+    """Fit the inverse efficiencies and the per-op overhead to measured times (non-negative least
+    squares, weighted by relative error so small and large blocks count alike)."""
     from scipy.optimize import nnls
 
     a = np.asarray(features, float)
     t = np.asarray(times_s, float)
     w = 1.0 / np.maximum(t, 1e-9)
     x, _ = nnls(a * w[:, None], t * w)
-    # A class never exercised by the data keeps a neutral value rather than zero.
     used = (a > 0).any(axis=0)
-    x = np.where(used & (x > 0), x, np.array([1.0, 1.0, 1.0, 0.0]) if not used.all() else x)
+    x = np.where(used, x, _NEUTRAL)  # a term the data never exercised keeps a neutral value
     return Efficiency(*[float(v) for v in x])
 
 
@@ -113,7 +119,7 @@ def _tile_batch(inputs: tuple, b: int) -> tuple:
     return tuple(out)
 
 
-def _median_time(fn, repeats: int, sync) -> float:
+def _time(fn, repeats: int, sync, stat: str = "median") -> float:
     fn()
     sync()
     ts = []
@@ -122,15 +128,17 @@ def _median_time(fn, repeats: int, sync) -> float:
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(ts) if stat == "median" else min(ts)
 
 
 def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: torch.device | None = None,
-                   repeats: int = 3, use_cache: bool = True, progress=None) -> dict[int, np.ndarray]:
+                   repeats: int = 3, use_cache: bool = True, progress=None,
+                   stat: str = "median") -> dict[int, np.ndarray]:
     """Measured forward and backward seconds of every block at each micro-batch in ``batches``.
 
     Returns {micro_batch: array (2, num_blocks)} (row 0 forward, row 1 backward). Each distinct block is
-    timed once and its time copied to the identical ones.
+    timed once and its time copied to the identical ones. ``stat``: "median" of the repeats, or "min"
+    (robust when other processes share the cores).
     """
     from torch.fx.passes.split_module import split_module
 
@@ -176,8 +184,8 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
             with torch.no_grad():
-                tf = _median_time(fwd, repeats, sync)
-            tfb = _median_time(fwd_bwd, repeats, sync)
+                tf = _time(fwd, repeats, sync, stat)
+            tfb = _time(fwd_bwd, repeats, sync, stat)
             mod.zero_grad(set_to_none=True)
             cache[_key(analysis.stats[i].struct_hash, b, dev_name, threads())] = [tf, max(tfb - tf, 0.0)]
             if progress is not None:
@@ -263,7 +271,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
                 continue
             from autopar.devices import CPU_NOMINAL
 
-            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1e-5), False)
+            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1, 1e-5), False)
             fwd_table[t], bwd_table[t] = f / speed, b_ / speed
             sources[t] = "roofline (nominal CPU)"
             continue

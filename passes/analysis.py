@@ -243,6 +243,8 @@ class _Analyzer(fx.Interpreter):
             mod = self.module.get_submodule(n.target)
             param_read += sum(_nbytes(p) for p in mod.parameters()) + sum(_nbytes(b) for b in mod.buffers())
         out_b = _out_bytes(out)
+        if "embedding" in name:
+            param_read = min(param_read, out_b)  # a lookup reads only the rows it gathers
         is_view = (n.op == "call_function" and n.target is operator.getitem) or \
             name.split(".")[0] in _VIEW_OPS or name.split(".")[-1] in _VIEW_OPS
         if is_view:

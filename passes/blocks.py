@@ -56,7 +56,7 @@ class BlockStats:
     cut_bytes: float           # bytes crossing a pipeline cut placed right after this block
     flops_by_class: tuple[tuple[str, float], ...]
     bwd_flops_by_class: tuple[tuple[str, float], ...]
-    bytes_by_class: tuple[tuple[str, float], ...]
+    bytes_by_class: tuple[tuple[str, float], ...]   # activation bytes moved, per op class
     num_ops: int
 
 
@@ -233,7 +233,7 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
         for c in costs:
             fl[c.op_class] += c.fwd_flops
             bf[c.op_class] += c.bwd_flops
-            by[c.op_class] += c.act_bytes + c.param_bytes_read
+            by[c.op_class] += c.act_bytes
         stats.append(BlockStats(
             index=b.index, name=b.name, struct_hash=b.struct_hash,
             params=sum(p.numel() for p in params), param_bytes=sum(p.numel() * p.element_size() for p in params),

@@ -1,0 +1,47 @@
+"""Shared benchmark helpers: the machine and versions record, and writing JSON + markdown results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    import torch
+
+    env = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
+               processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+               threads=torch.get_num_threads(), cuda=torch.cuda.is_available(),
+               date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def write_results(name: str, data: dict, markdown: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = dict(data, environment=environment())
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    env = data["environment"]
+    (RESULTS / f"{name}.md").write_text(
+        markdown.rstrip() + f"\n\nMachine: {env['processor']}, {env['cpus']} CPUs"
+        f"{', GPU ' + env['gpu'] if 'gpu' in env else ''}; Python {env['python']}, torch {env['torch']}"
+        f"{', triton ' + env['triton'] if 'triton' in env else ''}; {env['date']}.\n")
+    print(f"wrote {RESULTS / name}.json and .md")
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
