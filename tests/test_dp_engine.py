@@ -49,20 +49,21 @@ def _prepared(name: str):
     return _PREPARED[name]
 
 
-def dp_plan(micro, zero_stage: int, zero_shares=(), num_blocks: int = 1) -> Plan:
+def dp_plan(micro, zero_stage: int, zero_shares=(), num_blocks: int = 1, ranks=None) -> Plan:
+    ranks = range(len(micro)) if ranks is None else ranks
     return Plan(strategy="dp", global_batch_size=sum(map(sum, micro)), zero_stage=zero_stage,
                 schedule="none",
-                stages=(Stage(0, num_blocks, groups=tuple((r,) for r in range(len(micro))),
+                stages=(Stage(0, num_blocks, groups=tuple((r,) for r in ranks),
                               micro_batches=tuple(tuple(m) for m in micro), zero_shares=tuple(zero_shares)),),
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
 def make_engine(name, micro, zero_stage, optimizer, rank, world_size, zero_shares=(), clock=None,
-                cls=DataParallelEngine):
+                cls=DataParallelEngine, ranks=None):
     with _LOCK:
         model, gm, loss_fn, num_blocks = _prepared(name)
         model, gm = copy.deepcopy((model, gm))       # one memo: gm keeps sharing the model's params
-    plan = dp_plan(micro, zero_stage, zero_shares, num_blocks)
+    plan = dp_plan(micro, zero_stage, zero_shares, num_blocks, ranks)
     assert select_engine(plan) is DataParallelEngine
     return cls(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
@@ -90,8 +91,9 @@ class ThreeRanks(MultiThreadedTestCase):
         super().setUp()
         self._spawn_threads()
 
-    def check_exact(self, name, micro, zero_stage, optimizer, zero_shares=()):
-        engine = make_engine(name, micro, zero_stage, optimizer, self.rank, self.world_size, zero_shares)
+    def check_exact(self, name, micro, zero_stage, optimizer, zero_shares=(), ranks=None):
+        engine = make_engine(name, micro, zero_stage, optimizer, self.rank, self.world_size, zero_shares,
+                             ranks=ranks)
         losses = train(engine, name)
         ref = oracle(name, engine.plan.global_batch_size, optimizer)
         assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
@@ -128,6 +130,19 @@ class ThreeRanks(MultiThreadedTestCase):
 
     def test_gpt_tiny_sgd_zero3_rank_with_no_samples_memory_shares(self):
         self.check_exact("gpt-tiny", ZERO_RANK, 3, "sgd", zero_shares=(0.5, 0.3, 0.2))
+
+    def test_members_out_of_rank_order_and_a_rank_left_out_of_the_plan(self):
+        # Members listed as ranks 2, 0, 1: shares follow member order, shards follow group rank.
+        engine = self.check_exact("gpt-tiny", ((7,), (10, 10, 7), (7, 6)), 2, "sgd", (1.0, 2.0, 3.0),
+                                  ranks=(2, 0, 1))
+        assert engine._share == {2: slice(0, 7), 0: slice(7, 34), 1: slice(34, 47)}[self.rank]
+        sizes = [b - a for a, b in map(engine.layout.shard, range(3))]
+        assert sizes[2] < sizes[0] < sizes[1]
+        # A plan over ranks 0 and 2 only: rank 1 is idle but joins every collective (ZeRO-3 rounds too).
+        for zero_stage in (0, 3):
+            engine = self.check_exact("gpt-tiny", ((10, 10, 7), (20,)), zero_stage, "sgd", ranks=(0, 2))
+            if zero_stage == 3 and self.rank == 1:
+                assert engine.layout.shard(1)[0] == engine.layout.shard(1)[1]
 
     # -- exactness: AdamW (eps 1e-6) ---------------------------------------------------------------
     def test_mlp_tiny_adamw_zero0_to_3(self):

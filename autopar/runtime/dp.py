@@ -5,8 +5,11 @@ Terms
   owns rows ``share_slices(plan)[g]`` of the global batch and steps through its own micro-batches
   ``plan.stages[0].micro_batches[g]`` (gradient accumulation). Shares may be uneven or 0 and members
   may have different numbers of micro-steps.
-- position: a member's rank inside the process group (``EngineInputs.group``, default: the world).
+- position: a rank's index inside the process group (``EngineInputs.group``, default: the world).
   Collectives lay out shards by position, so every shard below is indexed by position.
+- idle rank: a rank of the process group that the plan leaves out (the planner may not use every
+  device). It builds the engine too and joins every collective with no samples and an empty shard,
+  so plans over a subset of the world need no subgroup.
 - flat buffer: every trainable parameter flattened into one 1-D buffer in a fixed order shared by all
   ranks (the order of the optimizer's parameter groups, then of the parameters in each group).
 - shard: a contiguous range of the flat buffer owned by one position, even or proportional to the
@@ -162,25 +165,25 @@ class DataParallelEngine:
         stage = plan.stages[0]
         self._members = tuple(g[0] for g in stage.groups)
         group_ranks = self._group_ranks()
-        if sorted(group_ranks) != sorted(self._members):
-            raise DataParallelError(
-                f"plan: ranks {sorted(self._members)} must be exactly the process group's ranks "
-                f"{sorted(group_ranks)} (pass EngineInputs.group over the plan's ranks)")
-        if inputs.rank not in self._members:
-            raise DataParallelError(f"rank: {inputs.rank} is not a member of the plan (ranks {self._members})")
+        outside = sorted(set(self._members) - set(group_ranks))
+        if outside:
+            raise DataParallelError(f"plan: ranks {outside} are not in the process group (ranks "
+                                    f"{group_ranks}); pass EngineInputs.group over the plan's ranks")
+        if inputs.rank not in group_ranks:
+            raise DataParallelError(f"rank: {inputs.rank} is not in the process group {group_ranks}")
         self._position = group_ranks.index(inputs.rank)
-        self._member = self._members.index(inputs.rank)
-        self._src_rank = group_ranks[0]
-        self._share = share_slices(plan)[self._member]
-        self._micro = micro_slices(stage.micro_batches[self._member], self._share.start)
+        self._src_rank = self._members[0]
+        if inputs.rank in self._members:
+            member = self._members.index(inputs.rank)
+            self._share = share_slices(plan)[member]
+            self._micro = micro_slices(stage.micro_batches[member], self._share.start)
+        else:                                         # an idle rank: no samples, no shard
+            self._share, self._micro = slice(0, 0), []
         self._rounds = max(len(m) for m in stage.micro_batches)
-        # Shares by position (zero_shares are given per member, in member order).
-        if stage.zero_shares:
-            shares = [0.0] * len(group_ranks)
-            for g, r in enumerate(self._members):
-                shares[group_ranks.index(r)] = float(stage.zero_shares[g])
-        else:
-            shares = [1.0] * len(group_ranks)
+        # Shares by position (zero_shares are given per member, in member order; idle ranks get 0).
+        shares = [0.0] * len(group_ranks)
+        for g, r in enumerate(self._members):
+            shares[group_ranks.index(r)] = float(stage.zero_shares[g]) if stage.zero_shares else 1.0
 
         self.model = inputs.model.to(self.device)
         self.gm = inputs.gm.to(self.device) if inputs.gm is not None else self.model
