@@ -1,0 +1,308 @@
+"""The tensor-parallel execution engine: single-stage plans whose members are tensor-parallel groups.
+
+Terms
+- member: one data-parallel participant of the plan's single stage, a tuple of ranks forming a
+  tensor-parallel (TP) group (``plan.stages[0].groups[g]``); ``plan.stages[0].tp_shares[g]`` gives
+  each of its ranks' head counts (uneven shares put devices of different speeds in one group). A
+  one-rank member runs the whole model. Member ``g`` owns rows ``share_slices(plan)[g]`` of the global
+  batch and steps through its micro-batches ``micro_batches[g]``; every rank of the member sees the
+  same rows.
+- TP index: a rank's position inside its member's group (which shard of each pair it holds).
+- sharded parameter: a slice of a column / row Linear weight (``passes.tp.ParamShard``); every other
+  parameter is replicated and, since the TP ranks of a member compute on identical inputs and f / g
+  all-reduce, receives identical gradients on them (no reduce inside the member).
+- micro loss weight: micro-batch of ``n`` samples contributes ``loss * n / B`` (``B`` the global batch),
+  so gradients summed over members are the global-batch mean gradient.
+
+Gradient reduction across members, once per step after the member's micro-steps:
+- equal shardings (every member has the same shares): as Megatron, one data-parallel group per TP
+  index (the ranks at that index of every member) all-reduces the flat local gradient.
+- different shardings (``((0, 1), (2,))``, or shares (3, 1) against (2, 2)): each rank lays its
+  gradient into a full-model flat buffer (sharded parameters at their global positions, replicated
+  ones from TP index 0 only, zeros elsewhere) and the whole plan group all-reduces it, so every element
+  is summed exactly once per member. This costs a full-model all-reduce on every rank.
+
+The optimizer steps the local parameters (shards and replicas): exact for elementwise optimizers
+(SGD, Adam, AdamW...). ZeRO is not applied on top of tensor parallelism: ``plan.zero_stage`` > 0 runs
+as 0 (recorded in ``zero_stage_applied``). ``state_dict()`` gathers the shards (a collective inside
+each member) and returns the full state on every rank.
+
+For the pipeline engine: ``shard_stage_module`` (one stage's graph for one TP index),
+``gather_full_params`` and ``flat_full_grad`` are the per-stage pieces.
+
+Emulation: only compute (each micro-step's forward, loss and backward, and the optimizer step) runs
+inside ``clock.compute()``; the f / g all-reduces inside forward and backward block without CPU time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices
+from passes.tp import TP_META_KEY, ParamShard, TPLayout, assemble_full, tp_rewrite
+
+__all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "tp_layout",
+           "gather_full_params", "flat_full_grad"]
+
+
+class TensorParallelError(ValueError):
+    """A plan the tensor-parallel engine cannot run (names the field)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-stage pieces (also for the pipeline engine)
+
+
+def shard_stage_module(stage_gm: fx.GraphModule, shares: tuple[int, ...], idx: int, group=None, *,
+                       granularity: int = 8) -> fx.GraphModule:
+    """The module TP index ``idx`` of a group with head ``shares`` runs for ``stage_gm`` (a captured
+    graph or one pipeline stage's graph, with shapes from ``passes.analysis``). f / g all-reduce over
+    ``group``; ``tp_layout(result)`` lists the sharded parameters. Replicated parameters stay shared
+    with ``stage_gm``."""
+    return tp_rewrite(stage_gm, tuple(shares), idx, group=group, granularity=granularity)
+
+
+def tp_layout(local_gm: fx.GraphModule) -> TPLayout:
+    """The ``TPLayout`` that ``shard_stage_module`` recorded on its result."""
+    layout = getattr(local_gm, "meta", {}).get(TP_META_KEY)
+    if layout is None:
+        raise TensorParallelError("local_gm: not a module made by shard_stage_module / tp_rewrite")
+    return layout
+
+
+def gather_full_params(local_gm: fx.GraphModule, group=None) -> dict[str, torch.Tensor]:
+    """Full tensors of every sharded parameter, keyed by its ``ParamShard.source`` name (a collective
+    over the TP ``group``: every member must call it). One padded all-gather of all shards."""
+    layout = tp_layout(local_gm)
+    if not layout.params:
+        return {}
+    n = len(layout.shares)
+    local = torch.cat([local_gm.get_parameter(s.local).detach().reshape(-1) for s in layout.params])
+    sizes = [sum(s.local_numel(m) for s in layout.params) for m in range(n)]
+    if n == 1:
+        flats = [local]
+    else:
+        padded = local.new_zeros(max(sizes))
+        padded[:local.numel()] = local
+        flats = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(flats, padded, group=group)
+    out, offsets = {}, [0] * n
+    for s in layout.params:
+        pieces = []
+        for m in range(n):
+            k = s.local_numel(m)
+            shape = list(s.full_shape)
+            shape[s.dim] = sum(b - a for a, b in s.ranges[m])
+            pieces.append(flats[m][offsets[m]:offsets[m] + k].view(shape))
+            offsets[m] += k
+        out[s.source] = assemble_full(s, pieces)
+    return out
+
+
+def flat_full_grad(local_gm: fx.GraphModule, source_params: list[tuple[str, nn.Parameter]],
+                   replicated_too: bool) -> torch.Tensor:
+    """This rank's gradients laid into a full-model flat buffer. ``source_params`` lists (name,
+    parameter) of the unsharded source module in an order common to all ranks; sharded parameters go
+    to their global positions, replicated ones (the same Parameter objects in the local module) only
+    when ``replicated_too`` (TP index 0), zeros elsewhere."""
+    layout = tp_layout(local_gm)
+    shards = {s.source: s for s in layout.params}
+    parts = []
+    for source, p in source_params:
+        s = shards.get(source)
+        full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        if s is not None:
+            g = local_gm.get_parameter(s.local).grad
+            if g is not None:
+                offset = 0
+                for a, b in s.ranges[layout.rank_index]:
+                    full.narrow(s.dim, a, b - a).copy_(g.narrow(s.dim, offset, b - a))
+                    offset += b - a
+        elif replicated_too and p.grad is not None:
+            full.copy_(p.grad)
+        parts.append(full.reshape(-1))
+    return torch.cat(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine
+
+
+class TensorParallelEngine:
+    """Runs a single-stage plan whose members are TP groups; see the module docstring. Build it on
+    every rank of the process group with the same ``EngineInputs`` (but ``rank``, ``device``,
+    ``clock``). Every rank of the default group must build it (it creates sub-groups)."""
+
+    def __init__(self, inputs: EngineInputs, *, granularity: int = 8):
+        self.inputs = inputs
+        self.plan = plan = inputs.plan
+        self.device = torch.device(inputs.device)
+        self.clock = inputs.clock
+        self.group = inputs.group
+        self.loss_fn = inputs.loss_fn
+        self.zero_stage_applied = 0
+        self._check_plan()
+        stage = plan.stages[0]
+        self._members = stage.groups
+        shares = self._shares()
+        group_ranks = (list(range(dist.get_world_size())) if self.group is None
+                       else list(dist.get_process_group_ranks(self.group)))
+        if sorted(group_ranks) != sorted(stage.ranks):
+            raise TensorParallelError(f"plan: ranks {sorted(stage.ranks)} must be exactly the process "
+                                      f"group's ranks {sorted(group_ranks)}")
+        self._member, self._tp_index = next((g, m.index(inputs.rank)) for g, m in enumerate(self._members)
+                                            if inputs.rank in m)
+        self._share = share_slices(plan)[self._member]
+        self._micro = micro_slices(stage.micro_batches[self._member], self._share.start)
+
+        # Sub-groups: every rank creates every group, in the same order.
+        self.tp_group = None
+        for m in self._members:
+            if len(m) > 1:
+                pg = dist.new_group(list(m))
+                if inputs.rank in m:
+                    self.tp_group = pg
+        self._equal = len(set(shares)) == 1
+        self.dp_group = None
+        if self._equal and len(self._members) > 1:
+            for i in range(len(self._members[0])):
+                pg = dist.new_group([m[i] for m in self._members])
+                if i == self._tp_index:
+                    self.dp_group = pg
+
+        self.model = inputs.model.to(self.device)
+        source = inputs.gm.to(self.device) if inputs.gm is not None else None
+        if source is None:
+            raise TensorParallelError("gm: the tensor-parallel engine needs the captured graph")
+        # Every rank starts from the first rank's weights (as DDP does).
+        with torch.no_grad():
+            for p in source.parameters():
+                dist.broadcast(p.data, src=group_ranks[0], group=self.group)
+        self._source_params = [(name, p) for name, p in source.named_parameters() if p.requires_grad]
+        self.gm = shard_stage_module(source, shares[self._member], self._tp_index, self.tp_group,
+                                     granularity=granularity)
+        self.layout = tp_layout(self.gm)
+        # model state_dict keys of each parameter of the source graph (tied parameters have several)
+        keys_of: dict[int, list[str]] = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            keys_of.setdefault(id(t), []).append(key)
+        self._source_keys = {name: keys_of.get(id(p), []) for name, p in source.named_parameters()}
+        self._params = [p for p in self.gm.parameters() if p.requires_grad]
+        self.optimizer = inputs.optimizer_factory(self._params)
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_plan(self) -> None:
+        plan = self.plan
+        if len(plan.stages) != 1:
+            raise TensorParallelError(f"plan.stages: the tensor-parallel engine runs single-stage plans, "
+                                      f"got {len(plan.stages)} stages")
+        stage = plan.stages[0]
+        if any(n < 0 for m in stage.micro_batches for n in m):
+            raise TensorParallelError(f"plan.stages[0].micro_batches: sizes must be >= 0, got {stage.micro_batches}")
+        total = sum(stage.member_batch(g) for g in range(len(stage.groups)))
+        if total != plan.global_batch_size:
+            raise TensorParallelError(f"plan.stages[0].micro_batches: sum to {total} samples, but "
+                                      f"plan.global_batch_size is {plan.global_batch_size}")
+        if self.inputs.rank not in stage.ranks:
+            raise TensorParallelError(f"rank: {self.inputs.rank} is not in the plan (ranks {stage.ranks})")
+
+    def _shares(self) -> list[tuple[int, ...]]:
+        stage = self.plan.stages[0]
+        if not stage.tp_shares:
+            return [tuple([1] * len(m)) for m in stage.groups]   # even split
+        if len(stage.tp_shares) != len(stage.groups) or any(
+                len(s) != len(m) for s, m in zip(stage.tp_shares, stage.groups)):
+            raise TensorParallelError(f"plan.stages[0].tp_shares: need one share per rank of each group "
+                                      f"{stage.groups}, got {stage.tp_shares}")
+        if any(x < 0 for s in stage.tp_shares for x in s) or any(sum(s) <= 0 for s in stage.tp_shares):
+            raise TensorParallelError(f"plan.stages[0].tp_shares: need non-negative shares with a positive "
+                                      f"sum per group, got {stage.tp_shares}")
+        return [tuple(int(x) for x in s) for s in stage.tp_shares]
+
+    # -- stepping ------------------------------------------------------------------------------
+    def _take(self, x: Any, rows: slice) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.plan.global_batch_size:
+            return x[rows].to(self.device, non_blocking=True)
+        if isinstance(x, torch.Tensor):
+            return x.to(self.device, non_blocking=True)
+        return x
+
+    def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
+        n = rows.stop - rows.start
+        with self.clock.compute():
+            out = self.gm(*(self._take(x, rows) for x in inputs))
+            loss = compute_loss(out, self._take(targets, rows), self.loss_fn)
+            weighted = loss * (n / self.plan.global_batch_size)
+            weighted.backward()
+        return weighted.detach()
+
+    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
+        """One optimizer step on the global batch; returns the global mean loss (same on every rank)."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        inputs = tuple(inputs)
+        B = self.plan.global_batch_size
+        sizes = {int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+        if B not in sizes:
+            raise TensorParallelError(f"inputs: every rank must be given the whole global batch of "
+                                      f"plan.global_batch_size={B} samples (dim 0), got {sorted(sizes)}")
+        for p in self._params:
+            p.grad = None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for rows in self._micro:
+            if rows.stop > rows.start:
+                loss_sum += self._micro_step(inputs, targets, rows).double()
+        if self._equal:
+            self._reduce_equal(loss_sum)
+        else:
+            self._reduce_padded(loss_sum)
+        with self.clock.compute():
+            self.optimizer.step()
+        return float(loss_sum)
+
+    def _reduce_equal(self, loss_sum: torch.Tensor) -> None:
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+                          for p in self._params])
+        if self.dp_group is not None:
+            dist.all_reduce(flat, group=self.dp_group)
+            dist.all_reduce(loss_sum, group=self.dp_group)
+        offset = 0
+        for p in self._params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def _reduce_padded(self, loss_sum: torch.Tensor) -> None:
+        lead = self._tp_index == 0
+        flat = flat_full_grad(self.gm, self._source_params, replicated_too=lead)
+        if not lead:
+            loss_sum.zero_()
+        dist.all_reduce(flat, group=self.group)
+        dist.all_reduce(loss_sum, group=self.group)
+        shards = {s.source: s for s in self.layout.params}
+        offset = 0
+        for source, p in self._source_params:
+            full = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            s = shards.get(source)
+            if s is not None:
+                self.gm.get_parameter(s.local).grad = torch.cat(
+                    [full.narrow(s.dim, a, b - a) for a, b in s.ranges[self._tp_index]], dim=s.dim)
+            else:
+                p.grad = full   # replicated: the local module holds this same Parameter
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded model state (keys of ``model.state_dict()``), as CPU clones on every
+        rank. A collective inside each member: every rank must call it."""
+        full = gather_full_params(self.gm, self.tp_group)
+        replace = {}
+        for source, t in full.items():
+            for key in self._source_keys.get(source, []):
+                replace[key] = t
+        return {key: replace.get(key, t).detach().to("cpu").clone()
+                for key, t in self.model.state_dict(keep_vars=True).items()}

@@ -1,0 +1,760 @@
+"""Tensor-parallel rewrite: shard Linear pairs of a captured graph across an *uneven* group.
+
+Each member of a tensor-parallel group owns a contiguous range of attention heads (or MLP hidden
+features) proportional to its share, so devices of different speeds can sit in one group.
+
+Terms
+- column (column-parallel Linear): its output features are split over the group; each member computes
+  its own range of them from the full input.
+- row (row-parallel Linear): its input features are split the same way; each member multiplies its
+  slice and the partial outputs are summed over the group (an all-reduce).
+- pair: the columns that read one input, the row that consumes them, and the *region* between them
+  (the nodes that carry sharded tensors: views into heads, attention, activations, rotary).
+- part: a column's output may hold several tensors side by side (GPT's fused ``c_attn`` is
+  ``[q | k | v]``: 3 parts, found from the ``chunk``/``split`` that follows it); each part is sliced alike.
+- unit: the smallest piece a member may own. Attention: one head (the region splits the features into
+  heads with a view; ``unit_features`` = head size). MLP: one hidden feature (``unit_features`` = 1),
+  split in multiples of a granularity.
+- shares: per group member, the number of heads it owns (``Stage.tp_shares``). A pair whose unit
+  count differs from ``sum(shares)`` is split in the same proportion (largest remainder, in whole
+  heads or in granules of MLP features).
+- f / g: Megatron's conjugate operators. f (``CopyToGroup``) is identity forward, all-reduce backward,
+  placed on the columns' input; g (``ReduceFromGroup``) is all-reduce forward, identity backward, placed
+  on the row's output. The row's bias is added once, after g (it stays a replicated parameter).
+- stride: while matching, each sharded tensor dim carries how many part features one index of that
+  dim spans (1 on the Linear's feature dim, the head size on the heads dim after ``view``).
+
+Anything the matcher does not recognise (an opaque leaf module, a custom op, an unknown pattern, a
+parameter used twice) stays replicated: every rank computes it in full. That is never an error.
+
+``find_tp_pairs`` is the pure analysis (the planner's view); ``tp_rewrite`` applies it for one member
+and records the sharded parameters in ``gm.meta["autopar.tp"]`` (a ``TPLayout``) so that engines can
+gather full parameters and reduce gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TPPair", "ParamShard", "TPLayout", "CopyToGroup", "ReduceFromGroup", "find_tp_pairs",
+           "unit_ranges", "tp_rewrite", "assemble_full", "TP_META_KEY"]
+
+TP_META_KEY = "autopar.tp"
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass(frozen=True, slots=True)
+class TPPair:
+    columns: tuple[str, ...]      # qualified names of the column Linear modules, in graph order
+    parts: tuple[int, ...]        # parts of each column's output
+    row: str                      # qualified name of the row Linear module
+    num_units: int                # heads (attention) or hidden features (MLP) of one part
+    unit_features: int            # features per unit in a part: head size, 1 for an MLP
+    kind: Literal["attention", "mlp"]
+    input_node: str               # the node the columns read (f goes there)
+    column_nodes: tuple[str, ...]
+    row_node: str
+    region: tuple[str, ...]       # nodes carrying sharded tensors (columns included), graph order
+    # (node name, where, global value, stride): shape literals to rewrite for a member.
+    literals: tuple[tuple[str, tuple, int, int], ...] = field(default=(), repr=False)
+
+    @property
+    def part_features(self) -> int:
+        return self.num_units * self.unit_features
+
+
+@dataclass(frozen=True, slots=True)
+class ParamShard:
+    """One sharded parameter: the member's tensor is the concatenation, along ``dim``, of the runs
+    ``ranges[member]`` (``(start, stop)`` along ``dim`` of the full tensor)."""
+    local: str                    # qualified name in the rewritten module
+    source: str                   # qualified name of the full parameter in the input module
+    full_shape: tuple[int, ...]
+    dim: int
+    ranges: tuple[tuple[tuple[int, int], ...], ...]   # per member
+
+    def local_numel(self, member: int) -> int:
+        other = math.prod(s for d, s in enumerate(self.full_shape) if d != self.dim)
+        return other * sum(b - a for a, b in self.ranges[member])
+
+
+@dataclass(frozen=True, slots=True)
+class TPLayout:
+    shares: tuple[int, ...]
+    rank_index: int
+    pairs: tuple[TPPair, ...]
+    params: tuple[ParamShard, ...]
+    unit_ranges: tuple[tuple[tuple[int, int], ...], ...] = ()   # per pair: (start, stop) units per member
+
+
+def assemble_full(shard: ParamShard, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The full parameter from every member's local tensor (``pieces[m]`` of member m)."""
+    out = pieces[0].new_empty(shard.full_shape)
+    for member, piece in enumerate(pieces):
+        offset = 0
+        for a, b in shard.ranges[member]:
+            out.narrow(shard.dim, a, b - a).copy_(piece.narrow(shard.dim, offset, b - a))
+            offset += b - a
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication: Megatron's f and g
+
+
+class _CopyToGroupFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        if dist.is_initialized():
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroupFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        if dist.is_initialized():
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class CopyToGroup(nn.Module):
+    """f: identity forward, all-reduce (sum) of the gradient over ``group`` backward."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _CopyToGroupFn.apply(x, self.group)
+
+
+class ReduceFromGroup(nn.Module):
+    """g: all-reduce (sum) over ``group`` forward, identity backward."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromGroupFn.apply(x, self.group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Matching
+
+class _Reject(Exception):
+    """This pair cannot be sharded (it stays replicated)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Sh:
+    dim: int        # non-negative dim of the node's output
+    size: int       # global size of that dim
+    stride: int     # part features per index of that dim
+    parts: int = 1  # > 1 only on a fused column output before its chunk/split
+
+
+_UNARY_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.Mish,
+                  nn.LeakyReLU, nn.ELU)
+_UNARY_FUNCS = {F.gelu, F.silu, F.relu, F.dropout, F.mish, F.leaky_relu, F.elu, torch.tanh, torch.sigmoid,
+                torch.exp, torch.relu, operator.neg, torch.neg, torch.square, torch.rsqrt, torch.sqrt}
+_UNARY_METHODS = {"contiguous", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "neg",
+                  "exp", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "square", "type"}
+_BINARY_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
+                 torch.mul, torch.div, torch.where, torch.masked_fill, operator.pow, torch.pow}
+_BINARY_METHODS = {"add", "sub", "mul", "div", "masked_fill", "pow", "__add__", "__mul__"}
+_SDPA = {F.scaled_dot_product_attention, getattr(torch._C._nn, "scaled_dot_product_attention", None)}
+_MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm}
+_SOFTMAX_FUNCS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
+_PROBE_ATTRS = {"dtype", "device", "ndim", "is_cuda", "requires_grad"}
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    """The output shape the analysis recorded for a node (None: not a tensor / unknown)."""
+    if not isinstance(node, fx.Node):
+        return None
+    info = node.meta.get("autopar.tensor")
+    if info is not None:
+        return tuple(int(s) for s in info.shape)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(int(s) for s in val.shape)
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return tuple(int(s) for s in tm.shape)
+    return None
+
+
+def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear | None:
+    if node.op != "call_module":
+        return None
+    mod = gm.get_submodule(node.target)
+    return mod if type(mod) is nn.Linear else None
+
+
+def _is_probe(node: fx.Node) -> bool:
+    """Nodes that read only shape-independent facts or a size (checked against the sharded dim)."""
+    if node.op == "call_method" and node.target in ("size", "dim"):
+        return True
+    return (node.op == "call_function" and node.target is getattr and len(node.args) == 2
+            and node.args[1] in _PROBE_ATTRS)
+
+
+def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, nn.Linear]):
+    """Nodes reachable from ``seed`` without passing a Linear; (nodes, terminal Linear nodes) or None
+    when the flow reaches the output or enters a Linear other than as its input."""
+    seen, terms, todo = {seed}, set(), [seed]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or _is_probe(u):
+                continue
+            if u.op == "output":
+                return None
+            if u in linears:
+                if u.args[0] is not n or len(u.args) != 1 or u.kwargs:
+                    return None
+                terms.add(u)
+                continue
+            seen.add(u)
+            todo.append(u)
+    return seen, terms
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes]
+
+
+class _Matcher:
+    """State propagation over one candidate pair's region (raises ``_Reject``)."""
+
+    def __init__(self, gm: fx.GraphModule, region: set[fx.Node], columns: list[fx.Node]):
+        self.gm = gm
+        self.region = region
+        self.columns = columns
+        self.state: dict[fx.Node, Any] = {}
+        self.literals: list[tuple[str, tuple, int, int]] = []
+
+    def st(self, a) -> _Sh | None:
+        return self.state.get(a) if isinstance(a, fx.Node) else None
+
+    def check_side(self, side, sh: _Sh, out_ndim: int) -> None:
+        """A replicated operand must broadcast along the sharded dim."""
+        shape = _shape(side)
+        if shape is None:
+            return  # a scalar
+        neg = sh.dim - out_ndim
+        if -neg <= len(shape) and shape[neg] != 1:
+            raise _Reject(f"{side} is replicated along a sharded dim")
+
+    def run(self, order: list[fx.Node]) -> None:
+        for n in order:
+            if n in self.columns:
+                self.state[n] = self.column_state(n)
+            else:
+                self.state[n] = self.visit(n)
+        for n in order:  # probes read sizes: never of the sharded dim
+            for u in n.users:
+                if _is_probe(u) and u.op == "call_method" and u.target == "size":
+                    sh = self.state[n]
+                    d = _arg(u, 1, "dim")
+                    shape = _shape(n)
+                    if d is None or shape is None or not isinstance(sh, _Sh) \
+                            or _norm_dim(d, len(shape)) == sh.dim:
+                        raise _Reject(f"{u} reads the size of a sharded dim")
+
+    def column_state(self, n: fx.Node) -> _Sh:
+        shape = _shape(n)
+        if shape is None:
+            raise _Reject("no shape")
+        out = shape[-1]
+        parts = 1
+        users = list(n.users)
+        if len(users) == 1 and users[0].op == "call_method" and users[0].target in ("chunk", "split"):
+            u = users[0]
+            d = _arg(u, 2 if u.target == "chunk" else 2, "dim", 0)
+            if _norm_dim(d, len(shape)) == len(shape) - 1:
+                k = _arg(u, 1, "chunks" if u.target == "chunk" else "split_size")
+                if u.target == "chunk" and isinstance(k, int):
+                    parts = k
+                elif isinstance(k, int) and out % k == 0:
+                    parts = out // k
+                elif isinstance(k, (list, tuple)) and len(set(k)) == 1:
+                    parts = len(k)
+        if out % parts:
+            raise _Reject("uneven parts")
+        return _Sh(len(shape) - 1, out, 1, parts)
+
+    def visit(self, n: fx.Node):
+        ins = [a for a in n.all_input_nodes if a in self.state]
+        if not ins:
+            raise _Reject(f"{n} has no sharded input")
+        shs = [self.state[a] for a in ins]
+        out_shape = _shape(n)
+        if n.op == "call_function" and n.target is operator.getitem:
+            return self.getitem(n)
+        if any(isinstance(s, tuple) for s in shs) or any(s.parts != 1 for s in shs):
+            if n.op == "call_method" and n.target in ("chunk", "split"):
+                return self.chunk(n)
+            raise _Reject(f"{n} consumes a fused output")
+        if n.op == "call_method" and n.target in ("chunk", "split"):
+            return self.chunk(n)
+        if out_shape is None:
+            raise _Reject(f"{n}: no shape")
+        t = n.target
+        x = n.args[0] if n.args else None
+        sh = self.st(x)
+        # unary, shape-preserving
+        if (n.op == "call_module" and isinstance(self.gm.get_submodule(t), _UNARY_MODULES)) or \
+                (n.op == "call_function" and t in _UNARY_FUNCS) or (n.op == "call_method" and t in _UNARY_METHODS):
+            if sh is None or len(ins) != 1:
+                raise _Reject(f"{n}: sharded tensor not in first position")
+            return sh
+        if (n.op == "call_function" and t in _BINARY_FUNCS) or (n.op == "call_method" and t in _BINARY_METHODS):
+            return self.elementwise(n, shs, out_shape)
+        if n.op == "call_function" and t in _SDPA:
+            return self.batched(n, shs, out_shape, min_neg=3)
+        if (n.op == "call_function" and t in _MATMUL_FUNCS) or (n.op == "call_method" and t == "matmul"):
+            return self.batched(n, shs, out_shape, min_neg=3)
+        if (n.op == "call_function" and t in _SOFTMAX_FUNCS) or (n.op == "call_method" and t in ("softmax", "log_softmax")):
+            d = _arg(n, 1, "dim")
+            if sh is None or d is None or _norm_dim(d, len(out_shape)) == sh.dim:
+                raise _Reject(f"{n}: softmax over the sharded dim")
+            return sh
+        if (n.op == "call_method" and t == "transpose") or (n.op == "call_function" and t is torch.transpose):
+            a, b = (_norm_dim(_arg(n, i, k), len(out_shape)) for i, k in ((1, "dim0"), (2, "dim1")))
+            return _Sh({a: b, b: a}.get(sh.dim, sh.dim), sh.size, sh.stride)
+        if (n.op == "call_method" and t == "permute") or (n.op == "call_function" and t is torch.permute):
+            dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+            dims = [_norm_dim(d, len(out_shape)) for d in dims]
+            return _Sh(dims.index(sh.dim), sh.size, sh.stride)
+        if (n.op == "call_method" and t in ("view", "reshape")) or (n.op == "call_function" and t is torch.reshape):
+            return self.view(n, sh, out_shape)
+        if n.op == "call_function" and t is torch.cat:
+            return self.cat(n, out_shape)
+        raise _Reject(f"{n.format_node()}: not a recognised op")
+
+    def elementwise(self, n: fx.Node, shs: list[_Sh], out_shape) -> _Sh:
+        nd = len(out_shape)
+        negs = set()
+        for a in n.all_input_nodes:
+            if a in self.state:
+                s, shape = self.state[a], _shape(a)
+                negs.add((s.dim - len(shape), s.size, s.stride))
+        if len(negs) != 1:
+            raise _Reject(f"{n}: operands sharded differently")
+        neg, size, stride = negs.pop()
+        sh = _Sh(nd + neg, size, stride)
+        for a in n.all_input_nodes:
+            if a not in self.state:
+                self.check_side(a, sh, nd)
+        return sh
+
+    def batched(self, n: fx.Node, shs: list[_Sh], out_shape, min_neg: int) -> _Sh:
+        """Attention / matmul: the sharded dim must be a batch dim (not one of the last two)."""
+        nd = len(out_shape)
+        sh = self.elementwise(n, shs, out_shape)
+        if sh.dim > nd - min_neg:
+            raise _Reject(f"{n}: sharded along a matrix dim")
+        return sh
+
+    def getitem(self, n: fx.Node):
+        src, idx = n.args
+        s = self.state.get(src)
+        if isinstance(s, tuple):  # an element of a chunk / split
+            if not isinstance(idx, int):
+                raise _Reject(f"{n}: dynamic index")
+            return s[1]
+        shape = _shape(src)
+        if s is None or shape is None:
+            raise _Reject(f"{n}: unknown source")
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if any(isinstance(i, (fx.Node, torch.Tensor, list)) and not isinstance(i, slice) for i in items):
+            raise _Reject(f"{n}: tensor indexing")
+        n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+        in_dim = out_dim = 0
+        for i in items:
+            if i is Ellipsis:
+                skip = len(shape) - n_real
+                if in_dim <= s.dim < in_dim + skip:
+                    return _Sh(out_dim + s.dim - in_dim, s.size, s.stride)
+                in_dim += skip
+                out_dim += skip
+            elif i is None:
+                out_dim += 1
+            elif isinstance(i, int):
+                if in_dim == s.dim:
+                    raise _Reject(f"{n}: indexes the sharded dim")
+                in_dim += 1
+            elif isinstance(i, slice):
+                if in_dim == s.dim:
+                    if i != slice(None):
+                        raise _Reject(f"{n}: slices the sharded dim")
+                    return _Sh(out_dim, s.size, s.stride)
+                in_dim += 1
+                out_dim += 1
+            else:
+                raise _Reject(f"{n}: index {i!r}")
+        return _Sh(out_dim + s.dim - in_dim, s.size, s.stride)
+
+    def chunk(self, n: fx.Node):
+        x = n.args[0]
+        s, shape = self.state[x], _shape(x)
+        d = _norm_dim(_arg(n, 2, "dim", 0), len(shape))
+        k = _arg(n, 1, "chunks" if n.target == "chunk" else "split_size")
+        if s.parts > 1:
+            if d != s.dim:
+                raise _Reject(f"{n}: fused output split along another dim")
+            part = s.size // s.parts
+            if n.target == "split":
+                if isinstance(k, int):
+                    self.literals.append((n.name, ("arg", 1), k, 1))
+                else:
+                    for i in range(len(k)):
+                        self.literals.append((n.name, ("list", 1, i), k[i], 1))
+            return ("parts", _Sh(s.dim, part, 1))
+        if d == s.dim:
+            raise _Reject(f"{n}: splits the sharded dim")
+        return ("parts", s)
+
+    def view(self, n: fx.Node, s: _Sh, out_shape) -> _Sh:
+        in_shape = _shape(n.args[0])
+        if s is None or in_shape is None:
+            raise _Reject(f"{n}: unknown view input")
+        outer = math.prod(in_shape[:s.dim])
+        e, acc = 0, 1
+        while e < len(out_shape) and acc < outer:
+            acc *= out_shape[e]
+            e += 1
+        while e < len(out_shape) and acc == outer and out_shape[e] == 1 and in_shape[s.dim] != 1:
+            e += 1
+        if acc != outer or e >= len(out_shape):
+            raise _Reject(f"{n}: view mixes the sharded dim with an outer dim")
+        size, new = s.size, out_shape[e]
+        if new == size:
+            stride = s.stride
+        elif new < size:  # split: dims e.. multiply to size
+            k, acc2 = e, 1
+            while k < len(out_shape) and acc2 < size:
+                acc2 *= out_shape[k]
+                k += 1
+            if acc2 != size or (size * s.stride) % new:
+                raise _Reject(f"{n}: view splits the sharded dim unevenly")
+            stride = size * s.stride // new
+        else:  # merge: in dims s.dim.. multiply to new, the inner ones being this index's features
+            k, acc2 = s.dim, 1
+            while k < len(in_shape) and acc2 < new:
+                acc2 *= in_shape[k]
+                k += 1
+            inner = math.prod(in_shape[s.dim + 1:k])
+            if acc2 != new or inner != s.stride or (size * s.stride) % new:
+                raise _Reject(f"{n}: view merges the sharded dim with non-feature dims")
+            stride = 1
+        # the literal giving dim e
+        args = n.args[1:] if n.op == "call_method" else n.args[1:2]
+        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+            where, lit = ("list", 1, e), args[0][e] if e < len(args[0]) else None
+        else:
+            where, lit = ("arg", 1 + e), args[e] if e < len(args) else None
+        if isinstance(lit, int) and lit != -1:
+            self.literals.append((n.name, where, lit, stride))
+        elif lit != -1:
+            raise _Reject(f"{n}: the sharded dim's size is not a literal")
+        return _Sh(e, new, stride)
+
+    def cat(self, n: fx.Node, out_shape) -> _Sh:
+        tensors = _arg(n, 0, "tensors")
+        d = _norm_dim(_arg(n, 1, "dim", 0), len(out_shape))
+        states = {self.state.get(t) for t in tensors}
+        if len(states) != 1 or None in states:
+            raise _Reject(f"{n}: concatenates sharded and replicated tensors")
+        s = states.pop()
+        if d == s.dim:
+            raise _Reject(f"{n}: concatenates along the sharded dim")
+        return s
+
+
+def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node) -> TPPair:
+    x = group[0].args[0]
+    if any(c.args[0] is not x or len(c.args) != 1 or c.kwargs for c in group):
+        raise _Reject("columns read different inputs")
+    order = [n for n in gm.graph.nodes if n in region]
+    m = _Matcher(gm, region, group)
+    m.run(order)
+    s = m.state.get(row.args[0])
+    in_shape = _shape(row.args[0])
+    rmod = linears[row]
+    if not isinstance(s, _Sh) or in_shape is None or s.dim != len(in_shape) - 1 or s.stride != 1 \
+            or s.size != rmod.in_features:
+        raise _Reject("the row's input is not sharded on its features")
+    widths = {linears[c].out_features // m.state[c].parts for c in group}
+    if widths != {s.size}:
+        raise _Reject("columns of different widths")
+    strides = {v.stride for v in m.state.values() if isinstance(v, _Sh)}
+    strides |= {v[1].stride for v in m.state.values() if isinstance(v, tuple)}
+    uf = max(strides)
+    if s.size % uf or any(uf % st for st in strides) or any(lit[3] and uf % lit[3] for lit in m.literals):
+        raise _Reject("incompatible strides")
+    return TPPair(
+        columns=tuple(str(c.target) for c in group), parts=tuple(m.state[c].parts for c in group),
+        row=str(row.target), num_units=s.size // uf, unit_features=uf,
+        kind="attention" if uf > 1 else "mlp", input_node=x.name,
+        column_nodes=tuple(c.name for c in group), row_node=row.name,
+        region=tuple(n.name for n in order), literals=tuple(m.literals))
+
+
+def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, nn.Linear]) -> set[fx.Node]:
+    """Linear nodes whose module is called once and whose parameters no other node reads."""
+    count: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            for p in gm.get_submodule(node.target).parameters():
+                count[id(p)] = count.get(id(p), 0) + 1
+        elif node.op == "get_attr":
+            count[id(_attr(gm, node.target))] = count.get(id(_attr(gm, node.target)), 0) + 1
+    return {n for n, mod in linears.items() if all(count.get(id(p), 0) == 1 for p in mod.parameters())}
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def find_tp_pairs(gm: fx.GraphModule) -> list[TPPair]:
+    """The Linear pairs of ``gm`` that tensor parallelism can shard, in graph order.
+
+    Needs output shapes on the nodes (``passes.analysis.annotate_pass``, or ``meta["val"]`` /
+    ``meta["tensor_meta"]``); nodes without them are never part of a pair. Pure: ``gm`` is unchanged.
+    """
+    linears = {n: mod for n in gm.graph.nodes if (mod := _linear(gm, n)) is not None}
+    usable = _params_used_once(gm, linears)
+    closures = {}
+    for n in linears:
+        if n in usable:
+            c = _closure(gm, n, linears)
+            if c is not None and len(c[1]) == 1:
+                closures[n] = c
+    # merge the columns whose regions meet
+    groups: list[tuple[list[fx.Node], set[fx.Node], set[fx.Node]]] = []
+    for n, (nodes, terms) in closures.items():
+        merged = [g for g in groups if g[1] & nodes]
+        cols, region, ts = [n], set(nodes), set(terms)
+        for g in merged:
+            groups.remove(g)
+            cols += g[0]
+            region |= g[1]
+            ts |= g[2]
+        groups.append((cols, region, ts))
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pairs, used = [], set()
+    for cols, region, ts in sorted(groups, key=lambda g: min(index[c] for c in g[0])):
+        if len(ts) != 1:
+            continue
+        row = next(iter(ts))
+        cols = sorted(cols, key=index.__getitem__)
+        if row not in usable or row in used or any(c in used for c in cols):
+            continue
+        try:
+            pair = _match(gm, linears, cols, region, row)
+        except (_Reject, KeyError, IndexError, TypeError, ValueError, AttributeError):
+            continue
+        pairs.append(pair)
+        used.update(cols)
+        used.add(row)
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------------
+# Splitting units
+
+
+def unit_ranges(num_units: int, shares: tuple[int, ...], granularity: int = 1) -> tuple[tuple[int, int], ...]:
+    """Contiguous ``(start, stop)`` unit ranges per member, proportional to ``shares``.
+
+    ``num_units == sum(shares)`` gives the shares exactly. Otherwise units are dealt in granules of
+    ``granularity`` (the largest divisor of ``num_units`` not above it) by largest remainder, ties to
+    the earlier member.
+    """
+    if not shares or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError(f"shares: need non-negative counts with a positive sum, got {shares!r}")
+    if num_units == sum(shares):
+        counts = list(shares)
+    else:
+        g = max(d for d in range(1, max(1, granularity) + 1) if num_units % d == 0)
+        granules = num_units // g
+        total = sum(shares)
+        exact = [granules * s / total for s in shares]
+        counts = [int(math.floor(e)) for e in exact]
+        left = granules - sum(counts)
+        for i in sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))[:left]:
+            counts[i] += 1
+        counts = [c * g for c in counts]
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return tuple(out)
+
+
+def _pair_units(pair: TPPair, shares: tuple[int, ...], granularity: int) -> tuple[tuple[int, int], ...]:
+    return unit_ranges(pair.num_units, shares, 1 if pair.kind == "attention" else granularity)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rewrite
+
+
+def _set_literal(node: fx.Node, where: tuple, value: int) -> None:
+    args = list(node.args)
+    if where[0] == "arg":
+        args[where[1]] = value
+    else:
+        seq = list(args[where[1]])
+        seq[where[2]] = value
+        args[where[1]] = type(node.args[where[1]])(seq)
+    node.args = tuple(args)
+
+
+def _set_module(gm: fx.GraphModule, target: str, mod: nn.Module) -> None:
+    parent, _, name = target.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, mod)
+
+
+def _param_name(gm: fx.GraphModule, param: nn.Parameter) -> str:
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        if p is param:
+            return name
+    raise KeyError("parameter not in module")
+
+
+def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, group=None,
+               granularity: int = 8, pairs: list[TPPair] | None = None) -> fx.GraphModule:
+    """The module that member ``rank_index`` of a tensor-parallel group with ``shares`` runs.
+
+    A new GraphModule: sharded Linears are new modules holding slices (copies) of the weights; every
+    other module and parameter is shared with ``gm`` (replicated). f / g all-reduce over ``group``
+    (None: the default group; no communication when torch.distributed is not initialised).
+    ``result.meta["autopar.tp"]`` is the ``TPLayout``. ``gm`` is left unchanged.
+    """
+    shares = tuple(int(s) for s in shares)
+    if not 0 <= rank_index < len(shares):
+        raise ValueError(f"rank_index: {rank_index} is not a member of a group of {len(shares)}")
+    if pairs is None:
+        pairs = find_tp_pairs(gm) if len(shares) > 1 else []
+    graph = copy.deepcopy(gm.graph)
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta.update(getattr(gm, "meta", {}))
+    nodes = {n.name: n for n in graph.nodes}
+    kept, shards, all_ranges = [], [], []
+    for k, pair in enumerate(pairs):
+        ranges = _pair_units(pair, shares, granularity)
+        if any(b == a for a, b in ranges):
+            continue  # a member would own nothing: keep the pair replicated
+        kept.append(pair)
+        all_ranges.append(ranges)
+        uf = pair.unit_features
+        u0, u1 = ranges[rank_index]
+        local_units = u1 - u0
+        for name, where, value, stride in pair.literals:
+            _set_literal(nodes[name], where, value * local_units // pair.num_units)
+        # columns: rows of each part
+        for cname, tname, parts in zip(pair.column_nodes, pair.columns, pair.parts):
+            full: nn.Linear = gm.get_submodule(tname)
+            width = pair.part_features
+            runs = tuple(tuple((p * width + a * uf, p * width + b * uf) for p in range(parts)) for a, b in ranges)
+            mine = runs[rank_index]
+            local = nn.Linear(full.in_features, sum(b - a for a, b in mine), bias=full.bias is not None,
+                              device=full.weight.device, dtype=full.weight.dtype)
+            with torch.no_grad():
+                local.weight.copy_(torch.cat([full.weight[a:b] for a, b in mine]))
+                if full.bias is not None:
+                    local.bias.copy_(torch.cat([full.bias[a:b] for a, b in mine]))
+            local.weight.requires_grad_(full.weight.requires_grad)
+            _set_module(new, tname, local)
+            shards.append(ParamShard(f"{tname}.weight", _param_name(gm, full.weight), tuple(full.weight.shape),
+                                     0, runs))
+            if full.bias is not None:
+                shards.append(ParamShard(f"{tname}.bias", _param_name(gm, full.bias), tuple(full.bias.shape),
+                                         0, runs))
+        # row: input columns; bias added once after the reduce
+        full = gm.get_submodule(pair.row)
+        runs = tuple(((a * uf, b * uf),) for a, b in ranges)
+        a, b = runs[rank_index][0]
+        local = nn.Linear(b - a, full.out_features, bias=False, device=full.weight.device, dtype=full.weight.dtype)
+        with torch.no_grad():
+            local.weight.copy_(full.weight[:, a:b])
+        local.weight.requires_grad_(full.weight.requires_grad)
+        _set_module(new, pair.row, local)
+        shards.append(ParamShard(f"{pair.row}.weight", _param_name(gm, full.weight), tuple(full.weight.shape),
+                                 1, runs))
+        row = nodes[pair.row_node]
+        users = list(row.users)
+        new.add_submodule(f"_tp_g{k}", ReduceFromGroup(group))
+        with graph.inserting_after(row):
+            out = graph.call_module(f"_tp_g{k}", (row,))
+        out.meta = {key: v for key, v in row.meta.items() if key != "autopar.cost"}
+        if full.bias is not None:
+            bias_name = f"_tp_bias{k}"
+            new.register_parameter(bias_name, full.bias)   # replicated: the same Parameter as gm's
+            with graph.inserting_after(out):
+                battr = graph.get_attr(bias_name)
+            with graph.inserting_after(battr):
+                added = graph.call_function(operator.add, (out, battr))
+            battr.meta = {"autopar.block": row.meta.get("autopar.block")} if "autopar.block" in row.meta else {}
+            added.meta = dict(out.meta)
+            out = added
+        for u in users:
+            u.replace_input_with(row, out)
+        # f on the columns' input
+        x = nodes[pair.input_node]
+        first = nodes[pair.column_nodes[0]]
+        new.add_submodule(f"_tp_f{k}", CopyToGroup(group))
+        with graph.inserting_before(first):
+            f = graph.call_module(f"_tp_f{k}", (x,))
+        f.meta = {key: v for key, v in x.meta.items() if key != "autopar.cost"}
+        if "autopar.block" in first.meta:
+            f.meta["autopar.block"] = first.meta["autopar.block"]
+        for cname in pair.column_nodes:
+            nodes[cname].replace_input_with(x, f)
+    graph.lint()
+    new.recompile()
+    new.meta[TP_META_KEY] = TPLayout(shares=shares, rank_index=rank_index, pairs=tuple(kept),
+                                     params=tuple(shards), unit_ranges=tuple(all_ranges))
+    return new

@@ -1,0 +1,287 @@
+"""Uneven tensor parallelism: the fx rewrite (``passes.tp``) and the engine (``autopar.runtime.tp``)
+against the single-device oracle (``tests/oracle.py``).
+
+Pure tests check the matcher on the zoo's graphs (which Linears pair up, parts, heads, that opaque
+code stays replicated) and the unit split. Distributed tests run ranks as threads on the threaded
+process group; one real ``autopar.launch`` run checks the f / g all-reduces over gloo.
+
+Global batch 23 everywhere: one member's micro-batches (9, 8, 6); two members (8, 5) / (6, 4).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+from torch.testing._internal.common_utils import run_tests
+
+from autopar.plan import Plan, Predicted, Stage
+from autopar.runtime.emulate import NullClock
+from autopar.runtime.engine import EngineInputs, select_engine
+from autopar.runtime.tp import TensorParallelEngine, gather_full_params, shard_stage_module, tp_layout
+from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+from passes.tp import find_tp_pairs, tp_rewrite, unit_ranges
+
+STEPS = 2
+ONE_MEMBER = ((9, 8, 6),)
+TWO_MEMBERS = ((8, 5), (6, 4))
+
+_LOCK = threading.Lock()
+_PREPARED: dict = {}
+
+
+def _prepared(name: str):
+    """(model, analysed gm, loss_fn, num_blocks) of zoo model ``name`` (seed 0), built once."""
+    if name not in _PREPARED:
+        from autopar.models import build
+        from passes.analyze import analyze
+
+        case = build(name, seed=0)
+        analysis = analyze(case.model, case.example_inputs)
+        _PREPARED[name] = (case.model, analysis.captured.gm, case.loss_fn, len(analysis.blocks))
+    return _PREPARED[name]
+
+
+def tp_plan(groups, tp_shares, micro, num_blocks=1) -> Plan:
+    return Plan(strategy="tp", global_batch_size=sum(map(sum, micro)), zero_stage=0, schedule="none",
+                stages=(Stage(0, num_blocks, groups=groups, micro_batches=micro, tp_shares=tp_shares),),
+                predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
+
+
+def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size):
+    with _LOCK:
+        model, gm, loss_fn, num_blocks = _prepared(name)
+        model, gm = copy.deepcopy((model, gm))       # one memo: gm keeps sharing the model's params
+    plan = tp_plan(groups, tp_shares, micro, num_blocks)
+    assert select_engine(plan) is TensorParallelEngine
+    return TensorParallelEngine(EngineInputs(
+        gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
+        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()))
+
+
+def train_and_check(engine, name, optimizer, steps=STEPS):
+    B = engine.plan.global_batch_size
+    with _LOCK:
+        data = batches(name, B, steps)
+        ref = single_device_run(name, B, steps, optimizer)
+    losses = [engine.step(inputs, targets) for inputs, targets in data]
+    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
+    for got, want in zip(losses, ref.losses):
+        assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
+    return engine
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure: matching and splitting
+
+
+def test_gpt_tiny_pairs_fused_qkv_and_mlp():
+    _, gm, _, _ = _prepared("gpt-tiny")
+    pairs = find_tp_pairs(gm)
+    assert len(pairs) == 8    # attention + MLP in each of 4 layers; the tied head stays replicated
+    attn, mlp = pairs[0], pairs[1]
+    assert (attn.columns, attn.parts, attn.row) == (("layers.0.attn.c_attn",), (3,), "layers.0.attn.c_proj")
+    assert (attn.kind, attn.num_units, attn.unit_features) == ("attention", 4, 16)
+    assert (mlp.columns, mlp.row, mlp.kind, mlp.num_units) == (("layers.0.mlp.c_fc",), "layers.0.mlp.c_proj",
+                                                               "mlp", 256)
+    assert all("lm_head" not in p.row for p in pairs)
+
+
+def test_llama_tiny_pairs_separate_qkv_and_swiglu():
+    _, gm, _, _ = _prepared("llama-tiny")
+    pairs = find_tp_pairs(gm)
+    assert len(pairs) == 8
+    attn, mlp = pairs[0], pairs[1]
+    assert attn.columns == ("layers.0.attn.q_proj", "layers.0.attn.k_proj", "layers.0.attn.v_proj")
+    assert (attn.row, attn.kind, attn.num_units, attn.unit_features) == ("layers.0.attn.o_proj", "attention", 4, 16)
+    assert mlp.columns == ("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj")
+    assert (mlp.row, mlp.kind, mlp.num_units) == ("layers.0.mlp.down_proj", "mlp", 172)
+
+
+def test_unit_ranges_exact_heads_and_granular_mlp():
+    assert unit_ranges(4, (3, 1)) == ((0, 3), (3, 4))
+    assert unit_ranges(8, (2, 1, 1)) == ((0, 4), (4, 6), (6, 8))          # heads scaled in proportion
+    assert unit_ranges(256, (3, 1), 8) == ((0, 192), (192, 256))
+    assert unit_ranges(172, (2, 1, 1), 8) == ((0, 84), (84, 128), (128, 172))   # 43 granules of 4
+    for n, shares, g in [(172, (3, 1), 8), (100, (5, 3, 2), 8), (7, (1, 1), 8)]:
+        r = unit_ranges(n, shares, g)
+        assert r[0][0] == 0 and r[-1][1] == n and all(a[1] == b[0] for a, b in zip(r, r[1:]))
+    with pytest.raises(ValueError, match="shares"):
+        unit_ranges(4, (0, 0))
+
+
+def test_rewrite_shapes_and_layout_gpt():
+    _, gm, _, _ = _prepared("gpt-tiny")
+    before = gm.code
+    local = tp_rewrite(gm, (3, 1), 1)
+    assert gm.code == before, "the input graph must not change"
+    w = local.get_parameter
+    assert w("layers.0.attn.c_attn.weight").shape == (3 * 16, 64)         # 1 head of q, k, v
+    assert w("layers.0.attn.c_proj.weight").shape == (64, 16)
+    assert w("layers.0.mlp.c_fc.weight").shape == (64, 64)                # 256 * 1/4
+    assert w("layers.0.ln_1.weight") is gm.get_parameter("layers.0.ln_1.weight")   # replicated, shared
+    views = [n for n in local.graph.nodes if n.op == "call_method" and n.target == "view"]
+    assert any(n.args[3:] == (1, 16) for n in views)                      # 4 heads -> 1 head
+    layout = tp_layout(local)
+    qkv = next(s for s in layout.params if s.source == "layers.0.attn.c_attn.weight")
+    assert qkv.ranges[1] == ((48, 64), (112, 128), (176, 192))           # head 3 of q, k and v
+
+
+def test_rewrite_without_process_group_is_exact_on_one_member():
+    """A single-member 'group' (shares of length 1) computes the same as the input graph."""
+    model, gm, _, _ = _prepared("gpt-tiny")
+    x = torch.randint(0, 256, (2, 32))
+    same = tp_rewrite(gm, (4,), 0)
+    torch.testing.assert_close(same(x), gm(x))
+
+
+class Opaque(nn.Module):
+    """An MLP whose activation is a leaf module the matcher does not know."""
+
+    class Weird(nn.Module):
+        def forward(self, x):
+            return x * torch.sigmoid(1.7 * x)
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.act = self.Weird()
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class TwoMLPs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a_up, self.a_down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.opaque = Opaque()
+
+    def forward(self, x):
+        x = x + self.a_down(F.gelu(self.a_up(x)))
+        return (x + self.opaque(x)).pow(2).mean()
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, Opaque.Weird) or super().is_leaf_module(m, qualname)
+
+
+def _two_mlps():
+    from passes.analysis import annotate_pass
+
+    torch.manual_seed(0)
+    model = TwoMLPs()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    example = (torch.randn(4, 16),)
+    annotate_pass(gm, example)
+    return model, gm, example
+
+
+def test_opaque_module_stays_replicated():
+    model, gm, _ = _two_mlps()
+    pairs = find_tp_pairs(gm)
+    assert [(p.columns, p.row) for p in pairs] == [(("a_up",), "a_down")]
+    local = tp_rewrite(gm, (3, 1), 0)
+    assert local.opaque.up.weight is model.opaque.up.weight               # untouched, shared
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributed: threaded process group
+
+
+class TwoRanks(MultiThreadedTestCase):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def test_gpt_tiny_shares_3_1_sgd(self):
+        train_and_check(make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "sgd",
+                                    self.rank, self.world_size), "gpt-tiny", "sgd")
+
+    def test_gpt_tiny_shares_3_1_adamw(self):
+        train_and_check(make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "adamw",
+                                    self.rank, self.world_size), "gpt-tiny", "adamw")
+
+    def test_llama_tiny_shares_3_1_sgd_and_adamw(self):
+        for opt in ("sgd", "adamw"):
+            train_and_check(make_engine("llama-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, opt,
+                                        self.rank, self.world_size), "llama-tiny", opt)
+
+    def test_opaque_module_trains_exactly(self):
+        with _LOCK:
+            model, gm, _ = _two_mlps()
+        local = shard_stage_module(gm, (3, 1), self.rank, None)
+        assert local.opaque.up.weight is model.opaque.up.weight
+        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+        loss = local(x)
+        ref = gm(x)
+        torch.testing.assert_close(loss, ref)
+        loss.backward()
+        ref_grads = torch.autograd.grad(gm(x), [model.a_up.weight, model.opaque.up.weight])
+        full = gather_full_params(local, None)   # default group = the 2 ranks
+        torch.testing.assert_close(full["a_up.weight"], model.a_up.weight)
+        torch.testing.assert_close(model.opaque.up.weight.grad, ref_grads[1])
+
+
+class ThreeRanks(MultiThreadedTestCase):
+    @property
+    def world_size(self) -> int:
+        return 3
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def test_gpt_tiny_shares_2_1_1_sgd_and_adamw(self):
+        for opt in ("sgd", "adamw"):
+            train_and_check(make_engine("gpt-tiny", ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, opt,
+                                        self.rank, self.world_size), "gpt-tiny", opt)
+
+    def test_llama_tiny_shares_2_1_1_sgd(self):
+        train_and_check(make_engine("llama-tiny", ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, "sgd",
+                                    self.rank, self.world_size), "llama-tiny", "sgd")
+
+    def test_tp_member_with_a_single_rank_member(self):
+        """Different shardings: a TP pair (3/1) next to a one-rank member (padded reduce)."""
+        train_and_check(make_engine("gpt-tiny", ((0, 1), (2,)), ((3, 1), (4,)), TWO_MEMBERS, "sgd",
+                                    self.rank, self.world_size), "gpt-tiny", "sgd")
+
+
+class FourRanks(MultiThreadedTestCase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def test_tp_x_dp_equal_shares_uneven_batches(self):
+        engine = make_engine("gpt-tiny", ((0, 1), (2, 3)), ((3, 1), (3, 1)), TWO_MEMBERS, "sgd",
+                             self.rank, self.world_size)
+        assert engine.dp_group is not None
+        train_and_check(engine, "gpt-tiny", "sgd")
+
+    def test_tp_x_dp_different_shares_adamw(self):
+        engine = make_engine("gpt-tiny", ((0, 1), (2, 3)), ((3, 1), (2, 2)), TWO_MEMBERS, "adamw",
+                             self.rank, self.world_size)
+        assert engine.dp_group is None
+        train_and_check(engine, "gpt-tiny", "adamw")
+
+
+if __name__ == "__main__":
+    run_tests()
