@@ -1,0 +1,262 @@
+"""The unified communicator: point-to-point between pipeline stages and collectives inside a group of
+ranks, each on the backend its members share, with a host-staged bridge where they differ.
+
+Terms
+- native backend of a rank: what its device speaks, ``"nccl"`` for a GPU, ``"gloo"`` for a CPU or an
+  emulated device (``DeviceSpec.backend``); ``Communicator.rank_backends`` lists it per rank.
+- group: ``CommGroup``, a set of ranks with its own process group. Members that share a native backend
+  get a process group on it (NCCL among GPUs, gloo among CPUs); members that differ get a gloo group
+  and go through the *bridge*.
+- bridge (host staging): a tensor is copied to the CPU, the collective (or send/recv) runs on gloo, and
+  the result is copied back to the rank's tensor. So a cluster that mixes GPUs and CPUs trains in one
+  job. A GPU tensor on a gloo group is always staged; ``force_bridge`` stages even CPU tensors (a real
+  copy), which is how the bridge is exercised on machines with gloo only.
+- backend implementation (``backend_impl``): which ``torch.distributed`` backend realises a native
+  backend; ``None`` means "the default group's backend". Tests on gloo-only machines map ``"nccl"`` to
+  gloo (``backend_impl={"nccl": "gloo", "gloo": "gloo"}``) and set ``rank_backends`` to pretend some
+  ranks are GPUs: the groups, paths and staging are then those of a real mixed cluster.
+- pair: two ranks exchanging point-to-point messages. A pair whose shared backend is the default
+  group's uses the default group; any other pair gets its own 2-rank group (``prepare_pairs``).
+
+Every rank must create groups (``new_group``, ``prepare_pairs``) with the same arguments in the same
+order, as ``torch.distributed.new_group`` requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["CommGroup", "CommStats", "Communicator"]
+
+_HOST = "gloo"   # the backend of the bridge
+
+
+@dataclass(frozen=True, eq=False)
+class CommGroup:
+    """A group of ranks: its native ``backend`` (``"gloo"`` when members differ), whether it goes through
+    the host bridge, and its process group (``None`` on ranks outside it, or for a single rank)."""
+
+    ranks: tuple[int, ...]
+    backend: str
+    bridged: bool
+    pg: Any = None
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.ranks
+
+    def __repr__(self) -> str:
+        return f"CommGroup(ranks={self.ranks}, backend={self.backend!r}, bridged={self.bridged})"
+
+
+@dataclass
+class CommStats:
+    """Bytes moved by this rank, by path: direct (native backend) and bridged (host-staged)."""
+
+    direct_bytes: int = 0
+    bridged_bytes: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def count(self, what: str, nbytes: int, bridged: bool) -> None:
+        self.calls[what] = self.calls.get(what, 0) + 1
+        if bridged:
+            self.bridged_bytes += nbytes
+        else:
+            self.direct_bytes += nbytes
+
+
+class Communicator:
+    """Collectives and point-to-point messages for one rank (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, rank_backends: Sequence[str], device: torch.device, *,
+                 backend_impl: Mapping[str, str | None] | None = None, force_bridge: bool = False,
+                 default_group: Any = None):
+        if len(rank_backends) != world_size:
+            raise ValueError(f"Communicator.rank_backends: need one per rank ({world_size}), "
+                             f"got {len(rank_backends)}")
+        bad = sorted({b for b in rank_backends if b not in ("nccl", "gloo")})
+        if bad:
+            raise ValueError(f"Communicator.rank_backends: unknown backend(s) {bad}; use 'nccl' or 'gloo'")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Communicator.rank: {rank} is outside [0, {world_size})")
+        self.rank = rank
+        self.world_size = world_size
+        self.rank_backends = tuple(rank_backends)
+        self.device = torch.device(device)
+        self.backend_impl = dict(backend_impl) if backend_impl is not None else {"nccl": "nccl", "gloo": "gloo"}
+        self.force_bridge = force_bridge
+        self.default_group = default_group
+        self.stats = CommStats()
+        self._pairs: dict[tuple[int, int], CommGroup] = {}
+        self._world: CommGroup | None = None
+
+    @classmethod
+    def from_context(cls, ctx=None, **kwargs) -> "Communicator":
+        """From ``autopar.runtime.context()``: native backends from the cluster's devices."""
+        if ctx is None:
+            from autopar.runtime.launch import context
+
+            ctx = context()
+        backends = [d.spec.backend for d in ctx.cluster.devices]
+        return cls(ctx.rank, ctx.world_size, backends, ctx.device, **kwargs)
+
+    # -- groups -------------------------------------------------------------------------------------
+    def _default_backend(self) -> str:
+        return dist.get_backend(self.default_group)
+
+    def _impl(self, backend: str) -> str:
+        """The torch.distributed backend that realises ``backend`` here."""
+        impl = self.backend_impl.get(backend, backend)
+        return self._default_backend() if impl is None else impl
+
+    def _kind(self, ranks: Sequence[int]) -> tuple[str, bool]:
+        """(native backend, bridged) of a set of ranks."""
+        backends = {self.rank_backends[r] for r in ranks}
+        return (backends.pop(), False) if len(backends) == 1 else (_HOST, True)
+
+    @property
+    def world(self) -> CommGroup:
+        """Every rank, on the default group (bridged when the ranks' native backends differ)."""
+        if self._world is None:
+            ranks = tuple(range(self.world_size))
+            self._world = CommGroup(ranks, *self._kind(ranks), self.default_group)
+        return self._world
+
+    def new_group(self, ranks: Sequence[int]) -> CommGroup:
+        """A group over ``ranks``; collective: every rank calls it, in the same order."""
+        ranks = tuple(sorted(set(int(r) for r in ranks)))
+        if not ranks or ranks[0] < 0 or ranks[-1] >= self.world_size:
+            raise ValueError(f"Communicator.new_group: ranks {ranks} must be within [0, {self.world_size})")
+        backend, bridged = self._kind(ranks)
+        pg = None
+        if len(ranks) > 1:
+            impl = self._impl(backend)
+            pg = dist.new_group(list(ranks), backend=None if impl == self._default_backend() else impl)
+            if self.rank not in ranks:
+                pg = None
+        return CommGroup(ranks, backend, bridged, pg)
+
+    def prepare_pairs(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Create the 2-rank groups that point-to-point between these pairs needs (collective). Pairs
+        whose backend is the default group's use the default group."""
+        for a, b in sorted({tuple(sorted(p)) for p in pairs if p[0] != p[1]}):
+            if (a, b) in self._pairs:
+                continue
+            backend, bridged = self._kind((a, b))
+            if self._impl(backend) == self._default_backend():
+                self._pairs[(a, b)] = CommGroup((a, b), backend, bridged, self.default_group)
+            else:
+                self._pairs[(a, b)] = self.new_group((a, b))
+
+    def _pair(self, peer: int) -> CommGroup:
+        key = tuple(sorted((self.rank, peer)))
+        if key not in self._pairs:
+            backend, bridged = self._kind(key)
+            if self._impl(backend) != self._default_backend():
+                raise ValueError(f"Communicator: no group for the pair {key}; call prepare_pairs on every "
+                                 f"rank first")
+            self._pairs[key] = CommGroup(key, backend, bridged, self.default_group)
+        return self._pairs[key]
+
+    def pair_group(self, peer: int) -> CommGroup:
+        """The group point-to-point messages with ``peer`` travel on."""
+        return self._pair(peer)
+
+    # -- staging ------------------------------------------------------------------------------------
+    def _wire_device(self, t: torch.Tensor, group: CommGroup) -> torch.device | None:
+        """Where ``t`` must be copied to travel on ``group`` (None: it travels as it is). NCCL needs a
+        GPU tensor; gloo takes a host copy of a GPU tensor (the bridge), and under ``force_bridge`` of
+        any tensor on a bridged group."""
+        if self._impl(group.backend) == "nccl":
+            return None if t.device.type == "cuda" else self.device
+        if t.device.type != "cpu" or (self.force_bridge and group.bridged):
+            return torch.device("cpu")
+        return None
+
+    def _to_wire(self, t: torch.Tensor, group: CommGroup) -> tuple[torch.Tensor, bool]:
+        dev = self._wire_device(t, group)
+        if dev is None:
+            return t, False
+        return t.detach().to(dev, copy=True), True
+
+    # -- collectives --------------------------------------------------------------------------------
+    def all_reduce(self, tensors: Sequence[torch.Tensor], group: CommGroup | None = None,
+                   op=dist.ReduceOp.SUM) -> None:
+        """Reduce ``tensors`` in place over ``group`` (default: every rank), flattened per dtype into
+        one message. A no-op for a group of one rank or a rank outside the group."""
+        group = self.world if group is None else group
+        if self.rank not in group.ranks or len(group.ranks) < 2 or not tensors:
+            return
+        for ts in _by_dtype(tensors):
+            flat = _flatten_dense_tensors([t.detach() for t in ts])
+            wire, staged = self._to_wire(flat, group)
+            dist.all_reduce(wire, op=op, group=group.pg)
+            self.stats.count("all_reduce", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
+            if staged:
+                flat = wire.to(flat.device)
+            else:
+                flat = wire
+            for t, r in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                t.detach().copy_(r)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, group: CommGroup | None = None) -> None:
+        """Broadcast ``tensors`` (in place) from global rank ``src`` over ``group`` (default: every rank)."""
+        group = self.world if group is None else group
+        if self.rank not in group.ranks or len(group.ranks) < 2 or not tensors:
+            return
+        if src not in group.ranks:
+            raise ValueError(f"Communicator.broadcast: src={src} is not in {group}")
+        for ts in _by_dtype(tensors):
+            flat = _flatten_dense_tensors([t.detach() for t in ts])
+            wire, staged = self._to_wire(flat, group)
+            dist.broadcast(wire, src=src, group=group.pg)
+            self.stats.count("broadcast", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
+            for t, r in zip(ts, _unflatten_dense_tensors(wire, ts)):
+                t.detach().copy_(r)
+
+    # -- point-to-point -----------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        """Start sending ``tensor`` to global rank ``dst``; returns the work handle (keep the tensor
+        alive until it completes: the handle holds the wire copy)."""
+        group = self._pair(dst)
+        wire, staged = self._to_wire(tensor.detach().contiguous(), group)
+        work = dist.isend(wire, dst=dst, group=group.pg, tag=tag)
+        self.stats.count("send", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
+        return _Pending(work, wire)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive a tensor of ``shape`` and ``dtype`` from global rank ``src`` (blocking), on this rank's
+        device."""
+        group = self._pair(src)
+        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        dev = self._wire_device(out, group)
+        wire, staged = (out, False) if dev is None else (torch.empty_like(out, device=dev), True)
+        dist.recv(wire, src=src, group=group.pg, tag=tag)
+        self.stats.count("recv", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
+        if staged:
+            out.copy_(wire)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}/{self.world_size}, backends={self.rank_backends}, "
+                f"force_bridge={self.force_bridge})")
+
+
+@dataclass(frozen=True, eq=False)
+class _Pending:
+    work: Any
+    wire: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())

@@ -1,0 +1,407 @@
+"""The pipeline engine: runs a multi-stage ``Plan`` (HETHUB-style heterogeneous pipelines) on one rank.
+
+Terms
+- stage program: the part of the captured graph a stage runs (``passes.split.split_stages``); every
+  rank builds all of them (the same split everywhere) and runs its own stage's.
+- rows: micro-batch ``m`` is the contiguous run of global-batch rows after micro-batches ``0..m-1``;
+  inside it, member ``g`` of a stage owns ``stage.micro_batches[g][m]`` rows, in member order
+  (``row_layout``). Every stage must cut the same micro-batch totals.
+- transfer: the rows of micro-batch m that member g of stage s sends to member h of stage s+1: the
+  overlap of their rows (``transfers``). Between stages with different member counts or shares this
+  re-scatters the rows. A receiver gets an *unbatched* value (one without a batch dim,
+  ``passes.split.batched_values``) whole from its *primary* sender, the sender holding its first row.
+- message: per transfer a small int64 header (per value: dtype code, requires-grad flag, shape), then
+  one tensor per value. Gradients travel back along the same transfers without a header (the sender
+  knows their shapes). Tags keep the streams of different micro-batches and directions apart.
+- schedule: ``autopar.schedule.make_schedule(plan.schedule, S, M)`` lowered with ``with_comm``; each
+  rank runs its stage's action list: RECV_F, F, SEND_F, RECV_B, B, SEND_B. Sends are asynchronous,
+  receives block.
+- loss weight: the last stage's micro-batch loss (the mean over its rows) is scaled by rows / global
+  batch, so gradients summed over micro-batches and members are the global-mean gradient.
+- gradient group: the ranks that hold a parameter: the members of every stage that uses it. The
+  gradients of the parameters with the same set of stages are summed over that group in one
+  all-reduce. A stage's own parameters thus sync over its data-parallel members, and a parameter tied
+  across stages (a GPT's input embedding and LM head) sums its contributions from both stages, so
+  every copy takes the same optimizer step and they stay identical.
+- owner of a tensor (parameter or buffer): the first stage that uses it; ``state_dict()`` broadcasts
+  each tensor from its owner's first member to every rank.
+
+ZeRO stages above 0 run as ZeRO-0 here (each member keeps its stage's full optimizer state); the
+result is the same, only the memory differs. Tensor-parallel members (more than one rank per member)
+are not supported by this engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import PlanError
+from autopar.plan import Plan
+from autopar.runtime.communicator import Communicator
+from autopar.runtime.engine import EngineInputs, compute_loss
+from autopar.schedule import make_schedule, with_comm
+from passes.split import batched_values, flat_inputs, split_stages
+
+__all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
+_TAG_MICRO = 8192     # tag = (2 * micro + direction) * _TAG_MICRO + message index
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Rows ``[start, stop)`` of one micro-batch that member ``sender`` of a stage sends to member
+    ``receiver`` of the next stage."""
+
+    sender: int
+    receiver: int
+    start: int
+    stop: int
+
+
+def row_layout(plan: Plan) -> list[list[list[tuple[int, int]]]]:
+    """``[stage][member][micro] -> (start, stop)`` global-batch rows; raises ``PlanError`` when the
+    stages disagree on the micro-batch sizes or they do not add up to the global batch."""
+    M = plan.num_micro_batches
+    totals = None
+    for s, stage in enumerate(plan.stages):
+        sizes = [sum(mb[m] if m < len(mb) else 0 for mb in stage.micro_batches) for m in range(M)]
+        if totals is None:
+            totals = sizes
+        elif sizes != totals:
+            raise PlanError(f"plan.stages[{s}].micro_batches: micro-batch sizes {sizes} differ from stage "
+                            f"0's {totals}; every stage must cut the same micro-batches")
+    if sum(totals) != plan.global_batch_size:
+        raise PlanError(f"plan: micro-batches add up to {sum(totals)} samples but global_batch_size is "
+                        f"{plan.global_batch_size}")
+    starts = [sum(totals[:m]) for m in range(M)]
+    out = []
+    for stage in plan.stages:
+        rows = [[None] * M for _ in stage.groups]
+        for m in range(M):
+            at = starts[m]
+            for g, mb in enumerate(stage.micro_batches):
+                n = mb[m] if m < len(mb) else 0
+                rows[g][m] = (at, at + n)
+                at += n
+        out.append(rows)
+    return out
+
+
+def transfers(layout, stage: int, micro: int) -> list[Transfer]:
+    """The transfers of micro-batch ``micro`` from stage ``stage`` to ``stage + 1``, in (sender,
+    receiver) order; empty overlaps are left out."""
+    out = []
+    for g, rows_g in enumerate(layout[stage]):
+        a, b = rows_g[micro]
+        for h, rows_h in enumerate(layout[stage + 1]):
+            c, d = rows_h[micro]
+            lo, hi = max(a, c), min(b, d)
+            if lo < hi:
+                out.append(Transfer(g, h, lo, hi))
+    return out
+
+
+def primary_sender(layout, stage: int, micro: int, receiver: int) -> int | None:
+    """The member of ``stage`` that holds the first row of ``receiver`` (of stage + 1) in ``micro``."""
+    c, d = layout[stage + 1][receiver][micro]
+    if c >= d:
+        return None
+    for g, rows_g in enumerate(layout[stage]):
+        a, b = rows_g[micro]
+        if a <= c < b:
+            return g
+    return None
+
+
+def _check_plan(plan: Plan, world_size: int) -> None:
+    for s, stage in enumerate(plan.stages):
+        for g, members in enumerate(stage.groups):
+            if len(members) != 1:
+                raise PlanError(f"plan.stages[{s}].groups[{g}]={members}: the pipeline engine runs one rank "
+                                f"per member (no tensor parallelism)")
+    ranks = [r for st in plan.stages for r in st.ranks]
+    if len(set(ranks)) != len(ranks):
+        raise PlanError(f"plan: a rank appears in more than one stage member ({ranks})")
+    if any(not 0 <= r < world_size for r in ranks):
+        raise PlanError(f"plan: ranks {sorted(ranks)} must be within [0, {world_size})")
+
+
+class PipelineEngine:
+    """Executes a pipeline ``Plan`` on this rank (see the module docstring)."""
+
+    def __init__(self, inputs: EngineInputs, *, comm: Communicator | None = None):
+        plan = inputs.plan
+        _check_plan(plan, inputs.world_size)
+        self.inputs = inputs
+        self.plan = plan
+        self.rank = inputs.rank
+        self.device = torch.device(inputs.device)
+        self.clock = inputs.clock
+        self.stage, self.member = plan.stage_of(inputs.rank)
+        self.num_stages = plan.num_stages
+        self.num_micro = plan.num_micro_batches
+        self.layout = row_layout(plan)
+        self.schedule = with_comm(make_schedule(plan.schedule if plan.schedule != "none" else "gpipe",
+                                                self.num_stages, self.num_micro))
+        self.programs = split_stages(inputs.gm, [(st.block_start, st.block_stop) for st in plan.stages])
+        self.program = self.programs[self.stage]
+        self.program.gm.to(self.device)
+        self.comm = comm if comm is not None else _default_comm(inputs)
+
+        # Parameters and buffers: which stages use each (by identity; every rank split the same way).
+        users: dict[int, list[int]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        order: list[int] = []
+        for prog in self.programs:
+            for t in list(prog.gm.parameters()) + list(prog.gm.buffers()):
+                if id(t) not in users:
+                    users[id(t)] = []
+                    tensors[id(t)] = t
+                    order.append(id(t))
+                if prog.index not in users[id(t)]:
+                    users[id(t)].append(prog.index)
+        self._owner = {i: users[i][0] for i in order}
+        self._tensors = tensors
+        self._order = order
+
+        # Gradient groups, created in the same order on every rank.
+        trainable = [i for i in order if isinstance(tensors[i], torch.nn.Parameter) and tensors[i].requires_grad]
+        by_stages: dict[tuple[int, ...], list[int]] = {}
+        for i in trainable:
+            by_stages.setdefault(tuple(sorted(users[i])), []).append(i)
+        self._grad_groups = []
+        for stages, ids in sorted(by_stages.items()):
+            ranks = sorted({r for s in stages for r in plan.stages[s].ranks})
+            group = self.comm.new_group(ranks) if len(ranks) > 1 else None
+            if self.stage in stages:
+                self._grad_groups.append((group, [tensors[i] for i in ids]))
+        self.params = [tensors[i] for i in trainable if self.stage in users[i]]
+
+        # Point-to-point pairs between neighbouring stages.
+        pairs = []
+        for s in range(self.num_stages - 1):
+            for a in plan.stages[s].ranks:
+                for b in plan.stages[s + 1].ranks:
+                    pairs.append((a, b))
+        self.comm.prepare_pairs(pairs)
+
+        self.optimizer = inputs.optimizer_factory(self.params) if self.params else None
+        self._batched: dict[str, bool] | None = None
+        self._sends: list = []
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
+        if not isinstance(inputs, (tuple, list)):
+            inputs = (inputs,)
+        B = self.plan.global_batch_size
+        flat = flat_inputs(self.inputs.gm, inputs)
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
+                raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
+        if self._batched is None:
+            names = sorted({n for p in self.programs for n in p.sent})
+            self._batched = batched_values(self.inputs.gm, flat, names) if names else {}
+        flat = [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in flat]
+        if targets is not None and isinstance(targets, torch.Tensor):
+            targets = targets.to(self.device)
+
+        state: dict[int, dict[str, Any]] = {m: {} for m in range(self.num_micro)}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for action in self.schedule.actions[self.stage]:
+            m = action.micro
+            a, b = self.layout[self.stage][self.member][m]
+            if a == b:
+                continue
+            st = state[m]
+            kind = action.kind
+            if kind == "RECV_F":
+                st["received"], st["pieces"] = self._recv_forward(m)
+            elif kind == "F":
+                rows = slice(a, b)
+                local = [t[rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in flat]
+                with self.clock.compute():
+                    out = self.program(local, st.get("received", ()))
+                    if self.program.is_last:
+                        tgt = targets[rows] if isinstance(targets, torch.Tensor) else targets
+                        loss = compute_loss(out, tgt, self.inputs.loss_fn) * ((b - a) / B)
+                if self.program.is_last:
+                    st["loss"] = loss
+                    loss_sum += loss.detach().to(torch.float64)
+                else:
+                    st["outputs"] = tuple(out)
+            elif kind == "SEND_F":
+                self._send_forward(m, st["outputs"])
+            elif kind == "RECV_B":
+                st["grads"] = self._recv_backward(m, st["outputs"])
+            elif kind == "B":
+                with self.clock.compute():
+                    if self.program.is_last:
+                        st.pop("loss").backward()
+                    else:
+                        outs = st.pop("outputs")
+                        grads = st.pop("grads")
+                        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                st["outputs"] = None
+            elif kind == "SEND_B":
+                self._send_backward(m, st.pop("pieces"))
+                st.pop("received", None)
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+
+        for group, params in self._grad_groups:
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            if group is not None:
+                self.comm.all_reduce(grads, group)
+        self.comm.all_reduce([loss_sum])
+        if self.optimizer is not None:
+            with self.clock.compute():
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss_sum)
+
+    # -- messages -----------------------------------------------------------------------------------
+    def _tag(self, micro: int, backward: bool, index: int) -> int:
+        return (2 * micro + int(backward)) * _TAG_MICRO + index
+
+    def _peer(self, stage: int, member: int) -> int:
+        return self.plan.stages[stage].groups[member][0]
+
+    def _send_forward(self, m: int, outputs: Sequence[torch.Tensor]) -> None:
+        s = self.stage
+        names = self.program.sent
+        start = self.layout[s][self.member][m][0]
+        for tr in transfers(self.layout, s, m):
+            if tr.sender != self.member:
+                continue
+            primary = primary_sender(self.layout, s, m, tr.receiver) == self.member
+            payload, header = [], []
+            for name, v in zip(names, outputs):
+                if self._batched[name]:
+                    piece = v[tr.start - start:tr.stop - start]
+                elif primary:
+                    piece = v
+                else:
+                    continue
+                header += [_DTYPES.index(piece.dtype), int(v.requires_grad), piece.dim(), *piece.shape]
+                payload.append(piece)
+            dst = self._peer(s + 1, tr.receiver)
+            head = torch.tensor([len(header)] + header, dtype=torch.int64)
+            size = torch.tensor([head.numel()], dtype=torch.int64)
+            self._sends.append(self.comm.isend(size, dst, self._tag(m, False, 0)))
+            self._sends.append(self.comm.isend(head, dst, self._tag(m, False, 1)))
+            for i, piece in enumerate(payload):
+                self._sends.append(self.comm.isend(piece, dst, self._tag(m, False, 2 + i)))
+
+    def _recv_forward(self, m: int):
+        """The received values of micro-batch m (rows assembled in order) and, per sender, the leaf
+        pieces whose gradients go back to it."""
+        s = self.stage - 1
+        names = self.program.received
+        pieces: dict[str, list] = {n: [] for n in names}
+        by_sender: list[tuple[int, list[torch.Tensor]]] = []
+        for tr in transfers(self.layout, s, m):
+            if tr.receiver != self.member:
+                continue
+            src = self._peer(s, tr.sender)
+            size = self.comm.recv((1,), torch.int64, src, self._tag(m, False, 0))
+            head = self.comm.recv((int(size[0]),), torch.int64, src, self._tag(m, False, 1)).tolist()[1:]
+            primary = primary_sender(self.layout, s, m, self.member) == tr.sender
+            mine, at, i = [], 0, 0
+            for name in names:
+                if not self._batched[name] and not primary:
+                    continue
+                code, grad, ndim = head[at:at + 3]
+                shape = head[at + 3:at + 3 + ndim]
+                at += 3 + ndim
+                t = self.comm.recv(shape, _DTYPES[code], src, self._tag(m, False, 2 + i))
+                i += 1
+                if grad:
+                    t.requires_grad_(True)
+                    mine.append(t)
+                pieces[name].append(t)
+            by_sender.append((src, mine))
+        values = []
+        for name in names:
+            ps = pieces[name]
+            if not ps:
+                raise RuntimeError(f"stage {self.stage}: received no rows of {name!r} for micro-batch {m}")
+            values.append(torch.cat(ps) if self._batched[name] and len(ps) > 1 else ps[0])
+        return tuple(values), by_sender
+
+    def _send_backward(self, m: int, by_sender) -> None:
+        for src, leaves in by_sender:
+            for i, t in enumerate(leaves):
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                self._sends.append(self.comm.isend(g, src, self._tag(m, True, i)))
+
+    def _recv_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        s = self.stage
+        names = self.program.sent
+        start = self.layout[s][self.member][m][0]
+        parts: list[list[torch.Tensor]] = [[] for _ in names]
+        for tr in transfers(self.layout, s, m):
+            if tr.sender != self.member:
+                continue
+            primary = primary_sender(self.layout, s, m, tr.receiver) == self.member
+            src = self._peer(s + 1, tr.receiver)
+            i = 0
+            for k, (name, v) in enumerate(zip(names, outputs)):
+                if not v.requires_grad:
+                    continue
+                if self._batched[name]:
+                    shape = (tr.stop - tr.start, *v.shape[1:])
+                elif primary:
+                    shape = tuple(v.shape)
+                else:
+                    continue
+                parts[k].append(self.comm.recv(shape, v.dtype, src, self._tag(m, True, i)))
+                i += 1
+        grads: list[torch.Tensor | None] = []
+        for k, (name, v) in enumerate(zip(names, outputs)):
+            if not v.requires_grad or not parts[k]:
+                grads.append(None)
+            elif self._batched[name]:
+                grads.append(torch.cat(parts[k]) if len(parts[k]) > 1 else parts[k][0])
+            else:
+                grads.append(torch.stack(parts[k]).sum(0) if len(parts[k]) > 1 else parts[k][0])
+        return grads
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state on every rank: each tensor broadcast from its owner stage's first
+        member (collective: every rank calls it)."""
+        for s, stage in enumerate(self.plan.stages):
+            owned = [self._tensors[i] for i in self._order if self._owner[i] == s]
+            self.comm.broadcast(owned, src=stage.groups[0][0])
+        out = OrderedDict()
+        for k, v in self.inputs.model.state_dict().items():
+            out[k] = v.detach().clone()
+        return out
+
+
+def _default_comm(inputs: EngineInputs) -> Communicator:
+    from autopar.runtime.launch import context, is_initialized
+
+    if is_initialized():
+        ctx = context()
+        backends = [d.spec.backend for d in ctx.cluster.devices]
+        if len(backends) == inputs.world_size:
+            return Communicator(inputs.rank, inputs.world_size, backends, inputs.device,
+                                default_group=inputs.group)
+    backend = "nccl" if dist.get_backend(inputs.group) == "nccl" else "gloo"
+    return Communicator(inputs.rank, inputs.world_size, [backend] * inputs.world_size, inputs.device,
+                        default_group=inputs.group)

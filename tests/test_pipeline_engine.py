@@ -1,0 +1,220 @@
+"""The pipeline engine and the unified communicator against the single-device oracle (``tests/oracle.py``).
+
+- Pure logic: row layouts and transfers (re-scatter between stages of different member counts),
+  plan checks.
+- Communicator collectives on the threaded process group (no p2p there): all-reduce and broadcast
+  over native and bridged (host-staged) groups, forced on gloo-only machines by pretending some ranks
+  are GPUs.
+- Real ``autopar.launch`` runs (gloo, 3 processes) where the pipeline needs send/recv, each launch
+  running several plans in sequence: gpt-tiny (tied embedding / LM head) with 2 and 3 stages, GPipe
+  and 1F1B, micro-batches 4+3+3 of a global batch of 10, stages with two data-parallel members of
+  uneven (and zero) shares, SGD+momentum and AdamW(eps=1e-6); hf-gpt-tiny (a torch.export graph)
+  with 2 stages; and the whole pipeline over a forced bridge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+from torch.testing._internal.common_utils import run_tests
+
+from autopar.errors import PlanError
+from autopar.plan import Plan, Predicted, Stage
+from autopar.runtime.communicator import Communicator
+from autopar.runtime.emulate import NullClock
+from autopar.runtime.engine import EngineInputs, select_engine
+from autopar.runtime.pipeline import PipelineEngine, Transfer, primary_sender, row_layout, transfers
+from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+
+B = 10
+STEPS = 2
+
+
+def pp_plan(stages, schedule="gpipe", global_batch=B, num_blocks=6) -> Plan:
+    """``stages``: list of (block_stop, {rank: micro sizes}) in order; block_start follows."""
+    out, start = [], 0
+    for stop, members in stages:
+        out.append(Stage(start, stop, groups=tuple((r,) for r in members),
+                         micro_batches=tuple(tuple(m) for m in members.values())))
+        start = stop
+    assert start == num_blocks
+    return Plan(strategy="pp", global_batch_size=global_batch, zero_stage=0, schedule=schedule,
+                stages=tuple(out), predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
+
+
+# 3 ranks; micro-batches 4+3+3 everywhere.
+PLANS = {
+    "3stages-gpipe": pp_plan([(2, {0: (4, 3, 3)}), (4, {1: (4, 3, 3)}), (6, {2: (4, 3, 3)})], "gpipe"),
+    "3stages-1f1b": pp_plan([(1, {0: (4, 3, 3)}), (5, {1: (4, 3, 3)}), (6, {2: (4, 3, 3)})], "1f1b"),
+    # stage 0 has two members with uneven shares (3+1, 1+2, 2+1) -> one receiver
+    "dp-first-1f1b": pp_plan([(3, {0: (3, 1, 2), 1: (1, 2, 1)}), (6, {2: (4, 3, 3)})], "1f1b"),
+    # one sender -> two members, one of them with a zero share in a micro-batch
+    "dp-last-gpipe": pp_plan([(4, {0: (4, 3, 3)}), (6, {1: (1, 3, 0), 2: (3, 0, 3)})], "gpipe"),
+}
+
+
+# -- pure logic -----------------------------------------------------------------------------------------
+def test_row_layout_follows_micro_batches_then_member_order():
+    layout = row_layout(PLANS["dp-first-1f1b"])
+    assert layout[0] == [[(0, 3), (4, 5), (7, 9)], [(3, 4), (5, 7), (9, 10)]]
+    assert layout[1] == [[(0, 4), (4, 7), (7, 10)]]
+
+
+def test_transfers_rescatter_rows_between_member_counts():
+    plan = pp_plan([(3, {0: (3, 1), 1: (1, 3)}), (6, {2: (2, 2), 3: (2, 2)})], global_batch=8)
+    layout = row_layout(plan)
+    # micro 0: rows 0-2 on member 0, row 3 on member 1; receivers hold 0-1 and 2-3
+    assert transfers(layout, 0, 0) == [Transfer(0, 0, 0, 2), Transfer(0, 1, 2, 3), Transfer(1, 1, 3, 4)]
+    assert transfers(layout, 0, 1) == [Transfer(0, 0, 4, 5), Transfer(1, 0, 5, 6), Transfer(1, 1, 6, 8)]
+    assert primary_sender(layout, 0, 1, 0) == 0 and primary_sender(layout, 0, 1, 1) == 1
+    # every row of every micro-batch goes exactly once
+    for m in range(2):
+        rows = sorted(r for t in transfers(layout, 0, m) for r in range(t.start, t.stop))
+        assert rows == list(range(4 * m, 4 * m + 4))
+
+
+def test_plan_errors_name_the_problem():
+    bad = pp_plan([(3, {0: (4, 3, 3)}), (6, {1: (5, 3, 2)})])
+    with pytest.raises(PlanError, match="micro-batch sizes"):
+        row_layout(bad)
+    short = pp_plan([(3, {0: (4, 3, 2)}), (6, {1: (4, 3, 2)})])
+    with pytest.raises(PlanError, match="global_batch_size"):
+        row_layout(short)
+    assert select_engine(PLANS["3stages-gpipe"]) is PipelineEngine
+
+
+# -- communicator on the threaded process group -----------------------------------------------------------
+class ThreadedComm(MultiThreadedTestCase):
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_threads()
+
+    def _comm(self, backends, force=False):
+        # nccl does not exist here: both native backends run on the threaded group.
+        return Communicator(self.rank, 4, backends, torch.device("cpu"),
+                            backend_impl={"nccl": None, "gloo": None}, force_bridge=force)
+
+    def test_all_reduce_native_and_bridged_groups(self):
+        comm = self._comm(["nccl", "nccl", "gloo", "gloo"], force=True)
+        gpus = comm.new_group([0, 1])
+        mixed = comm.new_group([1, 2, 3])
+        assert (gpus.backend, gpus.bridged) == ("nccl", False)
+        assert (mixed.backend, mixed.bridged) == ("gloo", True)
+        a = torch.full((3,), float(self.rank + 1))
+        b = torch.arange(4, dtype=torch.float64) * (self.rank + 1)
+        comm.all_reduce([a, b], gpus)
+        if self.rank in (0, 1):
+            assert torch.equal(a, torch.full((3,), 3.0)) and torch.equal(b, torch.arange(4.0, dtype=torch.float64) * 3)
+            assert comm.stats.direct_bytes > 0 and comm.stats.bridged_bytes == 0
+        else:
+            assert torch.equal(a, torch.full((3,), float(self.rank + 1)))       # outside: untouched
+        c = torch.full((2,), float(self.rank + 1))
+        comm.all_reduce([c], mixed)
+        expect = torch.full((2,), 9.0) if self.rank in (1, 2, 3) else torch.full((2,), 1.0)
+        assert torch.equal(c, expect)
+        if self.rank in (1, 2, 3):
+            assert comm.stats.bridged_bytes > 0          # staged through a host copy
+        world = comm.world
+        assert world.bridged
+        d = torch.tensor([float(self.rank)])
+        comm.broadcast([d], src=2)
+        assert d.item() == 2.0
+
+    def test_groups_without_a_bridge_on_one_backend(self):
+        comm = self._comm(["gloo"] * 4)
+        g = comm.new_group([0, 2, 3])
+        assert not g.bridged and not comm.world.bridged
+        t = torch.ones(5) * self.rank
+        comm.all_reduce([t], g)
+        if self.rank in g:
+            assert torch.equal(t, torch.full((5,), 5.0))
+        assert comm.stats.bridged_bytes == 0
+        with pytest.raises(ValueError, match="rank_backends"):
+            Communicator(self.rank, 4, ["gloo"] * 3, torch.device("cpu"))
+        with pytest.raises(ValueError, match="unknown backend"):
+            Communicator(self.rank, 4, ["tpu"] * 4, torch.device("cpu"))
+
+
+# -- real multi-process runs -------------------------------------------------------------------------------
+def _engine(name, plan, optimizer, rank, world_size, comm=None):
+    from autopar.models import build
+    from passes.analyze import analyze
+
+    case = build(name, seed=0)
+    analysis = analyze(case.model, case.example_inputs)
+    return PipelineEngine(EngineInputs(
+        gm=analysis.captured.gm, model=case.model, plan=plan, loss_fn=case.loss_fn,
+        optimizer_factory=optimizer_factory(optimizer), rank=rank, world_size=world_size,
+        device=torch.device("cpu"), clock=NullClock()), comm=comm)
+
+
+def _run_plans(rank: int, runs):
+    """Each run: (key, model name, plan, optimizer, force_bridge)."""
+    out = {}
+    for key, name, plan, optimizer, bridge in runs:
+        comm = None
+        if bridge:   # ranks 0 and 2 pretend to be GPUs: pairs 0-1 and 1-2 and the world are bridged
+            comm = Communicator(rank, 3, ["nccl", "gloo", "nccl"], torch.device("cpu"),
+                                backend_impl={"nccl": "gloo", "gloo": "gloo"}, force_bridge=True)
+        engine = _engine(name, plan, optimizer, rank, 3, comm)
+        losses = [engine.step(inp, tgt) for inp, tgt in batches(name, B, STEPS)]
+        out[key] = {"state": engine.state_dict(), "losses": losses,
+                    "bridged_bytes": engine.comm.stats.bridged_bytes}
+    return out
+
+
+def _check(results, key, name, optimizer):
+    ref = single_device_run(name, B, STEPS, optimizer)
+    for rank, res in enumerate(results):
+        got = res[key]
+        assert_state_close(got["state"], ref.state, RTOL[optimizer])
+        assert got["losses"] == results[0][key]["losses"], f"{key}: rank {rank} reports another loss"
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got["losses"], ref.losses)), key
+    return ref
+
+
+def _cluster(n=3):
+    from autopar.cluster import Cluster
+
+    return Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
+                                                    "memory_GB": 4}, "count": n}]})
+
+
+def test_launch_gpt_tiny_pipelines_match_one_device():
+    import autopar
+
+    runs = [("3stages-gpipe", "gpt-tiny", PLANS["3stages-gpipe"], "sgd", False),
+            ("3stages-1f1b", "gpt-tiny", PLANS["3stages-1f1b"], "adamw", False),
+            ("dp-first-1f1b", "gpt-tiny", PLANS["dp-first-1f1b"], "sgd", False),
+            ("dp-last-gpipe", "gpt-tiny", PLANS["dp-last-gpipe"], "adamw", False)]
+    results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
+    for key, name, _, optimizer, _ in runs:
+        _check(results, key, name, optimizer)
+    # the tied embedding and LM head are one tensor in every state
+    st = results[2]["3stages-gpipe"]["state"]
+    assert torch.equal(st["wte.weight"], st["lm_head.weight"])
+
+
+def test_launch_export_graph_and_forced_bridge_match_one_device():
+    import autopar
+
+    hf = pp_plan([(3, {0: (4, 3, 3)}), (6, {1: (2, 1, 3), 2: (2, 2, 0)})], "1f1b")
+    runs = [("hf-2stages", "hf-gpt-tiny", hf, "sgd", False),
+            ("bridge", "gpt-tiny", PLANS["3stages-1f1b"], "sgd", True)]
+    results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
+    _check(results, "hf-2stages", "hf-gpt-tiny", "sgd")
+    _check(results, "bridge", "gpt-tiny", "sgd")
+    assert all(res["bridge"]["bridged_bytes"] > 0 for res in results)
+    assert all(res["hf-2stages"]["bridged_bytes"] == 0 for res in results)
+
+
+if __name__ == "__main__":
+    run_tests()
