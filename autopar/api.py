@@ -9,7 +9,7 @@ little between processes), then builds the execution engine of the plan on this 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -170,11 +170,13 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither)."""
     import torch.distributed as dist
 
+    from importlib import import_module
+
     from autopar.runtime import emulate
-    from autopar.runtime import launch as _launch
     from autopar.runtime.engine import EngineInputs, select_engine
     from passes.analyze import analyze
 
+    _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
     optimizer = optimizer or _default_optimizer
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -210,7 +212,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
         gm = substitute_kernels(gm)
     clock = emulate.clock_for(cluster.devices[ctx.rank],
-                              time_scale=emulate.oversubscription(ctx.world_size)) \
+                              time_scale=emulate.emulation_time_scale(ctx.world_size)) \
         if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
     engine_cls = select_engine(the_plan)
     engine = engine_cls(EngineInputs(gm=gm, model=model, plan=the_plan, loss_fn=loss_fn,

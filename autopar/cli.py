@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except (ValueError, FileNotFoundError, _Fail) as exc:
-        msg = " ".join(str(exc).split())
+        # One line: a launch failure's rank tracebacks were already printed by the ranks themselves.
+        msg = " ".join(str(exc).split("Traceback of rank")[0].split())
         print(f"autopar {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,10 +4,11 @@ Three sources, in order of preference (``ModelCosts.sources`` records which one 
 
 1. **measured** on a real local device of that type (a CUDA GPU whose name matches, or this CPU):
    each *distinct* block (``struct_hash``) is split out of the graph, fed real activations, and timed
-   forward and backward (warm-up, repeats, median); results are cached on disk keyed by block
+   forward and backward (warm-up, repeats, min or median); results are cached on disk keyed by block
    signature, micro-batch, device name and dtype.
 2. **emulated**: an emulated CPU device (``emulate: cpu, speed: s``) costs the CPU measurement divided
-   by ``s``. This is emulation: the figures say so wherever they are printed.
+   by ``s`` and multiplied by the run's emulation time scale (``emulate.emulation_time_scale``), which
+   the runtime's clocks use too. This is emulation: the figures say so wherever they are printed.
 3. **roofline** transfer for device types not at hand: per block and op class (matmul, attention,
    memory-bound), ``max(FLOPs / peak, bytes / bandwidth)`` divided by a per-class efficiency, plus a
    per-op overhead. Efficiencies are calibrated by non-negative least squares (scipy ``nnls``) from
@@ -132,13 +133,14 @@ def _time(fn, repeats: int, sync, stat: str = "median") -> float:
 
 
 def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: torch.device | None = None,
-                   repeats: int = 3, use_cache: bool = True, progress=None,
-                   stat: str = "median") -> dict[int, np.ndarray]:
+                   repeats: int = 5, use_cache: bool = True, progress=None,
+                   stat: str = "min") -> dict[int, np.ndarray]:
     """Measured forward and backward seconds of every block at each micro-batch in ``batches``.
 
     Returns {micro_batch: array (2, num_blocks)} (row 0 forward, row 1 backward). Each distinct block is
-    timed once and its time copied to the identical ones. ``stat``: "median" of the repeats, or "min"
-    (robust when other processes share the cores).
+    timed once and its time copied to the identical ones. ``stat``: "min" of the repeats (default: the
+    uncontended time, robust when other processes share the cores, and what an emulated device's
+    CPU-time clock sees) or "median".
     """
     from torch.fx.passes.split_module import split_module
 
@@ -260,10 +262,14 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     need_cpu = any(cluster.spec_of(t).is_emulated or cluster.spec_of(t).vendor == "cpu" for t in types)
     if measure and need_cpu and not on_meta:
         measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
+    from autopar.runtime.emulate import emulation_time_scale
+
+    emu_scale = emulation_time_scale(len(cluster))
     for t in types:
         spec = cluster.spec_of(t)
         if spec.is_emulated or spec.vendor == "cpu":
-            speed = spec.speed if spec.is_emulated else 1.0
+            # An emulated device runs at speed / time_scale of this CPU (autopar.runtime.emulate).
+            speed = spec.speed / emu_scale if spec.is_emulated else 1.0
             if measured is not None:
                 fwd_table[t] = np.stack([measured[int(b)][0] for b in batches]) / speed
                 bwd_table[t] = np.stack([measured[int(b)][1] for b in batches]) / speed

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "oversubscription"]
+__all__ = ["emulation_time_scale", "ClockStats", "EmulatedClock", "NullClock", "clock_for", "oversubscription"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +123,14 @@ def clock_for(device, time_scale: float = 1.0) -> EmulatedClock | NullClock:
     if getattr(spec, "emulate", None) and (float(spec.speed) != 1.0 or time_scale != 1.0):
         return EmulatedClock(spec.speed, time_scale=time_scale)
     return NullClock()
+
+
+def emulation_time_scale(num_ranks: int, num_cores: int | None = None) -> float:
+    """The ``time_scale`` of a run's emulated devices: twice the oversubscription, so the ranks' CPU
+    demand (sum of speed / scale) stays well under the cores and speed ratios survive some contention.
+    The cost model (``autopar.profile``) prices emulated devices with the same factor, so predicted and
+    measured step times are in the same units."""
+    return 2.0 * oversubscription(num_ranks, num_cores)
 
 
 def oversubscription(num_ranks: int, num_cores: int | None = None) -> float:
