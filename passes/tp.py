@@ -664,6 +664,12 @@ def _param_name(gm: fx.GraphModule, param: nn.Parameter) -> str:
     raise KeyError("parameter not in module")
 
 
+def _empty_linear(in_features: int, out_features: int, bias: bool, like: nn.Linear) -> nn.Linear:
+    """A Linear without random initialisation (it draws nothing from the global RNG)."""
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias,
+                                    device=like.weight.device, dtype=like.weight.dtype)
+
+
 def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, group=None,
                granularity: int = 8, pairs: list[TPPair] | None = None) -> fx.GraphModule:
     """The module that member ``rank_index`` of a tensor-parallel group with ``shares`` runs.
@@ -700,8 +706,7 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
             width = pair.part_features
             runs = tuple(tuple((p * width + a * uf, p * width + b * uf) for p in range(parts)) for a, b in ranges)
             mine = runs[rank_index]
-            local = nn.Linear(full.in_features, sum(b - a for a, b in mine), bias=full.bias is not None,
-                              device=full.weight.device, dtype=full.weight.dtype)
+            local = _empty_linear(full.in_features, sum(b - a for a, b in mine), full.bias is not None, full)
             with torch.no_grad():
                 local.weight.copy_(torch.cat([full.weight[a:b] for a, b in mine]))
                 if full.bias is not None:
@@ -717,7 +722,7 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
         full = gm.get_submodule(pair.row)
         runs = tuple(((a * uf, b * uf),) for a, b in ranges)
         a, b = runs[rank_index][0]
-        local = nn.Linear(b - a, full.out_features, bias=False, device=full.weight.device, dtype=full.weight.dtype)
+        local = _empty_linear(b - a, full.out_features, False, full)
         with torch.no_grad():
             local.weight.copy_(full.weight[:, a:b])
         local.weight.requires_grad_(full.weight.requires_grad)

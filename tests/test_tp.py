@@ -255,6 +255,12 @@ class ThreeRanks(MultiThreadedTestCase):
         train_and_check(make_engine("llama-tiny", ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, "sgd",
                                     self.rank, self.world_size), "llama-tiny", "sgd")
 
+    def test_members_out_of_rank_order_and_an_idle_rank(self):
+        """Group (2, 0): rank 2 holds heads 0-2, rank 0 head 3; rank 1 is left out by the plan and
+        joins the collectives idle, ending with the same state."""
+        train_and_check(make_engine("gpt-tiny", ((2, 0),), ((3, 1),), ONE_MEMBER, "sgd",
+                                    self.rank, self.world_size), "gpt-tiny", "sgd")
+
     def test_tp_member_with_a_single_rank_member(self):
         """Different shardings: a TP pair (3/1) next to a one-rank member (padded reduce)."""
         train_and_check(make_engine("gpt-tiny", ((0, 1), (2,)), ((3, 1), (4,)), TWO_MEMBERS, "sgd",

@@ -87,10 +87,15 @@ def gather_full_params(local_gm: fx.GraphModule, group=None) -> dict[str, torch.
     if n == 1:
         flats = [local]
     else:
-        padded = local.new_zeros(max(sizes))
-        padded[:local.numel()] = local
-        flats = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(flats, padded, group=group)
+        # Group ranks are sorted global ranks, not TP indices: each piece carries its TP index first.
+        padded = local.new_zeros(1 + max(sizes))
+        padded[0] = layout.rank_index
+        padded[1:1 + local.numel()] = local
+        gathered = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(gathered, padded, group=group)
+        flats = [None] * n
+        for t in gathered:
+            flats[int(t[0])] = t[1:]
     out, offsets = {}, [0] * n
     for s in layout.params:
         pieces = []
@@ -152,13 +157,20 @@ class TensorParallelEngine:
         shares = self._shares()
         group_ranks = (list(range(dist.get_world_size())) if self.group is None
                        else list(dist.get_process_group_ranks(self.group)))
-        if sorted(group_ranks) != sorted(stage.ranks):
-            raise TensorParallelError(f"plan: ranks {sorted(stage.ranks)} must be exactly the process "
-                                      f"group's ranks {sorted(group_ranks)}")
-        self._member, self._tp_index = next((g, m.index(inputs.rank)) for g, m in enumerate(self._members)
-                                            if inputs.rank in m)
-        self._share = share_slices(plan)[self._member]
-        self._micro = micro_slices(stage.micro_batches[self._member], self._share.start)
+        outside = sorted(set(stage.ranks) - set(group_ranks))
+        if outside or inputs.rank not in group_ranks:
+            raise TensorParallelError(f"plan: ranks {outside or [inputs.rank]} are not in the process group "
+                                      f"(ranks {group_ranks}); pass EngineInputs.group over the plan's ranks")
+        # An idle rank (in the group, left out by the plan) joins every group-wide collective empty.
+        self._has_idle = bool(set(group_ranks) - set(stage.ranks))
+        self._src_rank = self._members[0][0]
+        self._member, self._tp_index = next(((g, m.index(inputs.rank)) for g, m in enumerate(self._members)
+                                             if inputs.rank in m), (None, None))
+        if self._member is None:
+            self._share, self._micro = slice(0, 0), []
+        else:
+            self._share = share_slices(plan)[self._member]
+            self._micro = micro_slices(stage.micro_batches[self._member], self._share.start)
 
         # Sub-groups: every rank creates every group, in the same order.
         self.tp_group = None
@@ -182,10 +194,13 @@ class TensorParallelEngine:
         # Every rank starts from the first rank's weights (as DDP does).
         with torch.no_grad():
             for p in source.parameters():
-                dist.broadcast(p.data, src=group_ranks[0], group=self.group)
+                dist.broadcast(p.data, src=self._src_rank, group=self.group)
         self._source_params = [(name, p) for name, p in source.named_parameters() if p.requires_grad]
-        self.gm = shard_stage_module(source, shares[self._member], self._tp_index, self.tp_group,
-                                     granularity=granularity)
+        if self._member is None:
+            self.gm = shard_stage_module(source, (1,), 0, None)     # idle: never runs, holds no shard
+        else:
+            self.gm = shard_stage_module(source, shares[self._member], self._tp_index, self.tp_group,
+                                         granularity=granularity)
         self.layout = tp_layout(self.gm)
         # model state_dict keys of each parameter of the source graph (tied parameters have several)
         keys_of: dict[int, list[str]] = {}
@@ -208,8 +223,6 @@ class TensorParallelEngine:
         if total != plan.global_batch_size:
             raise TensorParallelError(f"plan.stages[0].micro_batches: sum to {total} samples, but "
                                       f"plan.global_batch_size is {plan.global_batch_size}")
-        if self.inputs.rank not in stage.ranks:
-            raise TensorParallelError(f"rank: {self.inputs.rank} is not in the plan (ranks {stage.ranks})")
 
     def _shares(self) -> list[tuple[int, ...]]:
         stage = self.plan.stages[0]
@@ -257,32 +270,31 @@ class TensorParallelEngine:
         for rows in self._micro:
             if rows.stop > rows.start:
                 loss_sum += self._micro_step(inputs, targets, rows).double()
-        if self._equal:
-            self._reduce_equal(loss_sum)
-        else:
-            self._reduce_padded(loss_sum)
-        with self.clock.compute():
-            self.optimizer.step()
+        if self._tp_index != 0:
+            loss_sum.zero_()      # each member's loss counts once
+        dist.all_reduce(loss_sum, group=self.group)
+        if not self._equal:
+            self._reduce_padded()
+        elif self._member is not None:
+            self._reduce_equal()
+        if self._member is not None:
+            with self.clock.compute():
+                self.optimizer.step()
         return float(loss_sum)
 
-    def _reduce_equal(self, loss_sum: torch.Tensor) -> None:
+    def _reduce_equal(self) -> None:
         flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
                           for p in self._params])
         if self.dp_group is not None:
             dist.all_reduce(flat, group=self.dp_group)
-            dist.all_reduce(loss_sum, group=self.dp_group)
         offset = 0
         for p in self._params:
             p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
-    def _reduce_padded(self, loss_sum: torch.Tensor) -> None:
-        lead = self._tp_index == 0
-        flat = flat_full_grad(self.gm, self._source_params, replicated_too=lead)
-        if not lead:
-            loss_sum.zero_()
+    def _reduce_padded(self) -> None:
+        flat = flat_full_grad(self.gm, self._source_params, replicated_too=self._tp_index == 0)
         dist.all_reduce(flat, group=self.group)
-        dist.all_reduce(loss_sum, group=self.group)
         shards = {s.source: s for s in self.layout.params}
         offset = 0
         for source, p in self._source_params:
@@ -298,11 +310,22 @@ class TensorParallelEngine:
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state (keys of ``model.state_dict()``), as CPU clones on every
-        rank. A collective inside each member: every rank must call it."""
-        full = gather_full_params(self.gm, self.tp_group)
+        rank. A collective: every rank must call it (shards are gathered inside each member; idle
+        ranks receive the state from the plan's first rank)."""
+        full = gather_full_params(self.gm, self.tp_group) if self._member is not None else {}
         replace = {}
         for source, t in full.items():
             for key in self._source_keys.get(source, []):
                 replace[key] = t
-        return {key: replace.get(key, t).detach().to("cpu").clone()
-                for key, t in self.model.state_dict(keep_vars=True).items()}
+        state = {key: replace.get(key, t).detach() for key, t in self.model.state_dict(keep_vars=True).items()}
+        if self._has_idle:
+            floats = [k for k, t in state.items() if t.is_floating_point()]
+            flat = torch.cat([state[k].reshape(-1).to(self.device) for k in floats]) if floats else None
+            if flat is not None:
+                dist.broadcast(flat, src=self._src_rank, group=self.group)
+                offset = 0
+                for k in floats:
+                    n = state[k].numel()
+                    state[k] = flat[offset:offset + n].view(state[k].shape)
+                    offset += n
+        return {key: t.to("cpu").clone() for key, t in state.items()}
