@@ -63,6 +63,8 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     """Run the planner of ``strategy`` on prepared cost tables and attach the bounds."""
     from autopar import dp_planner, pp_planner
 
+    _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)
+
     if strategy in ("dp", "uniform-dp", "proportional-dp"):
         if pp_layers is not None and len(pp_layers) > 1:
             raise PlanError(f"pp_layers: {pp_layers} asks for a pipeline but strategy={strategy!r} has one stage")
@@ -107,7 +109,7 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
     if isinstance(strategy, Plan):
         _check_plan(strategy, cluster, global_batch_size)
         return strategy
-    _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)
+    _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)  # before the costly analysis
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure)

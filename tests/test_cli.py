@@ -1,0 +1,63 @@
+"""The command line: analyze / plan / models output and JSON, one-line errors with exit status 2."""
+
+import json
+
+import pytest
+
+from autopar.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+
+
+def test_analyze_json(capsys):
+    assert main(["analyze", "--model", "gpt-tiny", "--cluster", "demo", "--batch", "4", "--json", "-"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["capture"] == "fx" and d["batch"] == 4
+    assert [b["name"] for b in d["blocks"]][:2] == ["embed", "layers.0"]
+    assert d["total"]["params"] == sum(b["params"] for b in d["blocks"]) == 218496
+    assert set(d["blocks"][1]["time_s"]) == {"cpu-full", "cpu-half", "cpu-quarter"}
+    assert d["time_sources"]["cpu-half"] == "emulated"
+
+
+def test_analyze_table_for_a_meta_model(capsys):
+    assert main(["analyze", "--model", "gpt2-small", "--cluster", "benchmarks/clusters/mixed-3.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "layers.0 (x12 identical)" in out and "total" in out and "roofline" in out
+
+
+def test_plan_json_and_timeline(capsys, tmp_path):
+    png = tmp_path / "t.png"
+    assert main(["plan", "--model", "gpt2-xl", "--cluster", "benchmarks/clusters/mixed-3.yaml",
+                 "--global-batch", "256", "--strategy", "pp", "--json", "-", "--timeline", str(png)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["strategy"] == "pp" and d["predicted"]["samples_per_s"] > 0
+    assert png.stat().st_size > 1000
+
+
+def test_models_lists_the_zoo(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gpt-tiny", "llama-140b", "resnet50", "hf-gpt-tiny"):
+        assert name in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["analyze", "--model", "no-such-model"], "no-such-model"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "nowhere.yaml", "--global-batch", "8"], "nowhere.yaml"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "0"], "global_batch_size"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_bad_cluster_field_names_the_field(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes:\n  - device: A100-80GB\n    count: -2\n")
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", str(bad), "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "count" in err and "-2" in err
