@@ -286,24 +286,37 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
 
 # -- exact stage durations, memory and the simulated prediction -------------------------------------
 
-def stage_durations(costs: ModelCosts, cluster: "Cluster",
-                    stages: Sequence[Stage]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stage], *,
+                    replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds [stage][micro] (slowest member) and transfer
     seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
-    first ranks."""
+    first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
+    ``autopar.tp_cost`` with ``replicated_fraction`` (None: its default)."""
     S = len(stages)
     M = max(len(mb) for st in stages for mb in st.micro_batches)
     fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
+    tp_seen: dict = {}
+    tp_ids: dict = {}
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
-        seen: dict[tuple[str, int], tuple[float, float]] = {}   # (type, samples) -> (fwd, bwd) seconds
+        seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
         for g, members in enumerate(st.groups):
             t = cluster.devices[members[0]].spec.name
+            kind = None
+            if len(members) > 1 and st.tp_shares:
+                from autopar import tp_cost  # local: the TP cost model imports nothing from here
+
+                kind = tp_cost.group_kind(cluster, members, st.tp_shares[g])
+                t = tp_ids.setdefault(kind, len(tp_ids))
             for m, x in enumerate(st.micro_batches[g]):
                 if (t, x) not in seen:
-                    seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
-                                    float(costs.bwd_time(t, x)[blocks].sum()))
+                    if kind is None:
+                        seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
+                                        float(costs.bwd_time(t, x)[blocks].sum()))
+                    else:
+                        seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
+                                                          tp_seen)
                 f, b = seen[(t, x)]
                 fwd[s, m] = max(fwd[s, m], f)
                 bwd[s, m] = max(bwd[s, m], b)
@@ -318,23 +331,30 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster",
     return fwd, bwd, comm
 
 
-def _allreduce_s(costs, cluster, stage: Stage) -> float:
+def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None) -> float:
     if len(stage.groups) < 2:
         return 0.0
+    if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
+        from autopar import tp_cost
+
+        return tp_cost.stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
     grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
     return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
 
 
 def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Timeline, float]:
     """The simulated timeline of a pipeline plan's schedule and its step time (the last stage to finish
-    its backward and then its gradient all-reduce). The planner predicts with this same function."""
+    its backward and then its gradient all-reduce). The planner predicts with this same function.
+    Tensor-parallel members are priced with the replicated fraction the joint planner recorded in
+    ``plan.predicted.breakdown["tp_replicated_fraction"]`` (``autopar.tp_cost``'s default if absent)."""
     stages = plan.stages
     M = plan.num_micro_batches
-    fwd, bwd, comm = stage_durations(costs, cluster, stages)
+    rho = plan.predicted.breakdown.get("tp_replicated_fraction")
+    fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
     name = plan.schedule if plan.schedule in ("gpipe", "1f1b") else "1f1b"
     timeline = simulate(make_schedule(name, len(stages), M), fwd, bwd, comm)
     ends = timeline.stage_end_s
-    step = max(ends[s] + _allreduce_s(costs, cluster, st) for s, st in enumerate(stages))
+    step = max(ends[s] + _allreduce_s(costs, cluster, st, rho) for s, st in enumerate(stages))
     return timeline, float(step)
 
 

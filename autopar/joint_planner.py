@@ -1,0 +1,788 @@
+"""The joint planner (``strategy="auto"``): pipeline stages x tensor-parallel groups x data-parallel
+members with uneven batch shares x ZeRO stage x micro-batches, searched together.
+
+Terms
+- TP layout: how every node's devices are cut into tensor-parallel groups: a degree per device type
+  (1, 2, 4 or 8 devices, consecutive ranks of one node; a node mixing types uses the least degree of
+  its types; a node whose size the degree does not divide keeps a smaller last group). Each group's
+  head shares are the exact min-max of ``autopar.tp_cost.best_shares``. The groups are the *members*.
+- grouping: the members arranged into pipeline stages (``pp_planner.StageGrouping`` with TP groups as
+  members). Families, all in rank order inside a type: per member, per node, per type, *type-major*
+  (each type's members cut into S_t equal stages, types one after another, S_t chosen so that stages
+  of different types are of similar speed) and *lockstep* (every type's members cut into S equal
+  slices, stage s = slice s of every type: S identical stages).
+- member kind: the device types, shares and all-reduce link of a member (``tp_cost.GroupKind``);
+  members of one kind share every cost (identical blocks already share one row of the cost tables).
+- candidate: a (layout, grouping, micro-batch count). Its stage cost tensor (TP-aware times, memory
+  per rank, p2p transfers; see ``_cost_tensor``) goes to ``pp_planner.split_blocks``, the exact split
+  DP; the best candidates by the split estimate are built and predicted by the schedule simulator
+  (``pp_planner.plan_timeline``, which prices TP members through ``autopar.tp_cost``).
+- ZeRO inside a pipeline stage shards states over the stage's members; ZeRO-1/2 move the same bytes
+  as the all-reduce they replace, so ``zero_stage="auto"`` searches with ZeRO-2's memory and reports
+  the least stage the chosen plan fits with. ZeRO-3 is only offered by pure data parallelism, whose
+  planner models its per-micro-step gathers.
+- pruning: layouts and groupings whose load-balance bound (global batch / summed member speed)
+  cannot beat the best plan found are skipped; groupings that need more stages than blocks or whose
+  stage memory cannot hold the model are skipped by the split DP's feasibility check; for each
+  grouping the micro-batch counts are scanned on a ladder and refined around the best.
+- single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates
+  too, so ``auto`` is never predicted slower than any of them.
+- cache: plans are kept as JSON under ``$AUTOPAR_CACHE_DIR/plans/`` (default
+  ``~/.cache/autopar/plans/``), keyed by a hash of the cost tables, the cluster signature and the
+  arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from autopar import tp_cost
+from autopar.comm import p2p_time_s
+from autopar.costs import ModelCosts
+from autopar.dp_planner import plan_dp
+from autopar.errors import PlanError
+from autopar.plan import Plan, Predicted, Stage
+from autopar.pp_planner import (
+    StageGrouping, _dp_min_max, member_shares, micro_candidates, micro_sizes, plan_pipeline, plan_timeline,
+    split_blocks,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
+
+__all__ = [
+    "TP_DEGREES", "SINGLE_STRATEGIES", "Member", "MemberLayout", "member_layouts", "member_groupings",
+    "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "cache_dir", "cache_key",
+]
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+SINGLE_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp", "pp", "uniform-pp", "tp")
+_CACHE_VERSION = 1
+_SHORTLIST = 8          # candidates per layout (by split estimate) that the simulator ranks
+_ESTIMATE_SLACK = 1.1   # a split estimate this much above the best prediction is not simulated
+_TIE = 1e-3             # relative step-time difference below which 1F1B wins (less memory)
+
+
+# -- members and layouts -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One data-parallel participant of a stage: a TP group (a single rank when its degree is 1)."""
+
+    ranks: tuple[int, ...]
+    shares: tuple[int, ...]
+    kind: tp_cost.GroupKind
+    node: int
+
+    @property
+    def type_name(self) -> str:
+        return self.kind.types[0]
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLayout:
+    name: str
+    degrees: tuple[tuple[str, int], ...]
+    members: tuple[Member, ...]
+
+
+def _nodes(cluster: "Cluster", ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    out: dict[int, list[int]] = {}
+    for r in ranks:
+        out.setdefault(cluster.devices[r].node, []).append(r)
+    return [tuple(v) for v in out.values()]
+
+
+def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] | None = None, *,
+                   num_heads: int | None = None, degrees: Sequence[int] = TP_DEGREES,
+                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> list[MemberLayout]:
+    """Every TP layout (a degree per device type; see the module docstring), duplicates removed."""
+    ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
+    units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
+    nodes = _nodes(cluster, ranks)
+    types = list(dict.fromkeys(cluster.devices[r].spec.name for r in ranks))
+    whole = {t: costs.step_time(t, 1.0) for t in types}
+    out: list[MemberLayout] = []
+    seen: set = set()
+    kinds: dict = {}
+    for combo in itertools.product(degrees, repeat=len(types)):
+        deg = dict(zip(types, combo))
+        members = []
+        ok = True
+        for node_ranks in nodes:
+            d = min(deg[cluster.devices[r].spec.name] for r in node_ranks)
+            for i in range(0, len(node_ranks), d):
+                group = node_ranks[i:i + d]
+                if len(group) > units:
+                    ok = False
+                    break
+                key = tuple(cluster.devices[r].spec.name for r in group)
+                if len(group) == 1:
+                    shares = (units,)
+                else:
+                    shares = tp_cost.best_shares([whole[t] for t in key], units, replicated_fraction)
+                k = tp_cost.group_kind(cluster, group, shares)
+                k = kinds.setdefault(k, k)
+                members.append(Member(tuple(group), shares, k, cluster.devices[group[0]].node))
+            if not ok:
+                break
+        if not ok:
+            continue
+        sig = tuple(m.ranks for m in members)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        used = {t: max((len(m.ranks) for m in members if m.type_name == t), default=1) for t in types}
+        name = "tp[" + ",".join(f"{t}:{used[t]}" for t in types) + "]"
+        out.append(MemberLayout(name, tuple(used.items()), tuple(members)))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cut(items: Sequence, parts: int) -> list[tuple]:
+    q, r = divmod(len(items), parts)
+    out, i = [], 0
+    for p in range(parts):
+        k = q + (1 if p < r else 0)
+        out.append(tuple(items[i:i + k]))
+        i += k
+    return out
+
+
+def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
+                     speed: dict | None = None) -> list[StageGrouping]:
+    """Candidate stage groupings of a layout's members (see the module docstring), at most
+    ``max_stages`` stages each, duplicates removed. ``speed``: member kind -> samples/s (type-major
+    balance; equal when None)."""
+    members = layout.members
+    out: list[StageGrouping] = []
+    seen: set = set()
+
+    def add(name, stages):
+        stages = tuple(tuple(m.ranks for m in st) for st in stages if st)
+        if stages and len(stages) <= max_stages and stages not in seen:
+            seen.add(stages)
+            out.append(StageGrouping(name, stages))
+
+    by_type: dict[str, list[Member]] = {}
+    for m in members:
+        by_type.setdefault(m.type_name, []).append(m)
+    add("per-member", [(m,) for m in members])
+    by_node: dict[int, list[Member]] = {}
+    for m in members:
+        by_node.setdefault(m.node, []).append(m)
+    add("per-node", list(by_node.values()))
+    add("per-type", list(by_type.values()))
+    v = {t: sum((speed or {}).get(m.kind, 1.0) for m in ms) for t, ms in by_type.items()}
+    lists = list(by_type.values())
+    counts = [len(x) for x in lists]
+    # Lockstep: S identical stages, each a slice of every type.
+    common = [d for d in _divisors(math.gcd(*counts)) if d <= max_stages]
+    for S in common:
+        slices = [_cut(x, S) for x in lists]
+        add(f"lockstep-{S}", [sum((sl[s] for sl in slices), ()) for s in range(S)])
+    # Type-major: each type's members cut into S_t stages of similar speed across types.
+    if len(lists) > 1:
+        names = list(by_type)
+        options = [[d for d in _divisors(c) if d <= max_stages] for c in counts]
+        for combo in itertools.product(*options):
+            if sum(combo) > max_stages:
+                continue
+            per_stage = [v[t] / s for t, s in zip(names, combo)]
+            if max(per_stage) > 3.0 * min(per_stage):
+                continue
+            stages = [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)]
+            add("type-major-" + "+".join(map(str, combo)), stages)
+    else:
+        for S in _divisors(counts[0]):
+            add(f"chunks-{S}", _cut(lists[0], S))
+    return out
+
+
+# -- the cost tensor of one grouping -----------------------------------------------------------------
+
+@dataclass
+class _Ctx:
+    costs: ModelCosts
+    cluster: "Cluster"
+    global_batch: int
+    zero_stage: int
+    memory_fraction: float
+    rho: float
+    members: dict                  # rank tuple -> Member
+    cache: dict
+
+    def kind_id(self, kind) -> int:
+        ids = self.cache.setdefault("kind_ids", {})
+        if kind not in ids:
+            ids[kind] = len(ids)
+            self.cache.setdefault("kind_list", []).append(kind)
+        return ids[kind]
+
+    def upper(self) -> np.ndarray:
+        if "upper" not in self.cache:
+            n = self.costs.num_blocks
+            self.cache["upper"] = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+        return self.cache["upper"]
+
+    def out_bytes0(self) -> np.ndarray:
+        if "out0" not in self.cache:
+            self.cache["out0"] = np.concatenate([[0.0], self.costs.out_bytes])
+        return self.cache["out0"]
+
+    def cap(self, r: int) -> float:
+        return self.cluster.devices[r].spec.memory_bytes * self.memory_fraction
+
+    def ratio(self, kid: int, k: int) -> float:
+        """``T_p`` x min over blocks of (time of kind ``kid`` at ``k`` samples) / (reference time
+        ``p``: kind 0 at 1 sample), for ``_split_lower_bound``."""
+        key = ("ratio", kid, k)
+        if key not in self.cache:
+            ref = self.span_time(0, 1)[0]
+            steps = np.diff(ref)
+            mine = np.diff(self.span_time(kid, k)[0])
+            ok = steps > 0
+            self.cache[key] = float(ref[-1] * np.min(mine[ok] / steps[ok])) if ok.any() else 0.0
+        return self.cache[key]
+
+    def kind_speed(self, kind) -> float:
+        key = ("speed", self.kind_id(kind))
+        if key not in self.cache:
+            f, b = tp_cost.kind_block_times(self.costs, kind, 1.0, self.rho)
+            self.cache[key] = 1.0 / max(float(f.sum() + b.sum()), 1e-30)
+        return self.cache[key]
+
+    def span_time(self, kid: int, k: int) -> np.ndarray:
+        key = ("span", kid, k)
+        if key not in self.cache:
+            kind = self.cache["kind_list"][kid]
+            f, b = tp_cost.kind_block_times(self.costs, kind, float(k), self.rho)
+            p = np.concatenate([[0.0], np.cumsum(f + b)])
+            self.cache[key] = p[None, :] - p[:, None]
+        return self.cache[key]
+
+    def spans(self):
+        if "spans" not in self.cache:
+            c = self.costs
+            pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+            span = lambda p: p[None, :] - p[:, None]               # noqa: E731
+            self.cache["spans"] = (span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes)))
+        return self.cache["spans"]
+
+    def state(self, num_members: int) -> np.ndarray:
+        key = ("state", num_members, self.zero_stage)
+        if key not in self.cache:
+            c = self.costs
+            params, wbytes, _ = self.spans()
+            f = 1.0 / num_members
+            z = self.zero_stage
+            self.cache[key] = (wbytes * (f if z >= 3 else 1.0)
+                               + params * (c.grad_bytes_per_param * (f if z >= 2 else 1.0)
+                                           + c.optimizer_bytes_per_param * (f if z >= 1 else 1.0)))
+        return self.cache[key]
+
+    def room(self, member: Member) -> float:
+        """Bytes of (unsharded) block state + activations the member's tightest rank can hold."""
+        key = ("room", member.ranks)
+        if key not in self.cache:
+            factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.rho)
+            self.cache[key] = min(self.cap(r) / k for r, k in zip(member.ranks, factors))
+        return self.cache[key]
+
+
+def _in_flight(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
+    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
+
+
+@dataclass(frozen=True, slots=True)
+class _StagePrep:
+    """What the cost tensor needs of one stage, independent of the micro-batch count."""
+
+    num_members: int
+    kinds: tuple[tuple[int, float, float], ...]   # distinct (kind id, speed fraction of the stage, room)
+    p2p: tuple[float, float, int] | None          # (alpha s, beta s/B, parallel links) to the next stage
+
+
+def _prepare(ctx: _Ctx, stages: Sequence[Sequence[Member]]) -> list[_StagePrep]:
+    out = []
+    for s, members in enumerate(stages):
+        ids = [ctx.kind_id(m.kind) for m in members]
+        v = [ctx.kind_speed(m.kind) for m in members]
+        total = sum(v)
+        kinds = tuple(sorted({(i, x / total, ctx.room(m)) for i, x, m in zip(ids, v, members)}))
+        p2p = None
+        if s < len(stages) - 1:
+            nxt = stages[s + 1]
+            src, dst = members[0].ranks[0], nxt[0].ranks[0]
+            alpha = p2p_time_s(ctx.cluster, src, dst, 0.0)
+            beta = (p2p_time_s(ctx.cluster, src, dst, 1e9) - alpha) / 1e9
+            p2p = (alpha, beta, min(len(members), len(nxt)))
+        out.append(_StagePrep(len(members), kinds, p2p))
+    return out
+
+
+def _cost_tensor(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int, schedule: str) -> np.ndarray:
+    """[s, i, j] = seconds of stage s on blocks [i, j) at the largest micro-batch (slowest member, TP
+    all-reduces, p2p send of its output), inf where a member's rank cannot hold its state and the
+    activations in flight. A member's samples of a micro-batch are its speed's share, rounded up."""
+    c = ctx.costs
+    n = c.num_blocks
+    S = len(prep)
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
+    _, _, act = ctx.spans()
+    out = np.empty((S, n + 1, n + 1))
+    upper = ctx.upper()
+    out_bytes = ctx.out_bytes0()
+    row_cache: dict = {}
+    for s, st in enumerate(prep):
+        fly = _in_flight(schedule, s, S, num_micro)
+        if st.num_members == 1:
+            shares = tuple((i, b, room) for i, _, room in st.kinds)
+        else:
+            shares = tuple((i, int(math.ceil(b * f - 1e-9)), room) for i, f, room in st.kinds)
+        sig = (shares, st.num_members, fly)
+        if sig not in row_cache:
+            state = ctx.state(st.num_members)
+            t = np.zeros((n + 1, n + 1))
+            fits = upper.copy()
+            for kid, k, room in shares:
+                if k <= 0:
+                    continue
+                t = np.maximum(t, ctx.span_time(kid, k))
+                fits &= state + act * (k * fly) <= room
+            row_cache[sig] = np.where(fits, t, np.inf)
+        t_s = row_cache[sig]
+        if st.p2p is not None:
+            alpha, beta, links = st.p2p
+            t_s = t_s + (alpha + beta * math.ceil(b / links) * out_bytes)[None, :]
+        out[s] = t_s
+    return out
+
+
+# -- building and predicting a candidate --------------------------------------------------------------
+
+def _build(ctx: _Ctx, stages: Sequence[Sequence[Member]], sizes: Sequence[int], num_micro: int) -> tuple[Stage, ...]:
+    micro = micro_sizes(ctx.global_batch, num_micro)
+    tp = any(len(m.ranks) > 1 for st in stages for m in st)
+    out, start = [], 0
+    for members, k in zip(stages, sizes):
+        speeds = [ctx.kind_speed(m.kind) for m in members]
+        per_micro, rotate = [], 0
+        for b in micro:
+            per_micro.append(member_shares(b, speeds, rotate))
+            rotate += b
+        out.append(Stage(
+            block_start=start, block_stop=start + k, groups=tuple(m.ranks for m in members),
+            micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members))),
+            tp_shares=tuple(m.shares for m in members) if tp else ()))
+        start += k
+    return tuple(out)
+
+
+def _memory(ctx: _Ctx, stages: Sequence[Stage], schedule: str, zero_stage: int) -> dict[int, int]:
+    c = ctx.costs
+    out = {}
+    for s, st in enumerate(stages):
+        blocks = slice(st.block_start, st.block_stop)
+        f = 1.0 / len(st.groups)
+        p = float(c.params[blocks].sum())
+        state = (float(c.param_bytes[blocks].sum()) * (f if zero_stage >= 3 else 1.0)
+                 + p * (c.grad_bytes_per_param * (f if zero_stage >= 2 else 1.0)
+                        + c.optimizer_bytes_per_param * (f if zero_stage >= 1 else 1.0)))
+        act = float(c.act_bytes[blocks].sum())
+        fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
+        for g, ranks in enumerate(st.groups):
+            shares = st.tp_shares[g] if st.tp_shares else (1,)
+            factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), ctx.rho)
+            need = state + act * max(st.micro_batches[g]) * fly
+            for r, k in zip(ranks, factors):
+                out[r] = int(math.ceil(need * k))
+    return dict(sorted(out.items()))
+
+
+def _fits(ctx: _Ctx, memory: dict[int, int]) -> bool:
+    return all(v <= ctx.cap(r) for r, v in memory.items())
+
+
+def _make_plan(ctx: _Ctx, strategy: str, schedule: str, stages, step_s: float, memory: dict,
+               breakdown: dict, notes=(), zero_stage: int | None = None) -> Plan:
+    sps = ctx.global_batch / step_s if step_s > 0 else 0.0
+    return Plan(strategy=strategy, global_batch_size=ctx.global_batch,
+                zero_stage=ctx.zero_stage if zero_stage is None else zero_stage, schedule=schedule,
+                stages=tuple(stages), predicted=Predicted(step_time_s=step_s, samples_per_s=sps,
+                                                          memory_bytes=dict(memory), breakdown=dict(breakdown)),
+                block_names=tuple(ctx.costs.block_names), notes=tuple(notes))
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    step_time_s: float
+    plan: Plan
+    label: str
+
+
+def _predict(ctx: _Ctx, stages: tuple[Stage, ...], schedules: Sequence[str], label: str,
+             zero_choices: Sequence[int]) -> list[_Scored]:
+    out = []
+    for name in schedules:
+        zero = next((z for z in zero_choices if _fits(ctx, _memory(ctx, stages, name, z))), None)
+        if zero is None:
+            continue
+        memory = _memory(ctx, stages, name, zero)
+        probe = _make_plan(ctx, "auto", name, stages, 1.0, memory, {"tp_replicated_fraction": ctx.rho})
+        timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster)
+        breakdown = {
+            "tp_replicated_fraction": ctx.rho, "bubble_fraction": timeline.bubble_fraction,
+            "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
+            "num_micro": float(len(stages[0].micro_batches[0])), "num_stages": float(len(stages)),
+        }
+        plan = _make_plan(ctx, "auto", name, stages, step, memory, breakdown, zero_stage=zero)
+        out.append(_Scored(step, plan, f"{label} {name} zero-{zero}"))
+    return out
+
+
+def _split_lower_bound(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int) -> float:
+    """A lower bound of the split estimate ``sum_s t_s + (M - 1) max_s t_s`` of a grouping at M micro-
+    batches, over every split, without the cost tensor. With a reference profile ``p`` (the first
+    kind at 1 sample), stage s holding blocks of profile fraction x_s takes at least ``x_s * q_s``,
+    q_s = ``T_p`` x the least per-block ratio of its slowest kind's time at its share to ``p``. Then
+    max_s x_s q_s >= c* = 1 / sum_s (1 / q_s) (as sum x_s = 1) and sum_s x_s q_s >= min_s q_s."""
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
+    inv, low = 0.0, math.inf
+    for st in prep:
+        q = 0.0
+        for kid, f, _room in st.kinds:
+            k = b if st.num_members == 1 else int(math.ceil(b * f - 1e-9))
+            if k > 0:
+                q = max(q, ctx.ratio(kid, k))
+        if q <= 0:
+            return 0.0
+        inv += 1.0 / q
+        low = min(low, q)
+    return (num_micro - 1) / inv + low
+
+
+@dataclass
+class _GroupingState:
+    layout: MemberLayout
+    grouping: StageGrouping
+    prep: list
+    feasible: bool | None = None
+
+
+def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: int | None, deadline,
+            best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...]]], int]:
+    """Best-first over every (grouping, micro-batch count): sorted by ``_split_lower_bound``, each
+    solved by the exact split DP unless its bound (or the tensor's bottleneck bound M x floor)
+    exceeds the best estimate found x ``_ESTIMATE_SLACK``. A grouping that cannot hold the model at
+    its largest count (least activation memory per member once 1F1B is full) is dropped at once.
+    Returns (estimate, entry index, M, sizes) of every solved candidate, and how many were solved."""
+    items = []
+    for e, entry in enumerate(entries):
+        S = len(entry.prep)
+        counts = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)
+        for M in counts:
+            items.append((_split_lower_bound(ctx, entry.prep, M), e, M))
+    items.sort()
+    best_est = best_s
+    found = []
+    solved = 0
+
+    def solve(entry, M):
+        cost = _cost_tensor(ctx, entry.prep, M, schedule)
+        floor = _dp_min_max(cost)
+        if not math.isfinite(floor):
+            return "infeasible"
+        if M * floor > best_est * _ESTIMATE_SLACK:
+            return None
+        return split_blocks(cost, M)
+
+    for i, (bound, e, M) in enumerate(items):
+        if bound > best_est * _ESTIMATE_SLACK:
+            break
+        if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
+            break
+        entry = entries[e]
+        if entry.feasible is None:
+            S = len(entry.prep)
+            top = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)[-1:]
+            entry.feasible = not (schedule != "gpipe" and top[0] >= S
+                                  and solve(entry, top[0]) == "infeasible")
+        if not entry.feasible:
+            continue
+        got = solve(entry, M)
+        solved += 1
+        if got is None or got == "infeasible":
+            continue
+        sizes, est = got
+        found.append((est, e, M, sizes))
+        best_est = min(best_est, est)
+    found.sort(key=lambda x: x[0])
+    return found, solved
+
+
+def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
+                zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto",
+                memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+                replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
+                degrees: Sequence[int] = TP_DEGREES, layouts: Sequence[MemberLayout] | None = None,
+                groupings: Sequence[StageGrouping] | None = None, num_micro: int | None = None,
+                deadline: float | None = None, best_s: float = math.inf,
+                shortlist: int = _SHORTLIST) -> list[_Scored]:
+    """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
+    ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
+    reached elsewhere (pruning); ``deadline`` a ``time.perf_counter()`` to stop at; ``shortlist``:
+    how many candidates (best split estimates) the simulator predicts."""
+    B = _check_batch(global_batch)
+    ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
+    zero_choices, z_search = _zero_choices(zero_stage)
+    if z_search is None:
+        return []
+    schedules = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    split_schedule = "1f1b" if schedule == "auto" else schedule
+    if layouts is None:
+        layouts = member_layouts(costs, cluster, ranks, num_heads=num_heads, degrees=degrees,
+                                 replicated_fraction=replicated_fraction)
+    ctx = _Ctx(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {})
+    n = costs.num_blocks
+    entries: list[_GroupingState] = []
+    for lay in layouts:
+        for m in lay.members:
+            ctx.members[m.ranks] = m
+        speed = {m.kind: ctx.kind_speed(m.kind) for m in lay.members}
+        if B / sum(speed[m.kind] for m in lay.members) >= best_s:
+            continue   # not even perfect balance on this layout beats what is known
+        grs = groupings if groupings is not None else member_groupings(cluster, lay, n, speed)
+        for gr in grs:
+            if gr.num_stages > n or any(g not in ctx.members for st in gr.stages for g in st):
+                continue
+            stages = [[ctx.members[g] for g in st] for st in gr.stages]
+            entries.append(_GroupingState(lay, gr, _prepare(ctx, stages)))
+    found, _ = _search(ctx, entries, split_schedule, num_micro, deadline, best_s)
+    scored: list[_Scored] = []
+    best = best_s
+    for est, e, M, sizes in found[:shortlist]:
+        if est > best * _ESTIMATE_SLACK:
+            break
+        entry = entries[e]
+        stages = [[ctx.members[g] for g in st] for st in entry.grouping.stages]
+        built = _build(ctx, stages, sizes, M)
+        label = f"{entry.layout.name} {entry.grouping.name} S={len(built)} M={M} layers={list(sizes)}"
+        for x in _predict(ctx, built, schedules, label, zero_choices):
+            scored.append(x)
+            best = min(best, x.step_time_s)
+    fastest = min((x.step_time_s for x in scored), default=math.inf)
+    scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.plan.schedule != "1f1b", x.step_time_s))
+    return scored
+
+
+def _zero_choices(zero_stage) -> tuple[tuple[int, ...], int | None]:
+    """(ZeRO stages to report, in preference order; the stage whose memory the search assumes)."""
+    if zero_stage == "auto":
+        return (0, 1, 2), 2
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_stage: {zero_stage!r} must be one of 0, 1, 2, 3 or 'auto'")
+    if zero_stage == 3:
+        return (), None
+    return (int(zero_stage),), int(zero_stage)
+
+
+def _check_batch(global_batch) -> int:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
+        raise PlanError(f"global_batch: {global_batch!r} must be an integer >= 1")
+    return int(global_batch)
+
+
+# -- single-dimension strategies ----------------------------------------------------------------------
+
+def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
+            memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+            replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> Plan:
+    """Heterogeneous tensor parallelism: one TP group of every rank (uneven head shares, exact
+    min-max), one stage, the micro-batch count that fits and is fastest."""
+    B = _check_batch(global_batch)
+    ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
+    units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
+    if len(ranks) > units:
+        raise PlanError(f"tp: {len(ranks)} ranks cannot share {units} heads (num_heads); a single TP group "
+                        f"needs at least one head per rank")
+    whole = [costs.step_time(cluster.devices[r].spec.name, 1.0) for r in ranks]
+    shares = tp_cost.best_shares(whole, units, replicated_fraction) if len(ranks) > 1 else (units,)
+    member = Member(ranks, shares, tp_cost.group_kind(cluster, ranks, shares), cluster.devices[ranks[0]].node)
+    layout = MemberLayout("tp-all", (), (member,))
+    grouping = StageGrouping("one-group", ((ranks,),))
+    scored = plan_hybrid(costs, cluster, B, num_heads=units, zero_stage=0, schedule="1f1b",
+                         memory_fraction=memory_fraction, ranks=ranks, replicated_fraction=replicated_fraction,
+                         layouts=[layout], groupings=[grouping])
+    if not scored:
+        raise PlanError(f"tp: the model does not fit on one TP group of {len(ranks)} ranks even at 1 sample "
+                        f"per micro-batch ({costs.state_bytes() / 2**30:.3g} GiB of states)")
+    best = scored[0].plan
+    return replace(best, strategy="tp", schedule="none",
+                   notes=(f"one TP group of {len(ranks)} ranks, head shares {list(shares)}",))
+
+
+def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, strategy: str, *,
+                  num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
+                  schedule: str = "auto", memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+                  replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> Plan:
+    """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments."""
+    if strategy in ("dp", "uniform-dp", "proportional-dp"):
+        return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
+                       memory_fraction=memory_fraction)
+    if strategy in ("pp", "uniform-pp"):
+        zs = (0, 2) if zero_stage == "auto" else (zero_stage,)
+        best, err = None, None
+        for z in zs:
+            try:
+                p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=z,
+                                  uniform=strategy == "uniform-pp", memory_fraction=memory_fraction, ranks=ranks)
+            except PlanError as e:
+                err = e
+                continue
+            if best is None or p.predicted.step_time_s < best.predicted.step_time_s * (1 - 1e-9):
+                best = p
+        if best is None:
+            raise err
+        return best
+    if strategy == "tp":
+        return plan_tp(costs, cluster, global_batch, num_heads=num_heads, memory_fraction=memory_fraction,
+                       ranks=ranks, replicated_fraction=replicated_fraction)
+    raise PlanError(f"strategy: {strategy!r} is not one of {SINGLE_STRATEGIES}")
+
+
+# -- cache -------------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
+    root = os.environ.get("AUTOPAR_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "autopar"
+    return base / "plans"
+
+
+def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
+    h = hashlib.sha256()
+    h.update(f"v{_CACHE_VERSION}".encode())
+    for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
+        h.update(np.ascontiguousarray(getattr(costs, name), dtype=np.float64).tobytes())
+    for table in (costs.fwd_table, costs.bwd_table):
+        for t in sorted(table):
+            h.update(t.encode())
+            h.update(np.ascontiguousarray(table[t], dtype=np.float64).tobytes())
+    h.update(json.dumps([list(costs.block_names), costs.optimizer_bytes_per_param, costs.grad_bytes_per_param,
+                         [list(g) for g in costs.tied_groups]]).encode())
+    h.update(cluster.signature().encode())
+    h.update(json.dumps(args, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:32]
+
+
+def _cache_read(key: str) -> Plan | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        return Plan.from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _cache_write(key: str, plan: Plan) -> None:
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(plan.to_json(), encoding="utf-8")
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass   # a read-only home is no reason to fail planning
+
+
+# -- the joint planner ----------------------------------------------------------------------------------
+
+def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
+              zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto", memory_fraction: float = 0.9,
+              time_budget_s: float | None = None, ranks: Sequence[int] | None = None,
+              replicated_fraction: float | None = None, degrees: Sequence[int] = TP_DEGREES,
+              use_cache: bool = True) -> Plan:
+    """The fastest predicted plan over every dimension (see the module docstring).
+
+    ``num_heads``: the model's attention heads (TP shard units; ``tp_cost.DEFAULT_NUM_UNITS`` when
+    None). ``time_budget_s`` stops the hybrid search when spent (the best plan so far is returned and
+    a note says so). ``replicated_fraction``: the part of every block each TP rank computes whole
+    (``tp_cost.DEFAULT_REPLICATED_FRACTION`` when None). ``Plan.notes`` lists the runner-ups with their
+    predicted step times. Upper bound and efficiency are left at 0: see ``autopar.bounds``.
+    Raises ``PlanError`` when nothing fits."""
+    B = _check_batch(global_batch)
+    if schedule not in ("auto", "gpipe", "1f1b"):
+        raise PlanError(f"schedule: {schedule!r} is not one of 'auto', 'gpipe', '1f1b'")
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
+    if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer))
+                                  or num_heads < 1):
+        raise PlanError(f"num_heads: {num_heads!r} must be an integer >= 1")
+    _zero_choices(zero_stage)
+    ranks = tuple(range(len(cluster))) if ranks is None else tuple(sorted(int(r) for r in ranks))
+    missing = sorted({cluster.devices[r].spec.name for r in ranks} - set(costs.fwd_table))
+    if missing:
+        raise PlanError(f"costs: no time table for device type(s) {missing} (tables for {list(costs.fwd_table)})")
+    rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else float(replicated_fraction)
+    args = {"global_batch": B, "num_heads": num_heads, "zero_stage": zero_stage, "schedule": schedule,
+            "memory_fraction": memory_fraction, "time_budget_s": time_budget_s, "ranks": list(ranks),
+            "replicated_fraction": rho, "degrees": list(degrees)}
+    key = cache_key(costs, cluster, args) if use_cache else None
+    if key is not None:
+        hit = _cache_read(key)
+        if hit is not None:
+            return hit
+
+    start = time.perf_counter()
+    deadline = None if time_budget_s is None else start + float(time_budget_s)
+    scored: list[_Scored] = []
+    failed: list[str] = []
+    for strategy in SINGLE_STRATEGIES:
+        try:
+            p = plan_strategy(costs, cluster, B, strategy, num_heads=num_heads, zero_stage=zero_stage,
+                              schedule=schedule, memory_fraction=memory_fraction, ranks=ranks,
+                              replicated_fraction=rho)
+        except PlanError as e:
+            failed.append(f"{strategy}: does not fit or applies not: {str(e)[:160]}")
+            continue
+        scored.append(_Scored(p.predicted.step_time_s, p, f"{strategy} (zero-{p.zero_stage}, {p.schedule})"))
+    best_single = min((x.step_time_s for x in scored), default=math.inf)
+    hybrids = plan_hybrid(costs, cluster, B, num_heads=num_heads, zero_stage=zero_stage, schedule=schedule,
+                          memory_fraction=memory_fraction, ranks=ranks, replicated_fraction=rho,
+                          degrees=degrees, deadline=deadline, best_s=best_single)
+    scored += hybrids
+    if not scored:
+        raise PlanError("auto: no plan fits: " + "; ".join(failed))
+    scored.sort(key=lambda x: x.step_time_s)
+    best = scored[0]
+    elapsed = time.perf_counter() - start
+    notes = [f"chosen: {best.label}: {best.step_time_s:.6g} s/step, {B / best.step_time_s:.6g} samples/s"]
+    seen = {best.label}
+    for x in scored[1:]:
+        if x.label in seen or len(seen) > 8:
+            continue
+        seen.add(x.label)
+        notes.append(f"runner-up: {x.label}: {x.step_time_s:.6g} s/step "
+                     f"({x.step_time_s / best.step_time_s:.4g}x the chosen)")
+    notes += failed
+    notes.append(f"searched {len(hybrids)} hybrid predictions in {elapsed:.3g} s"
+                 + (" (time budget spent: search stopped early)" if deadline is not None
+                    and time.perf_counter() > deadline else ""))
+    plan = replace(best.plan, strategy="auto", notes=tuple(notes) + tuple(best.plan.notes))
+    if key is not None:
+        _cache_write(key, plan)
+    return plan

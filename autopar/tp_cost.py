@@ -1,0 +1,276 @@
+"""Cost of blocks on a tensor-parallel group of possibly different devices with uneven shares.
+
+Terms
+- TP group: a tuple of ranks that together hold one copy of a stage's blocks, each rank a shard.
+- share: the number of shard units (attention heads; ``num_heads`` in all) a rank holds; its
+  *fraction* is share / num_heads. Matmul-dominated work (and the weights, gradients, optimizer state
+  and activations that go with it) is split in proportion to the fractions.
+- replicated fraction ``rho``: the part of every block that each rank computes and stores whole
+  (norms, residual adds); per rank the work factor is ``rho + (1 - rho) * fraction``. Taken from the
+  block statistics where known (``replicated_fraction_of``), else ``DEFAULT_REPLICATED_FRACTION``.
+- TP communication: Megatron-style, ``TP_ALLREDUCES_PER_BLOCK`` all-reduces per block per micro-step
+  (2 in forward, 2 in backward), each of the block's output (``out_bytes`` per sample x samples) over
+  the group's ring (``autopar.comm.allreduce_time_s``). Every block counts as a transformer layer.
+- group time of a block: the slowest rank's share of it (ranks synchronise at every all-reduce, so the
+  maximum is taken block by block) plus its all-reduces.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.comm import allreduce_time_s, ring_link
+from autopar.costs import ModelCosts
+from autopar.errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
+
+__all__ = [
+    "DEFAULT_REPLICATED_FRACTION", "TP_ALLREDUCES_PER_BLOCK", "DEFAULT_NUM_UNITS", "TpGroup",
+    "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "allreduce_alpha_beta",
+    "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
+    "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s",
+]
+
+DEFAULT_REPLICATED_FRACTION = 0.1
+TP_ALLREDUCES_PER_BLOCK = 4           # 2 in forward, 2 in backward
+DEFAULT_NUM_UNITS = 64                # shard units when the model's head count is not given
+
+
+@dataclass(frozen=True, slots=True)
+class TpGroup:
+    """A tensor-parallel group: its ranks and the shard units (heads) each holds."""
+
+    ranks: tuple[int, ...]
+    shares: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.ranks or len(self.ranks) != len(self.shares):
+            raise ValueError(f"TpGroup.shares: {self.shares} needs one entry per rank of {self.ranks}")
+        if any(s < 1 for s in self.shares):
+            raise ValueError(f"TpGroup.shares: {self.shares} gives a rank no unit")
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def fractions(self) -> np.ndarray:
+        s = np.asarray(self.shares, dtype=np.float64)
+        return s / s.sum()
+
+
+def work_factors(fractions: Sequence[float] | np.ndarray, replicated_fraction: float) -> np.ndarray:
+    """Per rank, the part of a block's work (and state) it holds: ``rho + (1 - rho) * fraction``."""
+    f = np.asarray(fractions, dtype=np.float64)
+    if len(f) == 1:
+        return np.ones(1)
+    return replicated_fraction + (1.0 - replicated_fraction) * f
+
+
+def _check_rho(replicated_fraction: float) -> float:
+    if not 0.0 <= replicated_fraction < 1.0:
+        raise ValueError(f"replicated_fraction: {replicated_fraction!r} must be in [0, 1)")
+    return float(replicated_fraction)
+
+
+def best_shares(time_s: Sequence[float], num_units: int,
+                replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> tuple[int, ...]:
+    """Whole-unit shares (each >= 1, summing to ``num_units``) minimising the slowest rank, where rank i
+    takes ``time_s[i] * (rho + (1 - rho) * share_i / num_units)`` (``time_s[i]``: the whole block on
+    rank i's device). Exact: every rank's time grows with its share, so handing out units one at a
+    time to the rank that is then the least slow reaches the min-max (it is the threshold solution);
+    among equal times the lower rank index wins. Raises ``PlanError`` when ``num_units`` is smaller
+    than the group."""
+    t = [float(x) for x in time_s]
+    n = len(t)
+    rho = _check_rho(replicated_fraction)
+    if n == 0:
+        raise ValueError("time_s: empty; a TP group needs at least one rank")
+    if any(not (math.isfinite(x) and x > 0) for x in t):
+        raise ValueError(f"time_s: {t} must be finite and > 0")
+    if num_units < n:
+        raise PlanError(f"num_heads: {num_units} units cannot be shared by a TP group of {n} ranks")
+    if n == 1:
+        return (int(num_units),)
+    shares = [1] * n
+
+    def cost(i: int, s: int) -> float:
+        return t[i] * (rho + (1.0 - rho) * s / num_units)
+
+    heap = [(cost(i, 2), i) for i in range(n)]
+    heapq.heapify(heap)
+    for _ in range(num_units - n):
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        heapq.heappush(heap, (cost(i, shares[i] + 1), i))
+    return tuple(shares)
+
+
+def brute_force_shares(time_s: Sequence[float], num_units: int,
+                       replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
+    """The optimum of ``best_shares`` by enumeration (tests; small groups only): the least slowest time."""
+    import itertools
+
+    n = len(time_s)
+    best = math.inf
+    for cut in itertools.combinations(range(1, num_units), n - 1):
+        b = (0, *cut, num_units)
+        shares = [b[i + 1] - b[i] for i in range(n)]
+        worst = max(time_s[i] * work_factors(np.array(shares) / num_units, replicated_fraction)[i]
+                    for i in range(n)) if n > 1 else time_s[0]
+        best = min(best, worst)
+    return best
+
+
+def replicated_fraction_of(stats, flop_per_byte: float = 150.0) -> float:
+    """The time fraction of non-matmul (memory-bound) work in ``passes`` block statistics: memory-class
+    bytes / ``flop_per_byte`` (a device's peak FLOP/s over its memory bandwidth) against matmul and
+    attention FLOPs, over all blocks. Falls back to ``DEFAULT_REPLICATED_FRACTION`` without data."""
+    heavy = light = 0.0
+    for s in stats:
+        flops = dict(s.flops_by_class)
+        heavy += flops.get("matmul", 0.0) + flops.get("attention", 0.0)
+        light += dict(s.bytes_by_class).get("memory", 0.0) * flop_per_byte
+    if heavy + light <= 0:
+        return DEFAULT_REPLICATED_FRACTION
+    return float(min(0.5, light / (heavy + light)))
+
+
+def allreduce_alpha_beta(cluster: "Cluster", ranks: Sequence[int]) -> tuple[float, float]:
+    """(seconds, seconds per byte) of a ring all-reduce over ``ranks``: time = alpha + beta * nbytes."""
+    ranks = tuple(ranks)
+    n = len(ranks)
+    if n < 2:
+        return 0.0, 0.0
+    bw, lat = ring_link(cluster, ranks)   # the ring formula of ``allreduce_time_s``, in two terms
+    return 2 * (n - 1) * lat, 2 * (n - 1) / n / bw
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKind:
+    """What a TP group's cost depends on: its ranks' device types, shares and all-reduce link.
+    Groups of one kind cost the same (so the planner prices each kind once)."""
+
+    types: tuple[str, ...]
+    shares: tuple[int, ...]
+    alpha_s: float            # all-reduce latency term over the group
+    beta_s_per_byte: float    # all-reduce seconds per byte of the buffer
+
+
+def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) -> GroupKind:
+    ranks = tuple(int(r) for r in ranks)
+    alpha, beta = allreduce_alpha_beta(cluster, ranks)
+    return GroupKind(tuple(cluster.devices[r].spec.name for r in ranks), tuple(int(s) for s in shares),
+                     alpha, beta)
+
+
+def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
+                     replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples,
+    including the group's all-reduces (half of them in each direction)."""
+    rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else _check_rho(replicated_fraction)
+    n = costs.num_blocks
+    if micro_batch <= 0:
+        return np.zeros(n), np.zeros(n)
+    s = np.asarray(kind.shares, dtype=np.float64)
+    factors = work_factors(s / s.sum(), rho)
+    fwd = np.zeros(n)
+    bwd = np.zeros(n)
+    for t, k in zip(kind.types, factors):
+        fwd = np.maximum(fwd, k * costs.fwd_time(t, micro_batch))
+        bwd = np.maximum(bwd, k * costs.bwd_time(t, micro_batch))
+    if len(kind.types) > 1:
+        per_dir = TP_ALLREDUCES_PER_BLOCK / 2 * (kind.alpha_s + kind.beta_s_per_byte * costs.out_bytes * micro_batch)
+        fwd = fwd + per_dir
+        bwd = bwd + per_dir
+    return fwd, bwd
+
+
+def kind_times(costs: ModelCosts, cluster: "Cluster", kind: GroupKind, micro_batch: float, blocks: slice,
+               replicated_fraction: float | None = None, cache: dict | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of a block range on a group of ``kind`` (``cache`` memoises the
+    per-block arrays by kind and micro-batch)."""
+    key = (kind, micro_batch, replicated_fraction)
+    if cache is not None and key in cache:
+        f, b = cache[key]
+    else:
+        f, b = kind_block_times(costs, kind, micro_batch, replicated_fraction)
+        if cache is not None:
+            cache[key] = (f, b)
+    return float(f[blocks].sum()), float(b[blocks].sum())
+
+
+def group_block_times(costs: ModelCosts, cluster: "Cluster", group: TpGroup, micro_batch: float,
+                      replicated_fraction: float = DEFAULT_REPLICATED_FRACTION,
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every block on ``group`` at ``micro_batch`` samples, including
+    the group's all-reduces (half of them in each direction)."""
+    return kind_block_times(costs, group_kind(cluster, group.ranks, group.shares), micro_batch,
+                            replicated_fraction)
+
+
+def group_step_time_s(costs: ModelCosts, cluster: "Cluster", group: TpGroup, micro_batch: float,
+                      blocks: slice = slice(None),
+                      replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
+    """Forward + backward seconds of a block range on ``group`` at one micro-batch."""
+    f, b = group_block_times(costs, cluster, group, micro_batch, replicated_fraction)
+    return float(f[blocks].sum() + b[blocks].sum())
+
+
+def group_memory_factor(group: TpGroup, replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> np.ndarray:
+    """Per rank, the part of a block's states and activations it stores (the work factors)."""
+    return work_factors(group.fractions, _check_rho(replicated_fraction))
+
+
+def group_speed(costs: ModelCosts, cluster: "Cluster", group: TpGroup, micro_batch: float = 1.0,
+                replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
+    """Samples per second of the whole model on ``group`` at ``micro_batch`` (no pipeline, no DP)."""
+    t = group_step_time_s(costs, cluster, group, micro_batch, slice(None), replicated_fraction)
+    return micro_batch / t if t > 0 else math.inf
+
+
+def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[Sequence[int]],
+                        blocks: slice, fractions: Sequence[Sequence[float]] | None = None,
+                        replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
+    """The data-parallel gradient all-reduce of a block range among a stage's members (TP groups).
+
+    Members of equal size t run t all-reduces at once, the j-th over the j-th rank of every member, of
+    the largest shard (``fractions``: per member its ranks' share fractions; even when None); members
+    of unequal sizes are priced as one all-reduce of the largest shard over their first ranks."""
+    groups = [tuple(g) for g in groups]
+    if len(groups) < 2:
+        return 0.0
+    grad = float(costs.params[blocks].sum()) * costs.grad_bytes_per_param
+    sizes = {len(g) for g in groups}
+    if fractions is None:
+        fractions = [[1.0 / len(g)] * len(g) for g in groups]
+    biggest = max(float(work_factors(f, replicated_fraction).max()) for f in fractions)
+    nbytes = grad * biggest
+    if len(sizes) == 1:
+        t = sizes.pop()
+        # Positions whose ranks have the same device types and nodes across members cost the same.
+        rings = {}
+        for j in range(t):
+            ring = [g[j] for g in groups]
+            key = tuple((cluster.devices[r].spec.name, cluster.devices[r].node - cluster.devices[ring[0]].node)
+                        for r in ring)
+            rings.setdefault(key, ring)
+        return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto") for ring in rings.values())
+    return allreduce_time_s(cluster, [g[0] for g in groups], nbytes, algorithm="auto")
+
+
+def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
+                           replicated_fraction: float | None = None) -> float:
+    """``dp_allreduce_time_s`` of a ``Stage`` whose members are TP groups (``stage.tp_shares``)."""
+    rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
+    fractions = [np.asarray(s, float) / sum(s) for s in stage.tp_shares] if stage.tp_shares else None
+    return dp_allreduce_time_s(costs, cluster, stage.groups, slice(stage.block_start, stage.block_stop),
+                               fractions, rho)
