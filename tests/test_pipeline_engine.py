@@ -144,14 +144,59 @@ class ThreadedComm(MultiThreadedTestCase):
 
 
 # -- real multi-process runs -------------------------------------------------------------------------------
+class SkipToy(torch.nn.Module):
+    """A tensor without a batch dim (``table * 2``, needing a gradient) is made in block 0 and used in
+    block 2: it crosses cuts whole (from the primary sender) and may pass through a stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(8))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        t = self.table * 2.0
+        h = torch.tanh(self.layers[0](x))
+        h = torch.tanh(self.layers[1](h)) + t
+        return self.layers[2](h)
+
+
+def _toy_case():
+    torch.manual_seed(0)
+    model = SkipToy()
+    return model, torch.nn.functional.mse_loss
+
+
+def _toy_batches(steps=STEPS):
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randn(B, 8, generator=g),), torch.randn(B, 8, generator=g)) for _ in range(steps)]
+
+
+def _toy_oracle(optimizer):
+    model, loss_fn = _toy_case()
+    opt = optimizer_factory(optimizer)(list(model.parameters()))
+    losses = []
+    for (x,), y in _toy_batches():
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
 def _engine(name, plan, optimizer, rank, world_size, comm=None):
     from autopar.models import build
     from passes.analyze import analyze
 
-    case = build(name, seed=0)
-    analysis = analyze(case.model, case.example_inputs)
+    if name == "toy":
+        model, loss_fn = _toy_case()
+        example = (torch.randn(2, 8),)
+    else:
+        case = build(name, seed=0)
+        model, loss_fn, example = case.model, case.loss_fn, case.example_inputs
+    analysis = analyze(model, example)
     return PipelineEngine(EngineInputs(
-        gm=analysis.captured.gm, model=case.model, plan=plan, loss_fn=case.loss_fn,
+        gm=analysis.captured.gm, model=model, plan=plan, loss_fn=loss_fn,
         optimizer_factory=optimizer_factory(optimizer), rank=rank, world_size=world_size,
         device=torch.device("cpu"), clock=NullClock()), comm=comm)
 
@@ -165,7 +210,8 @@ def _run_plans(rank: int, runs):
             comm = Communicator(rank, 3, ["nccl", "gloo", "nccl"], torch.device("cpu"),
                                 backend_impl={"nccl": "gloo", "gloo": "gloo"}, force_bridge=True)
         engine = _engine(name, plan, optimizer, rank, 3, comm)
-        losses = [engine.step(inp, tgt) for inp, tgt in batches(name, B, STEPS)]
+        data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
+        losses = [engine.step(inp, tgt) for inp, tgt in data]
         out[key] = {"state": engine.state_dict(), "losses": losses,
                     "bridged_bytes": engine.comm.stats.bridged_bytes}
     return out
@@ -207,9 +253,19 @@ def test_launch_export_graph_and_forced_bridge_match_one_device():
     import autopar
 
     hf = pp_plan([(3, {0: (4, 3, 3)}), (6, {1: (2, 1, 3), 2: (2, 2, 0)})], "1f1b")
+    # toy blocks: 0 embed (table * 2), 1-3 layers, 4 head (nothing): the table skips stage 1 of 3
+    toy_skip = pp_plan([(1, {0: (4, 3, 3)}), (2, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})], "1f1b", num_blocks=5)
+    toy_two = pp_plan([(2, {0: (4, 3, 3)}), (5, {1: (1, 3, 2), 2: (3, 0, 1)})], "gpipe", num_blocks=5)
     runs = [("hf-2stages", "hf-gpt-tiny", hf, "sgd", False),
-            ("bridge", "gpt-tiny", PLANS["3stages-1f1b"], "sgd", True)]
+            ("bridge", "gpt-tiny", PLANS["3stages-1f1b"], "sgd", True),
+            ("toy-skip", "toy", toy_skip, "sgd", False),
+            ("toy-two", "toy", toy_two, "adamw", False)]
     results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
+    for key, optimizer in (("toy-skip", "sgd"), ("toy-two", "adamw")):
+        ref_state, ref_losses = _toy_oracle(optimizer)
+        for res in results:
+            assert_state_close(res[key]["state"], ref_state, RTOL[optimizer])
+            assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(res[key]["losses"], ref_losses)), key
     _check(results, "hf-2stages", "hf-gpt-tiny", "sgd")
     _check(results, "bridge", "gpt-tiny", "sgd")
     assert all(res["bridge"]["bridged_bytes"] > 0 for res in results)
