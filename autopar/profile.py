@@ -17,8 +17,8 @@ Three sources, in order of preference (``ModelCosts.sources`` records which one 
 A fourth input, Triton kernel timings from ``autopar tune`` (``kernels.timing``), replaces the
 roofline time of the nodes a tuned kernel covers when a tuning cache exists for that device.
 
-GPU device types are costed for mixed-precision training (bf16 peak, 2-byte activations); CPU and
-emulated devices for fp32.
+GPU device types are costed for mixed-precision training (bf16 peak, 2-byte activations; activation
+memory is halved when every device of the cluster is a GPU); CPU and emulated devices for fp32.
 """
 
 from __future__ import annotations
@@ -285,14 +285,21 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         fwd_table[t], bwd_table[t] = f, b_
         sources[t] = "roofline"
     per = analysis.batch_size
+    # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
+    all_gpu = all(not cluster.spec_of(t).is_emulated and cluster.spec_of(t).vendor != "cpu" for t in types)
+    # Mixed precision (ZeRO paper accounting, 16 bytes per parameter): bf16 weights (2) and gradients (2),
+    # fp32 master weights (4) with the optimizer state, which ZeRO-1 shards together.
+    act_scale = 0.5 if all_gpu else 1.0
+    weight_bytes_per_param = 2 if all_gpu else 4
+    opt_bytes = OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0)
     return ModelCosts(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),
-        param_bytes=np.array([s.param_bytes for s in stats], float),
-        act_bytes=np.array([s.saved_bytes / per for s in stats], float),
-        out_bytes=np.array([s.cut_bytes / per for s in stats], float),
+        param_bytes=np.array([s.params * weight_bytes_per_param for s in stats], float),
+        act_bytes=np.array([s.saved_bytes / per * act_scale for s in stats], float),
+        out_bytes=np.array([s.cut_bytes / per * act_scale for s in stats], float),
         fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
         sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table,
-        optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES.get(optimizer, 8),
+        optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
         tied_groups=analysis.tied_groups, sources=sources,
     )

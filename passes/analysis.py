@@ -198,6 +198,12 @@ class _Analyzer(fx.Interpreter):
                 saved_inputs.append(-1)  # its own output
             else:
                 saved_bytes += _nbytes(t)
+        if attn is not None:
+            # Training kernels (flash / memory-efficient attention) keep q, k, v, the output and one
+            # log-sum-exp per query row, not the T x T probabilities the math path on fake tensors saves.
+            q = det[0] if det and isinstance(det[0], torch.Tensor) else None
+            saved_inputs = [i for i in (0, 1, 2) if i < len(det) and isinstance(det[i], torch.Tensor)] + [-1]
+            saved_bytes = (q.numel() // q.shape[-1]) * 4 if q is not None else 0
         return fwd, bwd, saved_bytes, tuple(saved_inputs), num_ops, out
 
     # -- interpreter hook ----------------------------------------------------------------------
