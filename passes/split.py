@@ -239,9 +239,9 @@ class _DimRecorder(fx.Interpreter):
 
 
 def batched_values(gm: fx.GraphModule, flat: Sequence[Any], names: Sequence[str],
-                   sizes: tuple[int, int] = (2, 3)) -> dict[str, bool]:
+                   sizes: tuple[int, int] = (2, 3), device: torch.device | None = None) -> dict[str, bool]:
     """Whether each named value has the batch as dim 0: ``gm`` runs on fake inputs shaped like ``flat``
-    at two batch sizes. Raises ``SplitError`` when the graph only accepts one batch size (a
+    (on ``device``, default: where each input is) at two batch sizes. Raises ``SplitError`` when the graph only accepts one batch size (a
     batch-static export) or a value's batch-dependent size is not its dim 0."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -250,7 +250,7 @@ def batched_values(gm: fx.GraphModule, flat: Sequence[Any], names: Sequence[str]
     for b in sizes:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            fake = [torch.empty((b,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            fake = [torch.empty((b,) + tuple(t.shape[1:]), dtype=t.dtype, device=device or t.device)
                     if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in flat]
         rec = _DimRecorder(gm, wanted)
         try:

@@ -207,10 +207,7 @@ class PipelineEngine:
                 raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
         if self._batched is None:
             names = sorted({n for p in self.programs for n in p.sent})
-            self._batched = batched_values(self.inputs.gm, flat, names) if names else {}
-        flat = [t.to(self.device) if isinstance(t, torch.Tensor) else t for t in flat]
-        if targets is not None and isinstance(targets, torch.Tensor):
-            targets = targets.to(self.device)
+            self._batched = batched_values(self.inputs.gm, flat, names, device=self.device) if names else {}
 
         state: dict[int, dict[str, Any]] = {m: {} for m in range(self.num_micro)}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -225,11 +222,11 @@ class PipelineEngine:
                 st["received"], st["pieces"] = self._recv_forward(m)
             elif kind == "F":
                 rows = slice(a, b)
-                local = [t[rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in flat]
+                local = [_rows(t, rows, self.device) for t in flat]
+                tgt = _rows(targets, rows, self.device) if self.program.is_last else None
                 with self.clock.compute():
                     out = self.program(local, st.get("received", ()))
                     if self.program.is_last:
-                        tgt = targets[rows] if isinstance(targets, torch.Tensor) else targets
                         loss = compute_loss(out, tgt, self.inputs.loss_fn) * ((b - a) / B)
                 if self.program.is_last:
                     st["loss"] = loss
@@ -391,6 +388,13 @@ class PipelineEngine:
         for k, v in self.inputs.model.state_dict().items():
             out[k] = v.detach().clone()
         return out
+
+
+def _rows(t, rows: slice, device: torch.device):
+    """This member's rows of a global-batch tensor, on its device (non-tensors as they are)."""
+    if isinstance(t, torch.Tensor):
+        return (t[rows] if t.dim() > 0 else t).to(device)
+    return t
 
 
 def _default_comm(inputs: EngineInputs) -> Communicator:
