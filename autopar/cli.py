@@ -230,15 +230,7 @@ def cmd_tune(args, rest: list[str]) -> int:
         from passes.analyze import analyze
 
         case = _load_model(name, device="meta")
-        a = analyze(case.model, case.example_inputs)
-        gm = a.captured.gm
-        for n in gm.graph.nodes:  # the pattern pass reads shapes from tensor_meta
-            ti = n.meta.get("autopar.tensor")
-            if ti is not None and "tensor_meta" not in n.meta:
-                from torch.fx.passes.shape_prop import _extract_tensor_metadata
-                import torch
-
-                n.meta["tensor_meta"] = _extract_tensor_metadata(torch.empty(ti.shape, dtype=ti.dtype, device="meta"))
+        gm = analyze(case.model, case.example_inputs).captured.gm  # nodes carry "autopar.tensor" shapes
         return kernel_shapes(find_kernel_patterns(gm))
 
     return tune.main(rest, shapes_for_model=shapes_for_model)

@@ -36,7 +36,7 @@ import torch
 from autopar.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
-           "measure_blocks", "cache_dir", "DEFAULT_SAMPLE_BATCHES"]
+           "measure_blocks", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -243,9 +243,48 @@ def _roofline_table(analysis, spec, batches, eff: Efficiency, gpu: bool) -> tupl
     return fwd, bwd
 
 
+def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=torch.bfloat16) -> np.ndarray | None:
+    """Per block (forward, backward) seconds to add at the analysis batch size when the nodes that a
+    tuned Triton kernel covers run that kernel instead of what the roofline assumed: the kernel's tuned
+    time (``autopar tune`` cache, ``kernels.timing``) minus those nodes' memory-bound roofline time.
+    None when the tuning cache knows nothing of ``device_name``."""
+    from kernels.cache import read_cache
+    from kernels.timing import kernel_time_s
+    from passes.triton_patterns import find_kernel_patterns
+
+    # The tuning cache is keyed by the CUDA device name ("NVIDIA H200"); presets are "H200-141GB".
+    known = list(read_cache())
+    token = device_name.split("-")[0].lower()
+    names = [d for d in known if d == device_name] or [d for d in known if token and token in d.lower()]
+    if not names:
+        return None
+    device_name = names[0]
+    gm = analysis.captured.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = np.zeros((2, len(analysis.stats)))
+    found = False
+    for m in find_kernel_patterns(gm):
+        if m.input_shape is None:
+            continue
+        kf = kernel_time_s(m.kernel, m.input_shape, dtype, device_name=device_name)
+        kb = kernel_time_s(m.kernel + ".bwd", m.input_shape, dtype, device_name=device_name)
+        if kf is None:
+            continue
+        found = True
+        covered = [nodes[x] for x in m.node_names if x in nodes and "autopar.cost" in nodes[x].meta]
+        block = covered[-1].meta["autopar.block"] if covered else None
+        if block is None:
+            continue
+        act = sum(n.meta["autopar.cost"].act_bytes for n in covered) * 0.5  # bf16 on GPUs
+        roof = act / spec.mem_bandwidth_Bps * eff.memory + len(covered) * eff.op_overhead_s
+        out[0, block] += kf - roof
+        out[1, block] += (kb if kb is not None else 2 * kf) - 2 * roof
+    return out if found else None
+
+
 def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
-                efficiency: Efficiency | None = None, progress=None) -> ModelCosts:
+                efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True) -> ModelCosts:
     """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
 
     ``measure``: time blocks on this machine for emulated / local device types (default: when the model
@@ -281,9 +320,16 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
             fwd_table[t], bwd_table[t] = f / speed, b_ / speed
             sources[t] = "roofline (nominal CPU)"
             continue
-        f, b_ = _roofline_table(analysis, spec, batches, efficiency or DEFAULT_GPU_EFFICIENCY, True)
-        fwd_table[t], bwd_table[t] = f, b_
+        eff = efficiency or DEFAULT_GPU_EFFICIENCY
+        f, b_ = _roofline_table(analysis, spec, batches, eff, True)
         sources[t] = "roofline"
+        adj = kernel_adjustments(analysis, spec.name, spec, eff) if use_kernel_times else None
+        if adj is not None:  # tuned Triton kernels replace the roofline of the nodes they cover
+            scale = (batches / analysis.batch_size)[:, None]
+            f = np.maximum(f + adj[0] * scale, f * 0.05)
+            b_ = np.maximum(b_ + adj[1] * scale, b_ * 0.05)
+            sources[t] = "roofline + tuned Triton kernels"
+        fwd_table[t], bwd_table[t] = f, b_
     per = analysis.batch_size
     # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
     all_gpu = all(not cluster.spec_of(t).is_emulated and cluster.spec_of(t).vendor != "cpu" for t in types)

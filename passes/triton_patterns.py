@@ -145,6 +145,9 @@ def _arg(node: fx.Node, pos: int, name: str, default=None):
 def _shape(node, gm: fx.GraphModule) -> tuple[int, ...] | None:
     if not isinstance(node, fx.Node):
         return None
+    info = node.meta.get("autopar.tensor")  # written by passes.analysis
+    if info is not None:
+        return tuple(int(s) for s in info.shape)
     meta = node.meta.get("tensor_meta")
     if meta is not None and hasattr(meta, "shape"):
         return tuple(int(s) for s in meta.shape)

@@ -64,3 +64,26 @@ def test_roofline_for_devices_not_at_hand_orders_by_speed():
     h100, a100, v100 = (costs.step_time(t, 8) for t in ("H100-80GB", "A100-40GB", "V100-16GB"))
     assert h100 < a100 < v100
     assert costs.state_bytes() == pytest.approx(case.num_params_expected * 16, rel=1e-6)
+
+
+def test_tuned_kernel_times_replace_the_roofline_of_the_nodes_they_cover(tmp_path, monkeypatch):
+    from kernels.cache import invalidate, shape_bucket, write_entries
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    invalidate()
+    case = zoo.build("gpt2-small", device="meta")
+    a = analyze(case.model, case.example_inputs)
+    cl = Cluster.homogeneous("H100-80GB", count=1)
+    before = model_costs(a, cl, model=case.model)
+    # A (pretend) tuning run on an H100 found LayerNorm 1 ms forward and 2 ms backward at this shape.
+    shape = (a.batch_size, case.config.seq_len, case.config.hidden_size)
+    import torch
+    write_entries([("NVIDIA H100 80GB HBM3", k, shape_bucket(k, shape, torch.bfloat16),
+                    {"time_s": t, "shape": list(shape)}) for k, t in (("layer_norm", 1e-3), ("layer_norm.bwd", 2e-3))])
+    after = model_costs(a, cl, model=case.model)
+    invalidate()
+    assert after.sources["H100-80GB"] == "roofline + tuned Triton kernels"
+    # Each layer has two LayerNorms: about +2 ms forward and +4 ms backward at the analysis batch.
+    df = after.fwd_time("H100-80GB", a.batch_size)[1] - before.fwd_time("H100-80GB", a.batch_size)[1]
+    db = after.bwd_time("H100-80GB", a.batch_size)[1] - before.bwd_time("H100-80GB", a.batch_size)[1]
+    assert df == pytest.approx(2e-3, rel=0.1) and db == pytest.approx(4e-3, rel=0.1)
