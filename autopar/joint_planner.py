@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "TP_DEGREES", "SINGLE_STRATEGIES", "Member", "MemberLayout", "member_layouts", "member_groupings",
-    "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "cache_dir", "cache_key",
+    "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_dir", "cache_key",
 ]
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
@@ -535,6 +535,42 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
     return found, solved
 
 
+def _entries(ctx: _Ctx, cluster, layouts, groupings, best_s: float) -> list[_GroupingState]:
+    n = ctx.costs.num_blocks
+    entries: list[_GroupingState] = []
+    for lay in layouts:
+        for m in lay.members:
+            ctx.members[m.ranks] = m
+        speed = {m.kind: ctx.kind_speed(m.kind) for m in lay.members}
+        if ctx.global_batch / sum(speed[m.kind] for m in lay.members) >= best_s:
+            continue   # not even perfect balance on this layout beats what is known
+        grs = groupings if groupings is not None else member_groupings(cluster, lay, n, speed)
+        for gr in grs:
+            if gr.num_stages > n or any(g not in ctx.members for st in gr.stages for g in st):
+                continue
+            stages = [[ctx.members[g] for g in st] for st in gr.stages]
+            entries.append(_GroupingState(lay, gr, _prepare(ctx, stages)))
+    return entries
+
+
+def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
+                        num_heads: int | None = None, zero_stage: int = 2, memory_fraction: float = 0.9,
+                        replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
+                        degrees: Sequence[int] = TP_DEGREES) -> tuple[float, str, int, tuple[int, ...]] | None:
+    """The least split estimate of the hybrid search (1F1B) and its (grouping, M, sizes), or None
+    when nothing fits: what the search optimises before the simulator ranks its shortlist."""
+    B = _check_batch(global_batch)
+    layouts = member_layouts(costs, cluster, num_heads=num_heads, degrees=degrees,
+                             replicated_fraction=replicated_fraction)
+    ctx = _Ctx(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {})
+    entries = _entries(ctx, cluster, layouts, None, math.inf)
+    found, _ = _search(ctx, entries, "1f1b", None, None, math.inf)
+    if not found:
+        return None
+    est, e, M, sizes = found[0]
+    return est, f"{entries[e].layout.name} {entries[e].grouping.name}", M, sizes
+
+
 def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
                 zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto",
                 memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
@@ -558,20 +594,7 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
         layouts = member_layouts(costs, cluster, ranks, num_heads=num_heads, degrees=degrees,
                                  replicated_fraction=replicated_fraction)
     ctx = _Ctx(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {})
-    n = costs.num_blocks
-    entries: list[_GroupingState] = []
-    for lay in layouts:
-        for m in lay.members:
-            ctx.members[m.ranks] = m
-        speed = {m.kind: ctx.kind_speed(m.kind) for m in lay.members}
-        if B / sum(speed[m.kind] for m in lay.members) >= best_s:
-            continue   # not even perfect balance on this layout beats what is known
-        grs = groupings if groupings is not None else member_groupings(cluster, lay, n, speed)
-        for gr in grs:
-            if gr.num_stages > n or any(g not in ctx.members for st in gr.stages for g in st):
-                continue
-            stages = [[ctx.members[g] for g in st] for st in gr.stages]
-            entries.append(_GroupingState(lay, gr, _prepare(ctx, stages)))
+    entries = _entries(ctx, cluster, layouts, groupings, best_s)
     found, _ = _search(ctx, entries, split_schedule, num_micro, deadline, best_s)
     scored: list[_Scored] = []
     best = best_s

@@ -1,0 +1,107 @@
+"""Throughput bounds a plan is judged against.
+
+Terms
+- type batch: the global batch scaled to a device type's share of the cluster's compute (its count
+  x ``peak_flops_bf16``), largest-remainder rounding, at least 1 sample (``type_batches``).
+- upper bound (``upper_bound_samples_per_s``): the sum over device types of the samples/s the joint
+  planner (``plan_auto``: the best of every strategy) reaches on the homogeneous sub-cluster of that
+  type alone (``Cluster.subset``) at its type batch. A type that cannot hold the model alone adds 0.
+  What a heterogeneous plan reaches against it is its *efficiency*.
+- compute bound (``compute_bound_samples_per_s``): no communication, no bubbles, no replication:
+  the sum over devices of (samples / forward+backward seconds of the whole model) at the best
+  micro-batch whose activations of the lightest block fit in ``memory_fraction`` of the device
+  (states are taken as sharded away): the physical limit of the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from autopar.costs import ModelCosts
+from autopar.errors import PlanError
+from autopar.plan import Plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
+
+__all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds"]
+
+_MAX_MICRO = 4096   # micro-batch sizes tried for the compute bound (the tables grow linearly beyond)
+
+
+def type_batches(cluster: "Cluster", global_batch: int) -> dict[str, int]:
+    """Device type -> its type batch (see the module docstring)."""
+    types = cluster.device_types()
+    w = np.array([len(r) * cluster.spec_of(t).peak_flops_bf16 for t, r in types.items()], dtype=np.float64)
+    exact = w / w.sum() * global_batch
+    out = np.maximum(np.floor(exact).astype(int), 1)
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - np.floor(exact[i])), i))
+    for i in order[: max(0, global_batch - int(out.sum()))]:
+        out[i] += 1
+    return {t: int(b) for t, b in zip(types, out)}
+
+
+def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
+                              num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
+                              schedule: str = "auto", memory_fraction: float = 0.9,
+                              replicated_fraction: float | None = None, use_cache: bool = True,
+                              details: dict | None = None) -> float:
+    """Sum over device types of ``plan_auto``'s samples/s on that type alone at its type batch.
+    ``details``, when given, receives type -> (type batch, samples/s, the sub-plan or None)."""
+    from autopar.joint_planner import plan_auto   # local: the planner imports nothing from here
+
+    total = 0.0
+    for t, batch in type_batches(cluster, global_batch).items():
+        sub = cluster.subset(cluster.device_types()[t], name=f"{cluster.name}[{t}]")
+        try:
+            plan = plan_auto(costs, sub, batch, num_heads=num_heads, zero_stage=zero_stage, schedule=schedule,
+                             memory_fraction=memory_fraction, replicated_fraction=replicated_fraction,
+                             use_cache=use_cache)
+        except PlanError:
+            plan = None
+        sps = plan.predicted.samples_per_s if plan is not None else 0.0
+        if details is not None:
+            details[t] = (batch, sps, plan)
+        total += sps
+    return total
+
+
+def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory_fraction: float = 0.9) -> float:
+    """Sum over devices of their best samples/s on the whole model (see the module docstring)."""
+    lightest = float(np.min(costs.act_bytes)) if costs.num_blocks else 0.0
+    per_type: dict[str, float] = {}
+    total = 0.0
+    for d in cluster.devices:
+        t = d.spec.name
+        if t not in per_type:
+            room = d.spec.memory_bytes * memory_fraction
+            cap = _MAX_MICRO if lightest <= 0 else int(min(_MAX_MICRO, room // lightest))
+            best = 0.0
+            if cap >= 1:
+                sizes = sorted({1, cap} | {int(b) for b in costs.sample_batches if 1 <= b <= cap})
+                for b in sizes:
+                    step = costs.step_time(t, b)
+                    if step > 0:
+                        best = max(best, b / step)
+            per_type[t] = best
+        total += per_type[t]
+    return total
+
+
+def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
+                    num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
+                    schedule: str = "auto", memory_fraction: float = 0.9,
+                    replicated_fraction: float | None = None, use_cache: bool = True) -> Plan:
+    """A copy of ``plan`` with the upper bound, the compute bound and efficiency = samples_per_s /
+    upper bound set (the planner arguments should be the ones the plan was made with)."""
+    batch = plan.global_batch_size if global_batch is None else int(global_batch)
+    upper = upper_bound_samples_per_s(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
+                                      schedule=schedule, memory_fraction=memory_fraction,
+                                      replicated_fraction=replicated_fraction, use_cache=use_cache)
+    compute = compute_bound_samples_per_s(costs, cluster, memory_fraction=memory_fraction)
+    eff = plan.predicted.samples_per_s / upper if upper > 0 else 0.0
+    return replace(plan, predicted=replace(plan.predicted, upper_bound_samples_per_s=upper,
+                                           compute_bound_samples_per_s=compute, efficiency=eff))

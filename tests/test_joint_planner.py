@@ -1,0 +1,285 @@
+"""Joint planner (strategy "auto"), TP cost model and bounds: exact head shares and split search against
+brute force, auto never behind a single-dimension strategy, bound consistency, the plan cache, and
+HETHUB's Llama-140B on 768 devices at >= 97.5% of the homogeneous upper bound."""
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from autopar import joint_planner as jp
+from autopar import tp_cost
+from autopar.bounds import (
+    compute_bound_samples_per_s, type_batches, upper_bound_samples_per_s, with_all_bounds,
+)
+from autopar.cluster import Cluster
+from autopar.comm import p2p_time_s
+from autopar.costs import ModelCosts
+from autopar.errors import PlanError
+from autopar.pp_planner import micro_candidates, micro_sizes, plan_timeline, split_objective
+
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _emulated(name, speed, memory_GB=4):
+    return {"name": name, "emulate": "cpu", "speed": speed, "memory_GB": memory_GB}
+
+
+def _cluster(node_devices):
+    """``node_devices``: per node, a list of device dicts/preset names."""
+    return Cluster.from_dict({"nodes": [{"devices": [{"device": d, "count": 1} for d in node]}
+                                        for node in node_devices]})
+
+
+def _llama_costs(cluster, num_layers=80, hidden=12288, ffn=32768, vocab=32000, seq=4096, efficiency=0.5):
+    """Roofline cost tables of a Llama (140B by default) in bf16 mixed precision: time = FLOPs /
+    (0.5 x peak) + 20 us per call, activations 34 s h bytes per layer and sample (flash attention),
+    states 16 bytes per parameter (bf16 weights and gradients, fp32 master weights and two moments)."""
+    h, s = hidden, seq
+    layer_params = 4 * h * h + 3 * h * ffn + 2 * h
+    layer_flops = 2 * layer_params * s + 4 * s * s * h
+    params = np.array([vocab * h] + [layer_params] * num_layers + [vocab * h + h], float)
+    flops = np.array([0.0] + [layer_flops] * num_layers + [2 * vocab * h * s], float)
+    act = np.array([2 * s * h] + [34 * s * h] * num_layers + [6 * s * vocab], float)
+    out = np.array([2 * s * h] * (num_layers + 1) + [4.0], float)
+    sb = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 64.0])
+    fwd, bwd = {}, {}
+    for t in cluster.device_types():
+        f = np.outer(sb, flops / (cluster.spec_of(t).peak_flops_bf16 * efficiency)) + 20e-6
+        fwd[t], bwd[t] = f, 2 * f
+    return ModelCosts(block_names=("embed", *(f"layers.{i}" for i in range(num_layers)), "head"),
+                      params=params, param_bytes=2 * params, act_bytes=act, out_bytes=out, fwd_flops=flops,
+                      sample_batches=sb, fwd_table=fwd, bwd_table=bwd, optimizer_bytes_per_param=12,
+                      grad_bytes_per_param=2)
+
+
+# -- TP cost model -------------------------------------------------------------------------------------
+
+def test_best_shares_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(1, 4)
+        units = rng.randint(n, 12)
+        times = [rng.uniform(0.5, 4.0) for _ in range(n)]
+        rho = rng.choice([0.0, 0.1, 0.3])
+        shares = tp_cost.best_shares(times, units, rho)
+        assert sum(shares) == units and min(shares) >= 1
+        got = max(t * k for t, k in zip(times, tp_cost.work_factors(np.array(shares) / units, rho))) \
+            if n > 1 else times[0]
+        assert got == pytest.approx(tp_cost.brute_force_shares(times, units, rho), rel=1e-12)
+
+
+def test_best_shares_follow_speed_and_refuse_too_few_heads():
+    assert tp_cost.best_shares([1.0, 1.0], 8, 0.0) == (4, 4)
+    assert tp_cost.best_shares([1.0, 2.0], 9, 0.0) == (6, 3)     # twice as fast: twice the heads
+    with pytest.raises(PlanError, match="num_heads"):
+        tp_cost.best_shares([1.0, 1.0, 1.0], 2)
+
+
+def test_group_time_memory_and_allreduces():
+    cluster = Cluster.homogeneous("A100-80GB", count=4, per_node=4)
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 4}, out_bytes=[1e6] * 4)
+    whole = costs.step_time("A100-80GB", 2)
+    alone = tp_cost.TpGroup((0,), (8,))
+    assert tp_cost.group_step_time_s(costs, cluster, alone, 2) == pytest.approx(whole)
+    pair = tp_cost.TpGroup((0, 1), (4, 4))
+    alpha, beta = tp_cost.allreduce_alpha_beta(cluster, (0, 1))
+    comm = 4 * 4 * (alpha + beta * 2e6)     # 4 blocks x (2 fwd + 2 bwd) all-reduces of 2 samples
+    assert tp_cost.group_step_time_s(costs, cluster, pair, 2, replicated_fraction=0.1) == pytest.approx(
+        whole * (0.1 + 0.9 * 0.5) + comm)
+    np.testing.assert_allclose(tp_cost.group_memory_factor(tp_cost.TpGroup((0, 1, 2), (2, 1, 1)), 0.2),
+                               [0.2 + 0.8 * 0.5, 0.4, 0.4])
+
+
+# -- the joint search against brute force ---------------------------------------------------------------
+
+def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_fraction=0.9):
+    """Min over every layout, grouping, micro-batch count and split of the classic estimate, with
+    stage times and memory computed independently of the planner's cost tensor."""
+    n = costs.num_blocks
+    best = math.inf
+    for lay in layouts:
+        speed = {m.ranks: 1.0 / tp_cost.group_step_time_s(costs, cluster, tp_cost.TpGroup(m.ranks, m.shares), 1,
+                                                           replicated_fraction=rho) for m in lay.members}
+        members = {m.ranks: m for m in lay.members}
+        for gr in jp.member_groupings(cluster, lay, n, {m.kind: speed[m.ranks] for m in lay.members}):
+            S = gr.num_stages
+            for M in micro_candidates(B, S):
+                b = micro_sizes(B, M)[0]
+                for cuts in itertools.combinations(range(1, n), S - 1):
+                    bounds = (0, *cuts, n)
+                    times = []
+                    for s, st in enumerate(gr.stages):
+                        blocks = slice(bounds[s], bounds[s + 1])
+                        V = sum(speed[g] for g in st)
+                        t_s = 0.0
+                        for g in st:
+                            m = members[g]
+                            k = b if len(st) == 1 else math.ceil(b * speed[g] / V - 1e-9)
+                            if k == 0:
+                                continue
+                            group = tp_cost.TpGroup(m.ranks, m.shares)
+                            t_s = max(t_s, tp_cost.group_step_time_s(costs, cluster, group, k, blocks, rho))
+                            fly = min(M, S - s)
+                            need = (costs.state_bytes(blocks, zero_stage, 1.0 / len(st))
+                                    + float(costs.act_bytes[blocks].sum()) * k * fly)
+                            for r, f in zip(m.ranks, tp_cost.group_memory_factor(group, rho)):
+                                if need * f > cluster.devices[r].spec.memory_bytes * memory_fraction:
+                                    t_s = math.inf
+                        if s < S - 1:
+                            nxt = gr.stages[s + 1]
+                            t_s += p2p_time_s(cluster, st[0][0], nxt[0][0],
+                                              math.ceil(b / min(len(st), len(nxt))) * costs.out_bytes[bounds[s + 1] - 1])
+                        times.append(t_s)
+                    if all(math.isfinite(t) for t in times):
+                        best = min(best, split_objective(times, M))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_joint_search_equals_brute_force(seed):
+    rng = random.Random(seed)
+    num_devices = rng.randint(2, 4)
+    per_node = rng.choice([1, 2, num_devices])
+    kinds = [("fast", 1.0), ("slow", rng.choice([0.3, 0.5, 0.8]))]
+    picks = sorted(rng.choice([0, 1]) for _ in range(num_devices))
+    mem = rng.choice([1, 2, 4, 8])
+    devices = [_emulated(*kinds[i], memory_GB=mem) for i in picks]
+    nodes = [devices[i:i + per_node] for i in range(0, num_devices, per_node)]
+    cluster = _cluster(nodes)
+    n = rng.randint(3, 6)
+    base = [rng.uniform(0.005, 0.02) for _ in range(n)]
+    types = {t for t, _ in kinds if t in cluster.device_types()}
+    speeds = dict(kinds)
+    costs = ModelCosts.synthetic({t: [x / speeds[t] for x in base] for t in types},
+                                 param_bytes=[rng.uniform(0.2, 2) * 1e8 for _ in range(n)],
+                                 act_bytes=[rng.uniform(0.5, 3) * 1e8 for _ in range(n)],
+                                 out_bytes=[rng.uniform(1e5, 1e7) for _ in range(n)], overhead_s=1e-4)
+    B = rng.randint(2, 8)
+    rho = 0.1
+    layouts = jp.member_layouts(costs, cluster, num_heads=4, replicated_fraction=rho)
+    want = _brute_force_estimate(costs, cluster, B, layouts, rho)
+    got = jp.best_split_estimate(costs, cluster, B, num_heads=4, replicated_fraction=rho)
+    if not math.isfinite(want):
+        assert got is None
+        return
+    assert got is not None
+    assert got[0] == pytest.approx(want, rel=1e-9)
+
+
+def test_tp_plan_prediction_is_the_simulated_timeline():
+    cluster = _cluster([["A100-80GB", "A100-80GB", "V100-16GB", "V100-16GB"]])
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.03] * 6},
+                                 param_bytes=[4e9] * 6, act_bytes=[2e9] * 6, out_bytes=[1e7] * 6)
+    plan = jp.plan_auto(costs, cluster, 16, num_heads=8, use_cache=False)
+    _, step = plan_timeline(plan, costs, cluster)
+    if plan.num_stages > 1 or any(len(g) > 1 for g in plan.stages[0].groups):
+        assert step == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert sum(plan.rank_batch[g[0]] for st in plan.stages[:1] for g in st.groups) == 16
+    for r, used in plan.predicted.memory_bytes.items():
+        assert used <= cluster.devices[r].spec.memory_bytes * 0.9
+    assert plan.notes[0].startswith("chosen:")
+
+
+# -- auto against the single-dimension strategies --------------------------------------------------------
+
+@pytest.mark.parametrize("nodes", [
+    [["A100-80GB"] * 2, ["V100-16GB"] * 2],
+    [["H100-80GB", "A100-40GB"], ["T4-16GB"]],
+    [["A100-80GB"] * 4],
+])
+def test_auto_is_never_slower_than_a_single_strategy(nodes):
+    cluster = _cluster(nodes)
+    rel = {"H100-80GB": 0.4, "A100-80GB": 1.0, "A100-40GB": 1.0, "V100-16GB": 2.5, "T4-16GB": 5.0}
+    costs = ModelCosts.synthetic({t: [0.004 * rel[t]] * 8 for t in cluster.device_types()},
+                                 param_bytes=[1.5e9] * 8, act_bytes=[3e8] * 8, out_bytes=[4e6] * 8, overhead_s=2e-4)
+    auto = jp.plan_auto(costs, cluster, 32, num_heads=8, use_cache=False)
+    ran = 0
+    for strategy in jp.SINGLE_STRATEGIES:
+        try:
+            single = jp.plan_strategy(costs, cluster, 32, strategy, num_heads=8)
+        except PlanError:
+            continue
+        ran += 1
+        assert auto.predicted.step_time_s <= single.predicted.step_time_s * (1 + 1e-9), strategy
+    assert ran >= 3
+    assert auto.strategy == "auto"
+    assert any(n.startswith("runner-up") for n in auto.notes)
+
+
+def test_nothing_fits_is_a_plan_error():
+    cluster = _cluster([[_emulated("a", 1.0, memory_GB=1)], [_emulated("b", 0.5, memory_GB=1)]])
+    costs = ModelCosts.synthetic({"a": [0.01] * 3, "b": [0.02] * 3}, param_bytes=[4e9] * 3)
+    with pytest.raises(PlanError, match="no plan fits"):
+        jp.plan_auto(costs, cluster, 4, use_cache=False)
+    with pytest.raises(PlanError, match="zero_stage"):
+        jp.plan_auto(costs, cluster, 4, zero_stage=5)
+    with pytest.raises(PlanError, match="global_batch"):
+        jp.plan_auto(costs, cluster, 0)
+
+
+# -- bounds ---------------------------------------------------------------------------------------------
+
+def test_bounds_are_consistent_on_a_homogeneous_cluster():
+    cluster = Cluster.homogeneous("A100-80GB", count=4, per_node=2)
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6}, param_bytes=[2e9] * 6, out_bytes=[1e6] * 6,
+                                 overhead_s=1e-3)
+    plan = with_all_bounds(jp.plan_auto(costs, cluster, 24, num_heads=8), costs, cluster, num_heads=8)
+    p = plan.predicted
+    assert p.compute_bound_samples_per_s >= p.upper_bound_samples_per_s * (1 - 1e-9)
+    assert p.upper_bound_samples_per_s >= p.samples_per_s * (1 - 1e-9)
+    assert 0 < p.efficiency <= 1 + 1e-9
+
+
+def test_bounds_on_a_heterogeneous_cluster():
+    cluster = _cluster([["A100-80GB"] * 2, ["V100-16GB"] * 2])
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
+    assert type_batches(cluster, 64) == {"A100-80GB": 46, "V100-16GB": 18}   # 312 : 125 TFLOP/s
+    details = {}
+    upper = upper_bound_samples_per_s(costs, cluster, 64, details=details)
+    assert upper == pytest.approx(sum(sps for _, sps, _ in details.values()))
+    compute = compute_bound_samples_per_s(costs, cluster)
+    assert compute >= upper
+    plan = with_all_bounds(jp.plan_auto(costs, cluster, 64), costs, cluster)
+    assert plan.predicted.efficiency == pytest.approx(plan.predicted.samples_per_s / upper)
+
+
+# -- cache ----------------------------------------------------------------------------------------------
+
+def test_plan_cache_hit_returns_an_equal_plan(monkeypatch, tmp_path):
+    cluster = _cluster([["A100-80GB"] * 2, ["V100-16GB"] * 2])
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
+    first = jp.plan_auto(costs, cluster, 32, num_heads=8)
+    files = list((tmp_path / "cache" / "plans").glob("*.json"))
+    assert len(files) == 1
+
+    def boom(*a, **k):
+        raise AssertionError("searched again: the cache was not used")
+
+    monkeypatch.setattr(jp, "plan_hybrid", boom)
+    monkeypatch.setattr(jp, "plan_strategy", boom)
+    again = jp.plan_auto(costs, cluster, 32, num_heads=8)
+    assert again == first
+    with pytest.raises(AssertionError, match="searched again"):   # other arguments: another key
+        jp.plan_auto(costs, cluster, 33, num_heads=8)
+
+
+# -- HETHUB scale -------------------------------------------------------------------------------------
+
+def test_hethub_768_llama_140b_efficiency():
+    cluster = Cluster.from_yaml("benchmarks/clusters/hethub-768.yaml")
+    costs = _llama_costs(cluster)
+    plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, use_cache=False)
+    plan = with_all_bounds(plan, costs, cluster, num_heads=96, use_cache=False)
+    p = plan.predicted
+    assert p.efficiency >= 0.975, plan.notes
+    assert p.samples_per_s <= p.compute_bound_samples_per_s
+    assert all(v <= cluster.devices[r].spec.memory_bytes * 0.9 for r, v in p.memory_bytes.items())
+    assert sum(len(st.ranks) for st in plan.stages) == 768
