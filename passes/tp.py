@@ -188,10 +188,65 @@ _UNARY_METHODS = {"contiguous", "float", "half", "bfloat16", "double", "to", "ty
 _BINARY_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
                  torch.mul, torch.div, torch.where, torch.masked_fill, operator.pow, torch.pow}
 _BINARY_METHODS = {"add", "sub", "mul", "div", "masked_fill", "pow", "__add__", "__mul__"}
-_SDPA = {F.scaled_dot_product_attention, getattr(torch._C._nn, "scaled_dot_product_attention", None)}
-_MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm}
-_SOFTMAX_FUNCS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
 _PROBE_ATTRS = {"dtype", "device", "ndim", "is_cuda", "requires_grad"}
+# ATen ops of torch.export graphs, by op name (overloads alike).
+_ATEN_KINDS = {
+    **dict.fromkeys(("gelu", "silu", "relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone",
+                     "dropout", "_to_copy", "to", "alias", "type_as", "rsqrt", "sqrt", "square"), "unary"),
+    **dict.fromkeys(("add", "sub", "mul", "div", "masked_fill", "where", "pow"), "binary"),
+    "scaled_dot_product_attention": "sdpa", "matmul": "matmul", "bmm": "matmul",
+    "softmax": "softmax", "_softmax": "softmax", "log_softmax": "softmax", "_log_softmax": "softmax",
+    "transpose": "transpose", "permute": "permute", "view": "view", "reshape": "view", "_unsafe_view": "view",
+    "split": "split", "split_with_sizes": "split", "chunk": "chunk", "cat": "cat", "slice": "slice",
+    "unsqueeze": "unsqueeze", "sym_size": "probe",
+}
+_FUNC_KINDS = {
+    **dict.fromkeys(_UNARY_FUNCS, "unary"), **dict.fromkeys(_BINARY_FUNCS, "binary"),
+    F.scaled_dot_product_attention: "sdpa", operator.matmul: "matmul", torch.matmul: "matmul",
+    torch.bmm: "matmul", F.softmax: "softmax", F.log_softmax: "softmax", torch.softmax: "softmax",
+    torch.log_softmax: "softmax", torch.transpose: "transpose", torch.permute: "permute",
+    torch.reshape: "view", torch.cat: "cat", torch.unsqueeze: "unsqueeze", operator.getitem: "getitem",
+    torch.split: "split", torch.chunk: "chunk",
+}
+_METHOD_KINDS = {
+    **dict.fromkeys(_UNARY_METHODS, "unary"), **dict.fromkeys(_BINARY_METHODS, "binary"),
+    "matmul": "matmul", "softmax": "softmax", "log_softmax": "softmax", "transpose": "transpose",
+    "permute": "permute", "view": "view", "reshape": "view", "chunk": "chunk", "split": "split",
+    "unsqueeze": "unsqueeze", "size": "probe", "dim": "probe",
+}
+_LINEAR_FUNCS = {F.linear, torch.ops.aten.linear.default}
+
+
+def _kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The matcher's name for what a node does (None: unknown, so never part of a region)."""
+    t = node.target
+    if node.op == "call_method":
+        return _METHOD_KINDS.get(t)
+    if node.op == "call_module":
+        return "unary" if isinstance(gm.get_submodule(t), _UNARY_MODULES) else None
+    if node.op != "call_function":
+        return None
+    if t is getattr:
+        return "probe" if len(node.args) == 2 and node.args[1] in _PROBE_ATTRS else None
+    if isinstance(t, torch._ops.OpOverload):
+        if t.namespace != "aten":
+            return None
+        return _ATEN_KINDS.get(t.__name__.split(".")[0])
+    try:
+        return _FUNC_KINDS.get(t)
+    except TypeError:   # unhashable target
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Lin:
+    """A Linear in the graph: an ``nn.Linear`` module call or ``F.linear`` / ``aten.linear`` on
+    parameters read with ``get_attr``."""
+    weight: str           # qualified name of the weight
+    bias: str | None
+    in_features: int
+    out_features: int
+    module: str | None    # call_module target, or None for the functional form
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -210,34 +265,45 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear | None:
-    if node.op != "call_module":
-        return None
-    mod = gm.get_submodule(node.target)
-    return mod if type(mod) is nn.Linear else None
+def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin | None:
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
+            return None
+        return _Lin(f"{node.target}.weight", f"{node.target}.bias" if mod.bias is not None else None,
+                    mod.in_features, mod.out_features, str(node.target))
+    if node.op == "call_function" and node.target in _LINEAR_FUNCS and not node.kwargs \
+            and 2 <= len(node.args) <= 3:
+        w = node.args[1]
+        b = node.args[2] if len(node.args) == 3 else None
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and (b is None or (isinstance(b, fx.Node)
+                                                                                  and b.op == "get_attr"))):
+            return None
+        weight = _attr(gm, w.target)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return None
+        return _Lin(str(w.target), str(b.target) if b is not None else None, weight.shape[1], weight.shape[0], None)
+    return None
 
 
-def _is_probe(node: fx.Node) -> bool:
+def _is_probe(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Nodes that read only shape-independent facts or a size (checked against the sharded dim)."""
-    if node.op == "call_method" and node.target in ("size", "dim"):
-        return True
-    return (node.op == "call_function" and node.target is getattr and len(node.args) == 2
-            and node.args[1] in _PROBE_ATTRS)
+    return _kind(gm, node) == "probe"
 
 
-def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, nn.Linear]):
+def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, _Lin]):
     """Nodes reachable from ``seed`` without passing a Linear; (nodes, terminal Linear nodes) or None
     when the flow reaches the output or enters a Linear other than as its input."""
     seen, terms, todo = {seed}, set(), [seed]
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u in seen or _is_probe(u):
+            if u in seen or _is_probe(gm, u):
                 continue
             if u.op == "output":
                 return None
             if u in linears:
-                if u.args[0] is not n or len(u.args) != 1 or u.kwargs:
+                if u.args[0] is not n or n in u.args[1:]:
                     return None
                 terms.add(u)
                 continue
@@ -290,7 +356,7 @@ class _Matcher:
                 self.state[n] = self.visit(n)
         for n in order:  # probes read sizes: never of the sharded dim
             for u in n.users:
-                if _is_probe(u) and u.op == "call_method" and u.target == "size":
+                if _is_probe(self.gm, u) and u.target not in (getattr, "dim"):
                     sh = self.state[n]
                     d = _arg(u, 1, "dim")
                     shape = _shape(n)
@@ -305,12 +371,13 @@ class _Matcher:
         out = shape[-1]
         parts = 1
         users = list(n.users)
-        if len(users) == 1 and users[0].op == "call_method" and users[0].target in ("chunk", "split"):
+        if len(users) == 1 and _kind(self.gm, users[0]) in ("chunk", "split"):
             u = users[0]
-            d = _arg(u, 2 if u.target == "chunk" else 2, "dim", 0)
+            is_chunk = _kind(self.gm, u) == "chunk"
+            d = _arg(u, 2, "dim", 0)
             if _norm_dim(d, len(shape)) == len(shape) - 1:
-                k = _arg(u, 1, "chunks" if u.target == "chunk" else "split_size")
-                if u.target == "chunk" and isinstance(k, int):
+                k = _arg(u, 1, "chunks" if is_chunk else "split_size")
+                if is_chunk and isinstance(k, int):
                     parts = k
                 elif isinstance(k, int) and out % k == 0:
                     parts = out // k
@@ -325,51 +392,58 @@ class _Matcher:
         if not ins:
             raise _Reject(f"{n} has no sharded input")
         shs = [self.state[a] for a in ins]
-        out_shape = _shape(n)
-        if n.op == "call_function" and n.target is operator.getitem:
+        kind = _kind(self.gm, n)
+        if kind == "getitem":
             return self.getitem(n)
-        if any(isinstance(s, tuple) for s in shs) or any(s.parts != 1 for s in shs):
-            if n.op == "call_method" and n.target in ("chunk", "split"):
-                return self.chunk(n)
+        if kind in ("chunk", "split"):
+            return self.chunk(n, kind)
+        if any(isinstance(s, tuple) or s.parts != 1 for s in shs):
             raise _Reject(f"{n} consumes a fused output")
-        if n.op == "call_method" and n.target in ("chunk", "split"):
-            return self.chunk(n)
-        if out_shape is None:
-            raise _Reject(f"{n}: no shape")
-        t = n.target
-        x = n.args[0] if n.args else None
-        sh = self.st(x)
-        # unary, shape-preserving
-        if (n.op == "call_module" and isinstance(self.gm.get_submodule(t), _UNARY_MODULES)) or \
-                (n.op == "call_function" and t in _UNARY_FUNCS) or (n.op == "call_method" and t in _UNARY_METHODS):
+        out_shape = _shape(n)
+        if out_shape is None or kind is None:
+            raise _Reject(f"{n.format_node()}: not a recognised op")
+        sh = self.st(n.args[0] if n.args else None)
+        nd = len(out_shape)
+        if kind == "unary":
             if sh is None or len(ins) != 1:
                 raise _Reject(f"{n}: sharded tensor not in first position")
             return sh
-        if (n.op == "call_function" and t in _BINARY_FUNCS) or (n.op == "call_method" and t in _BINARY_METHODS):
-            return self.elementwise(n, shs, out_shape)
-        if n.op == "call_function" and t in _SDPA:
-            return self.batched(n, shs, out_shape, min_neg=3)
-        if (n.op == "call_function" and t in _MATMUL_FUNCS) or (n.op == "call_method" and t == "matmul"):
-            return self.batched(n, shs, out_shape, min_neg=3)
-        if (n.op == "call_function" and t in _SOFTMAX_FUNCS) or (n.op == "call_method" and t in ("softmax", "log_softmax")):
+        if kind == "binary":
+            return self.elementwise(n, out_shape)
+        if kind in ("sdpa", "matmul"):   # the sharded dim must be a batch dim, not a matrix dim
+            out = self.elementwise(n, out_shape)
+            if out.dim > nd - 3:
+                raise _Reject(f"{n}: sharded along a matrix dim")
+            return out
+        if kind == "cat":
+            return self.cat(n, out_shape)
+        if sh is None:
+            raise _Reject(f"{n}: sharded tensor not in first position")
+        if kind == "softmax":
             d = _arg(n, 1, "dim")
-            if sh is None or d is None or _norm_dim(d, len(out_shape)) == sh.dim:
+            if d is None or _norm_dim(d, nd) == sh.dim:
                 raise _Reject(f"{n}: softmax over the sharded dim")
             return sh
-        if (n.op == "call_method" and t == "transpose") or (n.op == "call_function" and t is torch.transpose):
-            a, b = (_norm_dim(_arg(n, i, k), len(out_shape)) for i, k in ((1, "dim0"), (2, "dim1")))
+        if kind == "transpose":
+            a, b = (_norm_dim(_arg(n, i, k), nd) for i, k in ((1, "dim0"), (2, "dim1")))
             return _Sh({a: b, b: a}.get(sh.dim, sh.dim), sh.size, sh.stride)
-        if (n.op == "call_method" and t == "permute") or (n.op == "call_function" and t is torch.permute):
+        if kind == "permute":
             dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
-            dims = [_norm_dim(d, len(out_shape)) for d in dims]
+            dims = [_norm_dim(d, nd) for d in dims]
             return _Sh(dims.index(sh.dim), sh.size, sh.stride)
-        if (n.op == "call_method" and t in ("view", "reshape")) or (n.op == "call_function" and t is torch.reshape):
+        if kind == "unsqueeze":
+            d = _norm_dim(_arg(n, 1, "dim"), nd)
+            return _Sh(sh.dim + (d <= sh.dim), sh.size, sh.stride)
+        if kind == "slice":   # aten.slice.Tensor(x, dim, start, end, step)
+            d = _norm_dim(_arg(n, 1, "dim", 0), nd)
+            if d == sh.dim and _shape(n.args[0])[d] != out_shape[d]:
+                raise _Reject(f"{n}: slices the sharded dim")
+            return sh
+        if kind == "view":
             return self.view(n, sh, out_shape)
-        if n.op == "call_function" and t is torch.cat:
-            return self.cat(n, out_shape)
         raise _Reject(f"{n.format_node()}: not a recognised op")
 
-    def elementwise(self, n: fx.Node, shs: list[_Sh], out_shape) -> _Sh:
+    def elementwise(self, n: fx.Node, out_shape) -> _Sh:
         nd = len(out_shape)
         negs = set()
         for a in n.all_input_nodes:
@@ -383,14 +457,6 @@ class _Matcher:
         for a in n.all_input_nodes:
             if a not in self.state:
                 self.check_side(a, sh, nd)
-        return sh
-
-    def batched(self, n: fx.Node, shs: list[_Sh], out_shape, min_neg: int) -> _Sh:
-        """Attention / matmul: the sharded dim must be a batch dim (not one of the last two)."""
-        nd = len(out_shape)
-        sh = self.elementwise(n, shs, out_shape)
-        if sh.dim > nd - min_neg:
-            raise _Reject(f"{n}: sharded along a matrix dim")
         return sh
 
     def getitem(self, n: fx.Node):
@@ -432,16 +498,18 @@ class _Matcher:
                 raise _Reject(f"{n}: index {i!r}")
         return _Sh(out_dim + s.dim - in_dim, s.size, s.stride)
 
-    def chunk(self, n: fx.Node):
+    def chunk(self, n: fx.Node, kind: str):
         x = n.args[0]
-        s, shape = self.state[x], _shape(x)
+        s, shape = self.state.get(x), _shape(x)
+        if not isinstance(s, _Sh) or shape is None or len(n.all_input_nodes) != 1:
+            raise _Reject(f"{n}: unknown input")
         d = _norm_dim(_arg(n, 2, "dim", 0), len(shape))
-        k = _arg(n, 1, "chunks" if n.target == "chunk" else "split_size")
+        k = _arg(n, 1, "chunks" if kind == "chunk" else "split_size")
         if s.parts > 1:
             if d != s.dim:
                 raise _Reject(f"{n}: fused output split along another dim")
             part = s.size // s.parts
-            if n.target == "split":
+            if kind == "split":
                 if isinstance(k, int):
                     self.literals.append((n.name, ("arg", 1), k, 1))
                 else:
@@ -511,16 +579,16 @@ class _Matcher:
 
 def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node) -> TPPair:
     x = group[0].args[0]
-    if any(c.args[0] is not x or len(c.args) != 1 or c.kwargs for c in group):
+    if any(c.args[0] is not x for c in group) or not isinstance(x, fx.Node):
         raise _Reject("columns read different inputs")
     order = [n for n in gm.graph.nodes if n in region]
     m = _Matcher(gm, region, group)
     m.run(order)
     s = m.state.get(row.args[0])
     in_shape = _shape(row.args[0])
-    rmod = linears[row]
+    rlin = linears[row]
     if not isinstance(s, _Sh) or in_shape is None or s.dim != len(in_shape) - 1 or s.stride != 1 \
-            or s.size != rmod.in_features:
+            or s.size != rlin.in_features:
         raise _Reject("the row's input is not sharded on its features")
     widths = {linears[c].out_features // m.state[c].parts for c in group}
     if widths != {s.size}:
@@ -531,23 +599,33 @@ def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node
     if s.size % uf or any(uf % st for st in strides) or any(lit[3] and uf % lit[3] for lit in m.literals):
         raise _Reject("incompatible strides")
     return TPPair(
-        columns=tuple(str(c.target) for c in group), parts=tuple(m.state[c].parts for c in group),
-        row=str(row.target), num_units=s.size // uf, unit_features=uf,
+        columns=tuple(_lin_name(linears[c]) for c in group), parts=tuple(m.state[c].parts for c in group),
+        row=_lin_name(rlin), num_units=s.size // uf, unit_features=uf,
         kind="attention" if uf > 1 else "mlp", input_node=x.name,
         column_nodes=tuple(c.name for c in group), row_node=row.name,
         region=tuple(n.name for n in order), literals=tuple(m.literals))
 
 
-def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, nn.Linear]) -> set[fx.Node]:
-    """Linear nodes whose module is called once and whose parameters no other node reads."""
+def _lin_name(lin: _Lin) -> str:
+    return lin.module if lin.module is not None else lin.weight.rpartition(".")[0]
+
+
+def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, _Lin]) -> set[fx.Node]:
+    """Linear nodes whose parameters no other node reads (a module called once, a weight read once)."""
     count: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
             for p in gm.get_submodule(node.target).parameters():
                 count[id(p)] = count.get(id(p), 0) + 1
         elif node.op == "get_attr":
-            count[id(_attr(gm, node.target))] = count.get(id(_attr(gm, node.target)), 0) + 1
-    return {n for n, mod in linears.items() if all(count.get(id(p), 0) == 1 for p in mod.parameters())}
+            t = _attr(gm, node.target)
+            count[id(t)] = count.get(id(t), 0) + len(node.users)
+    out = set()
+    for n, lin in linears.items():
+        names = [lin.weight] + ([lin.bias] if lin.bias else [])
+        if all(count.get(id(_attr(gm, name)), 0) == 1 for name in names):
+            out.add(n)
+    return out
 
 
 def _attr(gm: fx.GraphModule, target: str):
@@ -657,17 +735,57 @@ def _set_module(gm: fx.GraphModule, target: str, mod: nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
 
 
-def _param_name(gm: fx.GraphModule, param: nn.Parameter) -> str:
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        if p is param:
-            return name
-    raise KeyError("parameter not in module")
-
-
-def _empty_linear(in_features: int, out_features: int, bias: bool, like: nn.Linear) -> nn.Linear:
+def _empty_linear(in_features: int, out_features: int, bias: bool, like: torch.Tensor) -> nn.Linear:
     """A Linear without random initialisation (it draws nothing from the global RNG)."""
     return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias,
-                                    device=like.weight.device, dtype=like.weight.dtype)
+                                    device=like.device, dtype=like.dtype)
+
+
+def _install_linear(new: fx.GraphModule, node: fx.Node, lin: _Lin, prefix: str, weight: torch.Tensor,
+                    bias: torch.Tensor | None, like: torch.Tensor) -> tuple[str, ...]:
+    """Make ``node`` of ``new`` use the local ``weight`` / ``bias`` (copies); the names they live under."""
+    rg = like.requires_grad
+    if lin.module is not None:   # a fresh nn.Linear replaces the (shared) module
+        local = _empty_linear(weight.shape[1], weight.shape[0], bias is not None, like)
+        with torch.no_grad():
+            local.weight.copy_(weight)
+            if bias is not None:
+                local.bias.copy_(bias)
+        local.requires_grad_(rg)
+        _set_module(new, lin.module, local)
+        return (f"{lin.module}.weight",) + ((f"{lin.module}.bias",) if bias is not None else ())
+    names = []   # functional form: new top-level parameters, the get_attr reads retargeted
+    for i, t in ((1, weight), (2, bias)):
+        if t is None:
+            continue
+        name = f"{prefix}_{'weight' if i == 1 else 'bias'}"
+        new.register_parameter(name, nn.Parameter(t.detach().clone(), requires_grad=rg))
+        read = node.args[i]
+        with node.graph.inserting_before(node):
+            fresh = node.graph.get_attr(name)
+        fresh.meta = dict(read.meta)
+        node.replace_input_with(read, fresh)
+        if not read.users:
+            node.graph.erase_node(read)
+        names.append(name)
+    return tuple(names)
+
+
+def _drop_unread_attrs(new: fx.GraphModule, gm: fx.GraphModule) -> None:
+    """Remove the full tensors that retargeted reads left behind in ``new``'s own (unshared) modules."""
+    read = {n.target for n in new.graph.nodes if n.op == "get_attr"}
+    called = {n.target for n in new.graph.nodes if n.op == "call_module"}
+    for name, _ in list(new.named_parameters(remove_duplicate=False)):
+        owner_name, _, field_name = name.rpartition(".")
+        if name in read or any(owner_name == c or owner_name.startswith(c + ".") for c in called):
+            continue
+        owner = new.get_submodule(owner_name) if owner_name else new
+        try:
+            shared = owner is (gm.get_submodule(owner_name) if owner_name else gm)
+        except AttributeError:
+            shared = False
+        if not shared and hasattr(owner, field_name):
+            delattr(owner, field_name)
 
 
 def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, group=None,
@@ -688,6 +806,7 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
     new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     new.meta.update(getattr(gm, "meta", {}))
     nodes = {n.name: n for n in graph.nodes}
+    orig = {n.name: n for n in gm.graph.nodes}
     kept, shards, all_ranges = [], [], []
     for k, pair in enumerate(pairs):
         ranges = _pair_units(pair, shares, granularity)
@@ -701,48 +820,43 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
         for name, where, value, stride in pair.literals:
             _set_literal(nodes[name], where, value * local_units // pair.num_units)
         # columns: rows of each part
-        for cname, tname, parts in zip(pair.column_nodes, pair.columns, pair.parts):
-            full: nn.Linear = gm.get_submodule(tname)
-            width = pair.part_features
+        width = pair.part_features
+        for j, (cname, parts) in enumerate(zip(pair.column_nodes, pair.parts)):
+            lin = _linear(gm, orig[cname])
             runs = tuple(tuple((p * width + a * uf, p * width + b * uf) for p in range(parts)) for a, b in ranges)
-            mine = runs[rank_index]
-            local = _empty_linear(full.in_features, sum(b - a for a, b in mine), full.bias is not None, full)
-            with torch.no_grad():
-                local.weight.copy_(torch.cat([full.weight[a:b] for a, b in mine]))
-                if full.bias is not None:
-                    local.bias.copy_(torch.cat([full.bias[a:b] for a, b in mine]))
-            local.weight.requires_grad_(full.weight.requires_grad)
-            _set_module(new, tname, local)
-            shards.append(ParamShard(f"{tname}.weight", _param_name(gm, full.weight), tuple(full.weight.shape),
-                                     0, runs))
-            if full.bias is not None:
-                shards.append(ParamShard(f"{tname}.bias", _param_name(gm, full.bias), tuple(full.bias.shape),
-                                         0, runs))
+            w = _attr(gm, lin.weight)
+            bias = _attr(gm, lin.bias) if lin.bias else None
+            local_w = torch.cat([w.detach()[a:b] for a, b in runs[rank_index]])
+            local_b = torch.cat([bias.detach()[a:b] for a, b in runs[rank_index]]) if bias is not None else None
+            names = _install_linear(new, nodes[cname], lin, f"_tp{k}_c{j}", local_w, local_b, like=w)
+            shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 0, runs))
+            if bias is not None:
+                shards.append(ParamShard(names[1], lin.bias, tuple(bias.shape), 0, runs))
         # row: input columns; bias added once after the reduce
-        full = gm.get_submodule(pair.row)
+        lin = _linear(gm, orig[pair.row_node])
         runs = tuple(((a * uf, b * uf),) for a, b in ranges)
         a, b = runs[rank_index][0]
-        local = _empty_linear(b - a, full.out_features, False, full)
-        with torch.no_grad():
-            local.weight.copy_(full.weight[:, a:b])
-        local.weight.requires_grad_(full.weight.requires_grad)
-        _set_module(new, pair.row, local)
-        shards.append(ParamShard(f"{pair.row}.weight", _param_name(gm, full.weight), tuple(full.weight.shape),
-                                 1, runs))
+        w = _attr(gm, lin.weight)
+        names = _install_linear(new, nodes[pair.row_node], lin, f"_tp{k}_r", w.detach()[:, a:b], None, like=w)
+        shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 1, runs))
         row = nodes[pair.row_node]
         users = list(row.users)
         new.add_submodule(f"_tp_g{k}", ReduceFromGroup(group))
         with graph.inserting_after(row):
             out = graph.call_module(f"_tp_g{k}", (row,))
         out.meta = {key: v for key, v in row.meta.items() if key != "autopar.cost"}
-        if full.bias is not None:
-            bias_name = f"_tp_bias{k}"
-            new.register_parameter(bias_name, full.bias)   # replicated: the same Parameter as gm's
-            with graph.inserting_after(out):
-                battr = graph.get_attr(bias_name)
-            with graph.inserting_after(battr):
+        if lin.bias is not None:
+            if lin.module is not None:
+                bias_name = f"_tp{k}_r_bias"
+                new.register_parameter(bias_name, _attr(gm, lin.bias))   # replicated: gm's Parameter
+                with graph.inserting_after(out):
+                    battr = graph.get_attr(bias_name)
+                battr.meta = {"autopar.block": row.meta["autopar.block"]} if "autopar.block" in row.meta else {}
+            else:
+                battr = row.args[2]                       # the bias read, kept (replicated)
+                row.args = row.args[:2]
+            with graph.inserting_after(out if lin.module is None else battr):
                 added = graph.call_function(operator.add, (out, battr))
-            battr.meta = {"autopar.block": row.meta.get("autopar.block")} if "autopar.block" in row.meta else {}
             added.meta = dict(out.meta)
             out = added
         for u in users:
@@ -760,6 +874,7 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
             nodes[cname].replace_input_with(x, f)
     graph.lint()
     new.recompile()
+    _drop_unread_attrs(new, gm)
     new.meta[TP_META_KEY] = TPLayout(shares=shares, rank_index=rank_index, pairs=tuple(kept),
                                      params=tuple(shards), unit_ranges=tuple(all_ranges))
     return new

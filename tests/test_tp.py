@@ -56,7 +56,7 @@ def tp_plan(groups, tp_shares, micro, num_blocks=1) -> Plan:
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
-def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size):
+def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size, clock=None):
     with _LOCK:
         model, gm, loss_fn, num_blocks = _prepared(name)
         model, gm = copy.deepcopy((model, gm))       # one memo: gm keeps sharing the model's params
@@ -64,7 +64,7 @@ def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size):
     assert select_engine(plan) is TensorParallelEngine
     return TensorParallelEngine(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
-        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()))
+        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=clock or NullClock()))
 
 
 def train_and_check(engine, name, optimizer, steps=STEPS):
@@ -221,6 +221,13 @@ class TwoRanks(MultiThreadedTestCase):
             train_and_check(make_engine("llama-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, opt,
                                         self.rank, self.world_size), "llama-tiny", opt)
 
+    def test_export_captured_hf_models(self):
+        """torch.export graphs (aten.linear on get_attr weights, aten views / permutes / split)."""
+        for name in ("hf-gpt-tiny", "hf-llama-tiny"):
+            engine = make_engine(name, ((0, 1),), ((3, 1),), ONE_MEMBER, "sgd", self.rank, self.world_size)
+            assert len(engine.layout.pairs) == 8
+            train_and_check(engine, name, "sgd")
+
     def test_opaque_module_trains_exactly(self):
         with _LOCK:
             model, gm, _ = _two_mlps()
@@ -287,6 +294,36 @@ class FourRanks(MultiThreadedTestCase):
                              self.rank, self.world_size)
         assert engine.dp_group is None
         train_and_check(engine, "gpt-tiny", "adamw")
+
+
+# ------------------------------------------------------------------------------------------------
+# One real multi-process run (gloo) on the emulated demo cluster
+
+
+def _launch_rank(rank: int):
+    import autopar.runtime as rt
+
+    ctx = rt.context()
+    clock = rt.clock_for(ctx.cluster.devices[rank], time_scale=rt.oversubscription(ctx.world_size))
+    engine = make_engine("llama-tiny", ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, "adamw", rank,
+                         ctx.world_size, clock=clock)
+    B = engine.plan.global_batch_size
+    losses = [engine.step(inputs, targets) for inputs, targets in batches("llama-tiny", B, STEPS)]
+    heads = engine.gm.get_parameter("layers.0.attn.q_proj.weight").shape[0] // 16
+    return {"state": engine.state_dict(), "losses": losses, "heads": heads}
+
+
+def test_launch_llama_tiny_heads_2_1_1_over_gloo():
+    import autopar
+    from autopar.cluster import builtin
+
+    results = autopar.launch(_launch_rank, builtin("demo"), timeout_s=240)
+    ref = single_device_run("llama-tiny", 23, STEPS, "adamw")
+    assert [r["heads"] for r in results] == [2, 1, 1]
+    for res in results:
+        assert_state_close(res["state"], ref.state, RTOL["adamw"])
+        assert res["losses"] == results[0]["losses"]
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(res["losses"], ref.losses))
 
 
 if __name__ == "__main__":
