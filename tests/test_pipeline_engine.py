@@ -184,7 +184,7 @@ def _toy_oracle(optimizer):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def _engine(name, plan, optimizer, rank, world_size, comm=None):
+def _engine(name, plan, optimizer, rank, world_size, comm=None, perturb=False):
     from autopar.models import build
     from passes.analyze import analyze
 
@@ -195,6 +195,10 @@ def _engine(name, plan, optimizer, rank, world_size, comm=None):
         case = build(name, seed=0)
         model, loss_fn, example = case.model, case.loss_fn, case.example_inputs
     analysis = analyze(model, example)
+    if perturb:      # ranks built different weights: the engine must start everyone from rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * rank)
     return PipelineEngine(EngineInputs(
         gm=analysis.captured.gm, model=model, plan=plan, loss_fn=loss_fn,
         optimizer_factory=optimizer_factory(optimizer), rank=rank, world_size=world_size,
@@ -202,14 +206,14 @@ def _engine(name, plan, optimizer, rank, world_size, comm=None):
 
 
 def _run_plans(rank: int, runs):
-    """Each run: (key, model name, plan, optimizer, force_bridge)."""
+    """Each run: (key, model name, plan, optimizer, option: "" | "bridge" | "perturb")."""
     out = {}
-    for key, name, plan, optimizer, bridge in runs:
+    for key, name, plan, optimizer, option in runs:
         comm = None
-        if bridge:   # ranks 0 and 2 pretend to be GPUs: pairs 0-1 and 1-2 and the world are bridged
+        if option == "bridge":   # ranks 0 and 2 pretend to be GPUs: pairs 0-1 and 1-2 and the world are bridged
             comm = Communicator(rank, 3, ["nccl", "gloo", "nccl"], torch.device("cpu"),
                                 backend_impl={"nccl": "gloo", "gloo": "gloo"}, force_bridge=True)
-        engine = _engine(name, plan, optimizer, rank, 3, comm)
+        engine = _engine(name, plan, optimizer, rank, 3, comm, perturb=option == "perturb")
         data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
         losses = [engine.step(inp, tgt) for inp, tgt in data]
         out[key] = {"state": engine.state_dict(), "losses": losses,
@@ -237,10 +241,10 @@ def _cluster(n=3):
 def test_launch_gpt_tiny_pipelines_match_one_device():
     import autopar
 
-    runs = [("3stages-gpipe", "gpt-tiny", PLANS["3stages-gpipe"], "sgd", False),
-            ("3stages-1f1b", "gpt-tiny", PLANS["3stages-1f1b"], "adamw", False),
-            ("dp-first-1f1b", "gpt-tiny", PLANS["dp-first-1f1b"], "sgd", False),
-            ("dp-last-gpipe", "gpt-tiny", PLANS["dp-last-gpipe"], "adamw", False)]
+    runs = [("3stages-gpipe", "gpt-tiny", PLANS["3stages-gpipe"], "sgd", ""),
+            ("3stages-1f1b", "gpt-tiny", PLANS["3stages-1f1b"], "adamw", ""),
+            ("dp-first-1f1b", "gpt-tiny", PLANS["dp-first-1f1b"], "sgd", ""),
+            ("dp-last-gpipe", "gpt-tiny", PLANS["dp-last-gpipe"], "adamw", "")]
     results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
     for key, name, _, optimizer, _ in runs:
         _check(results, key, name, optimizer)
@@ -256,10 +260,10 @@ def test_launch_export_graph_and_forced_bridge_match_one_device():
     # toy blocks: 0 embed (table * 2), 1-3 layers, 4 head (nothing): the table skips stage 1 of 3
     toy_skip = pp_plan([(1, {0: (4, 3, 3)}), (2, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})], "1f1b", num_blocks=5)
     toy_two = pp_plan([(2, {0: (4, 3, 3)}), (5, {1: (1, 3, 2), 2: (3, 0, 1)})], "gpipe", num_blocks=5)
-    runs = [("hf-2stages", "hf-gpt-tiny", hf, "sgd", False),
-            ("bridge", "gpt-tiny", PLANS["3stages-1f1b"], "sgd", True),
-            ("toy-skip", "toy", toy_skip, "sgd", False),
-            ("toy-two", "toy", toy_two, "adamw", False)]
+    runs = [("hf-2stages", "hf-gpt-tiny", hf, "sgd", ""),
+            ("bridge", "gpt-tiny", PLANS["3stages-1f1b"], "sgd", "bridge"),
+            ("toy-skip", "toy", toy_skip, "sgd", ""),
+            ("toy-two", "toy", toy_two, "adamw", "perturb")]
     results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
     for key, optimizer in (("toy-skip", "sgd"), ("toy-two", "adamw")):
         ref_state, ref_losses = _toy_oracle(optimizer)

@@ -24,7 +24,8 @@ Terms
   across stages (a GPT's input embedding and LM head) sums its contributions from both stages, so
   every copy takes the same optimizer step and they stay identical.
 - owner of a tensor (parameter or buffer): the first stage that uses it; ``state_dict()`` broadcasts
-  each tensor from its owner's first member to every rank.
+  each tensor from its owner's first member to every rank. At construction every rank takes the
+  plan's first rank's weights (one broadcast, as DDP does).
 
 ZeRO stages above 0 run as ZeRO-0 here (each member keeps its stage's full optimizer state); the
 result is the same, only the memory differs. Tensor-parallel members (more than one rank per member)
@@ -192,6 +193,9 @@ class PipelineEngine:
                     pairs.append((a, b))
         self.comm.prepare_pairs(pairs)
 
+        # Every rank starts from the first rank's weights (as DDP does): members of a stage and the
+        # copies of a tied parameter must agree even if the model was built without a common seed.
+        self.comm.broadcast([tensors[i] for i in order], src=plan.stages[0].groups[0][0])
         self.optimizer = inputs.optimizer_factory(self.params) if self.params else None
         self._batched: dict[str, bool] | None = None
         self._sends: list = []
