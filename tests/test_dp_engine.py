@@ -59,7 +59,7 @@ def dp_plan(micro, zero_stage: int, zero_shares=(), num_blocks: int = 1, ranks=N
 
 
 def make_engine(name, micro, zero_stage, optimizer, rank, world_size, zero_shares=(), clock=None,
-                cls=DataParallelEngine, ranks=None):
+                cls=DataParallelEngine, ranks=None, **engine_kwargs):
     with _LOCK:
         model, gm, loss_fn, num_blocks = _prepared(name)
         model, gm = copy.deepcopy((model, gm))       # one memo: gm keeps sharing the model's params
@@ -67,7 +67,8 @@ def make_engine(name, micro, zero_stage, optimizer, rank, world_size, zero_share
     assert select_engine(plan) is DataParallelEngine
     return cls(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
-        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=clock or NullClock()))
+        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=clock or NullClock()),
+        **engine_kwargs)
 
 
 def train(engine, name, steps=STEPS):
@@ -91,9 +92,9 @@ class ThreeRanks(MultiThreadedTestCase):
         super().setUp()
         self._spawn_threads()
 
-    def check_exact(self, name, micro, zero_stage, optimizer, zero_shares=(), ranks=None):
+    def check_exact(self, name, micro, zero_stage, optimizer, zero_shares=(), ranks=None, **engine_kwargs):
         engine = make_engine(name, micro, zero_stage, optimizer, self.rank, self.world_size, zero_shares,
-                             ranks=ranks)
+                             ranks=ranks, **engine_kwargs)
         losses = train(engine, name)
         ref = oracle(name, engine.plan.global_batch_size, optimizer)
         assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
@@ -121,12 +122,37 @@ class ThreeRanks(MultiThreadedTestCase):
         assert sizes[0] > sizes[1] > sizes[2] > 0
         assert all(p.grad is None for p in engine.model.parameters()), "ZeRO-2 keeps full gradients"
 
-    def test_gpt_tiny_sgd_zero3_uneven(self):
+    def test_gpt_tiny_sgd_zero3_uneven_per_block(self):
         engine = self.check_exact("gpt-tiny", UNEVEN, 3, "sgd")
-        # Between steps the full parameters are freed; the shard holds 1/3 of the elements.
-        assert all(p.numel() == 0 for p in engine.model.parameters())
-        lo, hi = engine.layout.shard(self.rank)
-        assert sum(sp.numel() for sp, _ in engine._shard_params) == hi - lo
+        # Units: the root (the tied embedding / head) and one per block (embed, 4 layers, head).
+        assert engine.zero3_granularity == "block" and len(engine.units) == 7
+        assert len(engine._unit_params[0]) == 1 and engine._params[engine._unit_params[0][0]].dim() == 2
+        # Between steps every full parameter's storage is freed; the shards hold 1/3 of each unit.
+        assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+        mine = sum(b - a for a, b in (u.shard(self.rank) for u in engine.units))
+        assert sum(sp.numel() for sp, _, _ in engine._shard_params) == mine
+        assert abs(mine - sum(u.total_numel for u in engine.units) / 3) <= len(engine.units)
+
+    def test_gpt_tiny_sgd_zero3_uneven_per_micro_step(self):
+        engine = self.check_exact("gpt-tiny", UNEVEN, 3, "sgd", zero3_granularity="micro_step")
+        assert engine.zero3_granularity == "micro_step" and len(engine.units) == 1
+        assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+
+    def test_zero3_per_block_frees_blocks_during_forward_and_backward(self):
+        engine = make_engine("gpt-tiny", UNEVEN, 3, "sgd", self.rank, self.world_size)
+        peak = []
+        gather, free = engine._gather, engine._free
+
+        def record(fn):
+            def wrapped(u):
+                fn(u)
+                peak.append(sum(engine._gathered))
+            return wrapped
+
+        engine._gather, engine._free = record(gather), record(free)
+        train(engine, "gpt-tiny", steps=1)
+        # At most the root, the block in use and one neighbour in backward are gathered at once.
+        assert peak and max(peak) <= 3, max(peak)
 
     def test_gpt_tiny_sgd_zero3_rank_with_no_samples_memory_shares(self):
         self.check_exact("gpt-tiny", ZERO_RANK, 3, "sgd", zero_shares=(0.5, 0.3, 0.2))
@@ -142,7 +168,7 @@ class ThreeRanks(MultiThreadedTestCase):
         for zero_stage in (0, 3):
             engine = self.check_exact("gpt-tiny", ((10, 10, 7), (20,)), zero_stage, "sgd", ranks=(0, 2))
             if zero_stage == 3 and self.rank == 1:
-                assert engine.layout.shard(1)[0] == engine.layout.shard(1)[1]
+                assert all(u.shard(1)[0] == u.shard(1)[1] for u in engine.units)
 
     # -- exactness: AdamW (eps 1e-6) ---------------------------------------------------------------
     def test_mlp_tiny_adamw_zero0_to_3(self):

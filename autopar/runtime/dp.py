@@ -10,10 +10,12 @@ Terms
 - idle rank: a rank of the process group that the plan leaves out (the planner may not use every
   device). It builds the engine too and joins every collective with no samples and an empty shard,
   so plans over a subset of the world need no subgroup.
-- flat buffer: every trainable parameter flattened into one 1-D buffer in a fixed order shared by all
-  ranks (the order of the optimizer's parameter groups, then of the parameters in each group).
-- shard: a contiguous range of the flat buffer owned by one position, even or proportional to the
-  stage's ``zero_shares`` (memory-proportional sharding; a share of 0 gives an empty shard).
+- unit: a set of trainable parameters flattened into one 1-D *flat buffer* in a fixed order shared
+  by all ranks (by optimizer parameter group, then parameter order), described by a ``FlatLayout``.
+  ZeRO 0-2 use one unit holding every trainable parameter; ZeRO-3 uses one unit per block plus a
+  root unit (``autopar.runtime.dp_units``), or one unit with ``zero3_granularity="micro_step"``.
+- shard: a contiguous range of a unit's flat buffer owned by one position, even or proportional to
+  the stage's ``zero_shares`` (memory-proportional sharding; a share of 0 gives an empty shard).
   ``shard_bounds`` computes the ranges. gloo's all-gather / reduce-scatter need equal sizes, so
   every shard travels padded to the largest shard (``FlatLayout.padded_numel``).
 - micro loss weight: micro-batch ``m`` of size ``n_m`` contributes ``loss_m * n_m / B`` (``B`` the
@@ -30,10 +32,21 @@ ZeRO stages (per step, after the member's micro-steps)
 - 2: reduce-scatter the flat gradient so each rank keeps only its shard's gradient (the full
   gradients are freed after the reduce; they live while a rank accumulates its micro-steps), then
   as ZeRO-1.
-- 3: parameters stay sharded between steps (each full parameter's storage is replaced by an empty
-  placeholder). Every round all-gathers the full parameters before the micro-step's forward and,
-  after its backward, reduce-scatters the gradient into the shard's accumulated gradient and frees
-  the full parameters and gradients again. ``state_dict()`` is then a collective (it gathers).
+- 3: parameters stay sharded between steps: each full parameter is a view of its unit's full
+  buffer, whose storage is resized to 0 bytes while the unit is freed (the tensors keep their
+  shapes; reading one then fails). ``state_dict()`` is a collective (it gathers). Each round:
+  - ``"block"`` granularity (the default when the graph carries block annotations): the root unit
+    is gathered for the whole micro-step; hooks inserted into a copy of the captured graph gather
+    each block's unit right before its first use in forward and free it right after its last use.
+    In backward, a saved-tensor hook gathers a unit again when autograd first needs one of its
+    parameters, always in the fixed reverse order (a request for unit ``u`` also gathers the units
+    after ``u`` that backward has not reached), and a unit is freed again once every one of its
+    parameters has accumulated its gradient. After backward, the units backward never needed are
+    gathered (and freed) too, so every rank runs the same collectives: ranks without a micro-step
+    in the round gather every unit forward and backward without computing. Then each unit's
+    gradient is reduce-scattered into the shard's accumulated gradient and freed.
+  - ``"micro_step"``: one unit, gathered before the micro-step's forward and freed after its
+    backward once its gradient is reduce-scattered.
 
 Exactness: sharded optimizer states are exact only for elementwise optimizers (SGD with or without
 momentum, Adam, AdamW, ...: the update of each element depends only on that element and step-level
@@ -51,7 +64,9 @@ statistics of BatchNorm layers are averaged over the ranks weighted by their sam
 the maximum), so every rank reports the same state.
 
 Emulation: only compute runs inside ``clock.compute()`` (each micro-step's forward, loss and backward,
-and the optimizer step); communication, flattening and copies run outside it.
+and the optimizer step); communication, flattening and copies run outside it. Per-block ZeRO-3
+gathers from hooks inside forward and backward: the micro-step's compute block is closed before
+each such gather and reopened after it, so the emulated slow-down never stretches communication.
 """
 
 from __future__ import annotations
@@ -60,15 +75,19 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.dp_units import insert_unit_hooks, param_units
 from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices
 
-__all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
+           "Zero3Granularity"]
+
+Zero3Granularity = Literal["block", "micro_step"]
 
 # Optimizers whose update is elementwise (given step-level scalars): exact on flat shards.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
@@ -119,10 +138,10 @@ def shard_bounds(total_numel: int, shares: Sequence[float]) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class FlatLayout:
-    """Where each trainable parameter lives in the flat buffer and which range each position owns."""
+    """One unit's flat buffer: where each of its parameters lives and which range each position owns."""
 
-    numels: tuple[int, ...]          # per parameter, in flat order
-    offsets: tuple[int, ...]         # per parameter: start in the flat buffer
+    numels: tuple[int, ...]          # per parameter of the unit, in flat order
+    offsets: tuple[int, ...]         # per parameter: start in the unit's flat buffer
     group_bounds: tuple[int, ...]    # optimizer parameter group k covers [group_bounds[k], [k+1])
     bounds: tuple[int, ...]          # position p owns [bounds[p], bounds[p+1])
 
@@ -146,12 +165,27 @@ class FlatLayout:
         return self.bounds[position], self.bounds[position + 1]
 
 
+class _UnitHook(nn.Module):
+    """Called from the hooked graph with a unit index: gathers or frees that unit."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self._fn = fn
+
+    def forward(self, unit: int) -> None:
+        self._fn(unit)
+
+
 class DataParallelEngine:
     """Runs a single-stage (data-parallel) plan with its ZeRO stage on one rank; see the module
-    docstring. Build it on every rank of the plan with the same ``EngineInputs`` (but ``rank``,
-    ``device`` and ``clock``)."""
+    docstring. Build it on every rank of the process group with the same ``EngineInputs`` (but
+    ``rank``, ``device`` and ``clock``). ``zero3_granularity`` (ZeRO-3 only): ``"block"`` gathers
+    block by block where the graph carries block annotations, ``"micro_step"`` gathers everything
+    per micro-step."""
 
-    def __init__(self, inputs: EngineInputs):
+    def __init__(self, inputs: EngineInputs, *, zero3_granularity: Zero3Granularity = "block"):
+        if zero3_granularity not in ("block", "micro_step"):
+            raise DataParallelError(f"zero3_granularity: must be 'block' or 'micro_step', got {zero3_granularity!r}")
         self.inputs = inputs
         plan = inputs.plan
         self.plan = plan
@@ -160,6 +194,7 @@ class DataParallelEngine:
         self.clock = inputs.clock
         self.group = inputs.group
         self.loss_fn = inputs.loss_fn
+        self._segment = None          # the open compute block of a micro-step, if any
         self._check_plan()
 
         stage = plan.stages[0]
@@ -196,37 +231,64 @@ class DataParallelEngine:
         self.dtype = next(iter(dtypes))
 
         probe = inputs.optimizer_factory(trainable)
-        self._params, group_sizes = self._flat_order(probe, trainable)
-        numels = tuple(p.numel() for p in self._params)
-        offsets, start = [], 0
-        for n in numels:
-            offsets.append(start)
-            start += n
-        group_bounds = [0]
-        for n in group_sizes:
-            group_bounds.append(group_bounds[-1] + n)
-        self.layout = FlatLayout(numels=numels, offsets=tuple(offsets), group_bounds=tuple(group_bounds),
-                                 bounds=shard_bounds(start, shares))
+        group_of = self._group_of(probe, trainable)
+        units = None
+        if self.zero_stage == 3 and zero3_granularity == "block" and isinstance(self.gm, torch.fx.GraphModule):
+            units = param_units(self.gm, trainable)
+        self.zero3_granularity: Zero3Granularity | None = \
+            None if self.zero_stage != 3 else ("block" if units is not None else "micro_step")
+        unit_members = units.units if units is not None else (tuple(range(len(trainable))),)
+
+        # Flat order: unit by unit; inside a unit by optimizer group, then parameter order.
+        self._params: list[nn.Parameter] = []
+        self._unit_params: list[tuple[int, ...]] = []
+        layouts = []
+        for members in unit_members:
+            ordered = sorted(members, key=lambda i: (group_of[i], i))
+            first = len(self._params)
+            self._params.extend(trainable[i] for i in ordered)
+            self._unit_params.append(tuple(range(first, len(self._params))))
+            numels = tuple(trainable[i].numel() for i in ordered)
+            offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
+            group_bounds = [0]
+            for k in range(len(probe.param_groups)):
+                group_bounds.append(group_bounds[-1] + sum(trainable[i].numel() for i in ordered
+                                                           if group_of[i] == k))
+            layouts.append(FlatLayout(numels=numels, offsets=offsets, group_bounds=tuple(group_bounds),
+                                      bounds=shard_bounds(sum(numels), shares)))
+        self.units: tuple[FlatLayout, ...] = tuple(layouts)
         self._shapes = tuple(p.shape for p in self._params)
-        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        # id(param) -> (unit, index within the unit)
+        self._where = {id(p): (u, k) for u, idx in enumerate(self._unit_params)
+                       for k, p in enumerate(self._params[i] for i in idx)}
         self._bn = [m for m in self.model.modules()
                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
-        # Every rank starts from the first position's weights (as DDP does).
-        flat = self._flatten_params()
-        dist.broadcast(flat, src=self._src_rank, group=self.group)
-        self._unflatten_into_params(flat)
+        # Every rank starts from the first member's weights (as DDP does).
+        flats = []
+        for u in range(len(self.units)):
+            flat = self._flatten_params(u)
+            dist.broadcast(flat, src=self._src_rank, group=self.group)
+            self._unflatten_into_params(u, flat)
+            flats.append(flat)
 
+        # (flat shard Parameter, unit, [start, stop) in the unit's flat buffer)
+        self._shard_params: tuple[tuple[nn.Parameter, int, tuple[int, int]], ...] = ()
         if self.zero_stage == 0:
             self.optimizer = probe
-            # (flat shard Parameter, its [start, stop) in the flat buffer) per optimizer group
-            self._shard_params: tuple[tuple[nn.Parameter, tuple[int, int]], ...] = ()
         else:
             self._check_elementwise(probe)
-            self.optimizer, self._shard_params = self._sharded_optimizer(probe, flat)
-            if self.zero_stage == 3:
-                self._free_params()
-        del flat
+            self.optimizer, self._shard_params = self._sharded_optimizer(probe, flats)
+        del flats
+        if self.zero_stage == 3:
+            self._setup_zero3(units)
+
+    @property
+    def layout(self) -> FlatLayout:
+        """The layout of the only unit (every ZeRO stage but per-block ZeRO-3 has one)."""
+        if len(self.units) != 1:
+            raise AttributeError(f"layout: this engine has {len(self.units)} units; see .units")
+        return self.units[0]
 
     # -- checks and set-up -----------------------------------------------------------------------
     def _check_plan(self) -> None:
@@ -258,24 +320,21 @@ class DataParallelEngine:
         return list(dist.get_process_group_ranks(self.group))
 
     @staticmethod
-    def _flat_order(probe: torch.optim.Optimizer, trainable: list[nn.Parameter]):
-        """The trainable parameters in the optimizer's group order, and each group's element count."""
-        seen: dict[int, nn.Parameter] = {}
-        sizes = []
+    def _group_of(probe: torch.optim.Optimizer, trainable: list[nn.Parameter]) -> list[int]:
+        """The optimizer parameter group of each trainable parameter."""
+        group_of: dict[int, int] = {}
         for k, group in enumerate(probe.param_groups):
-            n = 0
             for p in group["params"]:
-                if id(p) in seen:
-                    raise DataParallelError(f"optimizer_factory: parameter group {k} repeats a parameter")
-                seen[id(p)] = p
-                n += p.numel()
-            sizes.append(n)
-        if set(seen) != {id(p) for p in trainable}:
+                if id(p) in group_of:
+                    raise DataParallelError(f"optimizer_factory: parameter groups {group_of[id(p)]} and {k} "
+                                            f"share a parameter")
+                group_of[id(p)] = k
+        if set(group_of) != {id(p) for p in trainable}:
             raise DataParallelError(
                 f"optimizer_factory: the optimizer must hold exactly the model's trainable parameters "
-                f"({len(trainable)}), it holds {len(seen)} (freeze a parameter with requires_grad=False "
+                f"({len(trainable)}), it holds {len(group_of)} (freeze a parameter with requires_grad=False "
                 f"instead of leaving it out)")
-        return list(seen.values()), sizes
+        return [group_of[id(p)] for p in trainable]
 
     def _check_elementwise(self, probe: torch.optim.Optimizer) -> None:
         if type(probe) not in ELEMENTWISE_OPTIMIZERS:
@@ -284,87 +343,215 @@ class DataParallelEngine:
                 f"sharded optimizer states are exact only for elementwise optimizers "
                 f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); use zero_stage=0")
 
-    def _sharded_optimizer(self, probe: torch.optim.Optimizer, flat: torch.Tensor):
-        """One flat shard Parameter per optimizer group that intersects this rank's shard, and an
+    def _sharded_optimizer(self, probe: torch.optim.Optimizer, flats: list[torch.Tensor]):
+        """A flat shard Parameter per (unit, optimizer group) that intersects this rank's shard, and an
         optimizer of the probe's class over them with each group's hyperparameters."""
-        lo, hi = self.layout.shard(self._position)
-        gb = self.layout.group_bounds
-        groups, shard_params = [], []
-        for k, group in enumerate(probe.param_groups):
-            a, b = max(gb[k], lo), min(gb[k + 1], hi)
-            if a < b or (k == len(probe.param_groups) - 1 and not groups):
-                a, b = (a, b) if a < b else (lo, lo)          # an empty shard still gets an optimizer
-                sp = nn.Parameter(flat[a:b].detach().clone())
-                shard_params.append((sp, (a, b)))
-                groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": [sp]})
+        shard_params = []
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for u, layout in enumerate(self.units):
+            lo, hi = layout.shard(self._position)
+            gb = layout.group_bounds
+            for k in range(len(probe.param_groups)):
+                a, b = max(gb[k], lo), min(gb[k + 1], hi)
+                if a < b:
+                    sp = nn.Parameter(flats[u][a:b].detach().clone())
+                    shard_params.append((sp, u, (a, b)))
+                    by_group.setdefault(k, []).append(sp)
+        if not by_group:                   # an empty shard still gets an optimizer
+            by_group[0] = [nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device))]
+        groups = [{**{key: v for key, v in probe.param_groups[k].items() if key != "params"}, "params": ps}
+                  for k, ps in sorted(by_group.items())]
         accepted = inspect.signature(type(probe).__init__).parameters
         defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
         return type(probe)(groups, **defaults), tuple(shard_params)
 
     # -- flat buffers ----------------------------------------------------------------------------
-    def _flatten_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params]).to(self.dtype)
+    def _unit(self, u: int):
+        """(layout, parameters) of unit ``u``."""
+        return self.units[u], [self._params[i] for i in self._unit_params[u]]
 
-    def _flatten_grads(self) -> torch.Tensor:
-        flat = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
-        for p, o, n in zip(self._params, self.layout.offsets, self.layout.numels):
+    def _flatten_params(self, u: int) -> torch.Tensor:
+        layout, params = self._unit(u)
+        if not params:
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
+        return torch.cat([p.detach().reshape(-1) for p in params]).to(self.dtype)
+
+    def _flatten_grads(self, u: int) -> torch.Tensor:
+        layout, params = self._unit(u)
+        flat = torch.zeros(layout.total_numel, dtype=self.dtype, device=self.device)
+        for p, o, n in zip(params, layout.offsets, layout.numels):
             if p.grad is not None:
                 flat[o:o + n].copy_(p.grad.reshape(-1))
         return flat
 
-    def _unflatten_into_params(self, flat: torch.Tensor) -> None:
+    def _unflatten_into_params(self, u: int, flat: torch.Tensor) -> None:
+        layout, params = self._unit(u)
         with torch.no_grad():
-            for p, o, n in zip(self._params, self.layout.offsets, self.layout.numels):
+            for p, o, n in zip(params, layout.offsets, layout.numels):
                 p.copy_(flat[o:o + n].view_as(p))
 
-    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` laid out position by position, each shard padded to the largest shard."""
-        m = self.layout.max_shard_numel
-        out = torch.zeros(self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-        for p in range(self.layout.num_shards):
-            a, b = self.layout.shard(p)
+    def _padded(self, u: int, flat: torch.Tensor) -> torch.Tensor:
+        """Unit ``u``'s ``flat`` laid out position by position, each shard padded to the largest."""
+        layout = self.units[u]
+        m = layout.max_shard_numel
+        out = torch.zeros(layout.padded_numel, dtype=flat.dtype, device=flat.device)
+        for p in range(layout.num_shards):
+            a, b = layout.shard(p)
             out[p * m:p * m + (b - a)].copy_(flat[a:b])
         return out
 
-    def _unpadded(self, padded: torch.Tensor) -> torch.Tensor:
-        m = self.layout.max_shard_numel
-        return torch.cat([padded[p * m:p * m + (self.layout.shard(p)[1] - self.layout.shard(p)[0])]
-                          for p in range(self.layout.num_shards)])
+    def _unpadded(self, u: int, padded: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        layout = self.units[u]
+        m = layout.max_shard_numel
+        if out is None:
+            out = torch.empty(layout.total_numel, dtype=padded.dtype, device=padded.device)
+        for p in range(layout.num_shards):
+            a, b = layout.shard(p)
+            out[a:b].copy_(padded[p * m:p * m + (b - a)])
+        return out
 
-    def _my_shard_values(self) -> torch.Tensor:
-        """This rank's shard of the flat parameters, from the shard Parameters (padded)."""
-        out = torch.zeros(self.layout.max_shard_numel, dtype=self.dtype, device=self.device)
-        lo, _ = self.layout.shard(self._position)
-        for sp, (a, b) in self._shard_params:
-            out[a - lo:b - lo].copy_(sp.detach())
+    def _my_shard_values(self, u: int) -> torch.Tensor:
+        """This rank's shard of unit ``u``'s flat parameters, from the shard Parameters (padded)."""
+        layout = self.units[u]
+        out = torch.zeros(layout.max_shard_numel, dtype=self.dtype, device=self.device)
+        lo, _ = layout.shard(self._position)
+        for sp, su, (a, b) in self._shard_params:
+            if su == u:
+                out[a - lo:b - lo].copy_(sp.detach())
         return out
 
     # -- collectives -----------------------------------------------------------------------------
-    def _all_gather_flat(self) -> torch.Tensor:
-        """The full flat parameters gathered from every position's shard."""
-        padded = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        _all_gather_single(padded, self._my_shard_values(), group=self.group)
-        return self._unpadded(padded)
+    def _all_gather_flat(self, u: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Unit ``u``'s full flat parameters gathered from every position's shard (into ``out``)."""
+        layout = self.units[u]
+        padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        _all_gather_single(padded, self._my_shard_values(u), group=self.group)
+        return self._unpadded(u, padded, out)
 
-    def _reduce_scatter_grad(self, flat_grad: torch.Tensor) -> torch.Tensor:
-        """This position's shard of the sum over ranks of ``flat_grad``. gloo implements the real
-        reduce-scatter on CPU (checked on torch 2.13 with 3 processes), so there is no all-reduce +
-        slice fallback."""
-        m = self.layout.max_shard_numel
-        out = torch.empty(m, dtype=flat_grad.dtype, device=flat_grad.device)
-        _reduce_scatter_single(out, self._padded(flat_grad), op=dist.ReduceOp.SUM, group=self.group)
-        lo, hi = self.layout.shard(self._position)
+    def _reduce_scatter_grad(self, u: int, flat_grad: torch.Tensor) -> torch.Tensor:
+        """This position's shard of the sum over ranks of unit ``u``'s ``flat_grad``. gloo implements
+        the real reduce-scatter on CPU (checked on torch 2.13 with 3 processes), so there is no
+        all-reduce + slice fallback."""
+        layout = self.units[u]
+        out = torch.empty(layout.max_shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
+        _reduce_scatter_single(out, self._padded(u, flat_grad), op=dist.ReduceOp.SUM, group=self.group)
+        lo, hi = layout.shard(self._position)
         return out[:hi - lo]
 
-    # -- ZeRO-3 materialisation ------------------------------------------------------------------
-    def _materialise(self, flat: torch.Tensor) -> None:
-        for p, o, n, shape in zip(self._params, self.layout.offsets, self.layout.numels, self._shapes):
-            p.data = flat[o:o + n].view(shape)
+    # -- ZeRO-3: units gathered and freed in place ------------------------------------------------
+    def _setup_zero3(self, units) -> None:
+        self._full = [torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
+                      for layout in self.units]
+        for u, layout in enumerate(self.units):
+            for p, o, n, i in zip(self._unit(u)[1], layout.offsets, layout.numels, self._unit_params[u]):
+                p.data = self._full[u][o:o + n].view(self._shapes[i])
+        self._gathered = [True] * len(self.units)
+        self._blocks = units.blocks if units is not None else (None,)
+        self._storage_unit: dict[int, int] = {}
+        self._pending = [0] * len(self.units)
+        self._bwd_order = tuple(range(len(self.units) - 1, 0, -1))    # block units, last first
+        self._bwd_next = 0
+        self._in_backward = False
+        for u in range(len(self.units)):
+            self._free(u)
+        if units is not None:
+            self.gm = insert_unit_hooks(self.gm, units, _UnitHook(self._forward_gather),
+                                        _UnitHook(self._free))
+            for u in range(1, len(self.units)):
+                for p in self._unit(u)[1]:
+                    p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u))
 
-    def _free_params(self) -> None:
-        for p in self._params:
-            p.grad = None
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+    def _gather(self, u: int) -> None:
+        if self._gathered[u] or not self.units[u].total_numel:
+            return
+        paused = self._segment is not None          # called from a hook inside a compute block
+        if paused:
+            self._segment_end()
+        storage = self._full[u].untyped_storage()
+        storage.resize_(self._full[u].numel() * self._full[u].element_size())
+        self._all_gather_flat(u, out=self._full[u])
+        if paused:
+            self._segment_begin()
+        self._storage_unit[storage.data_ptr()] = u
+        self._gathered[u] = True
+
+    def _free(self, u: int) -> None:
+        if not self._gathered[u]:
+            return
+        storage = self._full[u].untyped_storage()
+        self._storage_unit.pop(storage.data_ptr(), None)
+        storage.resize_(0)
+        self._gathered[u] = False
+
+    def _forward_gather(self, u: int) -> None:
+        if not self._in_backward:
+            self._gather(u)
+
+    def _backward_gather_through(self, stop: int) -> None:
+        """Gather the block units of the backward order up to index ``stop`` (inclusive), in order."""
+        while self._bwd_next <= stop:
+            u = self._bwd_order[self._bwd_next]
+            self._bwd_next += 1
+            self._gather(u)
+            if self._pending[u] == 0 and self._bwd_order.index(u) < stop:
+                self._free(u)
+
+    def _grad_ready(self, u: int) -> None:
+        self._pending[u] -= 1
+        if self._pending[u] == 0 and self._in_backward and self._bwd_order.index(u) < self._bwd_next:
+            self._free(u)
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            return self._storage_unit.get(t.untyped_storage().data_ptr()), t
+        except (RuntimeError, NotImplementedError):      # tensors without a plain storage
+            return None, t
+
+    def _unpack(self, packed):
+        u, t = packed
+        if u is not None and u != 0:
+            self._in_backward = True
+            self._backward_gather_through(self._bwd_order.index(u))
+            if not self._gathered[u]:
+                raise RuntimeError(f"ZeRO-3: backward needs unit {u} (block {self._blocks[u]}) again after "
+                                   f"freeing it; use zero3_granularity='micro_step' for this model")
+        return t
+
+    def _zero3_round(self, inputs: tuple, targets: Any, rows: slice | None, loss_sum: torch.Tensor,
+                     shard_grads: list[torch.Tensor]) -> None:
+        """One ZeRO-3 round: every rank runs the same collectives; ``rows`` None or empty: no compute."""
+        active = rows is not None and rows.stop > rows.start
+        block_mode = self.zero3_granularity == "block"
+        units = range(len(self.units))
+        if block_mode:
+            self._gather(0)
+            if active:
+                self._pending = [len(self._unit_params[u]) for u in units]
+                self._bwd_next, self._in_backward = 0, False
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    loss_sum += self._micro_step(inputs, targets, rows).double()
+                self._in_backward = True
+                self._backward_gather_through(len(self._bwd_order) - 1)
+                self._in_backward = False
+            else:
+                for u in units[1:]:                     # forward's gathers, then backward's
+                    self._gather(u)
+                    self._free(u)
+                for u in self._bwd_order:
+                    self._gather(u)
+                    self._free(u)
+        else:
+            self._gather(0)
+            if active:
+                loss_sum += self._micro_step(inputs, targets, rows).double()
+        for u in units:
+            self._free(u)
+            flat_grad = self._flatten_grads(u)
+            for p in self._unit(u)[1]:
+                p.grad = None
+            if self.units[u].total_numel:
+                shard_grads[u] += self._reduce_scatter_grad(u, flat_grad)
+            del flat_grad
 
     # -- the step --------------------------------------------------------------------------------
     def _take(self, x: Any, rows: slice) -> Any:
@@ -377,12 +564,25 @@ class DataParallelEngine:
     def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; returns its weighted loss (detached)."""
         n = rows.stop - rows.start
-        with self.clock.compute():
+        self._segment_begin()
+        try:
             out = self.gm(*(self._take(x, rows) for x in inputs))
             loss = compute_loss(out, self._take(targets, rows), self.loss_fn)
             weighted = loss * (n / self.plan.global_batch_size)
             weighted.backward()
+        finally:
+            self._segment_end()
         return weighted.detach()
+
+    def _segment_begin(self) -> None:
+        """Open a compute block of the clock (closed by ``_segment_end``; see ``_gather``)."""
+        self._segment = self.clock.compute()
+        self._segment.__enter__()
+
+    def _segment_end(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.__exit__(None, None, None)
 
     def _check_batch(self, inputs: tuple, targets: Any) -> tuple:
         if isinstance(inputs, torch.Tensor):
@@ -401,63 +601,49 @@ class DataParallelEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self._params:
             p.grad = None
+        shard_grads = [torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+                       for lo, hi in (layout.shard(self._position) for layout in self.units)]
         if self.zero_stage == 3:
-            shard_grad = self._zero3_micro_steps(inputs, targets, loss_sum)
+            for r in range(self._rounds):
+                self._zero3_round(inputs, targets, self._micro[r] if r < len(self._micro) else None,
+                                  loss_sum, shard_grads)
         else:
             for rows in self._micro:
                 if rows.stop > rows.start:
                     loss_sum += self._micro_step(inputs, targets, rows).double()
-            flat_grad = self._flatten_grads()
-            if self.zero_stage == 2:
-                for p in self._params:
-                    p.grad = None
-                shard_grad = self._reduce_scatter_grad(flat_grad)
-            else:
-                dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=self.group)
-                if self.zero_stage == 0:
-                    for p, o, n in zip(self._params, self.layout.offsets, self.layout.numels):
-                        p.grad = flat_grad[o:o + n].view_as(p)
-                else:
-                    for p in self._params:
+            for u, layout in enumerate(self.units):
+                flat_grad = self._flatten_grads(u)
+                params = self._unit(u)[1]
+                if self.zero_stage == 2:
+                    for p in params:
                         p.grad = None
-                    lo, hi = self.layout.shard(self._position)
-                    shard_grad = flat_grad[lo:hi]
-            del flat_grad
+                    shard_grads[u] = self._reduce_scatter_grad(u, flat_grad)
+                else:
+                    dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=self.group)
+                    if self.zero_stage == 0:
+                        for p, o, n in zip(params, layout.offsets, layout.numels):
+                            p.grad = flat_grad[o:o + n].view_as(p)
+                    else:
+                        for p in params:
+                            p.grad = None
+                        lo, hi = layout.shard(self._position)
+                        shard_grads[u] = flat_grad[lo:hi]
+                del flat_grad
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.group)
 
-        if self.zero_stage == 0:
-            with self.clock.compute():
-                self.optimizer.step()
-        else:
-            lo, _ = self.layout.shard(self._position)
-            for sp, (a, b) in self._shard_params:
-                sp.grad = shard_grad[a - lo:b - lo].clone()
-            with self.clock.compute():
-                self.optimizer.step()
-            for sp, _ in self._shard_params:
-                sp.grad = None
-            if self.zero_stage != 3:
-                self._unflatten_into_params(self._all_gather_flat())
+        for sp, u, (a, b) in self._shard_params:
+            lo = self.units[u].shard(self._position)[0]
+            sp.grad = shard_grads[u][a - lo:b - lo].clone()
+        del shard_grads
+        with self.clock.compute():
+            self.optimizer.step()
+        for sp, _, _ in self._shard_params:
+            sp.grad = None
+        if self.zero_stage in (1, 2):
+            for u in range(len(self.units)):
+                self._unflatten_into_params(u, self._all_gather_flat(u))
         self._sync_batchnorm()
         return float(loss_sum)
-
-    def _zero3_micro_steps(self, inputs: tuple, targets: Any, loss_sum: torch.Tensor) -> torch.Tensor:
-        lo, hi = self.layout.shard(self._position)
-        shard_grad = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
-        for r in range(self._rounds):
-            flat = self._all_gather_flat()
-            rows = self._micro[r] if r < len(self._micro) else None
-            if rows is not None and rows.stop > rows.start:
-                self._materialise(flat)
-                loss_sum += self._micro_step(inputs, targets, rows).double()
-                flat_grad = self._flatten_grads()
-                self._free_params()
-            else:
-                flat_grad = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
-            del flat
-            shard_grad += self._reduce_scatter_grad(flat_grad)
-            del flat_grad
-        return shard_grad
 
     def _sync_batchnorm(self) -> None:
         """Average BatchNorm running statistics over ranks, weighted by samples (see the docstring)."""
@@ -491,13 +677,14 @@ class DataParallelEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state (keys of ``model.state_dict()``), as CPU clones on every
         rank. Under ZeRO-3 this is a collective: every rank must call it."""
-        flat = self._all_gather_flat() if self.zero_stage == 3 else None
+        flats = [self._all_gather_flat(u) for u in range(len(self.units))] if self.zero_stage == 3 else None
         out = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
-            i = self._param_index.get(id(t))
-            if i is not None and flat is not None:
-                o, n = self.layout.offsets[i], self.layout.numels[i]
-                value = flat[o:o + n].view(self._shapes[i])
+            where = self._where.get(id(t))
+            if where is not None and flats is not None:
+                u, k = where
+                o, n = self.units[u].offsets[k], self.units[u].numels[k]
+                value = flats[u][o:o + n].view(t.shape)
             else:
                 value = t
             out[key] = value.detach().to("cpu").clone()
