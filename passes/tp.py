@@ -322,10 +322,6 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes]
-
-
 class _Matcher:
     """State propagation over one candidate pair's region (raises ``_Reject``)."""
 

@@ -16,7 +16,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +30,7 @@ from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_
 from passes.tp import find_tp_pairs, tp_rewrite, unit_ranges
 
 STEPS = 2
+NOISE_FLOOR = 1e-9
 ONE_MEMBER = ((9, 8, 6),)
 TWO_MEMBERS = ((8, 5), (6, 4))
 
@@ -73,7 +73,14 @@ def train_and_check(engine, name, optimizer, steps=STEPS):
         data = batches(name, B, steps)
         ref = single_device_run(name, B, steps, optimizer)
     losses = [engine.step(inputs, targets) for inputs, targets in data]
-    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
+    state = engine.state_dict()
+    # Tensors whose gradient is mathematically zero (BERT's key bias: softmax ignores a constant
+    # score shift) hold rounding noise (~1e-14) in the reference: compare those absolutely.
+    noise = {k for k, v in ref.state.items() if v.is_floating_point() and v.abs().max() < NOISE_FLOOR}
+    for k in noise:
+        assert state[k].abs().max() < NOISE_FLOOR, k
+    assert_state_close({k: v for k, v in state.items() if k not in noise},
+                       {k: v for k, v in ref.state.items() if k not in noise}, RTOL[optimizer])
     for got, want in zip(losses, ref.losses):
         assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
     return engine
@@ -135,12 +142,22 @@ def test_rewrite_shapes_and_layout_gpt():
     assert qkv.ranges[1] == ((48, 64), (112, 128), (176, 192))           # head 3 of q, k and v
 
 
-def test_rewrite_without_process_group_is_exact_on_one_member():
-    """A single-member 'group' (shares of length 1) computes the same as the input graph."""
-    model, gm, _, _ = _prepared("gpt-tiny")
-    x = torch.randint(0, 256, (2, 32))
-    same = tp_rewrite(gm, (4,), 0)
-    torch.testing.assert_close(same(x), gm(x))
+def test_rewrite_partial_sums_add_up_without_a_process_group():
+    """Without torch.distributed, f and g are identities: each member's module returns its partial
+    row output plus the (replicated) bias, so the members' outputs add up to the original's plus
+    (members - 1) biases. MLP hidden 32 in granules of 8 for shares 2/1/1: 16/8/8 features."""
+    from passes.analysis import annotate_pass
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    gm = fx.symbolic_trace(mlp)
+    x = torch.randn(5, 16)
+    annotate_pass(gm, (x,))
+    locals_ = [tp_rewrite(gm, (2, 1, 1), i) for i in range(3)]
+    assert [m.get_parameter("0.weight").shape[0] for m in locals_] == [16, 8, 8]
+    total = sum(m(x) for m in locals_) - 2 * mlp[2].bias
+    torch.testing.assert_close(total, gm(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(tp_rewrite(gm, (4,), 0)(x), gm(x))         # a group of one: unchanged
 
 
 class Opaque(nn.Module):
@@ -267,6 +284,13 @@ class ThreeRanks(MultiThreadedTestCase):
         joins the collectives idle, ending with the same state."""
         train_and_check(make_engine("gpt-tiny", ((2, 0),), ((3, 1),), ONE_MEMBER, "sgd",
                                     self.rank, self.world_size), "gpt-tiny", "sgd")
+
+    def test_bert_and_vit_tiny_shares_2_1_1(self):
+        """Bidirectional attention with separate q/k/v (BERT) and a fused one on patches (ViT)."""
+        for name in ("bert-tiny", "vit-tiny"):
+            engine = make_engine(name, ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, "sgd", self.rank, self.world_size)
+            assert len(engine.layout.pairs) == 4
+            train_and_check(engine, name, "sgd")
 
     def test_tp_member_with_a_single_rank_member(self):
         """Different shardings: a TP pair (3/1) next to a one-rank member (padded reduce)."""

@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices
-from passes.tp import TP_META_KEY, ParamShard, TPLayout, assemble_full, tp_rewrite
+from passes.tp import TP_META_KEY, TPLayout, assemble_full, tp_rewrite
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "tp_layout",
            "gather_full_params", "flat_full_grad"]
