@@ -226,8 +226,13 @@ class TwoRanks(MultiThreadedTestCase):
         self._spawn_threads()
 
     def test_gpt_tiny_shares_3_1_sgd(self):
-        train_and_check(make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "sgd",
-                                    self.rank, self.world_size), "gpt-tiny", "sgd")
+        engine = make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "sgd", self.rank, self.world_size)
+        # Only this rank's shard of a sharded Linear stays in memory; replicated parameters are shared.
+        assert engine.model.layers[0].attn.c_attn.weight.numel() == 0
+        heads = (3, 1)[self.rank]
+        assert engine.gm.get_parameter("layers.0.attn.c_attn.weight").shape == (3 * 16 * heads, 64)
+        assert engine.gm.get_parameter("layers.0.ln_1.weight") is engine.model.layers[0].ln_1.weight
+        train_and_check(engine, "gpt-tiny", "sgd")
 
     def test_gpt_tiny_shares_3_1_adamw(self):
         train_and_check(make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "adamw",

@@ -36,6 +36,7 @@ inside ``clock.compute()``; the f / g all-reduces inside forward and backward bl
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ def flat_full_grad(local_gm: fx.GraphModule, source_params: list[tuple[str, nn.P
     parts = []
     for source, p in source_params:
         s = shards.get(source)
-        full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        full = torch.zeros(s.full_shape if s is not None else p.shape, dtype=p.dtype, device=p.device)
         if s is not None:
             g = local_gm.get_parameter(s.local).grad
             if g is not None:
@@ -202,6 +203,12 @@ class TensorParallelEngine:
             self.gm = shard_stage_module(source, shares[self._member], self._tp_index, self.tp_group,
                                          granularity=granularity)
         self.layout = tp_layout(self.gm)
+        # The full weights of sharded Linears are no longer needed on this rank: free them (as ZeRO-3
+        # does; state_dict() rebuilds them from the shards).
+        with torch.no_grad():
+            for s in self.layout.params:
+                p = source.get_parameter(s.source)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         # model state_dict keys of each parameter of the source graph (tied parameters have several)
         keys_of: dict[int, list[str]] = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
@@ -298,8 +305,9 @@ class TensorParallelEngine:
         shards = {s.source: s for s in self.layout.params}
         offset = 0
         for source, p in self._source_params:
-            full = flat[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
+            shape = shards[source].full_shape if source in shards else p.shape
+            full = flat[offset:offset + math.prod(shape)].view(shape)
+            offset += math.prod(shape)
             s = shards.get(source)
             if s is not None:
                 self.gm.get_parameter(s.local).grad = torch.cat(
