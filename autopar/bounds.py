@@ -6,7 +6,10 @@ Terms
 - upper bound (``upper_bound_samples_per_s``): the sum over device types of the samples/s the joint
   planner (``plan_auto``: the best of every strategy) reaches on the homogeneous sub-cluster of that
   type alone (``Cluster.subset``) at its type batch. A type that cannot hold the model alone adds 0.
-  What a heterogeneous plan reaches against it is its *efficiency*.
+  What a heterogeneous plan reaches against it is its *efficiency*. It is a reference, not a proof:
+  a type whose small batch share (or memory) makes it plan poorly alone can do better inside the
+  joint plan, so the efficiency of a heterogeneous plan may exceed 1; on a homogeneous cluster the
+  bound is the plan itself.
 - compute bound (``compute_bound_samples_per_s``): no communication, no bubbles, no replication:
   the sum over devices of (samples / forward+backward seconds of the whole model) at the best
   micro-batch whose activations of the lightest block fit in ``memory_fraction`` of the device

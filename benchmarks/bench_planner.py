@@ -1,0 +1,301 @@
+"""Planner benchmark: predicted throughput of ``auto`` against every single-dimension strategy and
+baseline, efficiency against both bounds, planning wall time, and how planning time scales with the
+number of devices and of blocks.
+
+Usage (a few minutes on 2 CPU cores)::
+
+    python benchmarks/bench_planner.py                 # everything
+    python benchmarks/bench_planner.py --quick         # fewer scenarios, smaller scaling sweep
+
+Writes ``benchmarks/results/planner.json``, ``planner.md`` and ``planner_scaling.png``.
+
+Cost tables: ``autopar.profile.model_costs`` on the fake-tensor analysis of each zoo model built on
+the meta device (roofline per device type); the scaling sweep uses Llama-shaped tables built from the
+model's arithmetic (``llama_like_costs``) so that only the planner is timed. All figures are
+predictions of the cost model; nothing here runs a model. Planning times are medians of ``--repeats``
+runs with the plan cache off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from autopar.bounds import compute_bound_samples_per_s, upper_bound_samples_per_s  # noqa: E402
+from autopar.cluster import Cluster  # noqa: E402
+from autopar.costs import ModelCosts  # noqa: E402
+from autopar.errors import PlanError  # noqa: E402
+from autopar.joint_planner import SINGLE_STRATEGIES, plan_auto, plan_strategy  # noqa: E402
+
+CLUSTERS = ("poplar-a100", "poplar-v100-t4", "poplar-a800-v100s", "mixed-3", "hethub-768", "demo")
+MODELS = {"gpt2-xl": 25, "llama-7b": 32, "llama-140b": 96, "bert-large": 16}   # zoo name -> heads
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def global_batch(cluster: Cluster) -> int:
+    return 1024 if len(cluster) > 64 else 256
+
+
+def analysis_costs(model: str, clusters: dict[str, Cluster], cache: dict) -> dict[str, ModelCosts]:
+    """Cost tables of a zoo model on every cluster (one analysis, one table per cluster)."""
+    import autopar.models as zoo
+    from passes.analyze import analyze
+
+    if model not in cache:
+        case = zoo.build(model, device="meta")
+        cache[model] = (case, analyze(case.model, case.example_inputs))
+    case, analysis = cache[model]
+    try:
+        from autopar.profile import model_costs
+    except ImportError:   # pragma: no cover - before the profiler existed
+        model_costs = None
+    out = {}
+    for name, cluster in clusters.items():
+        if model_costs is not None:
+            out[name] = model_costs(analysis, cluster, model=case.model)
+        else:
+            out[name] = _roofline_from_stats(analysis, cluster)
+    return out
+
+
+def _roofline_from_stats(analysis, cluster: Cluster, efficiency: float = 0.5) -> ModelCosts:
+    per = analysis.batch_size
+    st = analysis.stats
+    flops = np.array([s.fwd_flops / per for s in st])
+    bwd = np.array([s.bwd_flops / per for s in st])
+    sb = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 64.0])
+    fwd_t, bwd_t = {}, {}
+    for t in cluster.device_types():
+        peak = cluster.spec_of(t).peak_flops_bf16 * efficiency
+        fwd_t[t] = np.outer(sb, flops / peak) + 20e-6
+        bwd_t[t] = np.outer(sb, bwd / peak) + 20e-6
+    params = np.array([s.params for s in st], float)
+    return ModelCosts(block_names=tuple(s.name for s in st), params=params, param_bytes=2 * params,
+                      act_bytes=np.array([s.saved_bytes / per / 2 for s in st]),
+                      out_bytes=np.array([s.cut_bytes / per / 2 for s in st]), fwd_flops=flops,
+                      sample_batches=sb, fwd_table=fwd_t, bwd_table=bwd_t, optimizer_bytes_per_param=12,
+                      grad_bytes_per_param=2)
+
+
+def llama_like_costs(cluster: Cluster, num_layers: int, hidden: int = 4096, ffn: int = 11008,
+                     vocab: int = 32000, seq: int = 4096, efficiency: float = 0.5) -> ModelCosts:
+    """Roofline tables of a Llama-shaped model (embedding, ``num_layers`` layers, head) from its
+    arithmetic: time = FLOPs / (efficiency x peak) + 20 us, activations 34 s h bytes per layer and
+    sample, 16 bytes of states per parameter."""
+    h, s = hidden, seq
+    layer_params = 4 * h * h + 3 * h * ffn + 2 * h
+    params = np.array([vocab * h] + [layer_params] * num_layers + [vocab * h + h], float)
+    flops = np.array([0.0] + [2 * layer_params * s + 4 * s * s * h] * num_layers + [2 * vocab * h * s], float)
+    sb = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 64.0])
+    fwd = {t: np.outer(sb, flops / (cluster.spec_of(t).peak_flops_bf16 * efficiency)) + 20e-6
+           for t in cluster.device_types()}
+    return ModelCosts(
+        block_names=("embed", *(f"layers.{i}" for i in range(num_layers)), "head"), params=params,
+        param_bytes=2 * params, act_bytes=np.array([2 * s * h] + [34 * s * h] * num_layers + [6 * s * vocab], float),
+        out_bytes=np.array([2 * s * h] * (num_layers + 1) + [4.0], float), fwd_flops=flops, sample_batches=sb,
+        fwd_table=fwd, bwd_table={t: 2 * v for t, v in fwd.items()}, optimizer_bytes_per_param=12,
+        grad_bytes_per_param=2)
+
+
+def _timed(fn, repeats: int):
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+def scenario(cluster_name: str, cluster: Cluster, model: str, costs: ModelCosts, heads: int, repeats: int) -> dict:
+    B = global_batch(cluster)
+    row = {"cluster": cluster_name, "model": model, "devices": len(cluster), "global_batch": B,
+           "device_types": {t: len(r) for t, r in cluster.device_types().items()}, "strategies": {}}
+    try:
+        auto, wall = _timed(lambda: plan_auto(costs, cluster, B, num_heads=heads, use_cache=False), repeats)
+    except PlanError as e:
+        row["error"] = str(e)[:300]
+        return row
+    row["strategies"]["auto"] = {"samples_per_s": auto.predicted.samples_per_s, "plan_s": wall,
+                                 "chosen": auto.notes[0], "zero_stage": auto.zero_stage,
+                                 "num_stages": auto.num_stages,
+                                 "peak_memory_GiB": _peak_by_type(auto, cluster)}
+    for strategy in SINGLE_STRATEGIES:
+        try:
+            p, w = _timed(lambda: plan_strategy(costs, cluster, B, strategy, num_heads=heads), 1)
+        except PlanError as e:
+            row["strategies"][strategy] = {"error": str(e)[:200]}
+            continue
+        row["strategies"][strategy] = {"samples_per_s": p.predicted.samples_per_s, "plan_s": w,
+                                       "speedup_of_auto": auto.predicted.samples_per_s / p.predicted.samples_per_s}
+    (upper, bound_s) = _timed(lambda: upper_bound_samples_per_s(costs, cluster, B, num_heads=heads, use_cache=False), 1)
+    compute = compute_bound_samples_per_s(costs, cluster)
+    row.update(upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute, bounds_s=bound_s,
+               efficiency=auto.predicted.samples_per_s / upper if upper else None,
+               compute_efficiency=auto.predicted.samples_per_s / compute if compute else None,
+               tokens_per_s=auto.predicted.samples_per_s * _seq(model))
+    return row
+
+
+def _seq(model: str) -> int:
+    import autopar.models as zoo
+
+    cfg = zoo.config_of(model)
+    return int(getattr(cfg, "seq_len", getattr(cfg, "max_seq_len", getattr(cfg, "block_size", 1))))
+
+
+def _peak_by_type(plan, cluster: Cluster) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r, v in plan.predicted.memory_bytes.items():
+        t = cluster.devices[r].spec.name
+        out[t] = max(out.get(t, 0.0), v / 2**30)
+    return out
+
+
+def mixed_cluster(num_devices: int) -> Cluster:
+    """Half A100-80GB, half V100S-32GB, 8 to a node (one type per node)."""
+    half = num_devices // 2
+    per = min(8, half)
+    return Cluster.from_dict({"name": f"mix-{num_devices}", "nodes": [
+        {"device": "A100-80GB", "count": per, "repeat": half // per},
+        {"device": "V100S-32GB", "count": per, "repeat": half // per}]})
+
+
+def scaling(device_counts, block_counts, repeats: int) -> dict:
+    out = {"devices": [], "blocks": []}
+    for n in device_counts:
+        cluster = mixed_cluster(n)
+        costs = llama_like_costs(cluster, 32)
+        B = max(64, n)
+        p, wall = _timed(lambda: plan_auto(costs, cluster, B, num_heads=32, use_cache=False), repeats)
+        out["devices"].append({"devices": n, "blocks": costs.num_blocks, "global_batch": B, "plan_s": wall,
+                               "samples_per_s": p.predicted.samples_per_s})
+        print(f"  scaling devices={n}: {wall:.2f} s", flush=True)
+    cluster = mixed_cluster(64)
+    for k in block_counts:
+        costs = llama_like_costs(cluster, k - 2)
+        p, wall = _timed(lambda: plan_auto(costs, cluster, 256, num_heads=32, use_cache=False), repeats)
+        out["blocks"].append({"devices": 64, "blocks": k, "global_batch": 256, "plan_s": wall,
+                              "samples_per_s": p.predicted.samples_per_s})
+        print(f"  scaling blocks={k}: {wall:.2f} s", flush=True)
+    return out
+
+
+def plot(scale: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    d = scale["devices"]
+    axes[0].loglog([x["devices"] for x in d], [x["plan_s"] for x in d], "o-", base=2)
+    axes[0].set_xlabel("devices (half A100-80GB, half V100S-32GB; 34 blocks)")
+    axes[0].set_ylabel("planning wall time (s)")
+    b = scale["blocks"]
+    axes[1].plot([x["blocks"] for x in b], [x["plan_s"] for x in b], "o-")
+    axes[1].set_xlabel("blocks (64 devices)")
+    axes[1].set_ylabel("planning wall time (s)")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle("autopar joint planner (strategy auto): planning time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Planner benchmark (predicted by the cost model)", "",
+             f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs; torch "
+             f"{result['machine']['torch']}; commit {result['machine']['commit']}.", "",
+             "| cluster | model | batch | auto samples/s | eff. vs upper | eff. vs compute | "
+             + " | ".join(f"x {s}" for s in SINGLE_STRATEGIES) + " | plan s | chosen |",
+             "|" + "---|" * (8 + len(SINGLE_STRATEGIES))]
+    for r in result["scenarios"]:
+        if "error" in r:
+            lines.append(f"| {r['cluster']} | {r['model']} | {r['global_batch']} | does not fit | | | "
+                         + " | ".join("" for _ in SINGLE_STRATEGIES) + " | | |")
+            continue
+        a = r["strategies"]["auto"]
+        sp = []
+        for s in SINGLE_STRATEGIES:
+            x = r["strategies"].get(s, {})
+            sp.append(f"{x['speedup_of_auto']:.2f}" if "speedup_of_auto" in x else "-")
+        eff = f"{r['efficiency']:.1%}" if r.get("efficiency") else "-"
+        ceff = f"{r['compute_efficiency']:.1%}" if r.get("compute_efficiency") else "-"
+        chosen = a["chosen"][len("chosen: "):].split(": ")[0]
+        lines.append(f"| {r['cluster']} | {r['model']} | {r['global_batch']} | {a['samples_per_s']:.4g} | {eff} | "
+                     f"{ceff} | " + " | ".join(sp) + f" | {a['plan_s']:.2f} | {chosen} |")
+    lines += ["", "x S: speedup of auto over strategy S (- : S does not fit or does not apply).", "",
+              "## Planning time scaling", "", "| devices | blocks | plan s |", "|---|---|---|"]
+    for x in result["scaling"]["devices"] + result["scaling"]["blocks"]:
+        lines.append(f"| {x['devices']} | {x['blocks']} | {x['plan_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = "?"
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "cpus": os.cpu_count(), "commit": commit}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer scenarios and a smaller scaling sweep")
+    ap.add_argument("--repeats", type=int, default=3, help="planning runs per timing (median)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    clusters_names = ("poplar-v100-t4", "mixed-3", "hethub-768") if args.quick else CLUSTERS
+    models = ("gpt2-xl", "llama-140b") if args.quick else tuple(MODELS)
+    clusters = {}
+    for name in clusters_names:
+        path = ROOT / "benchmarks" / "clusters" / f"{name}.yaml"
+        clusters[name] = Cluster.from_yaml(path) if path.exists() else Cluster.from_yaml(ROOT / "autopar" / "clusters" / f"{name}.yaml")
+    analyses: dict = {}
+    rows = []
+    for model in models:
+        t0 = time.perf_counter()
+        tables = analysis_costs(model, clusters, analyses)
+        print(f"{model}: analysis + tables {time.perf_counter() - t0:.1f} s", flush=True)
+        for name, cluster in clusters.items():
+            big = len(cluster) > 64
+            row = scenario(name, cluster, model, tables[name], MODELS[model], 1 if big else args.repeats)
+            a = row["strategies"].get("auto", {})
+            print(f"  {name:<18} {model:<11} auto {a.get('samples_per_s', float('nan')):10.4g} samples/s "
+                  f"eff {row.get('efficiency') or float('nan'):.3f} plan {a.get('plan_s', float('nan')):.2f} s",
+                  flush=True)
+            rows.append(row)
+    if args.quick:
+        scale = scaling((8, 32, 128, 512), (12, 34, 66), 1)
+    else:
+        scale = scaling((8, 16, 32, 64, 128, 256, 512, 1024), (12, 34, 66, 98, 128), 1)
+    result = {"benchmark": "planner", "machine": machine(), "scenarios": rows, "scaling": scale,
+              "config": {"clusters": list(clusters_names), "models": list(models), "repeats": args.repeats,
+                         "global_batch": "1024 above 64 devices, else 256", "cache": "off"}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "planner.json").write_text(json.dumps(result, indent=2, default=str))
+    (args.out / "planner.md").write_text(markdown(result))
+    plot(scale, args.out / "planner_scaling.png")
+    print(f"wrote {args.out / 'planner.json'}, planner.md, planner_scaling.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
