@@ -24,8 +24,13 @@ Terms
 - stride: while matching, each sharded tensor dim carries how many part features one index of that
   dim spans (1 on the Linear's feature dim, the head size on the heads dim after ``view``).
 
+Graphs: ``torch.fx.symbolic_trace`` graphs (``nn.Linear`` module calls, Python ops and methods) and
+``torch.export`` graphs (``aten.linear`` on ``get_attr`` weights, ATen views, permutes, splits), with
+output shapes from ``passes.analysis`` (or ``meta["val"]``); models on the ``meta`` device work.
+
 Anything the matcher does not recognise (an opaque leaf module, a custom op, an unknown pattern, a
-parameter used twice) stays replicated: every rank computes it in full. That is never an error.
+parameter used twice such as a tied LM head, a graph without shapes) stays replicated: every rank
+computes it in full. That is never an error.
 
 ``find_tp_pairs`` is the pure analysis (the planner's view); ``tp_rewrite`` applies it for one member
 and records the sharded parameters in ``gm.meta["autopar.tp"]`` (a ``TPLayout``) so that engines can

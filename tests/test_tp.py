@@ -210,6 +210,7 @@ def test_opaque_module_stays_replicated():
     assert [(p.columns, p.row) for p in pairs] == [(("a_up",), "a_down")]
     local = tp_rewrite(gm, (3, 1), 0)
     assert local.opaque.up.weight is model.opaque.up.weight               # untouched, shared
+    assert find_tp_pairs(fx.symbolic_trace(model)) == []                  # no shapes: nothing sharded
 
 
 # ------------------------------------------------------------------------------------------------
