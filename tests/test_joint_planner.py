@@ -273,11 +273,28 @@ def test_plan_cache_hit_returns_an_equal_plan(monkeypatch, tmp_path):
 
 # -- HETHUB scale -------------------------------------------------------------------------------------
 
-def test_hethub_768_llama_140b_efficiency():
+@pytest.fixture(scope="module")
+def llama_140b_analysis():
+    import autopar.models as zoo
+    from passes.analyze import analyze
+
+    case = zoo.build("llama-140b", device="meta")
+    return case, analyze(case.model, case.example_inputs)
+
+
+@pytest.mark.parametrize("tables", ["profile", "arithmetic"])
+def test_hethub_768_llama_140b_efficiency(tables, request):
     cluster = Cluster.from_yaml("benchmarks/clusters/hethub-768.yaml")
-    costs = _llama_costs(cluster)
-    plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, use_cache=False)
-    plan = with_all_bounds(plan, costs, cluster, num_heads=96, use_cache=False)
+    if tables == "profile":   # the cost model's roofline tables of the analysed model
+        from autopar.profile import model_costs
+
+        case, analysis = request.getfixturevalue("llama_140b_analysis")
+        costs = model_costs(analysis, cluster, model=case.model)
+        rho = tp_cost.replicated_fraction_of(analysis.stats)
+    else:                     # tables from the model's arithmetic, independent of the profiler
+        costs, rho = _llama_costs(cluster), None
+    plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, replicated_fraction=rho, use_cache=False)
+    plan = with_all_bounds(plan, costs, cluster, num_heads=96, replicated_fraction=rho, use_cache=False)
     p = plan.predicted
     assert p.efficiency >= 0.975, plan.notes
     assert p.samples_per_s <= p.compute_bound_samples_per_s
