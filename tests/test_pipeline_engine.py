@@ -35,11 +35,13 @@ STEPS = 2
 
 
 def pp_plan(stages, schedule="gpipe", global_batch=B, num_blocks=6) -> Plan:
-    """``stages``: list of (block_stop, {rank: micro sizes}) in order; block_start follows."""
+    """``stages``: list of (block_stop, {member: micro sizes}[, tp_shares]) in order; block_start
+    follows; a member is a rank or a tuple of ranks (a tensor-parallel group)."""
     out, start = [], 0
-    for stop, members in stages:
-        out.append(Stage(start, stop, groups=tuple((r,) for r in members),
-                         micro_batches=tuple(tuple(m) for m in members.values())))
+    for stop, members, *tp in stages:
+        out.append(Stage(start, stop, groups=tuple(r if isinstance(r, tuple) else (r,) for r in members),
+                         micro_batches=tuple(tuple(m) for m in members.values()),
+                         tp_shares=tuple(tp[0]) if tp else ()))
         start = stop
     assert start == num_blocks
     return Plan(strategy="pp", global_batch_size=global_batch, zero_stage=0, schedule=schedule,
@@ -217,7 +219,7 @@ def _run_plans(rank: int, runs):
         data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
         losses = [engine.step(inp, tgt) for inp, tgt in data]
         out[key] = {"state": engine.state_dict(), "losses": losses,
-                    "bridged_bytes": engine.comm.stats.bridged_bytes}
+                    "bridged_bytes": engine.comm.stats.bridged_bytes, "num_shards": len(engine._shards)}
     return out
 
 
@@ -251,6 +253,23 @@ def test_launch_gpt_tiny_pipelines_match_one_device():
     # the tied embedding and LM head are one tensor in every state
     st = results[2]["3stages-gpipe"]["state"]
     assert torch.equal(st["wte.weight"], st["lm_head.weight"])
+
+
+def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device():
+    import autopar
+
+    # gpt-tiny has 4 heads: an uneven 3:1 TP member in the first stage, an even 2:2 one in the last
+    tp_first = pp_plan([(3, {(0, 1): (4, 3, 3)}, ((3, 1),)), (6, {2: (4, 3, 3)})], "1f1b")
+    tp_last = pp_plan([(2, {0: (4, 3, 3)}), (6, {(1, 2): (4, 3, 3)}, ((2, 2),))], "gpipe")
+    assert select_engine(tp_first) is PipelineEngine
+    runs = [("tp-first", "gpt-tiny", tp_first, "sgd", ""),
+            ("tp-last", "gpt-tiny", tp_last, "adamw", "")]
+    results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
+    for key, name, _, optimizer, _ in runs:
+        _check(results, key, name, optimizer)
+    # the TP ranks really hold shards (attention and MLP pairs), the others none
+    assert [r["tp-first"]["num_shards"] > 0 for r in results] == [True, True, False]
+    assert [r["tp-last"]["num_shards"] > 0 for r in results] == [False, True, True]
 
 
 def test_launch_export_graph_and_forced_bridge_match_one_device():

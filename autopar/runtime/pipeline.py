@@ -27,13 +27,19 @@ Terms
   each tensor from its owner's first member to every rank. At construction every rank takes the
   plan's first rank's weights (one broadcast, as DDP does).
 
+- tensor-parallel member: a member of several ranks (``Stage.tp_shares`` gives their head shares). Each
+  of its ranks runs its shard of the stage program (``autopar.runtime.tp.shard_stage_module``) on the
+  member's rows; the member's activations and gradients are replicated over its ranks, so its TP
+  index 0 sends for it, to every rank of the peer member. Gradient groups then sum full-size
+  gradients: shards at their places, replicated parameters from TP index 0 only.
+
 ZeRO stages above 0 run as ZeRO-0 here (each member keeps its stage's full optimizer state); the
-result is the same, only the memory differs. Tensor-parallel members (more than one rank per member)
-are not supported by this engine.
+result is the same, only the memory differs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -123,15 +129,23 @@ def primary_sender(layout, stage: int, micro: int, receiver: int) -> int | None:
 
 def _check_plan(plan: Plan, world_size: int) -> None:
     for s, stage in enumerate(plan.stages):
-        for g, members in enumerate(stage.groups):
-            if len(members) != 1:
-                raise PlanError(f"plan.stages[{s}].groups[{g}]={members}: the pipeline engine runs one rank "
-                                f"per member (no tensor parallelism)")
+        if stage.tp_shares and (len(stage.tp_shares) != len(stage.groups) or any(
+                len(sh) != len(m) or any(x < 0 for x in sh) or sum(sh) <= 0
+                for sh, m in zip(stage.tp_shares, stage.groups))):
+            raise PlanError(f"plan.stages[{s}].tp_shares={stage.tp_shares}: need one non-negative share per "
+                            f"rank of each member {stage.groups}, with a positive sum per member")
+        if any(not m for m in stage.groups):
+            raise PlanError(f"plan.stages[{s}].groups={stage.groups}: a member needs at least one rank")
     ranks = [r for st in plan.stages for r in st.ranks]
     if len(set(ranks)) != len(ranks):
         raise PlanError(f"plan: a rank appears in more than one stage member ({ranks})")
     if any(not 0 <= r < world_size for r in ranks):
         raise PlanError(f"plan: ranks {sorted(ranks)} must be within [0, {world_size})")
+
+
+def _tp_shares(plan: Plan, stage: int, member: int) -> tuple[int, ...]:
+    st = plan.stages[stage]
+    return tuple(int(x) for x in st.tp_shares[member]) if st.tp_shares else (1,) * len(st.groups[member])
 
 
 class PipelineEngine:
@@ -146,6 +160,7 @@ class PipelineEngine:
         self.device = torch.device(inputs.device)
         self.clock = inputs.clock
         self.stage, self.member = plan.stage_of(inputs.rank)
+        self.tp_index = plan.stages[self.stage].groups[self.member].index(inputs.rank)
         self.num_stages = plan.num_stages
         self.num_micro = plan.num_micro_batches
         self.layout = row_layout(plan)
@@ -172,7 +187,14 @@ class PipelineEngine:
         self._tensors = tensors
         self._order = order
 
-        # Gradient groups, created in the same order on every rank.
+        # Groups, created in the same order on every rank: tensor-parallel members, then gradients.
+        self.tp_group = None
+        for st in plan.stages:
+            for members in st.groups:
+                if len(members) > 1:
+                    group = self.comm.new_group(members)
+                    if inputs.rank in members:
+                        self.tp_group = group
         trainable = [i for i in order if isinstance(tensors[i], torch.nn.Parameter) and tensors[i].requires_grad]
         by_stages: dict[tuple[int, ...], list[int]] = {}
         for i in trainable:
@@ -183,7 +205,6 @@ class PipelineEngine:
             group = self.comm.new_group(ranks) if len(ranks) > 1 else None
             if self.stage in stages:
                 self._grad_groups.append((group, [tensors[i] for i in ids]))
-        self.params = [tensors[i] for i in trainable if self.stage in users[i]]
 
         # Point-to-point pairs between neighbouring stages.
         pairs = []
@@ -196,6 +217,19 @@ class PipelineEngine:
         # Every rank starts from the first rank's weights (as DDP does): members of a stage and the
         # copies of a tied parameter must agree even if the model was built without a common seed.
         self.comm.broadcast([tensors[i] for i in order], src=plan.stages[0].groups[0][0])
+
+        # A tensor-parallel member runs its shard of the stage (after the broadcast: shards are copies).
+        self._shards: dict[int, tuple[Any, torch.nn.Parameter]] = {}   # id(source param) -> (ParamShard, local)
+        if len(plan.stages[self.stage].groups[self.member]) > 1:
+            from autopar.runtime.tp import shard_stage_module, tp_layout
+
+            local = shard_stage_module(self.program.gm, _tp_shares(plan, self.stage, self.member),
+                                       self.tp_index, self.tp_group.pg)
+            self.program = dataclasses.replace(self.program, gm=local)
+            for shard in tp_layout(local).params:
+                source = self.programs[self.stage].gm.get_parameter(shard.source)
+                self._shards[id(source)] = (shard, local.get_parameter(shard.local))
+        self.params = [p for p in self.program.gm.parameters() if p.requires_grad]
         self.optimizer = inputs.optimizer_factory(self.params) if self.params else None
         self._batched: dict[str, bool] | None = None
         self._sends: list = []
@@ -234,11 +268,13 @@ class PipelineEngine:
                         loss = compute_loss(out, tgt, self.inputs.loss_fn) * ((b - a) / B)
                 if self.program.is_last:
                     st["loss"] = loss
-                    loss_sum += loss.detach().to(torch.float64)
+                    if self.tp_index == 0:      # a tensor-parallel member's loss counts once
+                        loss_sum += loss.detach().to(torch.float64)
                 else:
                     st["outputs"] = tuple(out)
             elif kind == "SEND_F":
-                self._send_forward(m, st["outputs"])
+                if self.tp_index == 0:
+                    self._send_forward(m, st["outputs"])
             elif kind == "RECV_B":
                 st["grads"] = self._recv_backward(m, st["outputs"])
             elif kind == "B":
@@ -253,26 +289,51 @@ class PipelineEngine:
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 st["outputs"] = None
             elif kind == "SEND_B":
-                self._send_backward(m, st.pop("pieces"))
+                pieces = st.pop("pieces")
+                if self.tp_index == 0:
+                    self._send_backward(m, pieces)
                 st.pop("received", None)
         for work in self._sends:
             work.wait()
         self._sends = []
 
-        for group, params in self._grad_groups:
-            grads = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            if group is not None:
-                self.comm.all_reduce(grads, group)
+        self._reduce_gradients()
         self.comm.all_reduce([loss_sum])
         if self.optimizer is not None:
             with self.clock.compute():
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return float(loss_sum)
+
+    def _reduce_gradients(self) -> None:
+        """Sum each gradient group's gradients over its ranks. A tensor-parallel rank contributes its
+        shards at their places in the full tensors and, for replicated parameters, only TP index 0
+        does (its TP peers hold the same gradient), so every member counts once."""
+        for group, params in self._grad_groups:
+            full = []
+            for p in params:
+                if id(p) in self._shards:
+                    shard, local = self._shards[id(p)]
+                    g = torch.zeros_like(p)
+                    if local.grad is not None:
+                        at = 0
+                        for a, b in shard.ranges[self.tp_index]:
+                            g.narrow(shard.dim, a, b - a).copy_(local.grad.narrow(shard.dim, at, b - a))
+                            at += b - a
+                elif p.grad is None or self.tp_index != 0:
+                    g = torch.zeros_like(p)
+                else:
+                    g = p.grad
+                full.append(g)
+            if group is not None:
+                self.comm.all_reduce(full, group)
+            for p, g in zip(params, full):
+                if id(p) in self._shards:
+                    shard, local = self._shards[id(p)]
+                    local.grad = torch.cat([g.narrow(shard.dim, a, b - a) for a, b in shard.ranges[self.tp_index]],
+                                           dim=shard.dim)
+                else:
+                    p.grad = g
 
     # -- messages -----------------------------------------------------------------------------------
     def _tag(self, micro: int, backward: bool, index: int) -> int:
@@ -299,13 +360,13 @@ class PipelineEngine:
                     continue
                 header += [_DTYPES.index(piece.dtype), int(v.requires_grad), piece.dim(), *piece.shape]
                 payload.append(piece)
-            dst = self._peer(s + 1, tr.receiver)
             head = torch.tensor([len(header)] + header, dtype=torch.int64)
             size = torch.tensor([head.numel()], dtype=torch.int64)
-            self._sends.append(self.comm.isend(size, dst, self._tag(m, False, 0)))
-            self._sends.append(self.comm.isend(head, dst, self._tag(m, False, 1)))
-            for i, piece in enumerate(payload):
-                self._sends.append(self.comm.isend(piece, dst, self._tag(m, False, 2 + i)))
+            for dst in self.plan.stages[s + 1].groups[tr.receiver]:   # every rank of a TP member
+                self._sends.append(self.comm.isend(size, dst, self._tag(m, False, 0)))
+                self._sends.append(self.comm.isend(head, dst, self._tag(m, False, 1)))
+                for i, piece in enumerate(payload):
+                    self._sends.append(self.comm.isend(piece, dst, self._tag(m, False, 2 + i)))
 
     def _recv_forward(self, m: int):
         """The received values of micro-batch m (rows assembled in order) and, per sender, the leaf
@@ -334,7 +395,7 @@ class PipelineEngine:
                     t.requires_grad_(True)
                     mine.append(t)
                 pieces[name].append(t)
-            by_sender.append((src, mine))
+            by_sender.append((tr.sender, mine))
         values = []
         for name in names:
             ps = pieces[name]
@@ -344,10 +405,11 @@ class PipelineEngine:
         return tuple(values), by_sender
 
     def _send_backward(self, m: int, by_sender) -> None:
-        for src, leaves in by_sender:
-            for i, t in enumerate(leaves):
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
-                self._sends.append(self.comm.isend(g, src, self._tag(m, True, i)))
+        for sender, leaves in by_sender:
+            for dst in self.plan.stages[self.stage - 1].groups[sender]:   # every rank of a TP member
+                for i, t in enumerate(leaves):
+                    g = t.grad if t.grad is not None else torch.zeros_like(t)
+                    self._sends.append(self.comm.isend(g, dst, self._tag(m, True, i)))
 
     def _recv_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         s = self.stage
@@ -384,7 +446,15 @@ class PipelineEngine:
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state on every rank: each tensor broadcast from its owner stage's first
-        member (collective: every rank calls it)."""
+        member (collective: every rank calls it). Tensor-parallel members first gather their shards
+        into the full parameters."""
+        if self._shards:
+            from autopar.runtime.tp import gather_full_params
+
+            full = gather_full_params(self.program.gm, self.tp_group.pg)
+            with torch.no_grad():
+                for name, t in full.items():
+                    self.programs[self.stage].gm.get_parameter(name).copy_(t)
         for s, stage in enumerate(self.plan.stages):
             owned = [self._tensors[i] for i in self._order if self._owner[i] == s]
             self.comm.broadcast(owned, src=stage.groups[0][0])
