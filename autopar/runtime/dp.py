@@ -45,6 +45,10 @@ ZeRO stages (per step, after the member's micro-steps)
     gathered (and freed) too, so every rank runs the same collectives: ranks without a micro-step
     in the round gather every unit forward and backward without computing. Then each unit's
     gradient is reduce-scattered into the shard's accumulated gradient and freed.
+    Models that re-run forward code during backward (activation checkpointing) need
+    ``"micro_step"``; a unit needed after it was freed raises instead of reading freed memory.
+    Per-block gathering moves the same bytes but issues about twice as many collectives per block,
+    so small models on high-latency links run faster per micro-step.
   - ``"micro_step"``: one unit, gathered before the micro-step's forward and freed after its
     backward once its gradient is reduce-scattered.
 
