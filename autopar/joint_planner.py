@@ -21,10 +21,13 @@ Terms
   as the all-reduce they replace, so ``zero_stage="auto"`` searches with ZeRO-2's memory and reports
   the least stage the chosen plan fits with. ZeRO-3 is only offered by pure data parallelism, whose
   planner models its per-micro-step gathers.
-- pruning: layouts and groupings whose load-balance bound (global batch / summed member speed)
-  cannot beat the best plan found are skipped; groupings that need more stages than blocks or whose
-  stage memory cannot hold the model are skipped by the split DP's feasibility check; for each
-  grouping the micro-batch counts are scanned on a ladder and refined around the best.
+- search: every (grouping, micro-batch count) gets a cheap lower bound of its split estimate
+  (``_split_lower_bound``) and they are visited best-first; the search stops once the bound exceeds
+  the best estimate found (x ``_ESTIMATE_SLACK``, so near-ties still reach the simulator), and the
+  split DP's own bottleneck bound (M x least bottleneck) prunes again after the cost tensor. Layouts
+  whose load-balance bound (batch / summed member speed) cannot beat the best single strategy are
+  dropped, and so are the counts M >= S of a grouping that cannot hold the model at its largest count. The ``_SHORTLIST`` best
+  estimates are built and simulated (GPipe and 1F1B, the least ZeRO stage that fits).
 - single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates
   too, so ``auto`` is never predicted slower than any of them.
 - cache: plans are kept as JSON under ``$AUTOPAR_CACHE_DIR/plans/`` (default
@@ -489,7 +492,7 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
     """Best-first over every (grouping, micro-batch count): sorted by ``_split_lower_bound``, each
     solved by the exact split DP unless its bound (or the tensor's bottleneck bound M x floor)
     exceeds the best estimate found x ``_ESTIMATE_SLACK``. A grouping that cannot hold the model at
-    its largest count (least activation memory per member once 1F1B is full) is dropped at once.
+    its largest count (the least activation memory once 1F1B is full) is not tried at any count >= S.
     Returns (estimate, entry index, M, sizes) of every solved candidate, and how many were solved."""
     items = []
     for e, entry in enumerate(entries):
@@ -517,13 +520,15 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
         if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
             break
         entry = entries[e]
-        if entry.feasible is None:
-            S = len(entry.prep)
-            top = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)[-1:]
-            entry.feasible = not (schedule != "gpipe" and top[0] >= S
-                                  and solve(entry, top[0]) == "infeasible")
-        if not entry.feasible:
-            continue
+        S = len(entry.prep)
+        if schedule != "gpipe" and M >= S:
+            # From M = S on, every stage has its full 1F1B depth in flight and shares only shrink as
+            # M grows: the largest count needs the least memory, so if it does not fit none does.
+            if entry.feasible is None:
+                top = num_micro if num_micro is not None else micro_candidates(ctx.global_batch, S)[-1]
+                entry.feasible = top < S or solve(entry, top) != "infeasible"
+            if not entry.feasible:
+                continue
         got = solve(entry, M)
         solved += 1
         if got is None or got == "infeasible":
