@@ -38,7 +38,8 @@ def _loss(out):
     return out["loss"] if isinstance(out, dict) else out
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt-tiny", "llama-tiny", "mlp-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt-tiny", "llama-tiny", "hf-llama-tiny", "mlp-tiny",
+                                  "bert-tiny", "vit-tiny", "resnet-tiny"])
 def test_stages_compose_to_the_original_forward(name):
     case, analysis = _analysed(name)
     gm = analysis.captured.gm

@@ -445,9 +445,9 @@ class PipelineEngine:
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state on every rank: each tensor broadcast from its owner stage's first
-        member (collective: every rank calls it). Tensor-parallel members first gather their shards
-        into the full parameters."""
+        """The full model state on every rank, as CPU clones with the keys of ``model.state_dict()``:
+        each tensor is broadcast from its owner stage's first member (a collective: every rank calls
+        it). Tensor-parallel members first gather their shards into the full parameters."""
         if self._shards:
             from autopar.runtime.tp import gather_full_params
 
@@ -460,7 +460,7 @@ class PipelineEngine:
             self.comm.broadcast(owned, src=stage.groups[0][0])
         out = OrderedDict()
         for k, v in self.inputs.model.state_dict().items():
-            out[k] = v.detach().clone()
+            out[k] = v.detach().to("cpu").clone()
         return out
 
 
