@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -219,7 +220,10 @@ def _run_plans(rank: int, runs):
         data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
         losses = [engine.step(inp, tgt) for inp, tgt in data]
         out[key] = {"state": engine.state_dict(), "losses": losses,
-                    "bridged_bytes": engine.comm.stats.bridged_bytes, "num_shards": len(engine._shards)}
+                    "bridged_bytes": engine.comm.stats.bridged_bytes, "num_shards": len(engine._shards),
+                    "zero": engine.zero_stage_applied, "stage_numel": sum(p.numel() for p in engine.params),
+                    "tied_numel": engine.programs[0].gm.get_parameter("wte.weight").numel() if name == "gpt-tiny" else 0,
+                    "opt_numel": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])}
     return out
 
 
@@ -262,11 +266,21 @@ def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device(
     tp_first = pp_plan([(3, {(0, 1): (4, 3, 3)}, ((3, 1),)), (6, {2: (4, 3, 3)})], "1f1b")
     tp_last = pp_plan([(2, {0: (4, 3, 3)}), (6, {(1, 2): (4, 3, 3)}, ((2, 2),))], "gpipe")
     assert select_engine(tp_first) is PipelineEngine
+    # ZeRO-1 inside a stage of two members (members listed out of rank order)
+    zero1 = dataclasses.replace(pp_plan([(4, {1: (3, 1, 2), 0: (1, 2, 1)}), (6, {2: (4, 3, 3)})], "1f1b"),
+                                zero_stage=1)
     runs = [("tp-first", "gpt-tiny", tp_first, "sgd", ""),
-            ("tp-last", "gpt-tiny", tp_last, "adamw", "")]
+            ("tp-last", "gpt-tiny", tp_last, "adamw", ""),
+            ("zero1", "gpt-tiny", zero1, "adamw", "")]
     results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
     for key, name, _, optimizer, _ in runs:
         _check(results, key, name, optimizer)
+    # ZeRO-1: the two members of stage 0 split its optimizer state; stage 1 (one member) keeps all
+    z = [r["zero1"] for r in results]
+    assert [r["zero"] for r in z] == [1, 1, 0]
+    assert 0 < z[0]["opt_numel"] < z[0]["stage_numel"] and 0 < z[1]["opt_numel"] < z[1]["stage_numel"]
+    assert z[0]["opt_numel"] + z[1]["opt_numel"] == z[0]["stage_numel"] + z[0]["tied_numel"]
+    assert z[2]["opt_numel"] == z[2]["stage_numel"]
     # the TP ranks really hold shards (attention and MLP pairs), the others none
     assert [r["tp-first"]["num_shards"] > 0 for r in results] == [True, True, False]
     assert [r["tp-last"]["num_shards"] > 0 for r in results] == [False, True, True]

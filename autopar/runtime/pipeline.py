@@ -33,8 +33,11 @@ Terms
   index 0 sends for it, to every rank of the peer member. Gradient groups then sum full-size
   gradients: shards at their places, replicated parameters from TP index 0 only.
 
-ZeRO stages above 0 run as ZeRO-0 here (each member keeps its stage's full optimizer state); the
-result is the same, only the memory differs.
+ZeRO: with ``plan.zero_stage >= 1``, a stage of several one-rank members deals the parameters only it
+holds out to its members, each member keeps optimizer state for its own and broadcasts them after the
+step (ZeRO-1 by parameter, as torch's ZeroRedundancyOptimizer: exact for any per-parameter optimizer;
+``zero_stage_applied`` says what ran). Gradients are still all-reduced in full (stages 2 and 3 run as
+1); tied parameters, single-member stages and tensor-parallel stages run ZeRO-0.
 """
 
 from __future__ import annotations
@@ -230,7 +233,12 @@ class PipelineEngine:
                 source = self.programs[self.stage].gm.get_parameter(shard.source)
                 self._shards[id(source)] = (shard, local.get_parameter(shard.local))
         self.params = [p for p in self.program.gm.parameters() if p.requires_grad]
-        self.optimizer = inputs.optimizer_factory(self.params) if self.params else None
+        self._zero_groups = self._partition_for_zero()
+        skip = {id(p) for _, owned in self._zero_groups for j, ps in enumerate(owned)
+                if j != self.member for p in ps}
+        self.zero_stage_applied = 1 if self._zero_groups else 0
+        stepped = [p for p in self.params if id(p) not in skip]
+        self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
         self._batched: dict[str, bool] | None = None
         self._sends: list = []
 
@@ -303,7 +311,32 @@ class PipelineEngine:
             with self.clock.compute():
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        for group, owned in self._zero_groups:       # ZeRO-1: each owner sends its updated parameters
+            for j, ps in enumerate(owned):
+                for p in ps:
+                    p.grad = None
+                self.comm.broadcast(ps, src=self.plan.stages[self.stage].groups[j][0], group=group)
         return float(loss_sum)
+
+    def _partition_for_zero(self) -> list[tuple[Any, list[list[torch.nn.Parameter]]]]:
+        """ZeRO >= 1 on a stage of several one-rank members: the parameters that only this stage holds
+        are dealt out to its members (each to the least-loaded member so far, by elements, in a fixed
+        order); a member keeps optimizer state for its own only (as torch's ZeroRedundancyOptimizer)."""
+        stage = self.plan.stages[self.stage]
+        if self.plan.zero_stage < 1 or len(stage.groups) < 2 or any(len(m) > 1 for m in stage.groups):
+            return []
+        out = []
+        for group, params in self._grad_groups:
+            if group is None or group.ranks != tuple(sorted(stage.ranks)):
+                continue       # shared with another stage (tied): every holder steps it
+            owned: list[list[torch.nn.Parameter]] = [[] for _ in stage.groups]
+            load = [0] * len(stage.groups)
+            for p in params:
+                j = min(range(len(load)), key=lambda k: (load[k], k))
+                owned[j].append(p)
+                load[j] += p.numel()
+            out.append((group, owned))
+        return out
 
     def _reduce_gradients(self) -> None:
         """Sum each gradient group's gradients over its ranks. A tensor-parallel rank contributes its
