@@ -31,6 +31,12 @@ class Prepared:
     analyze_s: float
     profile_s: float
 
+    @property
+    def replicated_fraction(self) -> float:
+        from autopar.tp_cost import replicated_fraction_of
+
+        return replicated_fraction_of(self.analysis.stats)
+
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
             measure: bool | None = None, progress=None) -> Prepared:
@@ -59,12 +65,26 @@ def _check_args(cluster, global_batch_size, strategy, zero_stage, schedule) -> N
 
 
 def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", zero_stage="auto",
-                    schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None) -> Plan:
-    """Run the planner of ``strategy`` on prepared cost tables and attach the bounds."""
-    from autopar import dp_planner, pp_planner
+                    schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
+                    replicated_fraction: float | None = None) -> Plan:
+    """Run the planner of ``strategy`` on prepared cost tables and attach the bounds.
+
+    ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
+    one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
+    parallelism cannot shard (``autopar.tp_cost.replicated_fraction_of``)."""
+    from autopar import dp_planner, joint_planner, pp_planner
+    from autopar.bounds import with_all_bounds
 
     _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)
-
+    if strategy == "auto" and dp_batch is not None:
+        strategy = "dp"
+    elif strategy == "auto" and pp_layers is not None:
+        strategy = "pp"
+    if dp_batch is not None and strategy != "dp":
+        raise PlanError(f"dp_batch: pins data-parallel shares but strategy={strategy!r}; use strategy='dp'")
+    tp_kw = dict(num_heads=num_heads)
+    if replicated_fraction is not None:
+        tp_kw["replicated_fraction"] = replicated_fraction
     if strategy in ("dp", "uniform-dp", "proportional-dp"):
         if pp_layers is not None and len(pp_layers) > 1:
             raise PlanError(f"pp_layers: {pp_layers} asks for a pipeline but strategy={strategy!r} has one stage")
@@ -74,23 +94,13 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
         p = pp_planner.plan_pipeline(costs, cluster, global_batch_size, schedule=schedule, pp_layers=pp_layers,
                                      zero_stage=0 if zero_stage == "auto" else zero_stage,
                                      uniform=strategy == "uniform-pp")
-    else:  # "auto" and "tp": the joint planner
-        from autopar import joint_planner
-
-        p = joint_planner.plan_auto(costs, cluster, global_batch_size, num_heads=num_heads, zero_stage=zero_stage,
-                                    schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch,
-                                    only_tp=strategy == "tp")
-    return _with_bounds(p, costs, cluster, global_batch_size)
-
-
-def _with_bounds(p: Plan, costs, cluster, global_batch_size: int) -> Plan:
-    try:
-        from autopar.bounds import with_all_bounds
-    except ImportError:  # before the joint planner's bounds exist: the data-parallel bound
-        from autopar.dp_planner import dp_upper_bound, with_bounds
-
-        return with_bounds(p, dp_upper_bound(costs, cluster, global_batch_size))
-    return with_all_bounds(p, costs, cluster, global_batch_size)
+    elif strategy == "tp":
+        p = joint_planner.plan_strategy(costs, cluster, global_batch_size, "tp", zero_stage=zero_stage,
+                                        schedule=schedule, **tp_kw)
+    else:
+        p = joint_planner.plan_auto(costs, cluster, global_batch_size, zero_stage=zero_stage, schedule=schedule,
+                                    **tp_kw)
+    return with_all_bounds(p, costs, cluster, global_batch_size, schedule=schedule, **tp_kw)
 
 
 def _num_heads(model: nn.Module) -> int | None:
@@ -114,7 +124,8 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
         example_inputs = (example_inputs,)
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure)
     return plan_from_costs(prepared.costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
-                           schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch, num_heads=_num_heads(model))
+                           schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch, num_heads=_num_heads(model),
+                           replicated_fraction=prepared.replicated_fraction)
 
 
 def _check_plan(p: Plan, cluster, global_batch_size: int) -> None:

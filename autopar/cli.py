@@ -147,7 +147,8 @@ def cmd_plan(args) -> int:
     pp_layers = [int(x) for x in args.pp_layers.split(",")] if args.pp_layers else None
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
-                        pp_layers=pp_layers, num_heads=_num_heads(case.model))
+                        pp_layers=pp_layers, num_heads=_num_heads(case.model),
+                        replicated_fraction=prep.replicated_fraction)
     dt = time.perf_counter() - t0
     if args.json != "-":
         print(p.summary(cluster), end="")

@@ -361,7 +361,8 @@ def test_clock_for_devices():
     for bad in (0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="speed"):
             EmulatedClock(bad)
-    assert emulate.__all__ == ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "oversubscription"]
+    assert emulate.__all__ == ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale",
+                               "oversubscription"]
 
 
 def test_time_scale_keeps_speed_ratios_when_ranks_outnumber_cores():
@@ -382,3 +383,10 @@ def test_time_scale_keeps_speed_ratios_when_ranks_outnumber_cores():
     assert isinstance(scaled, EmulatedClock) and scaled.time_scale == 1.5
     with pytest.raises(ValueError, match="time_scale"):
         EmulatedClock(0.5, time_scale=0)
+
+
+def test_emulation_time_scale_leaves_headroom():
+    from autopar.runtime.emulate import emulation_time_scale
+
+    assert emulation_time_scale(3, num_cores=2) == 3.0
+    assert emulation_time_scale(1, num_cores=8) == 2.0

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["emulation_time_scale", "ClockStats", "EmulatedClock", "NullClock", "clock_for", "oversubscription"]
+__all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale", "oversubscription"]
 
 
 @dataclass(frozen=True, slots=True)
