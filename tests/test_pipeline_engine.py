@@ -8,8 +8,10 @@
 - Real ``autopar.launch`` runs (gloo, 3 processes) where the pipeline needs send/recv, each launch
   running several plans in sequence: gpt-tiny (tied embedding / LM head) with 2 and 3 stages, GPipe
   and 1F1B, micro-batches 4+3+3 of a global batch of 10, stages with two data-parallel members of
-  uneven (and zero) shares, SGD+momentum and AdamW(eps=1e-6); hf-gpt-tiny (a torch.export graph)
-  with 2 stages; and the whole pipeline over a forced bridge.
+  uneven (and zero) shares, SGD+momentum and AdamW(eps=1e-6), an idle rank; tensor-parallel members
+  (3:1 and 2:2 heads) inside stages; ZeRO-1 inside a stage; hf-gpt-tiny (a torch.export graph) with 2
+  stages; a toy model whose batch-less tensor crosses cuts; and the whole pipeline over a forced
+  bridge.
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ def _run_plans(rank: int, runs):
                     "bridged_bytes": engine.comm.stats.bridged_bytes, "num_shards": len(engine._shards),
                     "zero": engine.zero_stage_applied, "stage_numel": sum(p.numel() for p in engine.params),
                     "tied_numel": engine.programs[0].gm.get_parameter("wte.weight").numel() if name == "gpt-tiny" else 0,
-                    "opt_numel": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])}
+                    "opt_numel": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
+                    if engine.optimizer is not None else 0}
     return out
 
 
@@ -250,13 +253,15 @@ def test_launch_gpt_tiny_pipelines_match_one_device():
     runs = [("3stages-gpipe", "gpt-tiny", PLANS["3stages-gpipe"], "sgd", ""),
             ("3stages-1f1b", "gpt-tiny", PLANS["3stages-1f1b"], "adamw", ""),
             ("dp-first-1f1b", "gpt-tiny", PLANS["dp-first-1f1b"], "sgd", ""),
-            ("dp-last-gpipe", "gpt-tiny", PLANS["dp-last-gpipe"], "adamw", "")]
+            ("dp-last-gpipe", "gpt-tiny", PLANS["dp-last-gpipe"], "adamw", ""),
+            ("idle-rank-2", "gpt-tiny", pp_plan([(3, {0: (4, 3, 3)}), (6, {1: (4, 3, 3)})]), "sgd", "")]
     results = autopar.launch(_run_plans, _cluster(), runs, timeout_s=240)
     for key, name, _, optimizer, _ in runs:
         _check(results, key, name, optimizer)
     # the tied embedding and LM head are one tensor in every state
     st = results[2]["3stages-gpipe"]["state"]
     assert torch.equal(st["wte.weight"], st["lm_head.weight"])
+    assert results[2]["idle-rank-2"]["opt_numel"] == 0       # the idle rank holds no optimizer
 
 
 def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device():

@@ -23,6 +23,8 @@ Terms
   all-reduce. A stage's own parameters thus sync over its data-parallel members, and a parameter tied
   across stages (a GPT's input embedding and LM head) sums its contributions from both stages, so
   every copy takes the same optimizer step and they stay identical.
+- idle rank: a rank the plan leaves out (``uniform-pp`` may); it computes nothing but joins the
+  collectives over every rank (group creation, the initial and ``state_dict`` broadcasts, the loss).
 - owner of a tensor (parameter or buffer): the first stage that uses it; ``state_dict()`` broadcasts
   each tensor from its owner's first member to every rank. At construction every rank takes the
   plan's first rank's weights (one broadcast, as DDP does).
@@ -162,16 +164,20 @@ class PipelineEngine:
         self.rank = inputs.rank
         self.device = torch.device(inputs.device)
         self.clock = inputs.clock
-        self.stage, self.member = plan.stage_of(inputs.rank)
-        self.tp_index = plan.stages[self.stage].groups[self.member].index(inputs.rank)
+        try:
+            self.stage, self.member = plan.stage_of(inputs.rank)
+            self.tp_index = plan.stages[self.stage].groups[self.member].index(inputs.rank)
+        except KeyError:    # an idle rank: the plan leaves it out; it joins every world collective
+            self.stage, self.member, self.tp_index = None, None, 0
         self.num_stages = plan.num_stages
         self.num_micro = plan.num_micro_batches
         self.layout = row_layout(plan)
         self.schedule = with_comm(make_schedule(plan.schedule if plan.schedule != "none" else "gpipe",
                                                 self.num_stages, self.num_micro))
         self.programs = split_stages(inputs.gm, [(st.block_start, st.block_stop) for st in plan.stages])
-        self.program = self.programs[self.stage]
-        self.program.gm.to(self.device)
+        self.program = self.programs[self.stage] if self.stage is not None else None
+        if self.program is not None:
+            self.program.gm.to(self.device)
         self.comm = comm if comm is not None else _default_comm(inputs)
 
         # Parameters and buffers: which stages use each (by identity; every rank split the same way).
@@ -223,7 +229,7 @@ class PipelineEngine:
 
         # A tensor-parallel member runs its shard of the stage (after the broadcast: shards are copies).
         self._shards: dict[int, tuple[Any, torch.nn.Parameter]] = {}   # id(source param) -> (ParamShard, local)
-        if len(plan.stages[self.stage].groups[self.member]) > 1:
+        if self.stage is not None and len(plan.stages[self.stage].groups[self.member]) > 1:
             from autopar.runtime.tp import shard_stage_module, tp_layout
 
             local = shard_stage_module(self.program.gm, _tp_shares(plan, self.stage, self.member),
@@ -232,7 +238,7 @@ class PipelineEngine:
             for shard in tp_layout(local).params:
                 source = self.programs[self.stage].gm.get_parameter(shard.source)
                 self._shards[id(source)] = (shard, local.get_parameter(shard.local))
-        self.params = [p for p in self.program.gm.parameters() if p.requires_grad]
+        self.params = [p for p in self.program.gm.parameters() if p.requires_grad] if self.program else []
         self._zero_groups = self._partition_for_zero()
         skip = {id(p) for _, owned in self._zero_groups for j, ps in enumerate(owned)
                 if j != self.member for p in ps}
@@ -251,13 +257,13 @@ class PipelineEngine:
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
                 raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
-        if self._batched is None:
+        if self._batched is None and self.stage is not None:
             names = sorted({n for p in self.programs for n in p.sent})
             self._batched = batched_values(self.inputs.gm, flat, names, device=self.device) if names else {}
 
         state: dict[int, dict[str, Any]] = {m: {} for m in range(self.num_micro)}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for action in self.schedule.actions[self.stage]:
+        for action in self.schedule.actions[self.stage] if self.stage is not None else ():
             m = action.micro
             a, b = self.layout[self.stage][self.member][m]
             if a == b:
@@ -322,6 +328,8 @@ class PipelineEngine:
         """ZeRO >= 1 on a stage of several one-rank members: the parameters that only this stage holds
         are dealt out to its members (each to the least-loaded member so far, by elements, in a fixed
         order); a member keeps optimizer state for its own only (as torch's ZeroRedundancyOptimizer)."""
+        if self.stage is None:
+            return []
         stage = self.plan.stages[self.stage]
         if self.plan.zero_stage < 1 or len(stage.groups) < 2 or any(len(m) > 1 for m in stage.groups):
             return []
@@ -481,7 +489,7 @@ class PipelineEngine:
         """The full model state on every rank, as CPU clones with the keys of ``model.state_dict()``:
         each tensor is broadcast from its owner stage's first member (a collective: every rank calls
         it). Tensor-parallel members first gather their shards into the full parameters."""
-        if self._shards:
+        if self._shards:   # (idle ranks have none)
             from autopar.runtime.tp import gather_full_params
 
             full = gather_full_params(self.program.gm, self.tp_group.pg)
