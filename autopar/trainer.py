@@ -27,6 +27,8 @@ class RunSpec:
     warmup_steps: int = 1
     seed: int = 0
     zero_stage: object = "auto"
+    model_overrides: tuple[tuple[str, object], ...] = ()   # zoo config fields, e.g. (("num_layers", 10),)
+    schedule: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -49,15 +51,16 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
 
     import autopar
     from autopar.cluster import Cluster
-    from autopar.models import load
+    from autopar.models import build, load
 
     cluster = Cluster.from_dict(spec.cluster_dict)
     out = []
     for strategy in spec.strategies:
-        case = load(spec.model, device="cpu", seed=spec.seed)
+        case = build(spec.model, device="cpu", seed=spec.seed, **dict(spec.model_overrides)) \
+            if spec.model_overrides else load(spec.model, device="cpu", seed=spec.seed)
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), strategy=strategy,
-                                   zero_stage=spec.zero_stage)
+                                   zero_stage=spec.zero_stage, schedule=spec.schedule)
         losses, times = [], []
         for step in range(spec.steps + spec.warmup_steps):
             inputs, targets = case.batch(spec.global_batch, seed=step)
