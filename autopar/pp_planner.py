@@ -489,6 +489,9 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
             pinned = tuple(q + (1 if s < rem else 0) for s in range(k))
     else:
         groupings = [g for g in stage_groupings(cluster, ranks) if g.num_stages <= n]
+        # The pipeline strategy pipelines: a one-stage grouping is data parallelism (strategy "dp"),
+        # kept only when nothing else applies (one rank, one block).
+        groupings = [g for g in groupings if g.num_stages >= 2] or groupings
         if pinned is not None:
             groupings = [g for g in groupings if g.num_stages == len(pinned)] or [_chunk_grouping(ranks, len(pinned))]
 
