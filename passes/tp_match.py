@@ -1,0 +1,552 @@
+"""Tensor-parallel matching: find the Linear pairs (column-parallel then row-parallel) of a captured
+graph and the region of sharded tensors between them. The pure analysis the planner reads
+(``find_tp_pairs``); ``passes.tp`` rewrites a graph from its result. Terms: see ``passes.tp``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TPPair", "find_tp_pairs"]
+
+
+@dataclass(frozen=True, slots=True)
+class TPPair:
+    columns: tuple[str, ...]      # qualified names of the column Linear modules, in graph order
+    parts: tuple[int, ...]        # parts of each column's output
+    row: str                      # qualified name of the row Linear module
+    num_units: int                # heads (attention) or hidden features (MLP) of one part
+    unit_features: int            # features per unit in a part: head size, 1 for an MLP
+    kind: Literal["attention", "mlp"]
+    input_node: str               # the node the columns read (f goes there)
+    column_nodes: tuple[str, ...]
+    row_node: str
+    region: tuple[str, ...]       # nodes carrying sharded tensors (columns included), graph order
+    # (node name, where, global value, stride): shape literals to rewrite for a member.
+    literals: tuple[tuple[str, tuple, int, int], ...] = field(default=(), repr=False)
+
+    @property
+    def part_features(self) -> int:
+        return self.num_units * self.unit_features
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Matching
+
+class _Reject(Exception):
+    """This pair cannot be sharded (it stays replicated)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Sh:
+    dim: int        # non-negative dim of the node's output
+    size: int       # global size of that dim
+    stride: int     # part features per index of that dim
+    parts: int = 1  # > 1 only on a fused column output before its chunk/split
+
+
+_UNARY_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.Mish,
+                  nn.LeakyReLU, nn.ELU)
+_UNARY_FUNCS = {F.gelu, F.silu, F.relu, F.dropout, F.mish, F.leaky_relu, F.elu, torch.tanh, torch.sigmoid,
+                torch.exp, torch.relu, operator.neg, torch.neg, torch.square, torch.rsqrt, torch.sqrt}
+_UNARY_METHODS = {"contiguous", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "neg",
+                  "exp", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "square", "type"}
+_BINARY_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
+                 torch.mul, torch.div, torch.where, torch.masked_fill, operator.pow, torch.pow}
+_BINARY_METHODS = {"add", "sub", "mul", "div", "masked_fill", "pow", "__add__", "__mul__"}
+_PROBE_ATTRS = {"dtype", "device", "ndim", "is_cuda", "requires_grad"}
+# ATen ops of torch.export graphs, by op name (overloads alike).
+_ATEN_KINDS = {
+    **dict.fromkeys(("gelu", "silu", "relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone",
+                     "dropout", "_to_copy", "to", "alias", "type_as", "rsqrt", "sqrt", "square"), "unary"),
+    **dict.fromkeys(("add", "sub", "mul", "div", "masked_fill", "where", "pow"), "binary"),
+    "scaled_dot_product_attention": "sdpa", "matmul": "matmul", "bmm": "matmul",
+    "softmax": "softmax", "_softmax": "softmax", "log_softmax": "softmax", "_log_softmax": "softmax",
+    "transpose": "transpose", "permute": "permute", "view": "view", "reshape": "view", "_unsafe_view": "view",
+    "split": "split", "split_with_sizes": "split", "chunk": "chunk", "cat": "cat", "slice": "slice",
+    "unsqueeze": "unsqueeze", "sym_size": "probe",
+}
+_FUNC_KINDS = {
+    **dict.fromkeys(_UNARY_FUNCS, "unary"), **dict.fromkeys(_BINARY_FUNCS, "binary"),
+    F.scaled_dot_product_attention: "sdpa", operator.matmul: "matmul", torch.matmul: "matmul",
+    torch.bmm: "matmul", F.softmax: "softmax", F.log_softmax: "softmax", torch.softmax: "softmax",
+    torch.log_softmax: "softmax", torch.transpose: "transpose", torch.permute: "permute",
+    torch.reshape: "view", torch.cat: "cat", torch.unsqueeze: "unsqueeze", operator.getitem: "getitem",
+    torch.split: "split", torch.chunk: "chunk",
+}
+_METHOD_KINDS = {
+    **dict.fromkeys(_UNARY_METHODS, "unary"), **dict.fromkeys(_BINARY_METHODS, "binary"),
+    "matmul": "matmul", "softmax": "softmax", "log_softmax": "softmax", "transpose": "transpose",
+    "permute": "permute", "view": "view", "reshape": "view", "chunk": "chunk", "split": "split",
+    "unsqueeze": "unsqueeze", "size": "probe", "dim": "probe",
+}
+_LINEAR_FUNCS = {F.linear, torch.ops.aten.linear.default}
+
+
+def _kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The matcher's name for what a node does (None: unknown, so never part of a region)."""
+    t = node.target
+    if node.op == "call_method":
+        return _METHOD_KINDS.get(t)
+    if node.op == "call_module":
+        return "unary" if isinstance(gm.get_submodule(t), _UNARY_MODULES) else None
+    if node.op != "call_function":
+        return None
+    if t is getattr:
+        return "probe" if len(node.args) == 2 and node.args[1] in _PROBE_ATTRS else None
+    if isinstance(t, torch._ops.OpOverload):
+        if t.namespace != "aten":
+            return None
+        return _ATEN_KINDS.get(t.__name__.split(".")[0])
+    try:
+        return _FUNC_KINDS.get(t)
+    except TypeError:   # unhashable target
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Lin:
+    """A Linear in the graph: an ``nn.Linear`` module call or ``F.linear`` / ``aten.linear`` on
+    parameters read with ``get_attr``."""
+    weight: str           # qualified name of the weight
+    bias: str | None
+    in_features: int
+    out_features: int
+    module: str | None    # call_module target, or None for the functional form
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    """The output shape the analysis recorded for a node (None: not a tensor / unknown)."""
+    if not isinstance(node, fx.Node):
+        return None
+    info = node.meta.get("autopar.tensor")
+    if info is not None:
+        return tuple(int(s) for s in info.shape)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(int(s) for s in val.shape)
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return tuple(int(s) for s in tm.shape)
+    return None
+
+
+def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin | None:
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
+            return None
+        return _Lin(f"{node.target}.weight", f"{node.target}.bias" if mod.bias is not None else None,
+                    mod.in_features, mod.out_features, str(node.target))
+    if node.op == "call_function" and node.target in _LINEAR_FUNCS and not node.kwargs \
+            and 2 <= len(node.args) <= 3:
+        w = node.args[1]
+        b = node.args[2] if len(node.args) == 3 else None
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and (b is None or (isinstance(b, fx.Node)
+                                                                                  and b.op == "get_attr"))):
+            return None
+        weight = _attr(gm, w.target)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return None
+        return _Lin(str(w.target), str(b.target) if b is not None else None, weight.shape[1], weight.shape[0], None)
+    return None
+
+
+def _is_probe(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Nodes that read only shape-independent facts or a size (checked against the sharded dim)."""
+    return _kind(gm, node) == "probe"
+
+
+def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, _Lin]):
+    """Nodes reachable from ``seed`` without passing a Linear; (nodes, terminal Linear nodes) or None
+    when the flow reaches the output or enters a Linear other than as its input."""
+    seen, terms, todo = {seed}, set(), [seed]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or _is_probe(gm, u):
+                continue
+            if u.op == "output":
+                return None
+            if u in linears:
+                if u.args[0] is not n or n in u.args[1:]:
+                    return None
+                terms.add(u)
+                continue
+            seen.add(u)
+            todo.append(u)
+    return seen, terms
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+class _Matcher:
+    """State propagation over one candidate pair's region (raises ``_Reject``)."""
+
+    def __init__(self, gm: fx.GraphModule, region: set[fx.Node], columns: list[fx.Node]):
+        self.gm = gm
+        self.region = region
+        self.columns = columns
+        self.state: dict[fx.Node, Any] = {}
+        self.literals: list[tuple[str, tuple, int, int]] = []
+
+    def st(self, a) -> _Sh | None:
+        return self.state.get(a) if isinstance(a, fx.Node) else None
+
+    def check_side(self, side, sh: _Sh, out_ndim: int) -> None:
+        """A replicated operand must broadcast along the sharded dim."""
+        shape = _shape(side)
+        if shape is None:
+            return  # a scalar
+        neg = sh.dim - out_ndim
+        if -neg <= len(shape) and shape[neg] != 1:
+            raise _Reject(f"{side} is replicated along a sharded dim")
+
+    def run(self, order: list[fx.Node]) -> None:
+        for n in order:
+            if n in self.columns:
+                self.state[n] = self.column_state(n)
+            else:
+                self.state[n] = self.visit(n)
+        for n in order:  # probes read sizes: never of the sharded dim
+            for u in n.users:
+                if _is_probe(self.gm, u) and u.target not in (getattr, "dim"):
+                    sh = self.state[n]
+                    d = _arg(u, 1, "dim")
+                    shape = _shape(n)
+                    if d is None or shape is None or not isinstance(sh, _Sh) \
+                            or _norm_dim(d, len(shape)) == sh.dim:
+                        raise _Reject(f"{u} reads the size of a sharded dim")
+
+    def column_state(self, n: fx.Node) -> _Sh:
+        shape = _shape(n)
+        if shape is None:
+            raise _Reject("no shape")
+        out = shape[-1]
+        parts = 1
+        users = list(n.users)
+        if len(users) == 1 and _kind(self.gm, users[0]) in ("chunk", "split"):
+            u = users[0]
+            is_chunk = _kind(self.gm, u) == "chunk"
+            d = _arg(u, 2, "dim", 0)
+            if _norm_dim(d, len(shape)) == len(shape) - 1:
+                k = _arg(u, 1, "chunks" if is_chunk else "split_size")
+                if is_chunk and isinstance(k, int):
+                    parts = k
+                elif isinstance(k, int) and out % k == 0:
+                    parts = out // k
+                elif isinstance(k, (list, tuple)) and len(set(k)) == 1:
+                    parts = len(k)
+        if out % parts:
+            raise _Reject("uneven parts")
+        return _Sh(len(shape) - 1, out, 1, parts)
+
+    def visit(self, n: fx.Node):
+        ins = [a for a in n.all_input_nodes if a in self.state]
+        if not ins:
+            raise _Reject(f"{n} has no sharded input")
+        shs = [self.state[a] for a in ins]
+        kind = _kind(self.gm, n)
+        if kind == "getitem":
+            return self.getitem(n)
+        if kind in ("chunk", "split"):
+            return self.chunk(n, kind)
+        if any(isinstance(s, tuple) or s.parts != 1 for s in shs):
+            raise _Reject(f"{n} consumes a fused output")
+        out_shape = _shape(n)
+        if out_shape is None or kind is None:
+            raise _Reject(f"{n.format_node()}: not a recognised op")
+        sh = self.st(n.args[0] if n.args else None)
+        nd = len(out_shape)
+        if kind == "unary":
+            if sh is None or len(ins) != 1:
+                raise _Reject(f"{n}: sharded tensor not in first position")
+            return sh
+        if kind == "binary":
+            return self.elementwise(n, out_shape)
+        if kind in ("sdpa", "matmul"):   # the sharded dim must be a batch dim, not a matrix dim
+            out = self.elementwise(n, out_shape)
+            if out.dim > nd - 3:
+                raise _Reject(f"{n}: sharded along a matrix dim")
+            return out
+        if kind == "cat":
+            return self.cat(n, out_shape)
+        if sh is None:
+            raise _Reject(f"{n}: sharded tensor not in first position")
+        if kind == "softmax":
+            d = _arg(n, 1, "dim")
+            if d is None or _norm_dim(d, nd) == sh.dim:
+                raise _Reject(f"{n}: softmax over the sharded dim")
+            return sh
+        if kind == "transpose":
+            a, b = (_norm_dim(_arg(n, i, k), nd) for i, k in ((1, "dim0"), (2, "dim1")))
+            return _Sh({a: b, b: a}.get(sh.dim, sh.dim), sh.size, sh.stride)
+        if kind == "permute":
+            dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+            dims = [_norm_dim(d, nd) for d in dims]
+            return _Sh(dims.index(sh.dim), sh.size, sh.stride)
+        if kind == "unsqueeze":
+            d = _norm_dim(_arg(n, 1, "dim"), nd)
+            return _Sh(sh.dim + (d <= sh.dim), sh.size, sh.stride)
+        if kind == "slice":   # aten.slice.Tensor(x, dim, start, end, step)
+            d = _norm_dim(_arg(n, 1, "dim", 0), nd)
+            if d == sh.dim and _shape(n.args[0])[d] != out_shape[d]:
+                raise _Reject(f"{n}: slices the sharded dim")
+            return sh
+        if kind == "view":
+            return self.view(n, sh, out_shape)
+        raise _Reject(f"{n.format_node()}: not a recognised op")
+
+    def elementwise(self, n: fx.Node, out_shape) -> _Sh:
+        nd = len(out_shape)
+        negs = set()
+        for a in n.all_input_nodes:
+            if a in self.state:
+                s, shape = self.state[a], _shape(a)
+                negs.add((s.dim - len(shape), s.size, s.stride))
+        if len(negs) != 1:
+            raise _Reject(f"{n}: operands sharded differently")
+        neg, size, stride = negs.pop()
+        sh = _Sh(nd + neg, size, stride)
+        for a in n.all_input_nodes:
+            if a not in self.state:
+                self.check_side(a, sh, nd)
+        return sh
+
+    def getitem(self, n: fx.Node):
+        src, idx = n.args
+        s = self.state.get(src)
+        if isinstance(s, tuple):  # an element of a chunk / split
+            if not isinstance(idx, int):
+                raise _Reject(f"{n}: dynamic index")
+            return s[1]
+        shape = _shape(src)
+        if s is None or shape is None:
+            raise _Reject(f"{n}: unknown source")
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if any(isinstance(i, (fx.Node, torch.Tensor, list)) and not isinstance(i, slice) for i in items):
+            raise _Reject(f"{n}: tensor indexing")
+        n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+        in_dim = out_dim = 0
+        for i in items:
+            if i is Ellipsis:
+                skip = len(shape) - n_real
+                if in_dim <= s.dim < in_dim + skip:
+                    return _Sh(out_dim + s.dim - in_dim, s.size, s.stride)
+                in_dim += skip
+                out_dim += skip
+            elif i is None:
+                out_dim += 1
+            elif isinstance(i, int):
+                if in_dim == s.dim:
+                    raise _Reject(f"{n}: indexes the sharded dim")
+                in_dim += 1
+            elif isinstance(i, slice):
+                if in_dim == s.dim:
+                    if i != slice(None):
+                        raise _Reject(f"{n}: slices the sharded dim")
+                    return _Sh(out_dim, s.size, s.stride)
+                in_dim += 1
+                out_dim += 1
+            else:
+                raise _Reject(f"{n}: index {i!r}")
+        return _Sh(out_dim + s.dim - in_dim, s.size, s.stride)
+
+    def chunk(self, n: fx.Node, kind: str):
+        x = n.args[0]
+        s, shape = self.state.get(x), _shape(x)
+        if not isinstance(s, _Sh) or shape is None or len(n.all_input_nodes) != 1:
+            raise _Reject(f"{n}: unknown input")
+        d = _norm_dim(_arg(n, 2, "dim", 0), len(shape))
+        k = _arg(n, 1, "chunks" if kind == "chunk" else "split_size")
+        if s.parts > 1:
+            if d != s.dim:
+                raise _Reject(f"{n}: fused output split along another dim")
+            part = s.size // s.parts
+            if kind == "split":
+                if isinstance(k, int):
+                    self.literals.append((n.name, ("arg", 1), k, 1))
+                else:
+                    for i in range(len(k)):
+                        self.literals.append((n.name, ("list", 1, i), k[i], 1))
+            return ("parts", _Sh(s.dim, part, 1))
+        if d == s.dim:
+            raise _Reject(f"{n}: splits the sharded dim")
+        return ("parts", s)
+
+    def view(self, n: fx.Node, s: _Sh, out_shape) -> _Sh:
+        in_shape = _shape(n.args[0])
+        if s is None or in_shape is None:
+            raise _Reject(f"{n}: unknown view input")
+        outer = math.prod(in_shape[:s.dim])
+        e, acc = 0, 1
+        while e < len(out_shape) and acc < outer:
+            acc *= out_shape[e]
+            e += 1
+        while e < len(out_shape) and acc == outer and out_shape[e] == 1 and in_shape[s.dim] != 1:
+            e += 1
+        if acc != outer or e >= len(out_shape):
+            raise _Reject(f"{n}: view mixes the sharded dim with an outer dim")
+        size, new = s.size, out_shape[e]
+        if new == size:
+            stride = s.stride
+        elif new < size:  # split: dims e.. multiply to size
+            k, acc2 = e, 1
+            while k < len(out_shape) and acc2 < size:
+                acc2 *= out_shape[k]
+                k += 1
+            if acc2 != size or (size * s.stride) % new:
+                raise _Reject(f"{n}: view splits the sharded dim unevenly")
+            stride = size * s.stride // new
+        else:  # merge: in dims s.dim.. multiply to new, the inner ones being this index's features
+            k, acc2 = s.dim, 1
+            while k < len(in_shape) and acc2 < new:
+                acc2 *= in_shape[k]
+                k += 1
+            inner = math.prod(in_shape[s.dim + 1:k])
+            if acc2 != new or inner != s.stride or (size * s.stride) % new:
+                raise _Reject(f"{n}: view merges the sharded dim with non-feature dims")
+            stride = 1
+        # the literal giving dim e
+        args = n.args[1:] if n.op == "call_method" else n.args[1:2]
+        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+            where, lit = ("list", 1, e), args[0][e] if e < len(args[0]) else None
+        else:
+            where, lit = ("arg", 1 + e), args[e] if e < len(args) else None
+        if isinstance(lit, int) and lit != -1:
+            self.literals.append((n.name, where, lit, stride))
+        elif lit != -1:
+            raise _Reject(f"{n}: the sharded dim's size is not a literal")
+        return _Sh(e, new, stride)
+
+    def cat(self, n: fx.Node, out_shape) -> _Sh:
+        tensors = _arg(n, 0, "tensors")
+        d = _norm_dim(_arg(n, 1, "dim", 0), len(out_shape))
+        states = {self.state.get(t) for t in tensors}
+        if len(states) != 1 or None in states:
+            raise _Reject(f"{n}: concatenates sharded and replicated tensors")
+        s = states.pop()
+        if d == s.dim:
+            raise _Reject(f"{n}: concatenates along the sharded dim")
+        return s
+
+
+def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node) -> TPPair:
+    x = group[0].args[0]
+    if any(c.args[0] is not x for c in group) or not isinstance(x, fx.Node):
+        raise _Reject("columns read different inputs")
+    order = [n for n in gm.graph.nodes if n in region]
+    m = _Matcher(gm, region, group)
+    m.run(order)
+    s = m.state.get(row.args[0])
+    in_shape = _shape(row.args[0])
+    rlin = linears[row]
+    if not isinstance(s, _Sh) or in_shape is None or s.dim != len(in_shape) - 1 or s.stride != 1 \
+            or s.size != rlin.in_features:
+        raise _Reject("the row's input is not sharded on its features")
+    widths = {linears[c].out_features // m.state[c].parts for c in group}
+    if widths != {s.size}:
+        raise _Reject("columns of different widths")
+    strides = {v.stride for v in m.state.values() if isinstance(v, _Sh)}
+    strides |= {v[1].stride for v in m.state.values() if isinstance(v, tuple)}
+    uf = max(strides)
+    if s.size % uf or any(uf % st for st in strides) or any(lit[3] and uf % lit[3] for lit in m.literals):
+        raise _Reject("incompatible strides")
+    return TPPair(
+        columns=tuple(_lin_name(linears[c]) for c in group), parts=tuple(m.state[c].parts for c in group),
+        row=_lin_name(rlin), num_units=s.size // uf, unit_features=uf,
+        kind="attention" if uf > 1 else "mlp", input_node=x.name,
+        column_nodes=tuple(c.name for c in group), row_node=row.name,
+        region=tuple(n.name for n in order), literals=tuple(m.literals))
+
+
+def _lin_name(lin: _Lin) -> str:
+    return lin.module if lin.module is not None else lin.weight.rpartition(".")[0]
+
+
+def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, _Lin]) -> set[fx.Node]:
+    """Linear nodes whose parameters no other node reads (a module called once, a weight read once)."""
+    count: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            for p in gm.get_submodule(node.target).parameters():
+                count[id(p)] = count.get(id(p), 0) + 1
+        elif node.op == "get_attr":
+            t = _attr(gm, node.target)
+            count[id(t)] = count.get(id(t), 0) + len(node.users)
+    out = set()
+    for n, lin in linears.items():
+        names = [lin.weight] + ([lin.bias] if lin.bias else [])
+        if all(count.get(id(_attr(gm, name)), 0) == 1 for name in names):
+            out.add(n)
+    return out
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def find_tp_pairs(gm: fx.GraphModule) -> list[TPPair]:
+    """The Linear pairs of ``gm`` that tensor parallelism can shard, in graph order.
+
+    Needs output shapes on the nodes (``passes.analysis.annotate_pass``, or ``meta["val"]`` /
+    ``meta["tensor_meta"]``); nodes without them are never part of a pair. Pure: ``gm`` is unchanged.
+    """
+    linears = {n: mod for n in gm.graph.nodes if (mod := _linear(gm, n)) is not None}
+    usable = _params_used_once(gm, linears)
+    closures = {}
+    for n in linears:
+        if n in usable:
+            c = _closure(gm, n, linears)
+            if c is not None and len(c[1]) == 1:
+                closures[n] = c
+    # merge the columns whose regions meet
+    groups: list[tuple[list[fx.Node], set[fx.Node], set[fx.Node]]] = []
+    for n, (nodes, terms) in closures.items():
+        merged = [g for g in groups if g[1] & nodes]
+        cols, region, ts = [n], set(nodes), set(terms)
+        for g in merged:
+            groups.remove(g)
+            cols += g[0]
+            region |= g[1]
+            ts |= g[2]
+        groups.append((cols, region, ts))
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pairs, used = [], set()
+    for cols, region, ts in sorted(groups, key=lambda g: min(index[c] for c in g[0])):
+        if len(ts) != 1:
+            continue
+        row = next(iter(ts))
+        cols = sorted(cols, key=index.__getitem__)
+        if row not in usable or row in used or any(c in used for c in cols):
+            continue
+        try:
+            pair = _match(gm, linears, cols, region, row)
+        except (_Reject, KeyError, IndexError, TypeError, ValueError, AttributeError):
+            continue
+        pairs.append(pair)
+        used.update(cols)
+        used.add(row)
+    return pairs
+
+
