@@ -52,16 +52,18 @@ class Efficiency:
     memory: float
     weights: float
     op_overhead_s: float
+    matmul_call_s: float = 0.0   # extra fixed cost per matmul / attention call (small GEMMs are slower)
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.matmul, self.attention, self.memory, self.weights, self.op_overhead_s])
+        return np.array([self.matmul, self.attention, self.memory, self.weights, self.op_overhead_s,
+                         self.matmul_call_s])
 
 
 # Typical large-model training on current GPUs: ~60% of peak on GEMMs, ~45% on fused attention,
 # ~75% of HBM bandwidth on memory-bound kernels, ~4 us per kernel launch.
 DEFAULT_GPU_EFFICIENCY = Efficiency(matmul=1 / 0.6, attention=1 / 0.45, memory=1 / 0.75, weights=1 / 0.75,
-                                    op_overhead_s=4e-6)
-_NEUTRAL = np.array([1.0, 1.0, 1.0, 1.0, 0.0])
+                                    op_overhead_s=4e-6, matmul_call_s=0.0)
+_NEUTRAL = np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
 
 
 def cache_dir() -> Path:
@@ -72,7 +74,8 @@ def cache_dir() -> Path:
 # -- roofline ------------------------------------------------------------------------------------
 def roofline_features(stats, micro_batch: float, batch_size: int, peak_flops: float, bandwidth_Bps: float,
                       bytes_scale: float = 1.0, backward: bool = False) -> np.ndarray:
-    """Feature vector [matmul s, attention s, memory s, weights s, num_ops] of one block at ``micro_batch``;
+    """Feature vector [matmul s, attention s, memory s, weights s, num_ops, matmul/attention ops] of one
+    block at ``micro_batch``;
     the predicted time is its dot product with ``Efficiency.as_array()``.
 
     ``stats`` is a ``passes.blocks.BlockStats`` measured at ``batch_size`` samples; FLOPs and activation
@@ -91,6 +94,8 @@ def roofline_features(stats, micro_batch: float, batch_size: int, peak_flops: fl
     weights = stats.param_bytes_read + (stats.param_bytes if backward else 0.0)
     out.append(weights * bytes_scale / bandwidth_Bps)
     out.append(stats.num_ops * mult)
+    ops = dict(stats.ops_by_class)
+    out.append((ops.get("matmul", 0) + ops.get("attention", 0)) * mult)
     return np.array(out)
 
 
@@ -120,13 +125,17 @@ def _tile_batch(inputs: tuple, b: int) -> tuple:
     return tuple(out)
 
 
-def _time(fn, repeats: int, sync, stat: str = "median") -> float:
-    fn()
+def _time(fn, repeats: int, sync, stat: str = "median", setup=None) -> float:
+    """Time ``fn(setup())`` (``setup`` untimed, e.g. the forward whose backward is timed)."""
+    setup = setup or (lambda: None)
+    fn(setup())
     sync()
     ts = []
     for _ in range(repeats):
+        arg = setup()
+        sync()
         t0 = time.perf_counter()
-        fn()
+        fn(arg)
         sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) if stat == "median" else min(ts)
@@ -174,22 +183,25 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
                 continue
             mod, args = subs[i], captured_inputs[i]
 
-            def fwd():
+            def fwd(_):
                 return mod(*args)
 
-            def fwd_bwd():
+            def forward_for_backward():
                 a2 = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
                       for a in args]
                 outs = [o for o in torch.utils._pytree.tree_flatten(mod(*a2))[0]
                         if isinstance(o, torch.Tensor) and o.requires_grad]
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                return outs, [torch.ones_like(o) for o in outs]
+
+            def bwd(outs_grads):
+                if outs_grads[0]:
+                    torch.autograd.backward(*outs_grads)
 
             with torch.no_grad():
                 tf = _time(fwd, repeats, sync, stat)
-            tfb = _time(fwd_bwd, repeats, sync, stat)
+            tb = _time(bwd, repeats, sync, stat, setup=forward_for_backward)
             mod.zero_grad(set_to_none=True)
-            cache[_key(analysis.stats[i].struct_hash, b, dev_name, threads())] = [tf, max(tfb - tf, 0.0)]
+            cache[_key(analysis.stats[i].struct_hash, b, dev_name, threads())] = [tf, tb]
             if progress is not None:
                 progress()
         for s in analysis.stats:
@@ -316,7 +328,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
                 continue
             from autopar.devices import CPU_NOMINAL
 
-            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1, 1e-5), False)
+            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1, 1e-5, 0.0), False)
             fwd_table[t], bwd_table[t] = f / speed, b_ / speed
             sources[t] = "roofline (nominal CPU)"
             continue

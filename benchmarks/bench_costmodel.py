@@ -40,10 +40,15 @@ def _suite(seq: int):
     for d in (256, 512, 768):
         out.append((f"linear{d}", nn.Sequential(nn.Identity(), nn.Sequential(nn.Linear(d, 4 * d), nn.Linear(4 * d, d)),
                                                 nn.Identity()), d))
+        out.append((f"wide{d}", nn.Sequential(nn.Identity(), nn.Linear(d, 16 * d), nn.Identity()), d))
         out.append((f"norm-gelu{d}", nn.Sequential(nn.Identity(), nn.Sequential(nn.LayerNorm(d), nn.GELU(), nn.LayerNorm(d)),
                                                    nn.Identity()), d))
         out.append((f"attn{d}", nn.Sequential(nn.Identity(), _Attn(d, d // 64), nn.Identity()), d))
-    return [(n, m, (torch.randn(1, seq, d),)) for n, m, d in out]
+    cases = [(n, m, (torch.randn(1, seq, d),)) for n, m, d in out]
+    for v in (8192, 32768):
+        cases.append((f"embedding{v}", nn.Sequential(nn.Identity(), nn.Embedding(v, 768), nn.Identity()),
+                      (torch.randint(0, v, (1, seq)),)))
+    return cases
 
 
 def _points(analysis, measured, batches, spec):

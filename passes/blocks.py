@@ -58,6 +58,7 @@ class BlockStats:
     bwd_flops_by_class: tuple[tuple[str, float], ...]
     bytes_by_class: tuple[tuple[str, float], ...]   # activation bytes moved, per op class
     num_ops: int
+    ops_by_class: tuple[tuple[str, int], ...] = ()   # dispatched aten ops per op class
 
 
 def _layer_prefix(paths: list[str]) -> str | None:
@@ -230,7 +231,9 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
         fl: dict[str, float] = defaultdict(float)
         bf: dict[str, float] = defaultdict(float)
         by: dict[str, float] = defaultdict(float)
+        ops: dict[str, int] = defaultdict(int)
         for c in costs:
+            ops[c.op_class] += c.num_ops
             fl[c.op_class] += c.fwd_flops
             bf[c.op_class] += c.bwd_flops
             by[c.op_class] += c.act_bytes
@@ -242,6 +245,6 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
             saved_bytes=float(saved), cut_bytes=cut[b.index],
             flops_by_class=tuple(sorted(fl.items())), bwd_flops_by_class=tuple(sorted(bf.items())),
             bytes_by_class=tuple(sorted(by.items())),
-            num_ops=sum(c.num_ops for c in costs),
+            num_ops=sum(c.num_ops for c in costs), ops_by_class=tuple(sorted(ops.items())),
         ))
     return tuple(stats), tied

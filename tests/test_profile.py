@@ -12,9 +12,10 @@ from passes.analyze import analyze
 
 def test_calibrate_recovers_known_coefficients():
     rng = np.random.default_rng(0)
-    feats = rng.uniform(0, 1e-3, size=(40, 5))
+    feats = rng.uniform(0, 1e-3, size=(40, 6))
     feats[:, 4] = rng.integers(10, 200, size=40)
-    truth = np.array([1.7, 2.5, 1.3, 1.1, 3e-6])
+    feats[:, 5] = rng.integers(1, 20, size=40)
+    truth = np.array([1.7, 2.5, 1.3, 1.1, 3e-6, 2e-5])
     eff = calibrate(feats, feats @ truth)
     np.testing.assert_allclose(eff.as_array(), truth, rtol=1e-6)
 
