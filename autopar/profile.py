@@ -84,15 +84,20 @@ def roofline_features(stats, micro_batch: float, batch_size: int, peak_flops: fl
     scale = micro_batch / batch_size
     flops = dict(stats.bwd_flops_by_class if backward else stats.flops_by_class)
     act = dict(stats.bytes_by_class)
+    params = {c: (r, g) for c, r, g in stats.param_bytes_by_class}
     mult = 2.0 if backward else 1.0  # backward reads activations and writes their gradients
     out = []
     for cls in ("matmul", "attention", "memory"):
         f = flops.get(cls, 0.0) * scale
         b = act.get(cls, 0.0) * bytes_scale * mult * scale
+        if cls != "memory":  # a GEMM's weight traffic overlaps its compute: inside the roofline max
+            r, g = params.get(cls, (0.0, 0.0))
+            b += (r + (g if backward else 0.0)) * bytes_scale
         out.append(max(f / peak_flops, b / bandwidth_Bps))
-    # Forward reads the weights it uses; backward reads them again and writes every weight gradient.
-    weights = stats.param_bytes_read + (stats.param_bytes if backward else 0.0)
-    out.append(weights * bytes_scale / bandwidth_Bps)
+    # Memory-bound ops' weights (embedding lookups, norms): read forward; read again and the full
+    # gradient written backward (an embedding's dense gradient, a tied weight owned elsewhere).
+    r, g = params.get("memory", (0.0, 0.0))
+    out.append((r + (g if backward else 0.0)) * bytes_scale / bandwidth_Bps)
     out.append(stats.num_ops * mult)
     ops = dict(stats.ops_by_class)
     out.append((ops.get("matmul", 0) + ops.get("attention", 0)) * mult)
@@ -350,6 +355,10 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     act_scale = 0.5 if all_gpu else 1.0
     weight_bytes_per_param = 2 if all_gpu else 4
     opt_bytes = OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0)
+    from autopar.step_costs import step_terms  # optimizer step and per-call overhead per type
+
+    opt_s, call_s = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
+                               measured=measured is not None)
     return ModelCosts(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),
@@ -359,5 +368,5 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
         sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table,
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
-        tied_groups=analysis.tied_groups, sources=sources,
+        tied_groups=analysis.tied_groups, sources=sources, optimizer_s_per_param=opt_s, call_overhead_s=call_s,
     )

@@ -45,7 +45,7 @@ def _suite(seq: int):
                                                    nn.Identity()), d))
         out.append((f"attn{d}", nn.Sequential(nn.Identity(), _Attn(d, d // 64), nn.Identity()), d))
     cases = [(n, m, (torch.randn(1, seq, d),)) for n, m, d in out]
-    for v in (8192, 32768):
+    for v in (32768, 65536):  # vocabulary-sized: gradients beyond the caches, freshly mapped on CPU
         cases.append((f"embedding{v}", nn.Sequential(nn.Identity(), nn.Embedding(v, 768), nn.Identity()),
                       (torch.randint(0, v, (1, seq)),)))
     return cases

@@ -62,6 +62,7 @@ class NodeCost:
     saved_input_nodes: tuple[str, ...]  # graph values (by node name) this op saves for backward
     out_bytes: float
     num_ops: int             # aten ops dispatched in forward (for per-op overhead)
+    param_grad_bytes: float = 0.0  # bytes of the parameters it uses: the gradient backward writes
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -249,6 +250,7 @@ class _Analyzer(fx.Interpreter):
             mod = self.module.get_submodule(n.target)
             param_read += sum(_nbytes(p) for p in mod.parameters()) + sum(_nbytes(b) for b in mod.buffers())
         out_b = _out_bytes(out)
+        param_grad = param_read
         if "embedding" in name:
             param_read = min(param_read, out_b)  # a lookup reads only the rows it gathers
         is_view = (n.op == "call_function" and n.target is operator.getitem) or \
@@ -277,6 +279,7 @@ class _Analyzer(fx.Interpreter):
             op_class=_classify(name, float(self._cache[sig][0])), fwd_flops=fwd, bwd_flops=bwd,
             act_bytes=act_in + out_b_moved, param_bytes_read=param_read, saved_bytes=float(saved_bytes),
             saved_input_nodes=tuple(saved_nodes), out_bytes=float(out_b), num_ops=num_ops,
+            param_grad_bytes=float(param_grad),
         )
         return out
 

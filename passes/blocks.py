@@ -59,6 +59,9 @@ class BlockStats:
     bytes_by_class: tuple[tuple[str, float], ...]   # activation bytes moved, per op class
     num_ops: int
     ops_by_class: tuple[tuple[str, int], ...] = ()   # dispatched aten ops per op class
+    param_grad_bytes: float = 0.0   # gradient bytes backward writes for the parameters the block uses
+    # Per op class: (weight bytes read in forward, gradient bytes written in backward).
+    param_bytes_by_class: tuple[tuple[str, float, float], ...] = ()
 
 
 def _layer_prefix(paths: list[str]) -> str | None:
@@ -232,8 +235,11 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
         bf: dict[str, float] = defaultdict(float)
         by: dict[str, float] = defaultdict(float)
         ops: dict[str, int] = defaultdict(int)
+        pr: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for c in costs:
             ops[c.op_class] += c.num_ops
+            pr[c.op_class][0] += c.param_bytes_read
+            pr[c.op_class][1] += c.param_grad_bytes
             fl[c.op_class] += c.fwd_flops
             bf[c.op_class] += c.bwd_flops
             by[c.op_class] += c.act_bytes
@@ -246,5 +252,7 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
             flops_by_class=tuple(sorted(fl.items())), bwd_flops_by_class=tuple(sorted(bf.items())),
             bytes_by_class=tuple(sorted(by.items())),
             num_ops=sum(c.num_ops for c in costs), ops_by_class=tuple(sorted(ops.items())),
+            param_grad_bytes=sum(c.param_grad_bytes for c in costs),
+            param_bytes_by_class=tuple(sorted((k, v[0], v[1]) for k, v in pr.items())),
         ))
     return tuple(stats), tied
