@@ -10,6 +10,15 @@ in solver tests, from ``ModelCosts.synthetic``.
 
 Memory terms (bytes): weights ``param_bytes``; gradients the same size; optimizer state
 ``optimizer_bytes_per_param`` per parameter (AdamW keeps two fp32 moments: 8; SGD with momentum: 4).
+
+Time terms besides the block tables, per device type (a type missing from a dict costs 0 there):
+- ``optimizer_s_per_param``: seconds of ``optimizer.step()`` per parameter a rank steps (its shard
+  under ZeRO >= 1, else every parameter it holds); ``optimizer_time``.
+- ``call_overhead_s``: fixed seconds per *compute call*, the unit of work a rank runs between two
+  waits: one stage's forward or backward of one micro-batch in a pipeline, one micro-step
+  (forward + loss + backward) in data parallelism; ``call_overhead``. On emulated CPU devices it is
+  what a call costs beyond its blocks' hot timings when it starts after the emulation clock's sleep
+  (cold caches, re-scheduling), on GPUs 0 (launch overheads are in the block tables).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ class ModelCosts:
     grad_bytes_per_param: int = 4
     tied_groups: tuple[tuple[int, ...], ...] = ()  # blocks sharing one parameter (e.g. tied embedding)
     sources: dict[str, str] = field(default_factory=dict)  # device type -> "measured"/"roofline"/"emulated"
+    optimizer_s_per_param: dict[str, float] = field(default_factory=dict)  # device type -> optimizer step s/param
+    call_overhead_s: dict[str, float] = field(default_factory=dict)        # device type -> s per compute call
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -90,6 +101,14 @@ class ModelCosts:
         """Forward + backward seconds of a block range at one micro-batch."""
         return float(self.fwd_time(device_type, micro_batch)[blocks].sum()
                      + self.bwd_time(device_type, micro_batch)[blocks].sum())
+
+    def optimizer_time(self, device_type: str, num_params: float) -> float:
+        """Seconds of one optimizer step over ``num_params`` parameters on one ``device_type`` device."""
+        return float(self.optimizer_s_per_param.get(device_type, 0.0)) * float(num_params)
+
+    def call_overhead(self, device_type: str) -> float:
+        """Fixed seconds per compute call on one ``device_type`` device (see the module docstring)."""
+        return float(self.call_overhead_s.get(device_type, 0.0))
 
     def state_bytes(self, blocks: slice = slice(None), zero_stage: int = 0, shard_fraction: float = 1.0) -> float:
         """Weights + gradients + optimizer state of a block range, under a ZeRO stage.

@@ -16,7 +16,10 @@ Terms
   ZeRO-3, on every micro-step, an all-gather of the parameters for forward, another for backward and
   a reduce-scatter of the gradients.
 - rank time: its micro-step curve summed over its micro-batches. Step time: the slowest rank's time,
-  plus the per-step collectives (which every rank enters together after its last micro-step).
+  plus the per-step collectives (which every rank enters together after its last micro-step), plus
+  the slowest rank's optimizer step (``optimizer_step_s``: ``ModelCosts.optimizer_time`` of every
+  parameter under ZeRO-0, of its 1/N shard under ZeRO >= 1), which runs between the gradient
+  reduction and the ZeRO-1/2 all-gather.
   Under ZeRO-3 the per-micro-step collectives are charged to each rank for its own micro-steps; a
   runtime whose ranks must all join every gather (ranks with fewer micro-steps joining with empty
   ones) waits a little longer than predicted when the counts differ.
@@ -51,7 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "DpStrategy", "DP_STRATEGIES", "ZERO_STAGES", "DEFAULT_WORKSPACE_BYTES", "ZeroComm", "RankMemory",
     "zero_comm", "micro_step_curve", "rank_memory", "max_micro_batch", "plan_dp", "with_bounds",
-    "dp_upper_bound",
+    "dp_upper_bound", "optimizer_step_s",
 ]
 
 DpStrategy = Literal["dp", "uniform-dp", "proportional-dp"]
@@ -107,8 +110,9 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     """Seconds of one micro-step on ``device_type`` as a function of the micro-batch size.
 
     Built from the sizes the cost tables were sampled at plus 1 and ``max_batch`` (so evaluating at
-    ``1..max_batch`` never extrapolates); PCHIP keeps monotone samples monotone. ``comm_cost`` adds
-    its per-micro-step collectives (non-zero under ZeRO-3 only).
+    ``1..max_batch`` never extrapolates); PCHIP keeps monotone samples monotone. A micro-step is one
+    compute call (``ModelCosts.call_overhead``). ``comm_cost`` adds its per-micro-step collectives
+    (non-zero under ZeRO-3 only).
     """
     _check_zero_stage(zero_stage)
     if device_type not in costs.fwd_table:
@@ -122,7 +126,7 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     if len(xs) == 1:
         xs.add(2.0)
     x = np.array(sorted(xs))
-    extra = comm_cost.per_micro_step_s if comm_cost is not None else 0.0
+    extra = (comm_cost.per_micro_step_s if comm_cost is not None else 0.0) + costs.call_overhead(device_type)
     y = np.array([costs.step_time(device_type, b) for b in x]) + extra
     return PchipInterpolator(x, y, extrapolate=True)
 
@@ -191,6 +195,7 @@ class _Candidate:
     bytes_moved: float
     memory_bytes: dict[int, int]
     note: str = ""
+    optimizer_s: float = 0.0
 
 
 def _check_zero_stage(zero_stage) -> None:
@@ -262,7 +267,15 @@ def _fit_error(costs, cluster, ranks, mems, zero_stage) -> str | None:
     return None
 
 
-def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="") -> _Candidate:
+def optimizer_step_s(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int) -> float:
+    """Seconds of the slowest rank's optimizer step (a compute call) in a data-parallel plan over
+    ``ranks``: every parameter under ZeRO-0, its 1/N shard under ZeRO >= 1."""
+    n = float(costs.params.sum()) / (len(ranks) if zero_stage >= 1 else 1)
+    return max((costs.optimizer_time(cluster.devices[r].spec.name, n)
+                + costs.call_overhead(cluster.devices[r].spec.name) for r in ranks), default=0.0)
+
+
+def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_s: float = 0.0) -> _Candidate:
     rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
     slow = int(np.argmax(rank_time))
     steps = [len(mb) for mb in micro]
@@ -275,8 +288,8 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="") -> _Candid
     memory = {r: m.peak_bytes(max(mb, default=0)) for r, m, mb in zip(ranks, mems, micro)}
     return _Candidate(
         zero_stage=zc.zero_stage, shares=tuple(shares), micro=tuple(tuple(m) for m in micro),
-        step_time_s=compute_s + comm_s, compute_s=compute_s, comm_s=comm_s,
-        bytes_moved=zc.bytes_moved(max(steps)), memory_bytes=memory, note=note,
+        step_time_s=compute_s + comm_s + optimizer_s, compute_s=compute_s, comm_s=comm_s,
+        bytes_moved=zc.bytes_moved(max(steps)), memory_bytes=memory, note=note, optimizer_s=optimizer_s,
     )
 
 
@@ -301,8 +314,10 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
             by_type[key] = lambda b, c=curve: float(c(b))
         fns.append(by_type[key])
 
+    opt_s = optimizer_step_s(costs, cluster, ranks, zero_stage)
+
     def evaluate(shares, micro, note=""):
-        return _evaluate(shares, micro, fns, zc, ranks, mems, note)
+        return _evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s)
 
     if strategy == "uniform-dp":
         if global_batch < n:
@@ -428,7 +443,8 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
             c = found[z]
             mark = " (chosen)" if z == best.zero_stage else ""
             notes.append(f"zero-{z}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
-                         f"comm {c.comm_s:.4g} s, {c.bytes_moved:.4g} B sent per rank)"
+                         f"comm {c.comm_s:.4g} s, optimizer {c.optimizer_s:.4g} s, "
+                         f"{c.bytes_moved:.4g} B sent per rank)"
                          + (f"; {c.note}" if c.note else ""))
         else:
             notes.append(f"zero-{z}: does not fit: {failed[z]}")
@@ -440,7 +456,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
         memory_bytes=dict(best.memory_bytes),
         compute_bound_samples_per_s=_compute_bound(costs, cluster, ranks, global_batch,
                                                    memory_fraction, workspace_bytes),
-        breakdown={"compute_s": best.compute_s, "comm_s": best.comm_s},
+        breakdown={"compute_s": best.compute_s, "comm_s": best.comm_s, "optimizer_s": best.optimizer_s},
     )
     return Plan(strategy=strategy, global_batch_size=global_batch, zero_stage=best.zero_stage,
                 schedule="none", stages=(stage,), predicted=predicted,

@@ -15,10 +15,13 @@ Terms
 - stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
   ZeRO) + activations of the micro-batches in flight: GPipe holds all M, 1F1B holds ``min(M, S - s)``
   on stage s. It must fit in ``memory_fraction`` of each member's device memory.
-- prediction: ``simulate`` of the generated schedule with per-micro-batch durations and p2p times,
-  each stage's gradient all-reduce over its members starting when the stage finishes
-  (``plan_timeline``). ZeRO-3's per-micro-batch parameter gathers and tied-weight copies are not
-  modelled here.
+- prediction: ``simulate`` of the generated schedule with per-micro-batch durations (each forward and
+  backward call with its type's ``ModelCosts.call_overhead``) and p2p times, then each stage's
+  gradient all-reduce over its members starting when the stage finishes (a tied parameter held by
+  several stages: when they all have, over their ranks), then each rank's optimizer step
+  (``stage_optimizer_s``) and, under ZeRO >= 1, the gather of the updated parameters (``plan_timeline``).
+  Its breakdown's ``allreduce_s`` is everything after the schedule (all-reduces and optimizer).
+  ZeRO-3's per-micro-batch parameter gathers are not modelled here.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
-from autopar.comm import allreduce_time_s, p2p_time_s
+from autopar.comm import allgather_time_s, allreduce_time_s, p2p_time_s
 from autopar.costs import ModelCosts
 from autopar.errors import PlanError
 from autopar.plan import Plan, Predicted, Stage
@@ -41,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
     "split_objective", "split_blocks", "plan_pipeline", "plan_timeline", "stage_durations",
-    "pp_upper_bound", "save_plan_timeline",
+    "pp_upper_bound", "save_plan_timeline", "stage_optimizer_s",
 ]
 
 ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
@@ -270,7 +273,8 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
                 time_t = np.zeros((n + 1, n + 1))
                 for k in np.unique(share[valid]):
                     if k > 0:
-                        time_t = np.where(share == k, span(pre(c.fwd_time(t, int(k)) + c.bwd_time(t, int(k)))), time_t)
+                        time_t = np.where(share == k, span(pre(c.fwd_time(t, int(k)) + c.bwd_time(t, int(k))))
+                                          + 2 * c.call_overhead(t), time_t)
                 t_stage = np.maximum(t_stage, time_t)
                 fits &= state + act * share * fly <= min(ctx.cap_bytes(r) for r in rs)
             t_s = np.where(fits, t_stage, np.inf)
@@ -288,8 +292,8 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
 
 def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stage], *,
                     replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-micro-batch forward and backward seconds [stage][micro] (slowest member) and transfer
-    seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
+    """Per-micro-batch forward and backward seconds [stage][micro] (slowest member, each with its
+    type's ``ModelCosts.call_overhead``) and transfer seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
     first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
     ``autopar.tp_cost`` with ``replicated_fraction`` (None: its default)."""
@@ -309,6 +313,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
 
                 kind = tp_cost.group_kind(cluster, members, st.tp_shares[g])
                 t = tp_ids.setdefault(kind, len(tp_ids))
+            call = max(costs.call_overhead(cluster.devices[r].spec.name) for r in members)
             for m, x in enumerate(st.micro_batches[g]):
                 if (t, x) not in seen:
                     if kind is None:
@@ -318,6 +323,8 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                         seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
                                                           tp_seen)
                 f, b = seen[(t, x)]
+                if x > 0:        # a forward call and a backward call (autopar.step_costs)
+                    f, b = f + call, b + call
                 fwd[s, m] = max(fwd[s, m], f)
                 bwd[s, m] = max(bwd[s, m], b)
         if s < S - 1:
@@ -353,9 +360,67 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
     name = plan.schedule if plan.schedule in ("gpipe", "1f1b") else "1f1b"
     timeline = simulate(make_schedule(name, len(stages), M), fwd, bwd, comm)
-    ends = timeline.stage_end_s
-    step = max(ends[s] + _allreduce_s(costs, cluster, st, rho) for s, st in enumerate(stages))
-    return timeline, float(step)
+    return timeline, _finish_s(plan, costs, cluster, timeline.stage_end_s, rho)[0]
+
+
+def _tied_stage_sets(costs: ModelCosts, stages: Sequence[Stage]) -> list[tuple[tuple[int, ...], float]]:
+    """(stages, gradient bytes) of every tied parameter group whose blocks lie in several stages."""
+    out = []
+    for group in costs.tied_groups:
+        held = tuple(sorted({s for b in group for s, st in enumerate(stages) if st.block_start <= b < st.block_stop}))
+        if len(held) > 1:
+            # The tied weight is counted in the group's first block (its owner): at most that block's size.
+            out.append((held, float(costs.params[min(group)]) * costs.grad_bytes_per_param))
+    return out
+
+
+def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_stage: int,
+                      replicated_fraction: float | None = None) -> float:
+    """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
+    1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
+    a tensor-parallel rank its shard (``rho + (1 - rho) * share / total`` of them)."""
+    p = float(costs.params[stage.block_start:stage.block_stop].sum())
+    nm = len(stage.groups)
+    tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
+    worst = 0.0
+    for g, members in enumerate(stage.groups):
+        for i, r in enumerate(members):
+            n = p
+            if tp and len(members) > 1:
+                from autopar import tp_cost
+
+                rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
+                shares = stage.tp_shares[g]
+                n = p * (rho + (1 - rho) * shares[i] / max(sum(shares), 1))
+            elif zero_stage >= 1 and nm > 1 and not tp:
+                n = p / nm
+            worst = max(worst, costs.optimizer_time(cluster.devices[r].spec.name, n)
+                        + (costs.call_overhead(cluster.devices[r].spec.name) if n > 0 else 0.0))
+    return worst
+
+
+def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[float],
+              rho: float | None) -> tuple[float, float]:
+    """(step seconds, slowest optimizer step) after the schedule: each stage all-reduces its gradients
+    over its members when it finishes; a tied parameter held by several stages waits for all of them
+    and is summed over their ranks; then each rank steps its optimizer (ZeRO >= 1: and its members
+    gather the updated parameters), as ``runtime.pipeline`` does."""
+    stages = plan.stages
+    ready = [float(ends[s]) + _allreduce_s(costs, cluster, st, rho) for s, st in enumerate(stages)]
+    for held, nbytes in _tied_stage_sets(costs, stages):
+        ranks = sorted({r for s in held for r in stages[s].ranks})
+        at = max(ready[s] for s in held) + allreduce_time_s(cluster, ranks, nbytes)
+        for s in held:
+            ready[s] = at
+    opt = [stage_optimizer_s(costs, cluster, st, plan.zero_stage, rho) for st in stages]
+    tail = []
+    for s, st in enumerate(stages):
+        gather = 0.0
+        if plan.zero_stage >= 1 and len(st.groups) > 1 and not (st.tp_shares and any(len(g) > 1 for g in st.groups)):
+            gather = allgather_time_s(cluster, [g[0] for g in st.groups],
+                                      float(costs.param_bytes[st.block_start:st.block_stop].sum()))
+        tail.append(ready[s] + opt[s] + gather)
+    return float(max(tail)), float(max(opt, default=0.0))
 
 
 def _memory_bytes(ctx: _Context, stages: Sequence[Stage], schedule: str) -> dict[int, int]:
@@ -549,7 +614,8 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     breakdown = {
         "bubble_fraction": best.timeline.bubble_fraction,
         "pipeline_s": best.timeline.step_time_s,
-        "allreduce_s": best.step_time_s - best.timeline.step_time_s,
+        "allreduce_s": best.step_time_s - best.timeline.step_time_s,   # everything after the schedule
+        "optimizer_s": max(stage_optimizer_s(costs, cluster, st, zero_stage) for st in best.stages),
         "estimate_s": best.candidate.estimate_s,
         "num_micro": float(best.candidate.num_micro),
         "num_stages": float(len(best.stages)),

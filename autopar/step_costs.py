@@ -1,0 +1,182 @@
+"""Step costs beyond the block tables: the optimizer step and the fixed cost of a compute call.
+
+Terms
+- optimizer step time: seconds of ``optimizer.step()`` per parameter a rank steps
+  (``ModelCosts.optimizer_s_per_param``). On CPU and emulated device types it is measured here
+  (``measure_optimizer``: the CPU time of a step over fresh tensors of the model's parameter shapes, so
+  the per-tensor overhead of torch's CPU optimizers counts as it does on that model), and emulated
+  types are scaled like their block tables (``cpu / speed * time_scale``). On GPU types it is a
+  memory-bound roofline (``optimizer_roofline_s_per_param``): the step reads and writes the optimizer
+  state (with the fp32 master weights under mixed precision), reads the gradient and writes the
+  weights, at ``OPTIMIZER_BANDWIDTH_EFFICIENCY`` of ``mem_bandwidth_Bps``.
+- compute call: the work a rank runs between two waits, one stage's forward or backward of one
+  micro-batch in a pipeline, one micro-step in data parallelism. An emulated device's clock sleeps
+  after every call (``autopar.runtime.emulate``), and a call that starts after a sleep costs more CPU
+  than the same call run back to back, as the block tables were timed (cold caches, re-scheduling):
+  ``measure_call_overhead`` times the whole captured graph's forward call and backward call at a small
+  micro-batch, hot and after a sleep, and keeps the mean difference (``ModelCosts.call_overhead_s``,
+  scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
+
+Measurements are cached with the block timings (``autopar.profile.cache_dir()/measure.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from autopar.costs import OPTIMIZER_STATE_BYTES
+
+__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "optimizer_roofline_s_per_param",
+           "measure_call_overhead", "step_terms"]
+
+# Fraction of peak memory bandwidth a fused / foreach optimizer step reaches on a GPU.
+OPTIMIZER_BANDWIDTH_EFFICIENCY = 0.75
+# At most this many parameters are allocated to time an optimizer step (larger models: a prefix).
+_OPT_MAX_PARAMS = 4_000_000
+
+
+def _make_optimizer(kind: str, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if kind == "sgd-nomomentum":
+        return torch.optim.SGD(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _cache():
+    from autopar import profile
+
+    path = profile.cache_dir() / "measure.json"
+    return path, profile._load_json(path), profile._save_json
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7, use_cache: bool = True) -> float:
+    """CPU seconds per parameter of one ``optimizer.step()`` on this CPU (with the threads torch uses
+    now), over fresh tensors of ``shapes`` (default one flat vector of 1M elements; at most the first
+    4M parameters' worth), state initialised, median of ``repeats``. ``optimizer``: "adamw", "adam",
+    "sgd" (with momentum) or "sgd-nomomentum"."""
+    shapes = [tuple(int(d) for d in s) for s in (shapes if shapes is not None else [(1_000_000,)])]
+    kept, n = [], 0
+    for s in shapes:
+        k = int(np.prod(s)) if s else 1
+        if kept and n + k > _OPT_MAX_PARAMS:
+            break
+        kept.append(s)
+        n += k
+    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}"
+    path, cache, save = _cache() if use_cache else (None, {}, None)
+    if key not in cache:
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in kept]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        opt = _make_optimizer(optimizer, params)
+        opt.step()                                   # initialises the state
+        ts = []
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            opt.step()
+            ts.append(time.thread_time() - t0)
+        cache[key] = statistics.median(ts) / max(n, 1)
+        if use_cache:
+            save(path, cache)
+    return float(cache[key])
+
+
+def optimizer_roofline_s_per_param(spec, optimizer: str = "adamw", *, mixed_precision: bool = True) -> float:
+    """Seconds per parameter of a memory-bound optimizer step on a GPU ``spec``. Mixed precision: it
+    reads and writes the fp32 state and master weights (``OPTIMIZER_STATE_BYTES + 4``), reads the bf16
+    gradient and writes the bf16 weights (AdamW: 2 x 12 + 2 + 2 = 28 bytes); fp32: state and weights
+    read and written, gradient read (AdamW: 2 x 8 + 2 x 4 + 4 = 28)."""
+    state = OPTIMIZER_STATE_BYTES.get(optimizer, 8)
+    moved = 2 * (state + 4) + 2 + 2 if mixed_precision else 2 * state + 2 * 4 + 4
+    return moved / (spec.mem_bandwidth_Bps * OPTIMIZER_BANDWIDTH_EFFICIENCY)
+
+
+def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int = 2, gap_s: float = 0.01,
+                          repeats: int = 9, use_cache: bool = True) -> float:
+    """CPU seconds a compute call costs beyond its hot time when it starts after a ``gap_s`` sleep (see
+    the module docstring), at least 0. Cached per graph (its blocks' signatures) and CPU thread count.
+    Runs forward and backward on the captured graph, so it leaves the model's ``.grad`` cleared."""
+    from autopar.profile import _tile_batch
+    from passes.split import flat_inputs
+
+    sig = hashlib.sha1("/".join(s.struct_hash for s in analysis.stats).encode()).hexdigest()[:16]
+    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}"
+    path, cache, save = _cache() if use_cache else (None, {}, None)
+    if key not in cache:
+        gm = analysis.captured.gm
+        flat = flat_inputs(gm, _tile_batch(tuple(example_inputs), micro_batch))
+        held: list = []
+
+        def fwd():
+            held[:] = [o for o in torch.utils._pytree.tree_flatten(gm(*flat))[0]
+                       if isinstance(o, torch.Tensor) and o.requires_grad]
+
+        def bwd():
+            if held:
+                torch.autograd.backward(held, [torch.ones_like(o) for o in held])
+            held.clear()
+
+        def medians(gap: float) -> tuple[float, float]:
+            tf, tb = [], []
+            fwd()
+            bwd()
+            for _ in range(repeats):
+                for fn, ts in ((fwd, tf), (bwd, tb)):
+                    if gap:
+                        time.sleep(gap)
+                    t0 = time.thread_time()
+                    fn()
+                    ts.append(time.thread_time() - t0)
+            return statistics.median(tf), statistics.median(tb)
+
+        hot = medians(0.0)
+        cold = medians(gap_s)
+        gm.zero_grad(set_to_none=True)
+        cache[key] = max(0.0, ((cold[0] - hot[0]) + (cold[1] - hot[1])) / 2)
+        if use_cache:
+            save(path, cache)
+    return float(cache[key])
+
+
+def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
+               measured: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+    """``(optimizer_s_per_param, call_overhead_s)`` per device type of ``cluster`` (see the module
+    docstring). ``measured``: the block tables of CPU / emulated types were measured here (then the
+    call overhead is measured too; otherwise it is 0 and the optimizer is timed on a flat vector
+    when the model has no real weights)."""
+    from autopar.runtime.emulate import emulation_time_scale
+
+    types = cluster.device_types()
+    specs = {t: cluster.spec_of(t) for t in types}
+    cpu_types = [t for t, s in specs.items() if s.is_emulated or s.vendor == "cpu"]
+    mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.profile)
+    opt, call = {}, {}
+    cpu_opt = cpu_call = 0.0
+    if cpu_types:
+        real = model is not None and not any(p.is_meta for p in model.parameters())
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
+        cpu_opt = measure_optimizer(optimizer, shapes or None)
+        if measured and real and example_inputs is not None:
+            cpu_call = measure_call_overhead(analysis, example_inputs)
+    scale = emulation_time_scale(len(cluster))
+    for t, spec in specs.items():
+        if t in cpu_types:
+            speed = spec.speed / scale if spec.is_emulated else 1.0
+            opt[t] = cpu_opt / speed
+            call[t] = cpu_call / speed
+        else:
+            opt[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
+            call[t] = 0.0
+    return opt, call
