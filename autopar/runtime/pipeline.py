@@ -13,6 +13,16 @@ Terms
 - message: per transfer a small int64 header (per value: dtype code, requires-grad flag, shape), then
   one tensor per value. Gradients travel back along the same transfers without a header (the sender
   knows their shapes). Tags keep the streams of different micro-batches and directions apart.
+- input signature: the dtypes and shapes of the step's flat graph inputs (every rank holds the whole
+  global batch, so every rank computes the same one). The shapes of the values a stage receives
+  depend only on it and on the rows of the transfer, so headers travel only in the first step of a
+  signature; the receivers keep what they said (``value meta``) and in later steps know every shape.
+- pre-posted receive: on gloo point-to-point pairs of CPU tensors, a receiver whose shapes are known
+  posts its receives (``irecv``) before the sender sends: the forward values of every micro-batch at
+  the start of the step, the gradients of a micro-batch right after sending its forward values. A
+  gloo send whose receive is posted writes at once; otherwise the data waits for a round trip through
+  the sender's communication thread, which an emulated device that is computing (or any busy CPU)
+  serves late. Other pairs (NCCL, host-staged) receive blocking, in schedule order.
 - schedule: ``autopar.schedule.make_schedule(plan.schedule, S, M)`` lowered with ``with_comm``; each
   rank runs its stage's action list: RECV_F, F, SEND_F, RECV_B, B, SEND_B. Sends are asynchronous,
   receives block.
@@ -247,6 +257,12 @@ class PipelineEngine:
         self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
         self._batched: dict[str, bool] | None = None
         self._sends: list = []
+        self._signatures: set = set()            # input signatures whose headers have travelled
+        self._meta: dict = {}                    # signature -> {value name: (dtype, grad, shape)}
+        self._signature = None
+        self._known = False                      # this step's signature is in _signatures
+        self._posted_f: dict[int, list] = {}     # micro -> pre-posted forward receives
+        self._posted_b: dict[int, list] = {}     # micro -> pre-posted gradient receives
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
@@ -261,6 +277,11 @@ class PipelineEngine:
             names = sorted({n for p in self.programs for n in p.sent})
             self._batched = batched_values(self.inputs.gm, flat, names, device=self.device) if names else {}
 
+        self._signature = _signature(flat)
+        self._known = self._signature in self._signatures
+        if self.stage is not None and self.stage > 0 and self._known:
+            for m in range(self.num_micro):
+                self._posted_f[m] = self._post_forward(m)
         state: dict[int, dict[str, Any]] = {m: {} for m in range(self.num_micro)}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for action in self.schedule.actions[self.stage] if self.stage is not None else ():
@@ -276,8 +297,9 @@ class PipelineEngine:
                 rows = slice(a, b)
                 local = [_rows(t, rows, self.device) for t in flat]
                 tgt = _rows(targets, rows, self.device) if self.program.is_last else None
+                received = st.get("received", ())
                 with self.clock.compute():
-                    out = self.program(local, st.get("received", ()))
+                    out = self.program(local, received)
                     if self.program.is_last:
                         loss = compute_loss(out, tgt, self.inputs.loss_fn) * ((b - a) / B)
                 if self.program.is_last:
@@ -289,17 +311,20 @@ class PipelineEngine:
             elif kind == "SEND_F":
                 if self.tp_index == 0:
                     self._send_forward(m, st["outputs"])
+                self._posted_b[m] = self._post_backward(m, st["outputs"])
             elif kind == "RECV_B":
                 st["grads"] = self._recv_backward(m, st["outputs"])
             elif kind == "B":
-                with self.clock.compute():
-                    if self.program.is_last:
-                        st.pop("loss").backward()
-                    else:
-                        outs = st.pop("outputs")
-                        grads = st.pop("grads")
-                        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-                        if pairs:
+                if self.program.is_last:
+                    loss = st.pop("loss")
+                    with self.clock.compute():
+                        loss.backward()
+                else:
+                    outs = st.pop("outputs")
+                    grads = st.pop("grads")
+                    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+                    if pairs:
+                        with self.clock.compute():
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 st["outputs"] = None
             elif kind == "SEND_B":
@@ -310,9 +335,11 @@ class PipelineEngine:
         for work in self._sends:
             work.wait()
         self._sends = []
+        self._signatures.add(self._signature)      # headers of this signature have travelled
 
+        # Gradients, the optimizer step and ZeRO-1's parameter broadcasts, then the loss: a stage that
+        # finishes early steps its optimizer while the others still compute.
         self._reduce_gradients()
-        self.comm.all_reduce([loss_sum])
         if self.optimizer is not None:
             with self.clock.compute():
                 self.optimizer.step()
@@ -322,6 +349,7 @@ class PipelineEngine:
                 for p in ps:
                     p.grad = None
                 self.comm.broadcast(ps, src=self.plan.stages[self.stage].groups[j][0], group=group)
+        self.comm.all_reduce([loss_sum])
         return float(loss_sum)
 
     def _partition_for_zero(self) -> list[tuple[Any, list[list[torch.nn.Parameter]]]]:
@@ -404,39 +432,100 @@ class PipelineEngine:
             head = torch.tensor([len(header)] + header, dtype=torch.int64)
             size = torch.tensor([head.numel()], dtype=torch.int64)
             for dst in self.plan.stages[s + 1].groups[tr.receiver]:   # every rank of a TP member
-                self._sends.append(self.comm.isend(size, dst, self._tag(m, False, 0)))
-                self._sends.append(self.comm.isend(head, dst, self._tag(m, False, 1)))
+                if not self._known:      # the receiver does not know this signature's shapes yet
+                    self._sends.append(self.comm.isend(size, dst, self._tag(m, False, 0)))
+                    self._sends.append(self.comm.isend(head, dst, self._tag(m, False, 1)))
                 for i, piece in enumerate(payload):
                     self._sends.append(self.comm.isend(piece, dst, self._tag(m, False, 2 + i)))
 
-    def _recv_forward(self, m: int):
-        """The received values of micro-batch m (rows assembled in order) and, per sender, the leaf
-        pieces whose gradients go back to it."""
+    def _irecv(self, shape, dtype: torch.dtype, src: int, tag: int):
+        """Post a receive now: ``(tensor, work)``, or None where the pair is not gloo on CPU tensors
+        (then the caller receives blocking, in order)."""
+        group = self.comm.pair_group(src)
+        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        if self.comm._impl(group.backend) != "gloo" or self.comm._wire_device(out, group) is not None:
+            return None
+        work = dist.irecv(out, src=src, group=group.pg, tag=tag)
+        self.comm.stats.count("recv", out.numel() * out.element_size(), False)
+        return out, work
+
+    def _take(self, spec) -> torch.Tensor:
+        """The tensor of a receive ``spec`` = (shape, dtype, src, tag, posted or None)."""
+        shape, dtype, src, tag, posted = spec
+        if posted is None:
+            return self.comm.recv(shape, dtype, src, tag)
+        posted[1].wait()
+        return posted[0]
+
+    def _post_forward(self, m: int) -> list:
+        """The receives of micro-batch m's forward values, posted now where the pair allows (known
+        signature only): per transfer into this member, ``(sender, [(name, grad, spec)])``."""
+        a, b = self.layout[self.stage][self.member][m]
+        if a == b:
+            return []
         s = self.stage - 1
-        names = self.program.received
-        pieces: dict[str, list] = {n: [] for n in names}
-        by_sender: list[tuple[int, list[torch.Tensor]]] = []
+        meta = self._meta[self._signature]
+        out = []
         for tr in transfers(self.layout, s, m):
             if tr.receiver != self.member:
                 continue
             src = self._peer(s, tr.sender)
-            size = self.comm.recv((1,), torch.int64, src, self._tag(m, False, 0))
-            head = self.comm.recv((int(size[0]),), torch.int64, src, self._tag(m, False, 1)).tolist()[1:]
             primary = primary_sender(self.layout, s, m, self.member) == tr.sender
-            mine, at, i = [], 0, 0
-            for name in names:
+            got, i = [], 0
+            for name in self.program.received:
                 if not self._batched[name] and not primary:
                     continue
-                code, grad, ndim = head[at:at + 3]
-                shape = head[at + 3:at + 3 + ndim]
-                at += 3 + ndim
-                t = self.comm.recv(shape, _DTYPES[code], src, self._tag(m, False, 2 + i))
+                dtype, grad, shape = meta[name]
+                shape = (tr.stop - tr.start, *shape) if self._batched[name] else shape
+                tag = self._tag(m, False, 2 + i)
+                got.append((name, grad, (shape, dtype, src, tag, self._irecv(shape, dtype, src, tag))))
                 i += 1
-                if grad:
-                    t.requires_grad_(True)
-                    mine.append(t)
-                pieces[name].append(t)
-            by_sender.append((tr.sender, mine))
+            out.append((tr.sender, got))
+        return out
+
+    def _recv_forward(self, m: int):
+        """The received values of micro-batch m (rows assembled in order) and, per sender, the leaf
+        pieces whose gradients go back to it. Without a known signature, headers come first and their
+        shapes are kept (``value meta``)."""
+        s = self.stage - 1
+        names = self.program.received
+        pieces: dict[str, list] = {n: [] for n in names}
+        by_sender: list[tuple[int, list[torch.Tensor]]] = []
+        if self._known:
+            posted = self._posted_f.pop(m, None)
+            for sender, got in posted if posted is not None else self._post_forward(m):
+                mine = []
+                for name, grad, spec in got:
+                    t = self._take(spec)
+                    if grad:
+                        t.requires_grad_(True)
+                        mine.append(t)
+                    pieces[name].append(t)
+                by_sender.append((sender, mine))
+        else:
+            meta = self._meta.setdefault(self._signature, {})
+            for tr in transfers(self.layout, s, m):
+                if tr.receiver != self.member:
+                    continue
+                src = self._peer(s, tr.sender)
+                size = self.comm.recv((1,), torch.int64, src, self._tag(m, False, 0))
+                head = self.comm.recv((int(size[0]),), torch.int64, src, self._tag(m, False, 1)).tolist()[1:]
+                primary = primary_sender(self.layout, s, m, self.member) == tr.sender
+                mine, at, i = [], 0, 0
+                for name in names:
+                    if not self._batched[name] and not primary:
+                        continue
+                    code, grad, ndim = head[at:at + 3]
+                    shape = head[at + 3:at + 3 + ndim]
+                    at += 3 + ndim
+                    t = self.comm.recv(shape, _DTYPES[code], src, self._tag(m, False, 2 + i))
+                    meta[name] = (_DTYPES[code], bool(grad), tuple(shape[1:]) if self._batched[name] else tuple(shape))
+                    i += 1
+                    if grad:
+                        t.requires_grad_(True)
+                        mine.append(t)
+                    pieces[name].append(t)
+                by_sender.append((tr.sender, mine))
         values = []
         for name in names:
             ps = pieces[name]
@@ -452,11 +541,14 @@ class PipelineEngine:
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
                     self._sends.append(self.comm.isend(g, dst, self._tag(m, True, i)))
 
-    def _recv_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _post_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list | None:
+        """The receives of micro-batch m's gradients (known shapes: the outputs' rows), posted now
+        where the pair allows: ``[(output index, spec)]`` in arrival order; None on the last stage."""
+        if self.program.is_last:
+            return None
         s = self.stage
         names = self.program.sent
-        start = self.layout[s][self.member][m][0]
-        parts: list[list[torch.Tensor]] = [[] for _ in names]
+        out = []
         for tr in transfers(self.layout, s, m):
             if tr.sender != self.member:
                 continue
@@ -472,8 +564,17 @@ class PipelineEngine:
                     shape = tuple(v.shape)
                 else:
                     continue
-                parts[k].append(self.comm.recv(shape, v.dtype, src, self._tag(m, True, i)))
+                tag = self._tag(m, True, i)
+                out.append((k, (shape, v.dtype, src, tag, self._irecv(shape, v.dtype, src, tag))))
                 i += 1
+        return out
+
+    def _recv_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        names = self.program.sent
+        parts: list[list[torch.Tensor]] = [[] for _ in names]
+        posted = self._posted_b.pop(m, None)
+        for k, spec in posted if posted is not None else self._post_backward(m, outputs):
+            parts[k].append(self._take(spec))
         grads: list[torch.Tensor | None] = []
         for k, (name, v) in enumerate(zip(names, outputs)):
             if not v.requires_grad or not parts[k]:
@@ -503,6 +604,12 @@ class PipelineEngine:
         for k, v in self.inputs.model.state_dict().items():
             out[k] = v.detach().to("cpu").clone()
         return out
+
+
+def _signature(flat) -> tuple:
+    """The input signature of a step's flat graph inputs (see the module docstring)."""
+    return tuple((t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
+                 for t in flat)
 
 
 def _rows(t, rows: slice, device: torch.device):
