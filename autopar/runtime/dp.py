@@ -568,10 +568,12 @@ class DataParallelEngine:
     def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; returns its weighted loss (detached)."""
         n = rows.stop - rows.start
+        local = [self._take(x, rows) for x in inputs]      # rows and copies: outside the compute block
+        target = self._take(targets, rows)
         self._segment_begin()
         try:
-            out = self.gm(*(self._take(x, rows) for x in inputs))
-            loss = compute_loss(out, self._take(targets, rows), self.loss_fn)
+            out = self.gm(*local)
+            loss = compute_loss(out, target, self.loss_fn)
             weighted = loss * (n / self.plan.global_batch_size)
             weighted.backward()
         finally:
