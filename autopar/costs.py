@@ -13,7 +13,9 @@ Memory terms (bytes): weights ``param_bytes``; gradients the same size; optimize
 
 Time terms besides the block tables, per device type (a type missing from a dict costs 0 there):
 - ``optimizer_s_per_param``: seconds of ``optimizer.step()`` per parameter a rank steps (its shard
-  under ZeRO >= 1, else every parameter it holds); ``optimizer_time``.
+  under ZeRO >= 1, else every parameter it holds) over the model's own tensors (on CPUs each tensor
+  adds a fixed cost); ``optimizer_flat_s_per_param`` the same over one flat buffer, as data
+  parallelism steps ZeRO shards (missing: the first); ``optimizer_time``.
 - ``call_overhead_s``: fixed seconds per *compute call*, the unit of work a rank runs between two
   waits: one stage's forward or backward of one micro-batch in a pipeline, one micro-step
   (forward + loss + backward) in data parallelism; ``call_overhead``. On emulated CPU devices it is
@@ -50,6 +52,7 @@ class ModelCosts:
     sources: dict[str, str] = field(default_factory=dict)  # device type -> "measured"/"roofline"/"emulated"
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)  # device type -> optimizer step s/param
     call_overhead_s: dict[str, float] = field(default_factory=dict)        # device type -> s per compute call
+    optimizer_flat_s_per_param: dict[str, float] = field(default_factory=dict)  # ... over one flat buffer
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -102,9 +105,13 @@ class ModelCosts:
         return float(self.fwd_time(device_type, micro_batch)[blocks].sum()
                      + self.bwd_time(device_type, micro_batch)[blocks].sum())
 
-    def optimizer_time(self, device_type: str, num_params: float) -> float:
-        """Seconds of one optimizer step over ``num_params`` parameters on one ``device_type`` device."""
-        return float(self.optimizer_s_per_param.get(device_type, 0.0)) * float(num_params)
+    def optimizer_time(self, device_type: str, num_params: float, flat: bool = False) -> float:
+        """Seconds of one optimizer step over ``num_params`` parameters on one ``device_type`` device:
+        the model's tensors, or with ``flat`` one flat buffer (ZeRO shards of data parallelism)."""
+        rate = self.optimizer_s_per_param.get(device_type, 0.0)
+        if flat:
+            rate = self.optimizer_flat_s_per_param.get(device_type, rate)
+        return float(rate) * float(num_params)
 
     def call_overhead(self, device_type: str) -> float:
         """Fixed seconds per compute call on one ``device_type`` device (see the module docstring)."""

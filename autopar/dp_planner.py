@@ -269,9 +269,9 @@ def _fit_error(costs, cluster, ranks, mems, zero_stage) -> str | None:
 
 def optimizer_step_s(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int) -> float:
     """Seconds of the slowest rank's optimizer step (a compute call) in a data-parallel plan over
-    ``ranks``: every parameter under ZeRO-0, its 1/N shard under ZeRO >= 1."""
+    ``ranks``: every parameter under ZeRO-0, its 1/N shard (one flat buffer) under ZeRO >= 1."""
     n = float(costs.params.sum()) / (len(ranks) if zero_stage >= 1 else 1)
-    return max((costs.optimizer_time(cluster.devices[r].spec.name, n)
+    return max((costs.optimizer_time(cluster.devices[r].spec.name, n, flat=zero_stage >= 1)
                 + costs.call_overhead(cluster.devices[r].spec.name) for r in ranks), default=0.0)
 
 

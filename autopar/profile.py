@@ -357,8 +357,8 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     opt_bytes = OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0)
     from autopar.step_costs import step_terms  # optimizer step and per-call overhead per type
 
-    opt_s, call_s = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
-                               measured=measured is not None)
+    terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
+                       measured=measured is not None)
     return ModelCosts(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),
@@ -368,5 +368,5 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
         sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table,
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
-        tied_groups=analysis.tied_groups, sources=sources, optimizer_s_per_param=opt_s, call_overhead_s=call_s,
+        tied_groups=analysis.tied_groups, sources=sources, **terms,
     )

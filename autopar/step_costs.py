@@ -4,8 +4,9 @@ Terms
 - optimizer step time: seconds of ``optimizer.step()`` per parameter a rank steps
   (``ModelCosts.optimizer_s_per_param``). On CPU and emulated device types it is measured here
   (``measure_optimizer``: the CPU time of a step over fresh tensors of the model's parameter shapes, so
-  the per-tensor overhead of torch's CPU optimizers counts as it does on that model), and emulated
-  types are scaled like their block tables (``cpu / speed * time_scale``). On GPU types it is a
+  the per-tensor overhead of torch's CPU optimizers counts as it does on that model; and over one flat
+  1M-element buffer for ``optimizer_flat_s_per_param``, how data parallelism steps ZeRO shards), and
+  emulated types are scaled like their block tables (``cpu / speed * time_scale``). On GPU types it is a
   memory-bound roofline (``optimizer_roofline_s_per_param``): the step reads and writes the optimizer
   state (with the fp32 master weights under mixed precision), reads the gradient and writes the
   weights, at ``OPTIMIZER_BANDWIDTH_EFFICIENCY`` of ``mem_bandwidth_Bps``.
@@ -151,32 +152,33 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
 
 
 def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
-               measured: bool = False) -> tuple[dict[str, float], dict[str, float]]:
-    """``(optimizer_s_per_param, call_overhead_s)`` per device type of ``cluster`` (see the module
-    docstring). ``measured``: the block tables of CPU / emulated types were measured here (then the
-    call overhead is measured too; otherwise it is 0 and the optimizer is timed on a flat vector
-    when the model has no real weights)."""
+               measured: bool = False) -> dict[str, dict[str, float]]:
+    """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param`` and
+    ``call_overhead_s``, each per device type of ``cluster`` (see the module docstring), as keyword
+    arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
+    overhead is measured too, else it is 0); a model without real weights has its optimizer timed on
+    the flat buffer."""
     from autopar.runtime.emulate import emulation_time_scale
 
     types = cluster.device_types()
     specs = {t: cluster.spec_of(t) for t in types}
     cpu_types = [t for t, s in specs.items() if s.is_emulated or s.vendor == "cpu"]
     mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.profile)
-    opt, call = {}, {}
-    cpu_opt = cpu_call = 0.0
+    opt, flat, call = {}, {}, {}
+    cpu_opt = cpu_flat = cpu_call = 0.0
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
-        cpu_opt = measure_optimizer(optimizer, shapes or None)
+        cpu_flat = measure_optimizer(optimizer)
+        cpu_opt = measure_optimizer(optimizer, shapes) if shapes else cpu_flat
         if measured and real and example_inputs is not None:
             cpu_call = measure_call_overhead(analysis, example_inputs)
     scale = emulation_time_scale(len(cluster))
     for t, spec in specs.items():
         if t in cpu_types:
             speed = spec.speed / scale if spec.is_emulated else 1.0
-            opt[t] = cpu_opt / speed
-            call[t] = cpu_call / speed
+            opt[t], flat[t], call[t] = cpu_opt / speed, cpu_flat / speed, cpu_call / speed
         else:
-            opt[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
+            opt[t] = flat[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
             call[t] = 0.0
-    return opt, call
+    return {"optimizer_s_per_param": opt, "optimizer_flat_s_per_param": flat, "call_overhead_s": call}

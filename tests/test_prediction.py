@@ -54,6 +54,9 @@ def test_defaults_cost_nothing_and_helpers_scale():
     assert c.optimizer_time("a", 1e6) == 0.0 and c.call_overhead("a") == 0.0
     c = _costs({"a": 2e-9}, {"a": 1e-3})
     assert c.optimizer_time("a", 5e5) == pytest.approx(1e-3)
+    assert c.optimizer_time("a", 5e5, flat=True) == pytest.approx(1e-3)        # no flat rate: the same
+    c = dataclasses.replace(c, optimizer_flat_s_per_param={"a": 1e-9}, _cache={})
+    assert c.optimizer_time("a", 5e5, flat=True) == pytest.approx(5e-4)
     assert c.call_overhead("a") == 1e-3 and c.call_overhead("b") == 0.0
 
 
@@ -84,16 +87,25 @@ def test_step_terms_scale_emulated_types_like_their_tables(cache):
     case = zoo.build("gpt-tiny", num_layers=1)
     a = analyze(case.model, case.example_inputs)
     cluster = _two(1.0, 0.25)
-    opt, call = step_terms(a, cluster, model=case.model, example_inputs=case.example_inputs, measured=True)
+    terms = step_terms(a, cluster, model=case.model, example_inputs=case.example_inputs, measured=True)
+    opt, flat, call = (terms[k] for k in ("optimizer_s_per_param", "optimizer_flat_s_per_param", "call_overhead_s"))
     scale = emulation_time_scale(2)
     shapes = [tuple(p.shape) for p in case.model.parameters()]
     cpu = measure_optimizer("adamw", shapes)
     assert opt["a"] == pytest.approx(cpu * scale) and opt["b"] == pytest.approx(4 * cpu * scale)
+    assert flat["b"] == pytest.approx(4 * measure_optimizer("adamw") * scale)
     assert call["b"] == pytest.approx(4 * call["a"])
     gpu = Cluster.from_dict({"nodes": [{"device": "H100-80GB", "count": 2}]})
-    opt, call = step_terms(a, gpu)
-    assert call == {"H100-80GB": 0.0}
-    assert opt["H100-80GB"] == pytest.approx(optimizer_roofline_s_per_param(PRESETS["H100-80GB"]))
+    terms = step_terms(a, gpu)
+    assert terms["call_overhead_s"] == {"H100-80GB": 0.0}
+    roof = optimizer_roofline_s_per_param(PRESETS["H100-80GB"])
+    assert terms["optimizer_s_per_param"]["H100-80GB"] == pytest.approx(roof)
+    costs = ModelCosts(**{**_fields(ModelCosts.synthetic({"H100-80GB": [1.0]})), **terms})
+    assert costs.optimizer_time("H100-80GB", 1e9, flat=True) == pytest.approx(1e9 * roof)
+
+
+def _fields(c):
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "_cache"}
 
 
 # -- data parallelism -------------------------------------------------------------------------------------
@@ -101,10 +113,12 @@ def test_step_terms_scale_emulated_types_like_their_tables(cache):
 def test_plan_dp_adds_the_slowest_ranks_optimizer_step(zero):
     cluster = _two()
     base = plan_dp(_costs(), cluster, 32, strategy="uniform-dp", zero_stage=zero)
-    c = _costs({"a": 1e-9, "b": 3e-9}, {"a": 1e-4, "b": 2e-4})
+    c = dataclasses.replace(_costs({"a": 1e-9, "b": 3e-9}, {"a": 1e-4, "b": 2e-4}),
+                            optimizer_flat_s_per_param={"a": 0.5e-9, "b": 1e-9}, _cache={})
     p = plan_dp(c, cluster, 32, strategy="uniform-dp", zero_stage=zero)
     params = c.total_params / (2 if zero else 1)
-    opt = max(1e-9 * params + 1e-4, 3e-9 * params + 2e-4)
+    rate = (0.5e-9, 1e-9) if zero else (1e-9, 3e-9)       # ZeRO >= 1 steps one flat shard
+    opt = max(rate[0] * params + 1e-4, rate[1] * params + 2e-4)
     assert optimizer_step_s(c, cluster, (0, 1), zero) == pytest.approx(opt)
     assert p.predicted.breakdown["optimizer_s"] == pytest.approx(opt)
     # uniform-dp: the same micro-batches; the slow rank pays one call overhead per micro-step
