@@ -9,7 +9,7 @@ Terms
 - micro-batch sizes: ``M`` micro-batches of ``global_batch // M`` or one more sample (the larger ones
   first). A member's share of each micro-batch is proportional to its speed on its stage's blocks.
 - stage time ``t_s``: forward + backward seconds of stage s on one (largest) micro-batch: its slowest
-  member, plus the p2p send of its output to the next stage (split over min(k, l) parallel links
+  member (two compute calls, each with ``ModelCosts.call_overhead``), plus the p2p send of its output to the next stage (split over min(k, l) parallel links
   between stages of k and l members).
 - classic estimate: ``sum_s t_s + (M - 1) * max_s t_s``; the split minimises it (``split_blocks``).
 - stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
