@@ -39,7 +39,7 @@ def _load_model(spec: str, device: str | None = None):
 
 def _planning_device(spec: str) -> str:
     """Small models are analysed with real weights (so they can be measured), big ones on meta."""
-    from autopar.models import config_of, names
+    from autopar.models import names
 
     if spec in names():
         case = _load_model(spec, device="meta")
@@ -211,6 +211,17 @@ def cmd_train(args) -> int:
     summary = _print_run(results, cluster, strategies[1] if len(strategies) > 1 else None)
     if args.json:
         _write_json(summary, args.json)
+    if getattr(args, "timeline", None):
+        from autopar.schedule import plot_timeline
+        from autopar.trainer import measured_timeline
+
+        first = results[0]
+        if not any(first.traces):
+            print(f"no timeline: strategy {first.strategy} ran no pipeline (its plan has one stage)")
+        else:
+            timeline, labels = measured_timeline(first, cluster)
+            plot_timeline(timeline, args.timeline, labels=labels)
+            print(f"measured timeline of the last step written to {args.timeline}{' (emulated devices)' if cluster.is_emulated else ''}")
     return 0
 
 
@@ -268,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_args(t)
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
+    t.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last step of a pipeline run, as measured")
 
     d = sub.add_parser("demo", help="plan and train a small GPT on the emulated demo cluster vs uniform-dp")
     d.add_argument("--model", default=None, help="default gpt-tiny")

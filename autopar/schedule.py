@@ -397,7 +397,7 @@ def plot_timeline(timeline: Timeline, path, labels: Sequence[str] | None = None)
     if len(labels) != S:
         raise ValueError(f"labels: need one per stage ({S}), got {len(labels)}")
     step = timeline.step_time_s if timeline.step_time_s > 0 else 1.0
-    fig = Figure(figsize=(min(4 + 0.15 * sum(map(len, timeline.events)), 18), 1.0 + 0.6 * S))
+    fig = Figure(figsize=(min(max(8.0, 4 + 0.15 * sum(map(len, timeline.events))), 18), 1.6 + 0.6 * S))
     ax = fig.add_subplot(1, 1, 1)
     for row, s in enumerate(range(S)):
         y = S - 1 - row
@@ -419,6 +419,7 @@ def plot_timeline(timeline: Timeline, path, labels: Sequence[str] | None = None)
                  f"bubble {timeline.bubble_fraction:.1%}", loc="left", fontsize=10)
     ax.legend(handles=[Patch(color=_COLOURS[k], label=name) for k, name in
                        (("F", "forward"), ("B", "backward"), ("comm", "communication"), ("idle", "idle"))],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if S < 3 else -0.2), ncol=4, fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

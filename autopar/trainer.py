@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RunSpec", "StrategyResult", "train_worker", "run_comparison"]
+__all__ = ["RunSpec", "StrategyResult", "train_worker", "run_comparison", "measured_timeline"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class StrategyResult:
     losses: tuple[float, ...]
     step_times_s: tuple[float, ...]     # measured wall time of each step (max over ranks)
     predicted_step_s: float
+    traces: tuple = ()                  # per rank: the pipeline engine's action trace of the last step
 
     @property
     def measured_step_s(self) -> float:
@@ -73,7 +74,8 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
                 losses.append(float(loss))
                 times.append(float(dt))
         out.append(dict(strategy=strategy, plan_json=compiled.plan.to_json(), losses=tuple(losses),
-                        step_times_s=tuple(times), predicted_step_s=compiled.plan.predicted.step_time_s))
+                        step_times_s=tuple(times), predicted_step_s=compiled.plan.predicted.step_time_s,
+                        trace=tuple(getattr(compiled.engine, "last_trace", ()))))
     return out
 
 
@@ -81,4 +83,34 @@ def run_comparison(spec: RunSpec, cluster) -> list[StrategyResult]:
     import autopar
 
     results = autopar.launch(train_worker, cluster, spec)
-    return [StrategyResult(**r) for r in results[0]]
+    out = []
+    for i, r in enumerate(results[0]):
+        r = dict(r)
+        r.pop("trace")
+        out.append(StrategyResult(**r, traces=tuple(rank[i]["trace"] for rank in results)))
+    return out
+
+
+def measured_timeline(result: StrategyResult, cluster):
+    """A ``schedule.Timeline`` of a real pipeline run's last step (each stage drawn from its first rank),
+    for ``schedule.plot_timeline``; the labels name the stage, rank and device."""
+    from autopar.plan import Plan
+    from autopar.schedule import Action, Timeline
+
+    plan = Plan.from_json(result.plan_json)
+    events, transfers, busy, labels = [], [], [], []
+    for s, stage in enumerate(plan.stages):
+        r = stage.groups[0][0]
+        ev, tr = [], []
+        for kind, micro, t0, t1 in result.traces[r]:
+            if kind in ("F", "B"):
+                ev.append((Action(s, kind, micro), t0, t1))
+            elif kind.startswith("RECV"):
+                tr.append((Action(s, kind, micro), t0, t1))
+        events.append(tuple(ev))
+        transfers.append(tuple(tr))
+        busy.append(sum(t1 - t0 for _, t0, t1 in ev))
+        labels.append(f"stage {s}: rank {r} ({cluster.devices[r].spec.name})")
+    end = max((t1 for ev in events for _, _, t1 in ev), default=0.0)
+    return Timeline(events=tuple(events), transfers=tuple(transfers), step_time_s=end, busy_s=tuple(busy),
+                    schedule_name=f"measured {plan.schedule}"), labels

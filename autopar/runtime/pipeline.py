@@ -54,6 +54,8 @@ step (ZeRO-1 by parameter, as torch's ZeroRedundancyOptimizer: exact for any per
 
 from __future__ import annotations
 
+import time
+
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -284,6 +286,8 @@ class PipelineEngine:
                 self._posted_f[m] = self._post_forward(m)
         state: dict[int, dict[str, Any]] = {m: {} for m in range(self.num_micro)}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        t_step = time.perf_counter()
+        trace: list[tuple[str, int, float, float]] = []
         for action in self.schedule.actions[self.stage] if self.stage is not None else ():
             m = action.micro
             a, b = self.layout[self.stage][self.member][m]
@@ -291,6 +295,7 @@ class PipelineEngine:
                 continue
             st = state[m]
             kind = action.kind
+            t_action = time.perf_counter()
             if kind == "RECV_F":
                 st["received"], st["pieces"] = self._recv_forward(m)
             elif kind == "F":
@@ -332,6 +337,8 @@ class PipelineEngine:
                 if self.tp_index == 0:
                     self._send_backward(m, pieces)
                 st.pop("received", None)
+            trace.append((kind, m, t_action - t_step, time.perf_counter() - t_step))
+        self.last_trace = tuple(trace)   # (action kind, micro-batch, start s, end s) of this step
         for work in self._sends:
             work.wait()
         self._sends = []
