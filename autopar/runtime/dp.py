@@ -86,7 +86,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.dp_units import insert_unit_hooks, param_units
-from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices
+from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices, take_rows
 
 __all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
            "Zero3Granularity"]
@@ -559,11 +559,7 @@ class DataParallelEngine:
 
     # -- the step --------------------------------------------------------------------------------
     def _take(self, x: Any, rows: slice) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.plan.global_batch_size:
-            return x[rows].to(self.device, non_blocking=True)
-        if isinstance(x, torch.Tensor):
-            return x.to(self.device, non_blocking=True)
-        return x
+        return take_rows(x, rows, self.plan.global_batch_size, self.device)
 
     def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; returns its weighted loss (detached)."""

@@ -27,7 +27,8 @@ from torch import nn
 
 from autopar.plan import Plan
 
-__all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "compute_loss"]
+__all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "compute_loss",
+           "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,16 @@ def micro_slices(sizes: tuple[int, ...], offset: int = 0) -> list[slice]:
         out.append(slice(start, start + n))
         start += n
     return out
+
+
+def take_rows(x: Any, rows: slice, global_batch: int, device: torch.device) -> Any:
+    """This rank's rows of a global-batch tensor (batch dim 0 of size ``global_batch``), on ``device``;
+    other tensors are moved whole, non-tensors pass through. Call it outside ``clock.compute()``."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == global_batch:
+        return x[rows].to(device, non_blocking=True)
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    return x
 
 
 def compute_loss(output: Any, targets: torch.Tensor | None, loss_fn) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices
+from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices, take_rows
 from passes.tp import TP_META_KEY, TPLayout, assemble_full, tp_rewrite
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "tp_layout",
@@ -246,11 +246,7 @@ class TensorParallelEngine:
 
     # -- stepping ------------------------------------------------------------------------------
     def _take(self, x: Any, rows: slice) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.plan.global_batch_size:
-            return x[rows].to(self.device, non_blocking=True)
-        if isinstance(x, torch.Tensor):
-            return x.to(self.device, non_blocking=True)
-        return x
+        return take_rows(x, rows, self.plan.global_batch_size, self.device)
 
     def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
         n = rows.stop - rows.start
