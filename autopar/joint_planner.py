@@ -37,15 +37,10 @@ Terms
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -61,6 +56,9 @@ from autopar.pp_planner import (
     split_blocks,
 )
 
+from autopar.plan_cache import cache_dir, cache_key, cache_read, cache_write
+from autopar.plan_layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
+
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster import Cluster
 
@@ -69,151 +67,10 @@ __all__ = [
     "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_dir", "cache_key",
 ]
 
-TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 SINGLE_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp", "pp", "uniform-pp", "tp")
-_CACHE_VERSION = 1
 _SHORTLIST = 8          # candidates per layout (by split estimate) that the simulator ranks
 _ESTIMATE_SLACK = 1.1   # a split estimate this much above the best prediction is not simulated
 _TIE = 1e-3             # relative step-time difference below which 1F1B wins (less memory)
-
-
-# -- members and layouts -----------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One data-parallel participant of a stage: a TP group (a single rank when its degree is 1)."""
-
-    ranks: tuple[int, ...]
-    shares: tuple[int, ...]
-    kind: tp_cost.GroupKind
-    node: int
-
-    @property
-    def type_name(self) -> str:
-        return self.kind.types[0]
-
-
-@dataclass(frozen=True, slots=True)
-class MemberLayout:
-    name: str
-    degrees: tuple[tuple[str, int], ...]
-    members: tuple[Member, ...]
-
-
-def _nodes(cluster: "Cluster", ranks: Sequence[int]) -> list[tuple[int, ...]]:
-    out: dict[int, list[int]] = {}
-    for r in ranks:
-        out.setdefault(cluster.devices[r].node, []).append(r)
-    return [tuple(v) for v in out.values()]
-
-
-def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] | None = None, *,
-                   num_heads: int | None = None, degrees: Sequence[int] = TP_DEGREES,
-                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> list[MemberLayout]:
-    """Every TP layout (a degree per device type; see the module docstring), duplicates removed."""
-    ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
-    units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
-    nodes = _nodes(cluster, ranks)
-    types = list(dict.fromkeys(cluster.devices[r].spec.name for r in ranks))
-    whole = {t: costs.step_time(t, 1.0) for t in types}
-    out: list[MemberLayout] = []
-    seen: set = set()
-    kinds: dict = {}
-    for combo in itertools.product(degrees, repeat=len(types)):
-        deg = dict(zip(types, combo))
-        members = []
-        ok = True
-        for node_ranks in nodes:
-            d = min(deg[cluster.devices[r].spec.name] for r in node_ranks)
-            for i in range(0, len(node_ranks), d):
-                group = node_ranks[i:i + d]
-                if len(group) > units:
-                    ok = False
-                    break
-                key = tuple(cluster.devices[r].spec.name for r in group)
-                if len(group) == 1:
-                    shares = (units,)
-                else:
-                    shares = tp_cost.best_shares([whole[t] for t in key], units, replicated_fraction)
-                k = tp_cost.group_kind(cluster, group, shares)
-                k = kinds.setdefault(k, k)
-                members.append(Member(tuple(group), shares, k, cluster.devices[group[0]].node))
-            if not ok:
-                break
-        if not ok:
-            continue
-        sig = tuple(m.ranks for m in members)
-        if sig in seen:
-            continue
-        seen.add(sig)
-        used = {t: max((len(m.ranks) for m in members if m.type_name == t), default=1) for t in types}
-        name = "tp[" + ",".join(f"{t}:{used[t]}" for t in types) + "]"
-        out.append(MemberLayout(name, tuple(used.items()), tuple(members)))
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _cut(items: Sequence, parts: int) -> list[tuple]:
-    q, r = divmod(len(items), parts)
-    out, i = [], 0
-    for p in range(parts):
-        k = q + (1 if p < r else 0)
-        out.append(tuple(items[i:i + k]))
-        i += k
-    return out
-
-
-def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
-                     speed: dict | None = None) -> list[StageGrouping]:
-    """Candidate stage groupings of a layout's members (see the module docstring), at most
-    ``max_stages`` stages each, duplicates removed. ``speed``: member kind -> samples/s (type-major
-    balance; equal when None)."""
-    members = layout.members
-    out: list[StageGrouping] = []
-    seen: set = set()
-
-    def add(name, stages):
-        stages = tuple(tuple(m.ranks for m in st) for st in stages if st)
-        if stages and len(stages) <= max_stages and stages not in seen:
-            seen.add(stages)
-            out.append(StageGrouping(name, stages))
-
-    by_type: dict[str, list[Member]] = {}
-    for m in members:
-        by_type.setdefault(m.type_name, []).append(m)
-    add("per-member", [(m,) for m in members])
-    by_node: dict[int, list[Member]] = {}
-    for m in members:
-        by_node.setdefault(m.node, []).append(m)
-    add("per-node", list(by_node.values()))
-    add("per-type", list(by_type.values()))
-    v = {t: sum((speed or {}).get(m.kind, 1.0) for m in ms) for t, ms in by_type.items()}
-    lists = list(by_type.values())
-    counts = [len(x) for x in lists]
-    # Lockstep: S identical stages, each a slice of every type.
-    common = [d for d in _divisors(math.gcd(*counts)) if d <= max_stages]
-    for S in common:
-        slices = [_cut(x, S) for x in lists]
-        add(f"lockstep-{S}", [sum((sl[s] for sl in slices), ()) for s in range(S)])
-    # Type-major: each type's members cut into S_t stages of similar speed across types.
-    if len(lists) > 1:
-        names = list(by_type)
-        options = [[d for d in _divisors(c) if d <= max_stages] for c in counts]
-        for combo in itertools.product(*options):
-            if sum(combo) > max_stages:
-                continue
-            per_stage = [v[t] / s for t, s in zip(names, combo)]
-            if max(per_stage) > 3.0 * min(per_stage):
-                continue
-            stages = [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)]
-            add("type-major-" + "+".join(map(str, combo)), stages)
-    else:
-        for S in _divisors(counts[0]):
-            add(f"chunks-{S}", _cut(lists[0], S))
-    return out
 
 
 # -- the cost tensor of one grouping -----------------------------------------------------------------
@@ -693,50 +550,6 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
     raise PlanError(f"strategy: {strategy!r} is not one of {SINGLE_STRATEGIES}")
 
 
-# -- cache -------------------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
-    root = os.environ.get("AUTOPAR_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "autopar"
-    return base / "plans"
-
-
-def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
-    h = hashlib.sha256()
-    h.update(f"v{_CACHE_VERSION}".encode())
-    for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
-        h.update(np.ascontiguousarray(getattr(costs, name), dtype=np.float64).tobytes())
-    for table in (costs.fwd_table, costs.bwd_table):
-        for t in sorted(table):
-            h.update(t.encode())
-            h.update(np.ascontiguousarray(table[t], dtype=np.float64).tobytes())
-    h.update(json.dumps([list(costs.block_names), costs.optimizer_bytes_per_param, costs.grad_bytes_per_param,
-                         [list(g) for g in costs.tied_groups]]).encode())
-    h.update(cluster.signature().encode())
-    h.update(json.dumps(args, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:32]
-
-
-def _cache_read(key: str) -> Plan | None:
-    path = cache_dir() / f"{key}.json"
-    try:
-        return Plan.from_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _cache_write(key: str, plan: Plan) -> None:
-    d = cache_dir()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(plan.to_json(), encoding="utf-8")
-        os.replace(tmp, d / f"{key}.json")
-    except OSError:
-        pass   # a read-only home is no reason to fail planning
-
-
 # -- the joint planner ----------------------------------------------------------------------------------
 
 def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
@@ -771,7 +584,7 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
             "replicated_fraction": rho, "degrees": list(degrees)}
     key = cache_key(costs, cluster, args) if use_cache else None
     if key is not None:
-        hit = _cache_read(key)
+        hit = cache_read(key)
         if hit is not None:
             return hit
 
@@ -812,5 +625,5 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
                     and time.perf_counter() > deadline else ""))
     plan = replace(best.plan, strategy="auto", notes=tuple(notes) + tuple(best.plan.notes))
     if key is not None:
-        _cache_write(key, plan)
+        cache_write(key, plan)
     return plan

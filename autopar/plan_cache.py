@@ -1,0 +1,68 @@
+"""The on-disk plan cache of the joint planner: plans keyed by a hash of the cost tables, the cluster
+signature and the planner arguments, under ``$AUTOPAR_CACHE_DIR/plans`` (default ``~/.cache/autopar/plans``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.costs import ModelCosts
+from autopar.plan import Plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
+
+__all__ = ["cache_dir", "cache_key", "cache_read", "cache_write"]
+
+_CACHE_VERSION = 1
+
+
+# -- cache -------------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
+    root = os.environ.get("AUTOPAR_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "autopar"
+    return base / "plans"
+
+
+def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
+    h = hashlib.sha256()
+    h.update(f"v{_CACHE_VERSION}".encode())
+    for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
+        h.update(np.ascontiguousarray(getattr(costs, name), dtype=np.float64).tobytes())
+    for table in (costs.fwd_table, costs.bwd_table):
+        for t in sorted(table):
+            h.update(t.encode())
+            h.update(np.ascontiguousarray(table[t], dtype=np.float64).tobytes())
+    h.update(json.dumps([list(costs.block_names), costs.optimizer_bytes_per_param, costs.grad_bytes_per_param,
+                         [list(g) for g in costs.tied_groups]]).encode())
+    h.update(cluster.signature().encode())
+    h.update(json.dumps(args, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:32]
+
+
+def cache_read(key: str) -> Plan | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        return Plan.from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cache_write(key: str, plan: Plan) -> None:
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(plan.to_json(), encoding="utf-8")
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass   # a read-only home is no reason to fail planning
+
+

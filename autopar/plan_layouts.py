@@ -1,0 +1,165 @@
+"""Member layouts and stage groupings for the joint planner: how a cluster's devices form
+tensor-parallel members (TP degree per device type, inside a node) and how members are grouped into
+pipeline stages (one stage per member, per node, per type, type-major, lockstep). Pure functions of the
+cluster; see ``autopar.joint_planner`` for the search over them."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+
+from autopar import tp_cost
+from autopar.costs import ModelCosts
+from autopar.pp_planner import StageGrouping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster import Cluster
+
+__all__ = ["TP_DEGREES", "Member", "MemberLayout", "member_layouts", "member_groupings"]
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+
+
+# -- members and layouts -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One data-parallel participant of a stage: a TP group (a single rank when its degree is 1)."""
+
+    ranks: tuple[int, ...]
+    shares: tuple[int, ...]
+    kind: tp_cost.GroupKind
+    node: int
+
+    @property
+    def type_name(self) -> str:
+        return self.kind.types[0]
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLayout:
+    name: str
+    degrees: tuple[tuple[str, int], ...]
+    members: tuple[Member, ...]
+
+
+def _nodes(cluster: "Cluster", ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    out: dict[int, list[int]] = {}
+    for r in ranks:
+        out.setdefault(cluster.devices[r].node, []).append(r)
+    return [tuple(v) for v in out.values()]
+
+
+def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] | None = None, *,
+                   num_heads: int | None = None, degrees: Sequence[int] = TP_DEGREES,
+                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> list[MemberLayout]:
+    """Every TP layout (a degree per device type; see the module docstring), duplicates removed."""
+    ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
+    units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
+    nodes = _nodes(cluster, ranks)
+    types = list(dict.fromkeys(cluster.devices[r].spec.name for r in ranks))
+    whole = {t: costs.step_time(t, 1.0) for t in types}
+    out: list[MemberLayout] = []
+    seen: set = set()
+    kinds: dict = {}
+    for combo in itertools.product(degrees, repeat=len(types)):
+        deg = dict(zip(types, combo))
+        members = []
+        ok = True
+        for node_ranks in nodes:
+            d = min(deg[cluster.devices[r].spec.name] for r in node_ranks)
+            for i in range(0, len(node_ranks), d):
+                group = node_ranks[i:i + d]
+                if len(group) > units:
+                    ok = False
+                    break
+                key = tuple(cluster.devices[r].spec.name for r in group)
+                if len(group) == 1:
+                    shares = (units,)
+                else:
+                    shares = tp_cost.best_shares([whole[t] for t in key], units, replicated_fraction)
+                k = tp_cost.group_kind(cluster, group, shares)
+                k = kinds.setdefault(k, k)
+                members.append(Member(tuple(group), shares, k, cluster.devices[group[0]].node))
+            if not ok:
+                break
+        if not ok:
+            continue
+        sig = tuple(m.ranks for m in members)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        used = {t: max((len(m.ranks) for m in members if m.type_name == t), default=1) for t in types}
+        name = "tp[" + ",".join(f"{t}:{used[t]}" for t in types) + "]"
+        out.append(MemberLayout(name, tuple(used.items()), tuple(members)))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _cut(items: Sequence, parts: int) -> list[tuple]:
+    q, r = divmod(len(items), parts)
+    out, i = [], 0
+    for p in range(parts):
+        k = q + (1 if p < r else 0)
+        out.append(tuple(items[i:i + k]))
+        i += k
+    return out
+
+
+def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
+                     speed: dict | None = None) -> list[StageGrouping]:
+    """Candidate stage groupings of a layout's members (see the module docstring), at most
+    ``max_stages`` stages each, duplicates removed. ``speed``: member kind -> samples/s (type-major
+    balance; equal when None)."""
+    members = layout.members
+    out: list[StageGrouping] = []
+    seen: set = set()
+
+    def add(name, stages):
+        stages = tuple(tuple(m.ranks for m in st) for st in stages if st)
+        if stages and len(stages) <= max_stages and stages not in seen:
+            seen.add(stages)
+            out.append(StageGrouping(name, stages))
+
+    by_type: dict[str, list[Member]] = {}
+    for m in members:
+        by_type.setdefault(m.type_name, []).append(m)
+    add("per-member", [(m,) for m in members])
+    by_node: dict[int, list[Member]] = {}
+    for m in members:
+        by_node.setdefault(m.node, []).append(m)
+    add("per-node", list(by_node.values()))
+    add("per-type", list(by_type.values()))
+    v = {t: sum((speed or {}).get(m.kind, 1.0) for m in ms) for t, ms in by_type.items()}
+    lists = list(by_type.values())
+    counts = [len(x) for x in lists]
+    # Lockstep: S identical stages, each a slice of every type.
+    common = [d for d in _divisors(math.gcd(*counts)) if d <= max_stages]
+    for S in common:
+        slices = [_cut(x, S) for x in lists]
+        add(f"lockstep-{S}", [sum((sl[s] for sl in slices), ()) for s in range(S)])
+    # Type-major: each type's members cut into S_t stages of similar speed across types.
+    if len(lists) > 1:
+        names = list(by_type)
+        options = [[d for d in _divisors(c) if d <= max_stages] for c in counts]
+        for combo in itertools.product(*options):
+            if sum(combo) > max_stages:
+                continue
+            per_stage = [v[t] / s for t, s in zip(names, combo)]
+            if max(per_stage) > 3.0 * min(per_stage):
+                continue
+            stages = [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)]
+            add("type-major-" + "+".join(map(str, combo)), stages)
+    else:
+        for S in _divisors(counts[0]):
+            add(f"chunks-{S}", _cut(lists[0], S))
+    return out
+
+
