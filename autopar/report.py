@@ -47,20 +47,33 @@ def plan_table(plan, cluster=None) -> str:
                     f"global batch {plan.global_batch_size}")
     for col in ("stage", "blocks", "ranks", "device", "samples", "micro-batches", "pred. memory"):
         t.add_column(col, justify="right" if col in ("samples", "pred. memory") else "left")
+    names = plan.block_names
     for s, stage in enumerate(plan.stages):
+        blocks = f"{stage.block_start}-{stage.block_stop - 1}"
+        if names and len(names) >= stage.block_stop:
+            blocks += f" ({names[stage.block_start]}..{names[stage.block_stop - 1]})"
+        # Members alike (device, micro-batches, shares, memory) are one row: 768 ranks stay readable.
+        rows: list[tuple[tuple, list[tuple[int, ...]]]] = []
         for g, members in enumerate(stage.groups):
-            dev = ""
-            if cluster is not None:
-                dev = ", ".join(sorted({cluster.devices[r].spec.name for r in members}))
+            dev = ", ".join(sorted({cluster.devices[r].spec.name for r in members})) if cluster is not None else ""
             mem = max((plan.predicted.memory_bytes.get(r, 0) for r in members), default=0)
-            mbs = stage.micro_batches[g]
+            tp = tuple(stage.tp_shares[g]) if stage.tp_shares and len(members) > 1 else ()
+            key = (dev, stage.micro_batches[g], tp, mem, len(members))
+            if rows and rows[-1][0] == key:
+                rows[-1][1].append(members)
+            else:
+                rows.append((key, [members]))
+        for (dev, mbs, tp, mem, size), groups in rows:
+            ranks = [r for m in groups for r in m]
+            if len(groups) == 1:
+                who = ",".join(map(str, ranks))
+            else:
+                span = f"{min(ranks)}-{max(ranks)}" if max(ranks) - min(ranks) + 1 == len(ranks) else \
+                    f"{len(ranks)} ranks from {min(ranks)}"
+                who = f"{len(groups)} members x {size}: {span}"
+            tp_txt = f" tp{tp}" if tp else ""
             mb_txt = f"{len(mbs)} x {max(mbs) if mbs else 0}" if len(set(mbs)) <= 1 else " ".join(map(str, mbs))
-            tp = f" tp{stage.tp_shares[g]}" if stage.tp_shares and len(members) > 1 else ""
-            names = plan.block_names
-            blocks = f"{stage.block_start}-{stage.block_stop - 1}"
-            if names and len(names) >= stage.block_stop:
-                blocks += f" ({names[stage.block_start]}..{names[stage.block_stop - 1]})"
-            t.add_row(str(s), blocks, ",".join(map(str, members)) + tp, dev, str(stage.member_batch(g)),
+            t.add_row(str(s), blocks, who + tp_txt, dev, str(sum(mbs)) + (" each" if len(groups) > 1 else ""),
                       mb_txt, fmt_bytes(mem))
     p = plan.predicted
     lines = [f"predicted step {fmt_time(p.step_time_s)}, {p.samples_per_s:.2f} samples/s (cost model"
