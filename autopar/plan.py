@@ -33,6 +33,9 @@ class Stage:
     tp_shares: tuple[tuple[int, ...], ...] = ()
     # Per member: relative size of its ZeRO shard (memory-proportional sharding); () = even.
     zero_shares: tuple[float, ...] = ()
+    # Activation recomputation: keep only the stage's inputs per micro-batch in flight and recompute
+    # the stage's forward during its backward (torch.utils.checkpoint).
+    recompute: bool = False
 
     def __post_init__(self):
         if not 0 <= self.block_start < self.block_stop:
@@ -126,7 +129,7 @@ class Plan:
             Stage(
                 block_start=s["block_start"], block_stop=s["block_stop"], groups=tup(s["groups"]),
                 micro_batches=tup(s["micro_batches"]), tp_shares=tup(s.get("tp_shares", [])),
-                zero_shares=tuple(s.get("zero_shares", [])),
+                zero_shares=tuple(s.get("zero_shares", [])), recompute=bool(s.get("recompute", False)),
             )
             for s in d["stages"]
         )
