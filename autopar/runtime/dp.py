@@ -317,6 +317,12 @@ class DataParallelEngine:
                                     f"({len(stage.groups)}), got {len(stage.zero_shares)}")
         if max(len(m) for m in stage.micro_batches) == 0:
             raise DataParallelError("plan.stages[0].micro_batches: no member has a micro-batch")
+        if getattr(stage, "recompute", False):
+            # One micro-batch is in flight at a time here, so recomputing the whole forward would
+            # hold the same activations at the backward's peak: only per-block checkpointing would
+            # save memory, and this engine has none.
+            raise DataParallelError("plan.stages[0].recompute: activation recomputation (Stage.recompute) is "
+                                    "not supported by the data-parallel engine; use it on pipeline stages")
 
     def _group_ranks(self) -> list[int]:
         if self.group is None:

@@ -44,6 +44,13 @@ Terms
   member's rows; the member's activations and gradients are replicated over its ranks, so its TP
   index 0 sends for it, to every rank of the peer member. Gradient groups then sum full-size
   gradients: shards at their places, replicated parameters from TP index 0 only.
+- recomputation: a stage with ``Stage.recompute`` runs each micro-batch's forward (and, on the last
+  stage, its loss) under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the inputs
+  (its rows, received values, parameters) per micro-batch in flight and backward re-runs the forward,
+  inside ``clock.compute()`` like all compute. On a tensor-parallel member every rank recomputes, so
+  the forward all-reduces re-run in the same order on all of them. Forward code must be repeatable
+  (no dropout without the saved RNG state, which checkpoint restores; buffers updated in forward,
+  e.g. batch-norm running stats, would be updated twice).
 
 ZeRO: with ``plan.zero_stage >= 1``, a stage of several one-rank members deals the parameters only it
 holds out to its members, each member keeps optimizer state for its own and broadcasts them after the
@@ -63,6 +70,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
@@ -257,6 +265,10 @@ class PipelineEngine:
         self.zero_stage_applied = 1 if self._zero_groups else 0
         stepped = [p for p in self.params if id(p) not in skip]
         self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
+        # Activation recomputation (``Stage.recompute``): each micro-batch's forward runs under
+        # torch.utils.checkpoint, so only its inputs stay in flight and backward re-runs the forward
+        # (on every rank of a tensor-parallel member alike, collectives included, in the same order).
+        self.recompute = self.stage is not None and bool(plan.stages[self.stage].recompute)
         self._batched: dict[str, bool] | None = None
         self._sends: list = []
         self._signatures: set = set()            # input signatures whose headers have travelled
@@ -304,10 +316,12 @@ class PipelineEngine:
                 tgt = _rows(targets, rows, self.device) if self.program.is_last else None
                 received = st.get("received", ())
                 with self.clock.compute():
-                    out = self.program(local, received)
-                    if self.program.is_last:
-                        loss = compute_loss(out, tgt, self.inputs.loss_fn) * ((b - a) / B)
+                    if self.recompute:    # save only the inputs; backward re-runs the forward
+                        out = checkpoint(self._forward, local, received, tgt, (b - a) / B, use_reentrant=False)
+                    else:
+                        out = self._forward(local, received, tgt, (b - a) / B)
                 if self.program.is_last:
+                    loss = out
                     st["loss"] = loss
                     if self.tp_index == 0:      # a tensor-parallel member's loss counts once
                         loss_sum += loss.detach().to(torch.float64)
@@ -358,6 +372,15 @@ class PipelineEngine:
                 self.comm.broadcast(ps, src=self.plan.stages[self.stage].groups[j][0], group=group)
         self.comm.all_reduce([loss_sum])
         return float(loss_sum)
+
+    def _forward(self, local: Sequence[Any], received: Sequence[torch.Tensor], targets: Any,
+                 weight: float) -> Any:
+        """The stage program on one micro-batch: its sent values, or on the last stage its weighted
+        loss (the whole of what ``recompute`` re-runs in backward)."""
+        out = self.program(local, received)
+        if self.program.is_last:
+            return compute_loss(out, targets, self.inputs.loss_fn) * weight
+        return tuple(out)
 
     def _partition_for_zero(self) -> list[tuple[Any, list[list[torch.nn.Parameter]]]]:
         """ZeRO >= 1 on a stage of several one-rank members: the parameters that only this stage holds

@@ -1,0 +1,115 @@
+"""Activation recomputation (``Stage.recompute``) in the runtime, against the single-device oracle.
+
+- One real ``autopar.launch`` run (gloo, 3 processes) of several plans in sequence, SGD+momentum,
+  micro-batches 4+3+3 of a global batch of 10: gpt-tiny (tied embedding / LM head) with 3 stages
+  1F1B recomputing every stage, 2 stages GPipe recomputing only a first stage of two uneven
+  data-parallel members, tensor-parallel members (3:1 and 2:2 heads) that recompute (their forward
+  all-reduces re-run in backward on every TP rank), and a toy model whose batch-less tensor passes
+  through a recomputing middle stage (a received leaf sent on unchanged). Each must end with the
+  oracle's state and losses.
+- Memory: the activation bytes autograd saves outside checkpoints during a step (tensors with a
+  ``grad_fn``, seen by ``saved_tensors_hooks`` around ``engine.step``; inputs and parameters are not
+  counted): a stage that recomputes saves none; without recomputation the stages with transformer blocks save some.
+- The data-parallel engine refuses a single-stage plan with ``recompute`` (names the field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from oracle import RTOL, assert_state_close, batches, single_device_run
+from test_pipeline_engine import B, STEPS, _cluster, _engine, _toy_batches, _toy_oracle, pp_plan
+
+
+def _recompute(plan, stages):
+    """``plan`` with ``recompute`` set on the given stage indices."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=s in stages)
+                                                  for s, st in enumerate(plan.stages)))
+
+
+THREE_1F1B = pp_plan([(1, {0: (4, 3, 3)}), (5, {1: (4, 3, 3)}), (6, {2: (4, 3, 3)})], "1f1b")
+RUNS = [
+    ("base-3s-1f1b", "gpt-tiny", THREE_1F1B),
+    ("all-3s-1f1b", "gpt-tiny", _recompute(THREE_1F1B, {0, 1, 2})),
+    # stage 0: two data-parallel members of uneven shares; only it recomputes
+    ("first-2s-gpipe", "gpt-tiny", _recompute(pp_plan([(3, {0: (3, 1, 2), 1: (1, 2, 1)}), (6, {2: (4, 3, 3)})],
+                                                      "gpipe"), {0})),
+    ("tp-first-1f1b", "gpt-tiny", _recompute(pp_plan([(3, {(0, 1): (4, 3, 3)}, ((3, 1),)), (6, {2: (4, 3, 3)})],
+                                                     "1f1b"), {0, 1})),
+    ("tp-last-gpipe", "gpt-tiny", _recompute(pp_plan([(2, {0: (4, 3, 3)}), (6, {(1, 2): (4, 3, 3)}, ((2, 2),))],
+                                                     "gpipe"), {1})),
+    # toy blocks: 0 embed (table * 2), 1-3 layers, 4 head: the table passes through stage 1
+    ("toy-skip", "toy", _recompute(pp_plan([(1, {0: (4, 3, 3)}), (2, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})],
+                                           "1f1b", num_blocks=5), {1, 2})),
+]
+
+
+def _run(rank: int, runs):
+    out = {}
+    for key, name, plan in runs:
+        engine = _engine(name, plan, "sgd", rank, 3)
+        data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
+        saved = [0]
+
+        def pack(t):      # activations: tensors computed by differentiable ops (not inputs, params)
+            if t.grad_fn is not None:
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        losses = []
+        for inp, tgt in data:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                losses.append(engine.step(inp, tgt))
+        out[key] = {"state": engine.state_dict(), "losses": losses, "saved_bytes": saved[0],
+                    "recompute": engine.recompute, "num_shards": len(engine._shards)}
+    return out
+
+
+def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
+    import autopar
+
+    results = autopar.launch(_run, _cluster(), RUNS, timeout_s=240)
+    toy_state, toy_losses = _toy_oracle("sgd")
+    ref = single_device_run("gpt-tiny", B, STEPS, "sgd")
+    for key, name, plan in RUNS:
+        ref_state, ref_losses = (toy_state, toy_losses) if name == "toy" else (ref.state, ref.losses)
+        for rank, res in enumerate(results):
+            got = res[key]
+            assert_state_close(got["state"], ref_state, RTOL["sgd"])
+            assert got["losses"] == results[0][key]["losses"], f"{key}: rank {rank} reports another loss"
+            assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got["losses"], ref_losses)), key
+            stage = plan.stage_of(rank)[0]
+            assert got["recompute"] == plan.stages[stage].recompute, (key, rank)
+    st = results[2]["all-3s-1f1b"]["state"]
+    assert torch.equal(st["wte.weight"], st["lm_head.weight"])       # tied: still one tensor
+    assert [r["tp-first-1f1b"]["num_shards"] > 0 for r in results] == [True, True, False]
+    assert [r["tp-last-gpipe"]["num_shards"] > 0 for r in results] == [False, True, True]
+    # memory: stages with transformer blocks save activations without recomputation (stage 0 of
+    # base-3s-1f1b is the embedding only: its lookup saves just the token ids), none with it
+    base = [r["base-3s-1f1b"]["saved_bytes"] for r in results]
+    assert base[1] > 0 and base[2] > 0, base
+    assert [r["all-3s-1f1b"]["saved_bytes"] for r in results] == [0, 0, 0]
+    first = [r["first-2s-gpipe"]["saved_bytes"] for r in results]
+    assert first[0] == first[1] == 0 and first[2] > 0, first
+    tp_last = [r["tp-last-gpipe"]["saved_bytes"] for r in results]
+    assert tp_last[0] > 0 and tp_last[1] == tp_last[2] == 0, tp_last
+
+
+def test_data_parallel_engine_refuses_recompute():
+    from autopar.runtime.dp import DataParallelEngine, DataParallelError
+    from autopar.runtime.emulate import NullClock
+    from autopar.runtime.engine import EngineInputs
+    from oracle import optimizer_factory
+
+    plan = _recompute(pp_plan([(6, {0: (4, 3, 3)})]), {0})
+    model = torch.nn.Linear(4, 4)
+    inputs = EngineInputs(gm=None, model=model, plan=plan, loss_fn=torch.nn.functional.mse_loss,
+                          optimizer_factory=optimizer_factory("sgd"), rank=0, world_size=1,
+                          device=torch.device("cpu"), clock=NullClock())
+    with pytest.raises(DataParallelError, match=r"Stage\.recompute"):
+        DataParallelEngine(inputs)
+    assert issubclass(DataParallelError, ValueError)
