@@ -10,7 +10,10 @@
 - Memory: the activation bytes autograd saves outside checkpoints during a step (tensors with a
   ``grad_fn``, seen by ``saved_tensors_hooks`` around ``engine.step``; inputs and parameters are not
   counted): a stage that recomputes saves none; without recomputation the stages with transformer blocks save some.
-- The data-parallel engine refuses a single-stage plan with ``recompute`` (names the field).
+- Single-stage plans (the data-parallel engine, members of uneven shares and micro-step counts)
+  recompute block by block, with ZeRO-0 and ZeRO-3 (which then gathers per micro-step): exact, and
+  only the loss's own saves stay outside checkpoints. Without a block-annotated graph the engine
+  refuses ``recompute`` (names the field).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 from oracle import RTOL, assert_state_close, batches, single_device_run
-from test_pipeline_engine import B, STEPS, _cluster, _engine, _toy_batches, _toy_oracle, pp_plan
+from test_pipeline_engine import B, STEPS, _cluster, _toy_batches, _toy_case, _toy_oracle, pp_plan
 
 
 def _recompute(plan, stages):
@@ -31,6 +34,7 @@ def _recompute(plan, stages):
                                                   for s, st in enumerate(plan.stages)))
 
 
+DP = pp_plan([(6, {0: (2, 2), 1: (3,), 2: (1, 2)})])
 THREE_1F1B = pp_plan([(1, {0: (4, 3, 3)}), (5, {1: (4, 3, 3)}), (6, {2: (4, 3, 3)})], "1f1b")
 RUNS = [
     ("base-3s-1f1b", "gpt-tiny", THREE_1F1B),
@@ -45,13 +49,36 @@ RUNS = [
     # toy blocks: 0 embed (table * 2), 1-3 layers, 4 head: the table passes through stage 1
     ("toy-skip", "toy", _recompute(pp_plan([(1, {0: (4, 3, 3)}), (2, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})],
                                            "1f1b", num_blocks=5), {1, 2})),
+    # single-stage plans (the data-parallel engine): uneven members and micro-steps; ZeRO-3 with
+    # recompute gathers per micro-step
+    ("dp-base", "gpt-tiny", DP),
+    ("dp", "gpt-tiny", _recompute(DP, {0})),
+    ("dp-zero3", "gpt-tiny", dataclasses.replace(_recompute(DP, {0}), zero_stage=3)),
 ]
+
+
+def _build(name, plan, rank):
+    from autopar.models import build
+    from autopar.runtime.emulate import NullClock
+    from autopar.runtime.engine import EngineInputs, select_engine
+    from oracle import optimizer_factory
+    from passes.analyze import analyze
+
+    if name == "toy":
+        (model, loss_fn), example = _toy_case(), (torch.randn(2, 8),)
+    else:
+        case = build(name, seed=0)
+        model, loss_fn, example = case.model, case.loss_fn, case.example_inputs
+    gm = analyze(model, example).captured.gm
+    return select_engine(plan)(EngineInputs(
+        gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory("sgd"),
+        rank=rank, world_size=3, device=torch.device("cpu"), clock=NullClock()))
 
 
 def _run(rank: int, runs):
     out = {}
     for key, name, plan in runs:
-        engine = _engine(name, plan, "sgd", rank, 3)
+        engine = _build(name, plan, rank)
         data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
         saved = [0]
 
@@ -65,7 +92,8 @@ def _run(rank: int, runs):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses.append(engine.step(inp, tgt))
         out[key] = {"state": engine.state_dict(), "losses": losses, "saved_bytes": saved[0],
-                    "recompute": engine.recompute, "num_shards": len(engine._shards)}
+                    "recompute": engine.recompute, "num_shards": len(getattr(engine, "_shards", ())),
+                    "zero3": getattr(engine, "zero3_granularity", None)}
     return out
 
 
@@ -97,19 +125,22 @@ def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
     assert first[0] == first[1] == 0 and first[2] > 0, first
     tp_last = [r["tp-last-gpipe"]["saved_bytes"] for r in results]
     assert tp_last[0] > 0 and tp_last[1] == tp_last[2] == 0, tp_last
+    # data-parallel: only the loss's own saves stay (it reads the logits), each block recomputes
+    for rank, res in enumerate(results):
+        base, rc = res["dp-base"]["saved_bytes"], res["dp"]["saved_bytes"]
+        assert 0 < rc < base / 3, (rank, rc, base)
+        assert res["dp-zero3"]["saved_bytes"] == rc and res["dp-zero3"]["zero3"] == "micro_step"
 
 
-def test_data_parallel_engine_refuses_recompute():
+def test_data_parallel_recompute_needs_the_block_graph():
     from autopar.runtime.dp import DataParallelEngine, DataParallelError
     from autopar.runtime.emulate import NullClock
     from autopar.runtime.engine import EngineInputs
     from oracle import optimizer_factory
 
     plan = _recompute(pp_plan([(6, {0: (4, 3, 3)})]), {0})
-    model = torch.nn.Linear(4, 4)
-    inputs = EngineInputs(gm=None, model=model, plan=plan, loss_fn=torch.nn.functional.mse_loss,
+    inputs = EngineInputs(gm=None, model=torch.nn.Linear(4, 4), plan=plan, loss_fn=torch.nn.functional.mse_loss,
                           optimizer_factory=optimizer_factory("sgd"), rank=0, world_size=1,
                           device=torch.device("cpu"), clock=NullClock())
     with pytest.raises(DataParallelError, match=r"Stage\.recompute"):
         DataParallelEngine(inputs)
-    assert issubclass(DataParallelError, ValueError)

@@ -62,6 +62,14 @@ kept (a flat shard per group, each with its group's hyperparameters). A trainabl
 gets no gradient on any rank is stepped with a zero gradient under ZeRO >= 1 (weight decay and
 momentum still apply), whereas torch's optimizers skip parameters whose ``.grad`` is None.
 
+Recomputation: with ``plan.stages[0].recompute`` each micro-step runs the captured graph block by
+block (``passes.split`` cut at every block), each block under a non-reentrant
+``torch.utils.checkpoint``: only the values between blocks stay saved and backward re-runs one block
+at a time (inside the micro-step's compute block). It needs ``EngineInputs.gm`` with block
+annotations; ZeRO-3 then gathers per micro-step (``zero3_granularity`` reports ``"micro_step"``), as
+re-running forward code in backward needs. Buffers updated in forward (BatchNorm's running
+statistics) are updated again by the recomputation.
+
 BatchNorm (and any layer coupling the samples of a batch) normalises per micro-batch, not over the
 global batch, so such models are not exact against one device. After each step the running
 statistics of BatchNorm layers are averaged over the ranks weighted by their samples (counters take
@@ -180,6 +188,14 @@ class _UnitHook(nn.Module):
         self._fn(unit)
 
 
+def _num_blocks(gm: Any) -> int:
+    """The number of blocks annotated on a captured graph (0: none, or not a graph)."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        return 0
+    return max((int(n.meta["autopar.block"]) + 1 for n in gm.graph.nodes if "autopar.block" in n.meta),
+               default=0)
+
+
 class DataParallelEngine:
     """Runs a single-stage (data-parallel) plan with its ZeRO stage on one rank; see the module
     docstring. Build it on every rank of the process group with the same ``EngineInputs`` (but
@@ -233,11 +249,14 @@ class DataParallelEngine:
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise DataParallelError(f"model: trainable parameters must share one floating dtype, got {dtypes}")
         self.dtype = next(iter(dtypes))
+        self.recompute = bool(getattr(stage, "recompute", False))
+        self._block_programs = self._split_blocks() if self.recompute else None
 
         probe = inputs.optimizer_factory(trainable)
         group_of = self._group_of(probe, trainable)
         units = None
-        if self.zero_stage == 3 and zero3_granularity == "block" and isinstance(self.gm, torch.fx.GraphModule):
+        if self.zero_stage == 3 and zero3_granularity == "block" and not self.recompute \
+                and isinstance(self.gm, torch.fx.GraphModule):   # recomputation re-runs forward: micro_step
             units = param_units(self.gm, trainable)
         self.zero3_granularity: Zero3Granularity | None = \
             None if self.zero_stage != 3 else ("block" if units is not None else "micro_step")
@@ -317,12 +336,33 @@ class DataParallelEngine:
                                     f"({len(stage.groups)}), got {len(stage.zero_shares)}")
         if max(len(m) for m in stage.micro_batches) == 0:
             raise DataParallelError("plan.stages[0].micro_batches: no member has a micro-batch")
-        if getattr(stage, "recompute", False):
-            # One micro-batch is in flight at a time here, so recomputing the whole forward would
-            # hold the same activations at the backward's peak: only per-block checkpointing would
-            # save memory, and this engine has none.
-            raise DataParallelError("plan.stages[0].recompute: activation recomputation (Stage.recompute) is "
-                                    "not supported by the data-parallel engine; use it on pipeline stages")
+        if getattr(stage, "recompute", False) and not _num_blocks(self.inputs.gm):
+            raise DataParallelError("plan.stages[0].recompute: activation recomputation (Stage.recompute) "
+                                    "needs the captured graph with block annotations (EngineInputs.gm)")
+
+    def _split_blocks(self) -> list:
+        """``Stage.recompute``: the captured graph cut into one program per block (recomputed one by
+        one in backward)."""
+        from passes.split import split_stages
+
+        return split_stages(self.gm, [(b, b + 1) for b in range(_num_blocks(self.gm))])
+
+    def _forward(self, local: list) -> Any:
+        """The model output on one micro-batch; with ``recompute`` block by block, each block under a
+        non-reentrant checkpoint (only its inputs are kept; backward re-runs it)."""
+        if self._block_programs is None:
+            return self.gm(*local)
+        from torch.utils.checkpoint import checkpoint
+
+        from passes.split import flat_inputs
+
+        flat = flat_inputs(self.gm, local)
+        received: Any = ()
+        for prog in self._block_programs:
+            received = checkpoint(prog, flat, received, use_reentrant=False)
+            if not prog.is_last:
+                received = tuple(received)
+        return received
 
     def _group_ranks(self) -> list[int]:
         if self.group is None:
@@ -574,7 +614,7 @@ class DataParallelEngine:
         target = self._take(targets, rows)
         self._segment_begin()
         try:
-            out = self.gm(*local)
+            out = self._forward(local)
             loss = compute_loss(out, target, self.loss_fn)
             weighted = loss * (n / self.plan.global_batch_size)
             weighted.backward()
