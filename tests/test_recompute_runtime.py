@@ -5,7 +5,8 @@
   1F1B recomputing every stage, 2 stages GPipe recomputing only a first stage of two uneven
   data-parallel members, tensor-parallel members (3:1 and 2:2 heads) that recompute (their forward
   all-reduces re-run in backward on every TP rank), and a toy model whose batch-less tensor passes
-  through a recomputing middle stage (a received leaf sent on unchanged). Each must end with the
+  through a recomputing middle stage (a received leaf sent on unchanged), hf-gpt-tiny (an export
+  graph whose output carries the loss) with a last stage of two members. Each must end with the
   oracle's state and losses.
 - Memory: the activation bytes autograd saves outside checkpoints during a step (tensors with a
   ``grad_fn``, seen by ``saved_tensors_hooks`` around ``engine.step``; inputs and parameters are not
@@ -49,6 +50,9 @@ RUNS = [
     # toy blocks: 0 embed (table * 2), 1-3 layers, 4 head: the table passes through stage 1
     ("toy-skip", "toy", _recompute(pp_plan([(1, {0: (4, 3, 3)}), (2, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})],
                                            "1f1b", num_blocks=5), {1, 2})),
+    # an export graph whose output carries the loss (no loss_fn): the loss is computed inside the checkpoint
+    ("hf-2s-1f1b", "hf-gpt-tiny", _recompute(pp_plan([(3, {0: (4, 3, 3)}), (6, {1: (2, 1, 3), 2: (2, 2, 0)})],
+                                                     "1f1b"), {0, 1})),
     # single-stage plans (the data-parallel engine): uneven members and micro-steps; ZeRO-3 with
     # recompute gathers per micro-step
     ("dp-base", "gpt-tiny", DP),
@@ -102,8 +106,8 @@ def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
 
     results = autopar.launch(_run, _cluster(), RUNS, timeout_s=240)
     toy_state, toy_losses = _toy_oracle("sgd")
-    ref = single_device_run("gpt-tiny", B, STEPS, "sgd")
     for key, name, plan in RUNS:
+        ref = single_device_run(name, B, STEPS, "sgd") if name != "toy" else None
         ref_state, ref_losses = (toy_state, toy_losses) if name == "toy" else (ref.state, ref.losses)
         for rank, res in enumerate(results):
             got = res[key]
