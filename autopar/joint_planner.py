@@ -28,6 +28,13 @@ Terms
   whose load-balance bound (batch / summed member speed) cannot beat the best single strategy are
   dropped, and so are the counts M >= S of a grouping that cannot hold the model at its largest count. The ``_SHORTLIST`` best
   estimates are built and simulated (GPipe and 1F1B, the least ZeRO stage that fits).
+- activation recomputation (``recompute=True``, off by default): a stage whose in-flight activations
+  do not fit may keep per micro-batch in flight only its input (the previous block's output, whole on
+  every TP rank) plus one micro-batch's full activations, for one more forward in its backward
+  (``Stage.recompute``; priced by ``pp_planner.stage_durations``). Keeping is never slower, so the
+  split DP takes it per stage exactly: an entry recomputes only where keeping does not fit. Off by
+  default because ``autopar.bounds`` then lets a type "hold the model alone" by recomputing
+  everywhere instead of relaxing its memory, and its bound stops being a ceiling.
 - single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates
   too, so ``auto`` is never predicted slower than any of them.
 - cache: plans are kept as JSON under ``$AUTOPAR_CACHE_DIR/plans/`` (default
@@ -53,7 +60,7 @@ from autopar.errors import PlanError
 from autopar.plan import Plan, Predicted, Stage
 from autopar.pp_planner import (
     StageGrouping, _dp_min_max, member_shares, micro_candidates, micro_sizes, plan_pipeline, plan_timeline,
-    split_blocks,
+    split_blocks, stage_input_bytes,
 )
 
 from autopar.plan_cache import cache_dir, cache_key, cache_read, cache_write
@@ -85,6 +92,7 @@ class _Ctx:
     rho: float
     members: dict                  # rank tuple -> Member
     cache: dict
+    recompute: bool = False        # offer activation recomputation to stages whose memory binds
 
     def kind_id(self, kind) -> int:
         ids = self.cache.setdefault("kind_ids", {})
@@ -126,12 +134,14 @@ class _Ctx:
             self.cache[key] = 1.0 / max(float(f.sum() + b.sum()), 1e-30)
         return self.cache[key]
 
-    def span_time(self, kid: int, k: int) -> np.ndarray:
-        key = ("span", kid, k)
+    def span_time(self, kid: int, k: int, recompute: bool = False) -> np.ndarray:
+        """[i, j] = forward + backward seconds of blocks [i, j) on kind ``kid`` at ``k`` samples; with
+        ``recompute`` the backward reruns the forward (one more forward)."""
+        key = ("span", kid, k, recompute)
         if key not in self.cache:
             kind = self.cache["kind_list"][kid]
             f, b = tp_cost.kind_block_times(self.costs, kind, float(k), self.rho)
-            p = np.concatenate([[0.0], np.cumsum(f + b)])
+            p = np.concatenate([[0.0], np.cumsum((2 * f if recompute else f) + b)])
             self.cache[key] = p[None, :] - p[:, None]
         return self.cache[key]
 
@@ -155,6 +165,11 @@ class _Ctx:
                                            + c.optimizer_bytes_per_param * (f if z >= 1 else 1.0)))
         return self.cache[key]
 
+    def rank_caps(self, member: Member) -> tuple[tuple[float, float], ...]:
+        """Distinct (usable bytes, work factor) of the member's ranks."""
+        factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.rho)
+        return tuple(sorted({(self.cap(r), float(k)) for r, k in zip(member.ranks, factors)}))
+
     def room(self, member: Member) -> float:
         """Bytes of (unsharded) block state + activations the member's tightest rank can hold."""
         key = ("room", member.ranks)
@@ -173,7 +188,8 @@ class _StagePrep:
     """What the cost tensor needs of one stage, independent of the micro-batch count."""
 
     num_members: int
-    kinds: tuple[tuple[int, float, float], ...]   # distinct (kind id, speed fraction of the stage, room)
+    # distinct (kind id, speed fraction of the stage, room, distinct (cap bytes, work factor) of its ranks)
+    kinds: tuple[tuple[int, float, float, tuple[tuple[float, float], ...]], ...]
     p2p: tuple[float, float, int] | None          # (alpha s, beta s/B, parallel links) to the next stage
 
 
@@ -183,7 +199,7 @@ def _prepare(ctx: _Ctx, stages: Sequence[Sequence[Member]]) -> list[_StagePrep]:
         ids = [ctx.kind_id(m.kind) for m in members]
         v = [ctx.kind_speed(m.kind) for m in members]
         total = sum(v)
-        kinds = tuple(sorted({(i, x / total, ctx.room(m)) for i, x, m in zip(ids, v, members)}))
+        kinds = tuple(sorted({(i, x / total, ctx.room(m), ctx.rank_caps(m)) for i, x, m in zip(ids, v, members)}))
         p2p = None
         if s < len(stages) - 1:
             nxt = stages[s + 1]
@@ -195,51 +211,72 @@ def _prepare(ctx: _Ctx, stages: Sequence[Sequence[Member]]) -> list[_StagePrep]:
     return out
 
 
-def _cost_tensor(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int, schedule: str) -> np.ndarray:
-    """[s, i, j] = seconds of stage s on blocks [i, j) at the largest micro-batch (slowest member, TP
+def _cost_tensor(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int, schedule: str,
+                 recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """([s, i, j] = seconds of stage s on blocks [i, j) at the largest micro-batch (slowest member, TP
     all-reduces, p2p send of its output), inf where a member's rank cannot hold its state and the
-    activations in flight. A member's samples of a micro-batch are its speed's share, rounded up."""
+    activations in flight; [s, i, j] = whether that entry recomputes its activations). A member's
+    samples of a micro-batch are its speed's share, rounded up.
+
+    With ``recompute`` an entry that does not fit keeping every activation tries activation
+    recomputation: per micro-batch in flight only the stage input (``out_bytes`` of block i - 1,
+    replicated on every TP rank), plus one micro-batch's full activations, for one more forward in the
+    backward. Keeping is never slower, so an entry recomputes only where keeping does not fit: the
+    per-stage choice is exact for the split DP."""
     c = ctx.costs
     n = c.num_blocks
     S = len(prep)
     b = micro_sizes(ctx.global_batch, num_micro)[0]
     _, _, act = ctx.spans()
     out = np.empty((S, n + 1, n + 1))
+    rc = np.zeros((S, n + 1, n + 1), dtype=bool)
     upper = ctx.upper()
     out_bytes = ctx.out_bytes0()
     row_cache: dict = {}
     for s, st in enumerate(prep):
         fly = _in_flight(schedule, s, S, num_micro)
         if st.num_members == 1:
-            shares = tuple((i, b, room) for i, _, room in st.kinds)
+            shares = tuple((i, b, room, caps) for i, _, room, caps in st.kinds)
         else:
-            shares = tuple((i, int(math.ceil(b * f - 1e-9)), room) for i, f, room in st.kinds)
-        sig = (shares, st.num_members, fly)
+            shares = tuple((i, int(math.ceil(b * f - 1e-9)), room, caps) for i, f, room, caps in st.kinds)
+        sig = (shares, st.num_members, fly, recompute)
         if sig not in row_cache:
             state = ctx.state(st.num_members)
             t = np.zeros((n + 1, n + 1))
+            t_rc = np.zeros((n + 1, n + 1))
             fits = upper.copy()
-            for kid, k, room in shares:
+            fits_rc = upper.copy() if recompute else np.zeros_like(upper)
+            for kid, k, room, caps in shares:
                 if k <= 0:
                     continue
                 t = np.maximum(t, ctx.span_time(kid, k))
                 fits &= state + act * (k * fly) <= room
-            row_cache[sig] = np.where(fits, t, np.inf)
-        t_s = row_cache[sig]
+                if recompute:
+                    t_rc = np.maximum(t_rc, ctx.span_time(kid, k, True))
+                    # per rank: its work factor of the states and one micro-batch's activations, and
+                    # the whole stage input (block i - 1's output) of every micro-batch in flight.
+                    held = (out_bytes * (k * fly))[:, None]
+                    for cap, factor in caps:
+                        fits_rc &= (state + act * k) * factor + held <= cap
+            use_rc = fits_rc & ~fits
+            row_cache[sig] = (np.where(fits, t, np.where(use_rc, t_rc, np.inf)), use_rc)
+        t_s, rc[s] = row_cache[sig]
         if st.p2p is not None:
             alpha, beta, links = st.p2p
             t_s = t_s + (alpha + beta * math.ceil(b / links) * out_bytes)[None, :]
         out[s] = t_s
-    return out
+    return out, rc
 
 
 # -- building and predicting a candidate --------------------------------------------------------------
 
-def _build(ctx: _Ctx, stages: Sequence[Sequence[Member]], sizes: Sequence[int], num_micro: int) -> tuple[Stage, ...]:
+def _build(ctx: _Ctx, stages: Sequence[Sequence[Member]], sizes: Sequence[int], num_micro: int,
+           recompute: Sequence[bool] = ()) -> tuple[Stage, ...]:
     micro = micro_sizes(ctx.global_batch, num_micro)
     tp = any(len(m.ranks) > 1 for st in stages for m in st)
     out, start = [], 0
-    for members, k in zip(stages, sizes):
+    recompute = tuple(recompute) or (False,) * len(stages)
+    for members, k, rc in zip(stages, sizes, recompute):
         speeds = [ctx.kind_speed(m.kind) for m in members]
         per_micro, rotate = [], 0
         for b in micro:
@@ -248,7 +285,7 @@ def _build(ctx: _Ctx, stages: Sequence[Sequence[Member]], sizes: Sequence[int], 
         out.append(Stage(
             block_start=start, block_stop=start + k, groups=tuple(m.ranks for m in members),
             micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members))),
-            tp_shares=tuple(m.shares for m in members) if tp else ()))
+            tp_shares=tuple(m.shares for m in members) if tp else (), recompute=bool(rc)))
         start += k
     return tuple(out)
 
@@ -265,12 +302,16 @@ def _memory(ctx: _Ctx, stages: Sequence[Stage], schedule: str, zero_stage: int) 
                         + c.optimizer_bytes_per_param * (f if zero_stage >= 1 else 1.0)))
         act = float(c.act_bytes[blocks].sum())
         fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
+        held = stage_input_bytes(c, st) if st.recompute else 0.0
         for g, ranks in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares else (1,)
             factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), ctx.rho)
-            need = state + act * max(st.micro_batches[g]) * fly
+            x = max(st.micro_batches[g])
+            # Recompute: one micro-batch's activations (sharded like the work) and every in-flight
+            # micro-batch's stage input (whole on every rank); else every in-flight activation.
+            need = state + act * x * (1 if st.recompute else fly)
             for r, k in zip(ranks, factors):
-                out[r] = int(math.ceil(need * k))
+                out[r] = int(math.ceil(need * k + held * x * fly))
     return dict(sorted(out.items()))
 
 
@@ -325,7 +366,7 @@ def _split_lower_bound(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int) ->
     inv, low = 0.0, math.inf
     for st in prep:
         q = 0.0
-        for kid, f, _room in st.kinds:
+        for kid, f, _room, _caps in st.kinds:
             k = b if st.num_members == 1 else int(math.ceil(b * f - 1e-9))
             if k > 0:
                 q = max(q, ctx.ratio(kid, k))
@@ -345,12 +386,13 @@ class _GroupingState:
 
 
 def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: int | None, deadline,
-            best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...]]], int]:
+            best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...], tuple[bool, ...]]], int]:
     """Best-first over every (grouping, micro-batch count): sorted by ``_split_lower_bound``, each
     solved by the exact split DP unless its bound (or the tensor's bottleneck bound M x floor)
     exceeds the best estimate found x ``_ESTIMATE_SLACK``. A grouping that cannot hold the model at
     its largest count (the least activation memory once 1F1B is full) is not tried at any count >= S.
-    Returns (estimate, entry index, M, sizes) of every solved candidate, and how many were solved."""
+    Returns (estimate, entry index, M, sizes, recompute per stage) of every solved candidate, and how
+    many were solved."""
     items = []
     for e, entry in enumerate(entries):
         S = len(entry.prep)
@@ -363,13 +405,18 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
     solved = 0
 
     def solve(entry, M):
-        cost = _cost_tensor(ctx, entry.prep, M, schedule)
+        cost, rc = _cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
         floor = _dp_min_max(cost)
         if not math.isfinite(floor):
             return "infeasible"
         if M * floor > best_est * _ESTIMATE_SLACK:
             return None
-        return split_blocks(cost, M)
+        got = split_blocks(cost, M)
+        if got is None:
+            return None
+        bounds = np.concatenate([[0], np.cumsum(got[0])])
+        flags = tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in range(len(got[0])))
+        return got[0], got[1], flags
 
     for i, (bound, e, M) in enumerate(items):
         if bound > best_est * _ESTIMATE_SLACK:
@@ -390,8 +437,8 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
         solved += 1
         if got is None or got == "infeasible":
             continue
-        sizes, est = got
-        found.append((est, e, M, sizes))
+        sizes, est, flags = got
+        found.append((est, e, M, sizes, flags))
         best_est = min(best_est, est)
     found.sort(key=lambda x: x[0])
     return found, solved
@@ -418,18 +465,19 @@ def _entries(ctx: _Ctx, cluster, layouts, groupings, best_s: float) -> list[_Gro
 def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
                         num_heads: int | None = None, zero_stage: int = 2, memory_fraction: float = 0.9,
                         replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
-                        degrees: Sequence[int] = TP_DEGREES) -> tuple[float, str, int, tuple[int, ...]] | None:
+                        degrees: Sequence[int] = TP_DEGREES,
+                        recompute: bool = False) -> tuple[float, str, int, tuple[int, ...]] | None:
     """The least split estimate of the hybrid search (1F1B) and its (grouping, M, sizes), or None
     when nothing fits: what the search optimises before the simulator ranks its shortlist."""
     B = _check_batch(global_batch)
     layouts = member_layouts(costs, cluster, num_heads=num_heads, degrees=degrees,
                              replicated_fraction=replicated_fraction)
-    ctx = _Ctx(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {})
+    ctx = _Ctx(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, None, math.inf)
     found, _ = _search(ctx, entries, "1f1b", None, None, math.inf)
     if not found:
         return None
-    est, e, M, sizes = found[0]
+    est, e, M, sizes, _flags = found[0]
     return est, f"{entries[e].layout.name} {entries[e].grouping.name}", M, sizes
 
 
@@ -440,11 +488,12 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 degrees: Sequence[int] = TP_DEGREES, layouts: Sequence[MemberLayout] | None = None,
                 groupings: Sequence[StageGrouping] | None = None, num_micro: int | None = None,
                 deadline: float | None = None, best_s: float = math.inf,
-                shortlist: int = _SHORTLIST) -> list[_Scored]:
+                shortlist: int = _SHORTLIST, recompute: bool = False) -> list[_Scored]:
     """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
     reached elsewhere (pruning); ``deadline`` a ``time.perf_counter()`` to stop at; ``shortlist``:
-    how many candidates (best split estimates) the simulator predicts."""
+    how many candidates (best split estimates) the simulator predicts; ``recompute=True`` lets a stage
+    whose in-flight activations do not fit recompute them (see ``_cost_tensor``)."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     zero_choices, z_search = _zero_choices(zero_stage)
@@ -455,18 +504,20 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     if layouts is None:
         layouts = member_layouts(costs, cluster, ranks, num_heads=num_heads, degrees=degrees,
                                  replicated_fraction=replicated_fraction)
-    ctx = _Ctx(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {})
+    ctx = _Ctx(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
     found, _ = _search(ctx, entries, split_schedule, num_micro, deadline, best_s)
     scored: list[_Scored] = []
     best = best_s
-    for est, e, M, sizes in found[:shortlist]:
+    for est, e, M, sizes, flags in found[:shortlist]:
         if est > best * _ESTIMATE_SLACK:
             break
         entry = entries[e]
         stages = [[ctx.members[g] for g in st] for st in entry.grouping.stages]
-        built = _build(ctx, stages, sizes, M)
+        built = _build(ctx, stages, sizes, M, flags)
         label = f"{entry.layout.name} {entry.grouping.name} S={len(built)} M={M} layers={list(sizes)}"
+        if any(flags):
+            label += f" recompute={[s for s, x in enumerate(flags) if x]}"
         for x in _predict(ctx, built, schedules, label, zero_choices):
             scored.append(x)
             best = min(best, x.step_time_s)
@@ -496,7 +547,7 @@ def _check_batch(global_batch) -> int:
 
 def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
             memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
-            replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> Plan:
+            replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False) -> Plan:
     """Heterogeneous tensor parallelism: one TP group of every rank (uneven head shares, exact
     min-max), one stage, the micro-batch count that fits and is fastest."""
     B = _check_batch(global_batch)
@@ -512,7 +563,7 @@ def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_hea
     grouping = StageGrouping("one-group", ((ranks,),))
     scored = plan_hybrid(costs, cluster, B, num_heads=units, zero_stage=0, schedule="1f1b",
                          memory_fraction=memory_fraction, ranks=ranks, replicated_fraction=replicated_fraction,
-                         layouts=[layout], groupings=[grouping])
+                         layouts=[layout], groupings=[grouping], recompute=recompute)
     if not scored:
         raise PlanError(f"tp: the model does not fit on one TP group of {len(ranks)} ranks even at 1 sample "
                         f"per micro-batch ({costs.state_bytes() / 2**30:.3g} GiB of states)")
@@ -524,8 +575,9 @@ def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_hea
 def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, strategy: str, *,
                   num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                   schedule: str = "auto", memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
-                  replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> Plan:
-    """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments."""
+                  replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False) -> Plan:
+    """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
+    (``recompute``: whether pipeline stages may recompute activations; dp never does)."""
     if strategy in ("dp", "uniform-dp", "proportional-dp"):
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
                        memory_fraction=memory_fraction)
@@ -535,7 +587,8 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
         for z in zs:
             try:
                 p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=z,
-                                  uniform=strategy == "uniform-pp", memory_fraction=memory_fraction, ranks=ranks)
+                                  uniform=strategy == "uniform-pp", memory_fraction=memory_fraction, ranks=ranks,
+                                  recompute=recompute)
             except PlanError as e:
                 err = e
                 continue
@@ -546,7 +599,7 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
         return best
     if strategy == "tp":
         return plan_tp(costs, cluster, global_batch, num_heads=num_heads, memory_fraction=memory_fraction,
-                       ranks=ranks, replicated_fraction=replicated_fraction)
+                       ranks=ranks, replicated_fraction=replicated_fraction, recompute=recompute)
     raise PlanError(f"strategy: {strategy!r} is not one of {SINGLE_STRATEGIES}")
 
 
@@ -556,14 +609,16 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
               zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto", memory_fraction: float = 0.9,
               time_budget_s: float | None = None, ranks: Sequence[int] | None = None,
               replicated_fraction: float | None = None, degrees: Sequence[int] = TP_DEGREES,
-              use_cache: bool = True) -> Plan:
+              use_cache: bool = True, recompute: bool = False) -> Plan:
     """The fastest predicted plan over every dimension (see the module docstring).
 
     ``num_heads``: the model's attention heads (TP shard units; ``tp_cost.DEFAULT_NUM_UNITS`` when
     None). ``time_budget_s`` stops the hybrid search when spent (the best plan so far is returned and
     a note says so). ``replicated_fraction``: the part of every block each TP rank computes whole
     (``tp_cost.DEFAULT_REPLICATED_FRACTION`` when None). ``Plan.notes`` lists the runner-ups with their
-    predicted step times. Upper bound and efficiency are left at 0: see ``autopar.bounds``.
+    predicted step times. ``recompute``: whether pipeline stages whose memory binds may recompute
+    their activations (``Stage.recompute``). Upper bound and efficiency are left at 0: see
+    ``autopar.bounds``.
     Raises ``PlanError`` when nothing fits."""
     B = _check_batch(global_batch)
     if schedule not in ("auto", "gpipe", "1f1b"):
@@ -582,6 +637,8 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     args = {"global_batch": B, "num_heads": num_heads, "zero_stage": zero_stage, "schedule": schedule,
             "memory_fraction": memory_fraction, "time_budget_s": time_budget_s, "ranks": list(ranks),
             "replicated_fraction": rho, "degrees": list(degrees)}
+    if recompute:
+        args["recompute"] = True    # (absent when off: keys of the default stay as they were)
     key = cache_key(costs, cluster, args) if use_cache else None
     if key is not None:
         hit = cache_read(key)
@@ -596,7 +653,7 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
         try:
             p = plan_strategy(costs, cluster, B, strategy, num_heads=num_heads, zero_stage=zero_stage,
                               schedule=schedule, memory_fraction=memory_fraction, ranks=ranks,
-                              replicated_fraction=rho)
+                              replicated_fraction=rho, recompute=recompute)
         except PlanError as e:
             failed.append(f"{strategy}: does not fit or applies not: {str(e)[:160]}")
             continue
@@ -604,7 +661,7 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     best_single = min((x.step_time_s for x in scored), default=math.inf)
     hybrids = plan_hybrid(costs, cluster, B, num_heads=num_heads, zero_stage=zero_stage, schedule=schedule,
                           memory_fraction=memory_fraction, ranks=ranks, replicated_fraction=rho,
-                          degrees=degrees, deadline=deadline, best_s=best_single)
+                          degrees=degrees, deadline=deadline, best_s=best_single, recompute=recompute)
     scored += hybrids
     if not scored:
         raise PlanError("auto: no plan fits: " + "; ".join(failed))

@@ -15,6 +15,10 @@ Terms
 - stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
   ZeRO) + activations of the micro-batches in flight: GPipe holds all M, 1F1B holds ``min(M, S - s)``
   on stage s. It must fit in ``memory_fraction`` of each member's device memory.
+- activation recomputation (``Stage.recompute``; ``plan_pipeline(recompute=True)``): the stage keeps
+  per micro-batch in flight only its input (``stage_input_bytes``) plus, at its peak, one micro-batch's
+  full activations, and its backward reruns the forward (backward + forward seconds, one more call).
+  The split DP offers it exactly where keeping every activation does not fit (``_stage_costs``).
 - prediction: ``simulate`` of the generated schedule with per-micro-batch durations (each forward and
   backward call with its type's ``ModelCosts.call_overhead``) and p2p times, then each stage's
   gradient all-reduce over its members starting when the stage finishes (a tied parameter held by
@@ -44,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
     "split_objective", "split_blocks", "plan_pipeline", "plan_timeline", "stage_durations",
-    "pp_upper_bound", "save_plan_timeline", "stage_optimizer_s",
+    "pp_upper_bound", "save_plan_timeline", "stage_optimizer_s", "stage_input_bytes",
 ]
 
 ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
@@ -241,7 +245,18 @@ def _p2p_alpha_beta(cluster, src: int, dst: int) -> tuple[float, float]:
 
 
 def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, schedule: str) -> np.ndarray:
-    """[s, i, j] = t_s on blocks [i, j) at the largest micro-batch, inf where it does not fit."""
+    """[s, i, j] = t_s on blocks [i, j) at the largest micro-batch, inf where it does not fit (every
+    activation kept)."""
+    return _stage_costs(ctx, grouping, num_micro, schedule, recompute=False)[0]
+
+
+def _stage_costs(ctx: _Context, grouping: StageGrouping, num_micro: int, schedule: str,
+                 recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(``_stage_cost_tensor``, [s, i, j] = whether that entry recomputes its activations). With
+    ``recompute`` an entry that does not fit keeping every activation in flight tries activation
+    recomputation: per micro-batch in flight only the stage input (the output of block i - 1, 0 for
+    i = 0) plus one micro-batch's full activations, for one more forward (and call) in the backward.
+    Keeping is never slower, so the per-stage choice is exact for the split DP."""
     c = ctx.costs
     n = c.num_blocks
     S = grouping.num_stages
@@ -249,7 +264,9 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
     pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
     span = lambda p: p[None, :] - p[:, None]               # noqa: E731  [i, j] = p[j] - p[i]
     params, wbytes, act = span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes))
+    held = np.concatenate([[0.0], c.out_bytes])[:, None]      # [i] = stage input bytes per sample
     out = np.full((S, n + 1, n + 1), np.inf)
+    rc = np.zeros((S, n + 1, n + 1), dtype=bool)
     valid = (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         for s, members in enumerate(grouping.stages):
@@ -266,17 +283,30 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
             speed = {t: 1.0 / span(pre(c.fwd_time(t, ref) + c.bwd_time(t, ref))) for t in by_type}
             total = sum(len(rs) * speed[t] for t, rs in by_type.items())
             t_stage = np.zeros((n + 1, n + 1))
+            t_rc = np.zeros((n + 1, n + 1))
             fits = valid.copy()
+            fits_rc = valid.copy() if recompute else np.zeros_like(valid)
             for t, rs in by_type.items():
                 share = np.full((n + 1, n + 1), float(b)) if nm == 1 else np.ceil(b * speed[t] / total - 1e-9)
                 share = np.where(valid, share, 0.0)
                 time_t = np.zeros((n + 1, n + 1))
+                time_rc = np.zeros((n + 1, n + 1))
                 for k in np.unique(share[valid]):
                     if k > 0:
-                        time_t = np.where(share == k, span(pre(c.fwd_time(t, int(k)) + c.bwd_time(t, int(k))))
-                                          + 2 * c.call_overhead(t), time_t)
+                        fwd_k = span(pre(c.fwd_time(t, int(k)))) + c.call_overhead(t)
+                        bwd_k = span(pre(c.bwd_time(t, int(k)))) + c.call_overhead(t)
+                        time_t = np.where(share == k, fwd_k + bwd_k, time_t)
+                        time_rc = np.where(share == k, 2 * fwd_k + bwd_k, time_rc)
                 t_stage = np.maximum(t_stage, time_t)
-                fits &= state + act * share * fly <= min(ctx.cap_bytes(r) for r in rs)
+                t_rc = np.maximum(t_rc, time_rc)
+                cap = min(ctx.cap_bytes(r) for r in rs)
+                fits &= state + act * share * fly <= cap
+                if recompute:
+                    fits_rc &= state + act * share + held * share * fly <= cap
+            use_rc = fits_rc & ~fits
+            rc[s] = use_rc
+            t_stage = np.where(use_rc, t_rc, t_stage)
+            fits = fits | use_rc
             t_s = np.where(fits, t_stage, np.inf)
             if s < S - 1:
                 nxt = grouping.stages[s + 1]
@@ -285,7 +315,7 @@ def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, s
                 t_s = t_s + (alpha + beta * per_link * np.concatenate([[0.0], c.out_bytes]))[None, :]
             t_s[np.tril_indices(n + 1)] = np.inf
             out[s] = np.where(np.isfinite(t_s), t_s, np.inf)
-    return out
+    return out, rc
 
 
 # -- exact stage durations, memory and the simulated prediction -------------------------------------
@@ -325,6 +355,8 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                 f, b = seen[(t, x)]
                 if x > 0:        # a forward call and a backward call (autopar.step_costs)
                     f, b = f + call, b + call
+                    if st.recompute:   # the backward reruns the forward (another call)
+                        b = b + f
                 fwd[s, m] = max(fwd[s, m], f)
                 bwd[s, m] = max(bwd[s, m], b)
         if s < S - 1:
@@ -336,6 +368,13 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                 comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0],
                                         per_sample * math.ceil(size / links))
     return fwd, bwd, comm
+
+
+def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
+    """Bytes per sample of a stage's input activations: the output of the block before it (0 for the
+    first stage, whose input is the graph input). A recompute stage keeps only these per micro-batch
+    in flight."""
+    return float(costs.out_bytes[stage.block_start - 1]) if stage.block_start > 0 else 0.0
 
 
 def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None) -> float:
@@ -435,18 +474,22 @@ def _memory_bytes(ctx: _Context, stages: Sequence[Stage], schedule: str) -> dict
                                                                + c.optimizer_bytes_per_param * fo)
         act = float(c.act_bytes[blocks].sum())
         fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
+        held = stage_input_bytes(c, st) if st.recompute else 0.0
         for g, members in enumerate(st.groups):
-            need = state + act * max(st.micro_batches[g]) * fly
+            x = max(st.micro_batches[g])
+            need = state + (act * x + held * x * fly if st.recompute else act * x * fly)
             for r in members:
                 out[r] = int(math.ceil(need))
     return dict(sorted(out.items()))
 
 
-def _build_stages(ctx: _Context, grouping: StageGrouping, sizes: Sequence[int], num_micro: int) -> tuple[Stage, ...]:
+def _build_stages(ctx: _Context, grouping: StageGrouping, sizes: Sequence[int], num_micro: int,
+                  recompute: Sequence[bool] = ()) -> tuple[Stage, ...]:
     c = ctx.costs
     micro = micro_sizes(ctx.global_batch, num_micro)
     stages, start = [], 0
-    for members, k in zip(grouping.stages, sizes):
+    recompute = tuple(recompute) or (False,) * len(sizes)
+    for members, k, rc in zip(grouping.stages, sizes, recompute):
         blocks = slice(start, start + k)
         ref = max(micro[0] / len(members), 1.0)
         speeds = [1.0 / max(c.step_time(ctx.type_of(m[0]), ref, blocks), 1e-30) for m in members]
@@ -455,7 +498,8 @@ def _build_stages(ctx: _Context, grouping: StageGrouping, sizes: Sequence[int], 
             per_micro.append(member_shares(b, speeds, rotate))
             rotate += b
         stages.append(Stage(block_start=start, block_stop=start + k, groups=tuple(members),
-                            micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members)))))
+                            micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members))),
+                            recompute=bool(rc)))
         start += k
     return tuple(stages)
 
@@ -468,6 +512,7 @@ class _Candidate:
     grouping: StageGrouping
     sizes: tuple[int, ...]
     num_micro: int
+    recompute: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,14 +577,15 @@ def _no_fit_error(ctx: _Context, ranks: Sequence[int], tried: int) -> PlanError:
 def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, schedule: ScheduleChoice = "auto",
                   pp_layers: Sequence[int] | None = None, num_micro: int | None = None, zero_stage: int = 0,
                   uniform: bool = False, memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
-                  bounds: bool = False) -> Plan:
+                  bounds: bool = False, recompute: bool = False) -> Plan:
     """The fastest heterogeneous pipeline plan (see the module docstring), or with ``uniform=True`` the
     Megatron-style baseline (equal blocks per stage, one device per stage in rank order).
 
     ``pp_layers`` pins blocks per stage; ``num_micro`` pins the micro-batch count; ``ranks`` restricts
     the devices; ``bounds=True`` also fills the upper bound and efficiency from ``pp_upper_bound``
-    (left at 0 by default, as ``plan_dp`` does, for the joint planner to set).
-    Raises ``PlanError`` on bad arguments or when nothing fits."""
+    (left at 0 by default, as ``plan_dp`` does, for the joint planner to set); ``recompute``: whether
+    a stage whose in-flight activations do not fit may recompute them (``_stage_costs``; never for
+    the uniform baseline). Raises ``PlanError`` on bad arguments or when nothing fits."""
     ranks = _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
                         memory_fraction, ranks)
     ctx = _Context(costs, cluster, int(global_batch), zero_stage, memory_fraction)
@@ -568,16 +614,21 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
         counts = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)
         for M in counts:
             tried += 1
-            cost = _stage_cost_tensor(ctx, grouping, M, dp_schedule)
+            # The uniform (Megatron-style) baseline keeps every activation, as it did.
+            cost, rc = _stage_costs(ctx, grouping, M, dp_schedule, recompute=recompute and not uniform)
             if pinned is not None:
+                sizes, value = pinned, None
                 b = np.concatenate([[0], np.cumsum(pinned)])
                 times = [cost[s, b[s], b[s + 1]] for s in range(S)]
                 if all(np.isfinite(times)):
-                    candidates.append(_Candidate(split_objective(times, M), grouping, pinned, M))
-                continue
-            found = split_blocks(cost, M)
-            if found is not None:
-                candidates.append(_Candidate(found[1], grouping, found[0], M))
+                    value = split_objective(times, M)
+            else:
+                found = split_blocks(cost, M)
+                sizes, value = (found[0], found[1]) if found is not None else (None, None)
+            if value is not None:
+                b = np.concatenate([[0], np.cumsum(sizes)])
+                flags = tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S))
+                candidates.append(_Candidate(value, grouping, tuple(sizes), M, flags))
     if not candidates:
         raise _no_fit_error(ctx, ranks, tried)
 
@@ -591,7 +642,7 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     scored: list[_Scored] = []
     names = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
     for cand in shortlist:
-        stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro)
+        stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro, cand.recompute)
         for name in names:
             mem = _memory_bytes(ctx, stages, name)
             if any(v > ctx.cap_bytes(r) for r, v in mem.items()):
@@ -632,8 +683,10 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
 
 def _describe(x: _Scored) -> str:
     members = "/".join(str(len(st.groups)) for st in x.stages)
+    rc = [s for s, st in enumerate(x.stages) if st.recompute]
     return (f"{x.candidate.grouping.name} S={len(x.stages)} M={x.candidate.num_micro} {x.schedule} "
-            f"layers={list(x.candidate.sizes)} members={members}: {x.step_time_s:.4g} s "
+            f"layers={list(x.candidate.sizes)} members={members}{f' recompute={rc}' if rc else ''}: "
+            f"{x.step_time_s:.4g} s "
             f"(estimate {x.candidate.estimate_s:.4g} s, bubble {x.timeline.bubble_fraction:.1%})")
 
 
