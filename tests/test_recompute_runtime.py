@@ -13,7 +13,9 @@
   counted): a stage that recomputes saves none; without recomputation the stages with transformer blocks save some.
 - Single-stage plans (the data-parallel engine, members of uneven shares and micro-step counts)
   recompute block by block, with ZeRO-0 and ZeRO-3 (which then gathers per micro-step): exact, and
-  only the loss's own saves stay outside checkpoints. Without a block-annotated graph the engine
+  only the values between blocks and the loss's saves stay outside checkpoints.
+- Dropout (a toy with dropout in every block, the same seed per rank): pipeline and data-parallel
+  runs with recomputation end exactly where the same runs without it end (the RNG state is replayed). Without a block-annotated graph the engine
   refuses ``recompute`` (names the field).
 """
 
@@ -27,6 +29,22 @@ import torch
 
 from oracle import RTOL, assert_state_close, batches, single_device_run
 from test_pipeline_engine import B, STEPS, _cluster, _toy_batches, _toy_case, _toy_oracle, pp_plan
+
+
+class DropToy(torch.nn.Module):
+    """Dropout in every layer (blocks: 0 input, 1-3 layers, 4 head): recomputation must replay the
+    same masks (checkpoint restores the RNG state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(8))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = x + self.table
+        for layer in self.layers:
+            h = torch.nn.functional.dropout(torch.tanh(layer(h)), p=0.3, training=True)
+        return h * 2.0
 
 
 def _recompute(plan, stages):
@@ -59,6 +77,11 @@ RUNS = [
     ("dp", "gpt-tiny", _recompute(DP, {0})),
     ("dp-zero3", "gpt-tiny", dataclasses.replace(_recompute(DP, {0}), zero_stage=3)),
 ]
+DROP_PP = pp_plan([(2, {0: (4, 3, 3)}), (3, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})], "1f1b", num_blocks=5)
+DROP_DP = pp_plan([(5, {0: (2, 2), 1: (3,), 2: (1, 2)})], num_blocks=5)
+# dropout: the same runs with and without recomputation (the same seed per rank) must agree
+DROP_RUNS = [("drop-pp", "droptoy", DROP_PP), ("drop-pp-rc", "droptoy", _recompute(DROP_PP, {0, 1, 2})),
+             ("drop-dp", "droptoy", DROP_DP), ("drop-dp-rc", "droptoy", _recompute(DROP_DP, {0}))]
 
 
 def _build(name, plan, rank):
@@ -70,6 +93,9 @@ def _build(name, plan, rank):
 
     if name == "toy":
         (model, loss_fn), example = _toy_case(), (torch.randn(2, 8),)
+    elif name == "droptoy":
+        torch.manual_seed(0)
+        model, loss_fn, example = DropToy(), torch.nn.functional.mse_loss, (torch.randn(2, 8),)
     else:
         case = build(name, seed=0)
         model, loss_fn, example = case.model, case.loss_fn, case.example_inputs
@@ -83,7 +109,8 @@ def _run(rank: int, runs):
     out = {}
     for key, name, plan in runs:
         engine = _build(name, plan, rank)
-        data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
+        data = _toy_batches() if name in ("toy", "droptoy") else batches(name, B, STEPS)
+        torch.manual_seed(100 + rank)
         saved = [0]
 
         def pack(t):      # activations: tensors computed by differentiable ops (not inputs, params)
@@ -104,7 +131,11 @@ def _run(rank: int, runs):
 def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
     import autopar
 
-    results = autopar.launch(_run, _cluster(), RUNS, timeout_s=240)
+    results = autopar.launch(_run, _cluster(), RUNS + DROP_RUNS, timeout_s=240)
+    for rank, res in enumerate(results):
+        for key in ("drop-pp", "drop-dp"):
+            assert_state_close(res[key + "-rc"]["state"], res[key]["state"], 1e-6)
+            assert res[key + "-rc"]["losses"] == res[key]["losses"], (key, rank)
     toy_state, toy_losses = _toy_oracle("sgd")
     for key, name, plan in RUNS:
         ref = single_device_run(name, B, STEPS, "sgd") if name != "toy" else None
@@ -129,7 +160,7 @@ def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
     assert first[0] == first[1] == 0 and first[2] > 0, first
     tp_last = [r["tp-last-gpipe"]["saved_bytes"] for r in results]
     assert tp_last[0] > 0 and tp_last[1] == tp_last[2] == 0, tp_last
-    # data-parallel: only the loss's own saves stay (it reads the logits), each block recomputes
+    # data-parallel: only the values between blocks and the loss's own saves stay; blocks recompute
     for rank, res in enumerate(results):
         base, rc = res["dp-base"]["saved_bytes"], res["dp"]["saved_bytes"]
         assert 0 < rc < base / 3, (rank, rc, base)

@@ -196,6 +196,11 @@ def _num_blocks(gm: Any) -> int:
                default=0)
 
 
+def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
+    """One block program (``passes.split.StageProgram``) on the flat inputs and received values."""
+    return prog(values[:num_flat], values[num_flat:])
+
+
 class DataParallelEngine:
     """Runs a single-stage (data-parallel) plan with its ZeRO stage on one rank; see the module
     docstring. Build it on every rank of the process group with the same ``EngineInputs`` (but
@@ -359,7 +364,8 @@ class DataParallelEngine:
         flat = flat_inputs(self.gm, local)
         received: Any = ()
         for prog in self._block_programs:
-            received = checkpoint(prog, flat, received, use_reentrant=False)
+            # tensors positional: checkpoint stashes the RNG state and autocast of their device
+            received = checkpoint(_run_block, prog, len(flat), *flat, *received, use_reentrant=False)
             if not prog.is_last:
                 received = tuple(received)
         return received

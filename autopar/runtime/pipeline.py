@@ -316,10 +316,11 @@ class PipelineEngine:
                 tgt = _rows(targets, rows, self.device) if self.program.is_last else None
                 received = st.get("received", ())
                 with self.clock.compute():
+                    args = ((b - a) / B, len(local), len(received), *local, *received, tgt)
                     if self.recompute:    # save only the inputs; backward re-runs the forward
-                        out = checkpoint(self._forward, local, received, tgt, (b - a) / B, use_reentrant=False)
+                        out = checkpoint(self._forward, *args, use_reentrant=False)
                     else:
-                        out = self._forward(local, received, tgt, (b - a) / B)
+                        out = self._forward(*args)
                 if self.program.is_last:
                     loss = out
                     st["loss"] = loss
@@ -373,13 +374,15 @@ class PipelineEngine:
         self.comm.all_reduce([loss_sum])
         return float(loss_sum)
 
-    def _forward(self, local: Sequence[Any], received: Sequence[torch.Tensor], targets: Any,
-                 weight: float) -> Any:
-        """The stage program on one micro-batch: its sent values, or on the last stage its weighted
-        loss (the whole of what ``recompute`` re-runs in backward)."""
+    def _forward(self, weight: float, num_local: int, num_received: int, *values: Any) -> Any:
+        """The stage program on one micro-batch (``values``: the local flat inputs, the received
+        values, the targets): its sent values, or on the last stage its weighted loss (the whole of
+        what ``recompute`` re-runs in backward). The tensors are positional so that checkpoint sees
+        them: it stashes the RNG state and takes autocast from their device."""
+        local, received = values[:num_local], values[num_local:num_local + num_received]
         out = self.program(local, received)
         if self.program.is_last:
-            return compute_loss(out, targets, self.inputs.loss_fn) * weight
+            return compute_loss(out, values[num_local + num_received], self.inputs.loss_fn) * weight
         return tuple(out)
 
     def _partition_for_zero(self) -> list[tuple[Any, list[list[torch.nn.Parameter]]]]:
