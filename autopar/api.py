@@ -66,12 +66,13 @@ def _check_args(cluster, global_batch_size, strategy, zero_stage, schedule) -> N
 
 def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", zero_stage="auto",
                     schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
-                    replicated_fraction: float | None = None) -> Plan:
+                    replicated_fraction: float | None = None, recompute: bool = False) -> Plan:
     """Run the planner of ``strategy`` on prepared cost tables and attach the bounds.
 
     ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
     one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
-    parallelism cannot shard (``autopar.tp_cost.replicated_fraction_of``)."""
+    parallelism cannot shard (``autopar.tp_cost.replicated_fraction_of``). ``recompute`` lets pipeline
+    stages whose activations do not fit recompute them in backward (off by default)."""
     from autopar import dp_planner, joint_planner, pp_planner
     from autopar.bounds import with_all_bounds
 
@@ -93,14 +94,14 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     elif strategy in ("pp", "uniform-pp"):
         p = pp_planner.plan_pipeline(costs, cluster, global_batch_size, schedule=schedule, pp_layers=pp_layers,
                                      zero_stage=0 if zero_stage == "auto" else zero_stage,
-                                     uniform=strategy == "uniform-pp")
+                                     uniform=strategy == "uniform-pp", recompute=recompute and strategy == "pp")
     elif strategy == "tp":
         p = joint_planner.plan_strategy(costs, cluster, global_batch_size, "tp", zero_stage=zero_stage,
-                                        schedule=schedule, **tp_kw)
+                                        schedule=schedule, recompute=recompute, **tp_kw)
     else:
         p = joint_planner.plan_auto(costs, cluster, global_batch_size, zero_stage=zero_stage, schedule=schedule,
-                                    **tp_kw)
-    return with_all_bounds(p, costs, cluster, global_batch_size, schedule=schedule, **tp_kw)
+                                    recompute=recompute, **tp_kw)
+    return with_all_bounds(p, costs, cluster, global_batch_size, schedule=schedule, recompute=recompute, **tp_kw)
 
 
 def _num_heads(model: nn.Module) -> int | None:
@@ -114,7 +115,8 @@ def _num_heads(model: nn.Module) -> int | None:
 
 def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
          strategy="auto", zero_stage="auto", schedule="auto", pp_layers=None, dp_batch=None,
-         optimizer: str = "adamw", measure: bool | None = None, prepared: Prepared | None = None) -> Plan:
+         optimizer: str = "adamw", measure: bool | None = None, prepared: Prepared | None = None,
+         recompute: bool = False) -> Plan:
     """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step."""
     if isinstance(strategy, Plan):
         _check_plan(strategy, cluster, global_batch_size)
@@ -125,7 +127,7 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure)
     return plan_from_costs(prepared.costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
                            schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch, num_heads=_num_heads(model),
-                           replicated_fraction=prepared.replicated_fraction)
+                           replicated_fraction=prepared.replicated_fraction, recompute=recompute)
 
 
 def _check_plan(p: Plan, cluster, global_batch_size: int) -> None:
@@ -178,7 +180,8 @@ def _optimizer_kind(factory) -> str:
 
 def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
             optimizer: Callable | None = None, strategy="auto", zero_stage="auto", schedule="auto",
-            pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None) -> Compiled:
+            pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
+            recompute: bool = False) -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither)."""
     import torch.distributed as dist
@@ -207,7 +210,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         try:
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn, strategy=strategy,
                      zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch,
-                     optimizer=_optimizer_kind(optimizer), measure=measure)
+                     optimizer=_optimizer_kind(optimizer), measure=measure, recompute=recompute)
             payload = [p.to_json()]
         except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
             payload = [exc]

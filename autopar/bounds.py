@@ -61,9 +61,12 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
                               num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                               schedule: str = "auto", memory_fraction: float = 0.9,
                               replicated_fraction: float | None = None, use_cache: bool = True,
-                              details: dict | None = None) -> float:
+                              details: dict | None = None, recompute: bool = False) -> float:
     """Sum over device types of ``plan_auto``'s samples/s on that type alone on the whole global batch.
-    ``details``, when given, receives type -> (type batch, samples/s, the sub-plan or None)."""
+    ``details``, when given, receives type -> (type batch, samples/s, the sub-plan or None).
+    ``recompute``: the plans may recompute activations too; whether a type holds the model alone (and
+    so how much its memory is relaxed) is still decided without recomputation, so that recomputing
+    every stage of a type that cannot hold the model does not lower the ceiling below its compute."""
     from autopar.joint_planner import plan_auto   # local: the planner imports nothing from here
 
     total = 0.0
@@ -73,14 +76,18 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
         plan = None
         # A type that cannot hold the model alone is planned with its memory relaxed (x2, x4, ...): the
         # bound is what its compute would reach alone, so it stays a ceiling for plans that use it.
+        kw = dict(num_heads=num_heads, zero_stage=zero_stage, schedule=schedule, memory_fraction=memory_fraction,
+                  replicated_fraction=replicated_fraction, use_cache=use_cache)
         for relax in (1, 2, 4, 8, 16):
             try:
-                plan = plan_auto(costs, _with_memory(sub, relax), batch, num_heads=num_heads, zero_stage=zero_stage,
-                                 schedule=schedule, memory_fraction=memory_fraction,
-                                 replicated_fraction=replicated_fraction, use_cache=use_cache)
-                break
+                plan = plan_auto(costs, _with_memory(sub, relax), batch, **kw)
             except PlanError:
                 continue
+            if recompute:
+                with_rc = plan_auto(costs, _with_memory(sub, relax), batch, recompute=True, **kw)
+                if with_rc.predicted.samples_per_s > plan.predicted.samples_per_s:
+                    plan = with_rc
+            break
         sps = plan.predicted.samples_per_s if plan is not None else 0.0
         if details is not None:
             details[t] = (batch, sps, plan)
@@ -113,13 +120,15 @@ def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory
 def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
                     num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                     schedule: str = "auto", memory_fraction: float = 0.9,
-                    replicated_fraction: float | None = None, use_cache: bool = True) -> Plan:
+                    replicated_fraction: float | None = None, use_cache: bool = True,
+                    recompute: bool = False) -> Plan:
     """A copy of ``plan`` with the upper bound, the compute bound and efficiency = samples_per_s /
     upper bound set (the planner arguments should be the ones the plan was made with)."""
     batch = plan.global_batch_size if global_batch is None else int(global_batch)
     upper = upper_bound_samples_per_s(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
                                       schedule=schedule, memory_fraction=memory_fraction,
-                                      replicated_fraction=replicated_fraction, use_cache=use_cache)
+                                      replicated_fraction=replicated_fraction, use_cache=use_cache,
+                                      recompute=recompute)
     compute = compute_bound_samples_per_s(costs, cluster, memory_fraction=memory_fraction)
     eff = plan.predicted.samples_per_s / upper if upper > 0 else 0.0
     return replace(plan, predicted=replace(plan.predicted, upper_bound_samples_per_s=upper,

@@ -148,7 +148,7 @@ def cmd_plan(args) -> int:
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
                         pp_layers=pp_layers, num_heads=_num_heads(case.model),
-                        replicated_fraction=prep.replicated_fraction)
+                        replicated_fraction=prep.replicated_fraction, recompute=args.recompute)
     dt = time.perf_counter() - t0
     if args.json != "-":
         print(p.summary(cluster), end="")
@@ -201,7 +201,8 @@ def cmd_train(args) -> int:
     strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
                    steps=args.steps, strategies=strategies,
-                   zero_stage=args.zero if args.zero == "auto" else int(args.zero))
+                   zero_stage=args.zero if args.zero == "auto" else int(args.zero),
+                   recompute=getattr(args, "recompute", False))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.steps} steps")
     results = run_comparison(spec, cluster)
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--strategy", default="auto",
                        choices=["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"])
         q.add_argument("--zero", default="auto", choices=["auto", "0", "1", "2", "3"], help="ZeRO stage")
+        q.add_argument("--recompute", action="store_true",
+                       help="let pipeline stages whose activations do not fit recompute them in backward")
         q.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-' for stdout)")
 
     q = sub.add_parser("plan", help="plan a model on a cluster and show the predicted throughput")

@@ -29,6 +29,7 @@ class RunSpec:
     zero_stage: object = "auto"
     model_overrides: tuple[tuple[str, object], ...] = ()   # zoo config fields, e.g. (("num_layers", 10),)
     schedule: str = "auto"
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
             if spec.model_overrides else load(spec.model, device="cpu", seed=spec.seed)
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), strategy=strategy,
-                                   zero_stage=spec.zero_stage, schedule=spec.schedule)
+                                   zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute)
         losses, times = [], []
         for step in range(spec.steps + spec.warmup_steps):
             inputs, targets = case.batch(spec.global_batch, seed=step)

@@ -91,13 +91,14 @@ def compute_loss(output: Any, targets: torch.Tensor | None, loss_fn) -> torch.Te
 
 
 def select_engine(plan: Plan):
-    """The engine class that runs ``plan``."""
+    """The engine class that runs ``plan``: one stage without tensor parallelism: data parallel; one
+    tensor-parallel stage: the TP engine, or the pipeline engine (one stage) when it recomputes
+    activations; several stages: the pipeline engine."""
     tp = any(len(g) > 1 for s in plan.stages for g in s.groups)
-    if tp:
+    if tp and len(plan.stages) == 1 and not plan.stages[0].recompute:
         from autopar.runtime.tp import TensorParallelEngine
 
-        if len(plan.stages) == 1:
-            return TensorParallelEngine
+        return TensorParallelEngine
     if len(plan.stages) == 1 and not tp:
         from autopar.runtime.dp import DataParallelEngine
 

@@ -154,6 +154,10 @@ class TensorParallelEngine:
         self.zero_stage_applied = 0
         self._check_plan()
         stage = plan.stages[0]
+        if stage.recompute:
+            raise TensorParallelError("plan.stages[0].recompute: activation recomputation is not supported by the "
+                                      "single-stage tensor-parallel engine; plan without it, or as a pipeline "
+                                      "(whose stages recompute with tensor-parallel members too)")
         self._members = stage.groups
         shares = self._shares()
         group_ranks = (list(range(dist.get_world_size())) if self.group is None
