@@ -94,7 +94,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.dp_units import insert_unit_hooks, param_units
-from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices, take_rows
+from autopar.runtime.engine import (
+    EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows,
+)
 
 __all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
            "Zero3Granularity"]
@@ -639,15 +641,7 @@ class DataParallelEngine:
             segment.__exit__(None, None, None)
 
     def _check_batch(self, inputs: tuple, targets: Any) -> tuple:
-        if isinstance(inputs, torch.Tensor):
-            inputs = (inputs,)
-        inputs = tuple(inputs)
-        B = self.plan.global_batch_size
-        sizes = {int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
-        if B not in sizes:
-            raise DataParallelError(f"inputs: every rank must be given the whole global batch of "
-                                    f"plan.global_batch_size={B} samples (dim 0), got batch sizes {sorted(sizes)}")
-        return inputs
+        return global_batch_inputs(inputs, self.plan.global_batch_size, DataParallelError)
 
     def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
         """One optimizer step on the global batch; returns the global mean loss (same on every rank)."""

@@ -28,7 +28,7 @@ from torch import nn
 from autopar.plan import Plan
 
 __all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "compute_loss",
-           "take_rows"]
+           "take_rows", "global_batch_inputs"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,18 @@ def micro_slices(sizes: tuple[int, ...], offset: int = 0) -> list[slice]:
         out.append(slice(start, start + n))
         start += n
     return out
+
+
+def global_batch_inputs(inputs: Any, global_batch: int, error: type[ValueError] = ValueError) -> tuple:
+    """``inputs`` as a tuple, checked to hold the whole global batch (dim 0) as every rank is given."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    inputs = tuple(inputs)
+    sizes = {int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if global_batch not in sizes:
+        raise error(f"inputs: every rank must be given the whole global batch of plan.global_batch_size="
+                    f"{global_batch} samples (dim 0), got batch sizes {sorted(sizes)}")
+    return inputs
 
 
 def take_rows(x: Any, rows: slice, global_batch: int, device: torch.device) -> Any:

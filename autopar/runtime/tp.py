@@ -44,7 +44,9 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.runtime.engine import EngineInputs, compute_loss, micro_slices, share_slices, take_rows
+from autopar.runtime.engine import (
+    EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows,
+)
 from passes.tp import TP_META_KEY, TPLayout, assemble_full, tp_rewrite
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "tp_layout",
@@ -263,14 +265,7 @@ class TensorParallelEngine:
 
     def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
         """One optimizer step on the global batch; returns the global mean loss (same on every rank)."""
-        if isinstance(inputs, torch.Tensor):
-            inputs = (inputs,)
-        inputs = tuple(inputs)
-        B = self.plan.global_batch_size
-        sizes = {int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
-        if B not in sizes:
-            raise TensorParallelError(f"inputs: every rank must be given the whole global batch of "
-                                      f"plan.global_batch_size={B} samples (dim 0), got {sorted(sizes)}")
+        inputs = global_batch_inputs(inputs, self.plan.global_batch_size, TensorParallelError)
         for p in self._params:
             p.grad = None
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
