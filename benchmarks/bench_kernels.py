@@ -61,26 +61,9 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _inputs(kernel, shape, dtype, device):
-    def rand(*s):
-        return torch.randn(*s, device=device, dtype=dtype)
+    from kernels.tune import make_inputs
 
-    if kernel == "matmul":
-        m, n, k = shape
-        return [rand(m, k), rand(k, n)], {}
-    rows, cols = shape
-    if kernel == "layer_norm":
-        return [rand(rows, cols), 1 + 0.1 * rand(cols), 0.1 * rand(cols)], {}
-    if kernel == "rms_norm":
-        return [rand(rows, cols), 1 + 0.1 * rand(cols)], {}
-    if kernel in ("bias_gelu",):
-        return [rand(rows, cols), rand(cols)], {}
-    if kernel == "swiglu":
-        return [rand(rows, cols), rand(rows, cols)], {}
-    if kernel == "softmax":
-        return [rand(rows, cols)], {}
-    if kernel == "cross_entropy":
-        return [rand(rows, cols)], {"target": torch.randint(0, cols, (rows,), device=device)}
-    raise ValueError(f"kernel: unknown kernel {kernel!r}")
+    return make_inputs(kernel, shape, dtype, device=device)
 
 
 def _torch_ops():

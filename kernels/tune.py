@@ -31,7 +31,7 @@ from .cache import KERNEL_NAMES, canonical_shape, shape_bucket, write_entries
 from .configs import elementwise_candidates, matmul_candidates, row_candidates
 from .devices import local_device_name, peak_for
 
-__all__ = ["TuneResult", "NoGpuError", "DEFAULT_SHAPES", "call_work", "tune", "main"]
+__all__ = ["TuneResult", "NoGpuError", "DEFAULT_SHAPES", "call_work", "make_inputs", "tune", "main"]
 
 # Shapes of Llama-7B/GPT-2-class training steps (8k tokens): big enough to reach HBM peak.
 DEFAULT_SHAPES: dict[str, list[tuple[int, ...]]] = {
@@ -89,20 +89,21 @@ def _candidates(kernel: str, shape) -> list:
     return row_candidates(shape[-1], chunked=kernel == "cross_entropy")
 
 
-def _make_inputs(kernel: str, shape, dtype: torch.dtype, grad: bool):
-    dev = "cuda"
+def make_inputs(kernel: str, shape, dtype: torch.dtype, *, grad: bool = False, device="cuda"):
+    """(args, kwargs) for one call of ``kernel`` on ``shape`` (``(rows, cols)``; ``(M, N, K)`` for matmul):
+    random inputs, norm weights near 1 and biases near 0 so results stay comparable with torch."""
 
-    def rand(*s):
-        return torch.randn(*s, device=dev, dtype=dtype).requires_grad_(grad)
+    def rand(*s, scale=1.0, shift=0.0):
+        return (torch.randn(*s, device=device, dtype=dtype) * scale + shift).requires_grad_(grad)
 
     if kernel == "matmul":
         m, n, k = shape
         return [rand(m, k), rand(k, n)], {}
     rows, cols = shape
     if kernel == "layer_norm":
-        return [rand(rows, cols), rand(cols), rand(cols)], {}
+        return [rand(rows, cols), rand(cols, scale=0.1, shift=1.0), rand(cols, scale=0.1)], {}
     if kernel == "rms_norm":
-        return [rand(rows, cols), rand(cols)], {}
+        return [rand(rows, cols), rand(cols, scale=0.1, shift=1.0)], {}
     if kernel == "bias_gelu":
         return [rand(rows, cols), rand(cols)], {}
     if kernel == "swiglu":
@@ -110,8 +111,8 @@ def _make_inputs(kernel: str, shape, dtype: torch.dtype, grad: bool):
     if kernel == "softmax":
         return [rand(rows, cols)], {}
     if kernel == "cross_entropy":
-        return [rand(rows, cols)], {"target": torch.randint(0, cols, (rows,), device=dev)}
-    raise ValueError(f"kernels: unknown kernel {kernel!r}")
+        return [rand(rows, cols)], {"target": torch.randint(0, cols, (rows,), device=device)}
+    raise ValueError(f"kernel: unknown kernel {kernel!r}")
 
 
 def _time_config(kernel: str, direction: str, shape, dtype: torch.dtype, cfg) -> float:
@@ -120,7 +121,7 @@ def _time_config(kernel: str, direction: str, shape, dtype: torch.dtype, cfg) ->
     import kernels
 
     op = getattr(kernels, kernel)
-    inputs, kw = _make_inputs(kernel, shape, dtype, grad=direction == "bwd")
+    inputs, kw = make_inputs(kernel, shape, dtype, grad=direction == "bwd")
     if direction == "fwd":
         ms = triton.testing.do_bench(lambda: op(*inputs, **kw, config=cfg), return_mode="median")
     else:
