@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "RTOL", "OracleRun", "optimizer_factory", "batches", "single_device_run",
+__all__ = ["OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
            "single_device_state", "assert_state_close", "state_rel_errors", "state_abs_errors"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -162,3 +162,19 @@ def assert_state_close(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tens
         worst = sorted(bad.items(), key=lambda kv: -kv[1])[:8]
         lines = ", ".join(f"{k}: {e:.3g}" for k, e in worst)
         raise AssertionError(f"{len(bad)}/{len(errors)} tensors differ by more than rtol={rtol}: {lines}")
+
+
+_PREPARED: dict = {}
+
+
+def prepared_case(name: str):
+    """(model, analysed gm, loss_fn, num_blocks) of zoo model ``name`` (seed 0), built and analysed once
+    per test process; callers deep-copy what they mutate (threaded tests hold their own lock)."""
+    if name not in _PREPARED:
+        from autopar.models import build
+        from passes.analyze import analyze
+
+        case = build(name, seed=0)
+        analysis = analyze(case.model, case.example_inputs)
+        _PREPARED[name] = (case.model, analysis.captured.gm, case.loss_fn, len(analysis.blocks))
+    return _PREPARED[name]

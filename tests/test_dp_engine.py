@@ -25,7 +25,7 @@ from autopar.plan import Plan, Predicted, Stage
 from autopar.runtime.dp import DataParallelEngine, DataParallelError, FlatLayout, shard_bounds
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
 
 UNEVEN = ((10, 10, 7), (7, 6), (7,))          # 27 / 13 / 7 samples, 3 / 2 / 1 micro-steps
 ZERO_RANK = ((20, 20), (), (7,))              # rank 1 computes nothing
@@ -34,19 +34,7 @@ STEPS = 3
 # Model builds (global RNG), fx tracing and the oracle run once per process, under a lock: the
 # threads of a test share this process's RNG.
 _LOCK = threading.Lock()
-_PREPARED: dict = {}
-
-
-def _prepared(name: str):
-    """(model, gm, loss_fn, num_blocks) of zoo model ``name`` (seed 0), analysed once."""
-    if name not in _PREPARED:
-        from autopar.models import build
-        from passes.analyze import analyze
-
-        case = build(name, seed=0)
-        analysis = analyze(case.model, case.example_inputs)
-        _PREPARED[name] = (case.model, analysis.captured.gm, case.loss_fn, len(analysis.blocks))
-    return _PREPARED[name]
+_prepared = prepared_case   # the zoo model analysed once per process (tests/oracle.py)
 
 
 def dp_plan(micro, zero_stage: int, zero_shares=(), num_blocks: int = 1, ranks=None) -> Plan:

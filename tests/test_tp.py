@@ -26,7 +26,7 @@ from autopar.plan import Plan, Predicted, Stage
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.tp import TensorParallelEngine, gather_full_params, shard_stage_module, tp_layout
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
 from passes.tp import find_tp_pairs, tp_rewrite, unit_ranges
 
 STEPS = 2
@@ -35,19 +35,7 @@ ONE_MEMBER = ((9, 8, 6),)
 TWO_MEMBERS = ((8, 5), (6, 4))
 
 _LOCK = threading.Lock()
-_PREPARED: dict = {}
-
-
-def _prepared(name: str):
-    """(model, analysed gm, loss_fn, num_blocks) of zoo model ``name`` (seed 0), built once."""
-    if name not in _PREPARED:
-        from autopar.models import build
-        from passes.analyze import analyze
-
-        case = build(name, seed=0)
-        analysis = analyze(case.model, case.example_inputs)
-        _PREPARED[name] = (case.model, analysis.captured.gm, case.loss_fn, len(analysis.blocks))
-    return _PREPARED[name]
+_prepared = prepared_case   # the zoo model analysed once per process (tests/oracle.py)
 
 
 def tp_plan(groups, tp_shares, micro, num_blocks=1) -> Plan:
