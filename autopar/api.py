@@ -39,12 +39,13 @@ class Prepared:
 
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
-            measure: bool | None = None, progress=None) -> Prepared:
+            measure: bool | None = None, progress=None, analysis=None) -> Prepared:
+    """Analysis (unless given) and cost tables of ``model`` on ``cluster``."""
     from autopar.profile import model_costs
     from passes.analyze import analyze
 
     t0 = time.perf_counter()
-    analysis = analyze(model, tuple(example_inputs))
+    analysis = analysis or analyze(model, tuple(example_inputs))
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
                         optimizer=optimizer, measure=measure, progress=progress)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 __all__ = ["main", "build_parser"]
 
@@ -76,18 +77,23 @@ def _write_json(obj, dest: str) -> None:
 def _prepare(model_spec: str, cluster, need_measure: bool = True):
     from autopar.api import prepare
 
+    from autopar.profile import DEFAULT_SAMPLE_BATCHES
+    from passes.analyze import analyze
+
     case = _load_model(model_spec, device=_planning_device(model_spec))
-    distinct = None
+    t0 = time.perf_counter()
+    analysis = analyze(case.model, case.example_inputs)
+    analyze_s = time.perf_counter() - t0
     advance, stop = (lambda: None), (lambda: None)
     if need_measure and sys.stderr.isatty():
-        from passes.analyze import analyze
-
-        distinct = len(analyze(case.model, case.example_inputs).distinct_blocks()) * 7
-        advance, stop = _progress(distinct, "profiling blocks")
+        total = len(analysis.distinct_blocks()) * len(DEFAULT_SAMPLE_BATCHES)
+        advance, stop = _progress(total, "profiling blocks")
     try:
-        return case, prepare(case.model, cluster, case.example_inputs, progress=advance)
+        prep = prepare(case.model, cluster, case.example_inputs, progress=advance, analysis=analysis)
     finally:
         stop()
+    prep.analyze_s = analyze_s
+    return case, prep
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -139,7 +145,6 @@ def cmd_analyze(args) -> int:
 
 def cmd_plan(args) -> int:
     from autopar.api import _num_heads, plan_from_costs
-    import time
 
     cluster = _load_cluster(args.cluster)
     case, prep = _prepare(args.model, cluster)
