@@ -8,9 +8,12 @@ Terms
   planner (``plan_auto``: the best of every strategy) reaches on the homogeneous sub-cluster of that
   type alone (``Cluster.subset``) training on the *whole* global batch: each type at its best, as if
   it had the job to itself (HETHUB's "theoretical upper bound"). A type that cannot hold the model
-  alone is planned with its memory relaxed (x2, x4, ... x16) so it counts with what its compute
-  reaches. What a heterogeneous plan reaches against it is its *efficiency*; on a homogeneous
-  cluster the bound is the plan itself.
+  alone (no plan fits, whatever its micro-batches) is planned with its memory relaxed (x2, x4, ...
+  x16) so it counts with what its compute reaches; ``with_all_bounds`` notes each type's part and
+  any relaxation in ``Plan.notes``. What a heterogeneous plan reaches against it is its
+  *efficiency*; on a homogeneous cluster the bound is the plan itself. Efficiency can pass 1 a
+  little where the mixed plan pools memory that no type has alone (a pipeline whose stages on one
+  type take layers off another type's memory, ZeRO shards over every device).
 - compute bound (``compute_bound_samples_per_s``): no communication, no bubbles, no replication:
   the sum over devices of (samples / forward+backward seconds of the whole model) at the best
   micro-batch whose activations of the lightest block fit in ``memory_fraction`` of the device
@@ -63,7 +66,8 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
                               replicated_fraction: float | None = None, use_cache: bool = True,
                               details: dict | None = None, recompute: bool = False) -> float:
     """Sum over device types of ``plan_auto``'s samples/s on that type alone on the whole global batch.
-    ``details``, when given, receives type -> (type batch, samples/s, the sub-plan or None).
+    ``details``, when given, receives type -> (batch, samples/s, the sub-plan or None, memory factor:
+    1 unless the type's memory had to be relaxed).
     ``recompute``: the plans may recompute activations too; whether a type holds the model alone (and
     so how much its memory is relaxed) is still decided without recomputation, so that recomputing
     every stage of a type that cannot hold the model does not lower the ceiling below its compute."""
@@ -74,6 +78,7 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
         batch = global_batch
         sub = cluster.subset(cluster.device_types()[t], name=f"{cluster.name}[{t}]")
         plan = None
+        factor = 0
         # A type that cannot hold the model alone is planned with its memory relaxed (x2, x4, ...): the
         # bound is what its compute would reach alone, so it stays a ceiling for plans that use it.
         kw = dict(num_heads=num_heads, zero_stage=zero_stage, schedule=schedule, memory_fraction=memory_fraction,
@@ -83,6 +88,7 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
                 plan = plan_auto(costs, _with_memory(sub, relax), batch, **kw)
             except PlanError:
                 continue
+            factor = relax
             if recompute:
                 with_rc = plan_auto(costs, _with_memory(sub, relax), batch, recompute=True, **kw)
                 if with_rc.predicted.samples_per_s > plan.predicted.samples_per_s:
@@ -90,7 +96,7 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
             break
         sps = plan.predicted.samples_per_s if plan is not None else 0.0
         if details is not None:
-            details[t] = (batch, sps, plan)
+            details[t] = (batch, sps, plan, factor)
         total += sps
     return total
 
@@ -125,11 +131,28 @@ def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_ba
     """A copy of ``plan`` with the upper bound, the compute bound and efficiency = samples_per_s /
     upper bound set (the planner arguments should be the ones the plan was made with)."""
     batch = plan.global_batch_size if global_batch is None else int(global_batch)
+    details: dict = {}
     upper = upper_bound_samples_per_s(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
                                       schedule=schedule, memory_fraction=memory_fraction,
                                       replicated_fraction=replicated_fraction, use_cache=use_cache,
-                                      recompute=recompute)
+                                      recompute=recompute, details=details)
     compute = compute_bound_samples_per_s(costs, cluster, memory_fraction=memory_fraction)
     eff = plan.predicted.samples_per_s / upper if upper > 0 else 0.0
-    return replace(plan, predicted=replace(plan.predicted, upper_bound_samples_per_s=upper,
-                                           compute_bound_samples_per_s=compute, efficiency=eff))
+    notes = plan.notes
+    if len(details) > 1:
+        parts = []
+        for t, (_, sps, alone, factor) in details.items():
+            how = "does not plan even with x16 memory" if alone is None else \
+                _chosen(alone) + (f"; memory relaxed x{factor}: it cannot hold the model alone" if factor > 1 else "")
+            parts.append(f"{t} alone {sps:.4g} samples/s ({how})")
+        notes = notes + ("upper bound = " + " + ".join(parts),)
+    return replace(plan, notes=notes, predicted=replace(plan.predicted, upper_bound_samples_per_s=upper,
+                                                         compute_bound_samples_per_s=compute, efficiency=eff))
+
+
+def _chosen(plan: Plan) -> str:
+    """The planner's label of a bound's sub-plan (its "chosen: ..." note), else its strategy."""
+    for n in plan.notes:
+        if n.startswith("chosen: "):
+            return n[len("chosen: "):].rsplit(": ", 1)[0]
+    return plan.strategy

@@ -396,7 +396,8 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
     items = []
     for e, entry in enumerate(entries):
         S = len(entry.prep)
-        counts = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)
+        counts = ((num_micro,) if num_micro is not None else
+                  micro_candidates(ctx.global_batch, S, max(len(st) for st in entry.grouping.stages)))
         for M in counts:
             items.append((_split_lower_bound(ctx, entry.prep, M), e, M))
     items.sort()
@@ -429,7 +430,8 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
             # From M = S on, every stage has its full 1F1B depth in flight and shares only shrink as
             # M grows: the largest count needs the least memory, so if it does not fit none does.
             if entry.feasible is None:
-                top = num_micro if num_micro is not None else micro_candidates(ctx.global_batch, S)[-1]
+                top = (num_micro if num_micro is not None else micro_candidates(
+                    ctx.global_batch, S, max(len(st) for st in entry.grouping.stages))[-1])
                 entry.feasible = top < S or solve(entry, top) != "infeasible"
             if not entry.feasible:
                 continue

@@ -1,9 +1,12 @@
 """The on-disk plan cache of the joint planner: plans keyed by a hash of the cost tables, the cluster
-signature and the planner arguments, under ``$AUTOPAR_CACHE_DIR/plans`` (default ``~/.cache/autopar/plans``)."""
+signature, the planner arguments and the planner's own source (every module of the ``autopar``
+package, so that a changed planner never returns a plan the old one made), under
+``$AUTOPAR_CACHE_DIR/plans`` (default ``~/.cache/autopar/plans``)."""
 
 from __future__ import annotations
 
 import hashlib
+import functools
 import json
 import os
 from pathlib import Path
@@ -31,9 +34,20 @@ def cache_dir() -> Path:
     return base / "plans"
 
 
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """A hash of the ``autopar`` package's top-level modules (the planners, cost models and bounds)."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
     h = hashlib.sha256()
     h.update(f"v{_CACHE_VERSION}".encode())
+    h.update(_source_digest().encode())
     for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
         h.update(np.ascontiguousarray(getattr(costs, name), dtype=np.float64).tobytes())
     for table in (costs.fwd_table, costs.bwd_table):

@@ -115,10 +115,13 @@ def micro_sizes(batch: int, num_micro: int) -> tuple[int, ...]:
     return (q + 1,) * r + (q,) * (num_micro - r)
 
 
-def micro_candidates(batch: int, num_stages: int) -> tuple[int, ...]:
+def micro_candidates(batch: int, num_stages: int, max_members: int = 0) -> tuple[int, ...]:
     """Micro-batch counts to try: 1..16, then a geometric ladder, S multiples and divisors of the batch
-    up to max(4S, 64); never more than the batch."""
-    hi = min(batch, max(4 * num_stages, 64))
+    up to max(4S, 64, batch / max_members); never more than the batch. ``max_members``: the most
+    members (data-parallel replicas) of any stage; with few members per stage a large batch needs
+    many micro-batches of a sample or so per member to hold its activations (a pipeline of single
+    devices on a batch of 1024 may need all 1024); 0 leaves that term out."""
+    hi = min(batch, max(4 * num_stages, 64, -(-batch // max_members) if max_members > 0 else 0))
     cands = set(range(1, min(hi, 16) + 1))
     x = 16.0
     while x < hi:
@@ -611,7 +614,8 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     tried = 0
     for grouping in groupings:
         S = grouping.num_stages
-        counts = (num_micro,) if num_micro is not None else micro_candidates(ctx.global_batch, S)
+        counts = ((num_micro,) if num_micro is not None else
+                  micro_candidates(ctx.global_batch, S, max(len(st) for st in grouping.stages)))
         for M in counts:
             tried += 1
             # The uniform (Megatron-style) baseline keeps every activation, as it did.

@@ -203,6 +203,10 @@ def test_member_shares_and_micro_helpers():
     cands = micro_candidates(48, 3)
     assert cands[0] == 1 and max(cands) <= 48 and 48 in cands and 12 in cands
     assert max(micro_candidates(5, 2)) == 5
+    # A large batch over few members per stage reaches micro-batches of about a sample per member.
+    assert max(micro_candidates(1024, 8)) == 64 and max(micro_candidates(1024, 8, 32)) == 64
+    assert max(micro_candidates(1024, 8, 2)) == 512 and max(micro_candidates(1024, 8, 1)) == 1024
+    assert {256, 512} <= set(micro_candidates(1024, 8, 2))
 
 
 def test_pinned_split_and_errors():
