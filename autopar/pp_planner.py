@@ -55,6 +55,7 @@ ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
 _GiB = float(1 << 30)
 _TOP_K = 6            # candidates (by classic estimate) that the simulator ranks
 _TIE = 1e-3           # relative step-time difference below which plans count as equally fast
+_ESTIMATE_SLACK = 1.1  # a shortlisted estimate this much above the best simulated step is not simulated
 
 
 # -- groupings ---------------------------------------------------------------------------------------
@@ -642,10 +643,15 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     for c in candidates:
         best_per_grouping.setdefault(c.grouping.name, c)
     shortlist += [c for c in best_per_grouping.values() if c not in shortlist]
+    shortlist.sort(key=lambda c: c.estimate_s)
 
     scored: list[_Scored] = []
     names = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
     for cand in shortlist:
+        # The simulation costs O(stages x micro-batches); the classic estimate leaves out the gradient
+        # all-reduce and the optimizer, so one well above a simulated step cannot win.
+        if scored and cand.estimate_s > min(x.step_time_s for x in scored) * _ESTIMATE_SLACK:
+            continue
         stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro, cand.recompute)
         for name in names:
             mem = _memory_bytes(ctx, stages, name)

@@ -112,7 +112,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
         members = {m.ranks: m for m in lay.members}
         for gr in jp.member_groupings(cluster, lay, n, {m.kind: speed[m.ranks] for m in lay.members}):
             S = gr.num_stages
-            for M in micro_candidates(B, S):
+            for M in micro_candidates(B, S, max(len(st) for st in gr.stages)):
                 b = micro_sizes(B, M)[0]
                 for cuts in itertools.combinations(range(1, n), S - 1):
                     bounds = (0, *cuts, n)
