@@ -1,5 +1,7 @@
 """Heterogeneous pipeline planning (HETHUB-style): stage device groupings, an uneven block split by
 dynamic programming, a micro-batch count search, and a final prediction from the schedule simulator.
+This module searches; ``autopar.pp_costs`` prices a built plan (stage durations, memory, the
+simulated prediction) and its names are re-exported here.
 
 Terms
 - grouping: an ordered list of pipeline stages, each a tuple of *members* (data-parallel participants
@@ -19,13 +21,9 @@ Terms
   per micro-batch in flight only its input (``stage_input_bytes``) plus, at its peak, one micro-batch's
   full activations, and its backward reruns the forward (backward + forward seconds, one more call).
   The split DP offers it exactly where keeping every activation does not fit (``_stage_costs``).
-- prediction: ``simulate`` of the generated schedule with per-micro-batch durations (each forward and
-  backward call with its type's ``ModelCosts.call_overhead``) and p2p times, then each stage's
-  gradient all-reduce over its members starting when the stage finishes (a tied parameter held by
-  several stages: when they all have, over their ranks), then each rank's optimizer step
-  (``stage_optimizer_s``) and, under ZeRO >= 1, the gather of the updated parameters (``plan_timeline``).
-  Its breakdown's ``allreduce_s`` is everything after the schedule (all-reduces and optimizer).
-  ZeRO-3's per-micro-batch parameter gathers are not modelled here.
+- prediction: ``plan_timeline`` (``autopar.pp_costs``) of each shortlisted candidate: the simulated
+  schedule, then gradient all-reduces, optimizer steps and ZeRO gathers. Its breakdown's
+  ``allreduce_s`` is everything after the schedule (all-reduces and optimizer).
 """
 
 from __future__ import annotations
@@ -36,11 +34,15 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
-from autopar.comm import allgather_time_s, allreduce_time_s, p2p_time_s
+from autopar.comm import p2p_time_s
 from autopar.costs import ModelCosts
 from autopar.errors import PlanError
 from autopar.plan import Plan, Predicted, Stage
-from autopar.schedule import Timeline, make_schedule, simulate
+from autopar.pp_costs import (  # the cost model's public names stay importable from here (``__all__``)
+    _Context, _in_flight, _memory_bytes, _state_fractions, plan_timeline, stage_durations, stage_input_bytes,
+    stage_optimizer_s,
+)
+from autopar.schedule import Timeline
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster import Cluster
@@ -219,30 +221,6 @@ def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, .
 
 # -- cost tensors for one grouping and micro-batch count --------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class _Context:
-    costs: ModelCosts
-    cluster: "Cluster"
-    global_batch: int
-    zero_stage: int
-    memory_fraction: float
-
-    def type_of(self, rank: int) -> str:
-        return self.cluster.devices[rank].spec.name
-
-    def cap_bytes(self, rank: int) -> float:
-        return self.cluster.devices[rank].spec.memory_bytes * self.memory_fraction
-
-
-def _state_fractions(zero_stage: int, num_members: int) -> tuple[float, float, float]:
-    f = 1.0 / num_members
-    return (f if zero_stage >= 3 else 1.0), (f if zero_stage >= 2 else 1.0), (f if zero_stage >= 1 else 1.0)
-
-
-def _in_flight(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
-    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
-
-
 def _p2p_alpha_beta(cluster, src: int, dst: int) -> tuple[float, float]:
     alpha = p2p_time_s(cluster, src, dst, 0.0)
     return alpha, (p2p_time_s(cluster, src, dst, 1e9) - alpha) / 1e9
@@ -322,170 +300,7 @@ def _stage_costs(ctx: _Context, grouping: StageGrouping, num_micro: int, schedul
     return out, rc
 
 
-# -- exact stage durations, memory and the simulated prediction -------------------------------------
-
-def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stage], *,
-                    replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-micro-batch forward and backward seconds [stage][micro] (slowest member, each with its
-    type's ``ModelCosts.call_overhead``) and transfer seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
-    min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
-    first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
-    ``autopar.tp_cost`` with ``replicated_fraction`` (None: its default)."""
-    S = len(stages)
-    M = max(len(mb) for st in stages for mb in st.micro_batches)
-    fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
-    tp_seen: dict = {}
-    tp_ids: dict = {}
-    for s, st in enumerate(stages):
-        blocks = slice(st.block_start, st.block_stop)
-        seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
-        for g, members in enumerate(st.groups):
-            t = cluster.devices[members[0]].spec.name
-            kind = None
-            if len(members) > 1 and st.tp_shares:
-                from autopar import tp_cost  # local: the TP cost model imports nothing from here
-
-                kind = tp_cost.group_kind(cluster, members, st.tp_shares[g])
-                t = tp_ids.setdefault(kind, len(tp_ids))
-            call = max(costs.call_overhead(cluster.devices[r].spec.name) for r in members)
-            for m, x in enumerate(st.micro_batches[g]):
-                if (t, x) not in seen:
-                    if kind is None:
-                        seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
-                                        float(costs.bwd_time(t, x)[blocks].sum()))
-                    else:
-                        seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
-                                                          tp_seen)
-                f, b = seen[(t, x)]
-                if x > 0:        # a forward call and a backward call (autopar.step_costs)
-                    f, b = f + call, b + call
-                    if st.recompute:   # the backward reruns the forward (another call)
-                        b = b + f
-                fwd[s, m] = max(fwd[s, m], f)
-                bwd[s, m] = max(bwd[s, m], b)
-        if s < S - 1:
-            nxt = stages[s + 1]
-            links = min(len(st.groups), len(nxt.groups))
-            per_sample = float(costs.out_bytes[st.block_stop - 1])
-            for m in range(M):
-                size = sum(mb[m] for mb in st.micro_batches if m < len(mb))
-                comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0],
-                                        per_sample * math.ceil(size / links))
-    return fwd, bwd, comm
-
-
-def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
-    """Bytes per sample of a stage's input activations: the output of the block before it (0 for the
-    first stage, whose input is the graph input). A recompute stage keeps only these per micro-batch
-    in flight."""
-    return float(costs.out_bytes[stage.block_start - 1]) if stage.block_start > 0 else 0.0
-
-
-def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None) -> float:
-    if len(stage.groups) < 2:
-        return 0.0
-    if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
-        from autopar import tp_cost
-
-        return tp_cost.stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
-    grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
-    return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
-
-
-def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Timeline, float]:
-    """The simulated timeline of a pipeline plan's schedule and its step time (the last stage to finish
-    its backward and then its gradient all-reduce). The planner predicts with this same function.
-    Tensor-parallel members are priced with the replicated fraction the joint planner recorded in
-    ``plan.predicted.breakdown["tp_replicated_fraction"]`` (``autopar.tp_cost``'s default if absent)."""
-    stages = plan.stages
-    M = plan.num_micro_batches
-    rho = plan.predicted.breakdown.get("tp_replicated_fraction")
-    fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
-    name = plan.schedule if plan.schedule in ("gpipe", "1f1b") else "1f1b"
-    timeline = simulate(make_schedule(name, len(stages), M), fwd, bwd, comm)
-    return timeline, _finish_s(plan, costs, cluster, timeline.stage_end_s, rho)[0]
-
-
-def _tied_stage_sets(costs: ModelCosts, stages: Sequence[Stage]) -> list[tuple[tuple[int, ...], float]]:
-    """(stages, gradient bytes) of every tied parameter group whose blocks lie in several stages."""
-    out = []
-    for group in costs.tied_groups:
-        held = tuple(sorted({s for b in group for s, st in enumerate(stages) if st.block_start <= b < st.block_stop}))
-        if len(held) > 1:
-            # The tied weight is counted in the group's first block (its owner): at most that block's size.
-            out.append((held, float(costs.params[min(group)]) * costs.grad_bytes_per_param))
-    return out
-
-
-def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_stage: int,
-                      replicated_fraction: float | None = None) -> float:
-    """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
-    1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
-    a tensor-parallel rank its shard (``rho + (1 - rho) * share / total`` of them)."""
-    p = float(costs.params[stage.block_start:stage.block_stop].sum())
-    nm = len(stage.groups)
-    tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
-    worst = 0.0
-    for g, members in enumerate(stage.groups):
-        for i, r in enumerate(members):
-            n = p
-            if tp and len(members) > 1:
-                from autopar import tp_cost
-
-                rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
-                shares = stage.tp_shares[g]
-                n = p * (rho + (1 - rho) * shares[i] / max(sum(shares), 1))
-            elif zero_stage >= 1 and nm > 1 and not tp:
-                n = p / nm
-            worst = max(worst, costs.optimizer_time(cluster.devices[r].spec.name, n)
-                        + (costs.call_overhead(cluster.devices[r].spec.name) if n > 0 else 0.0))
-    return worst
-
-
-def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[float],
-              rho: float | None) -> tuple[float, float]:
-    """(step seconds, slowest optimizer step) after the schedule: each stage all-reduces its gradients
-    over its members when it finishes; a tied parameter held by several stages waits for all of them
-    and is summed over their ranks; then each rank steps its optimizer (ZeRO >= 1: and its members
-    gather the updated parameters), as ``runtime.pipeline`` does."""
-    stages = plan.stages
-    ready = [float(ends[s]) + _allreduce_s(costs, cluster, st, rho) for s, st in enumerate(stages)]
-    for held, nbytes in _tied_stage_sets(costs, stages):
-        ranks = sorted({r for s in held for r in stages[s].ranks})
-        at = max(ready[s] for s in held) + allreduce_time_s(cluster, ranks, nbytes)
-        for s in held:
-            ready[s] = at
-    opt = [stage_optimizer_s(costs, cluster, st, plan.zero_stage, rho) for st in stages]
-    tail = []
-    for s, st in enumerate(stages):
-        gather = 0.0
-        if plan.zero_stage >= 1 and len(st.groups) > 1 and not (st.tp_shares and any(len(g) > 1 for g in st.groups)):
-            gather = allgather_time_s(cluster, [g[0] for g in st.groups],
-                                      float(costs.param_bytes[st.block_start:st.block_stop].sum()))
-        tail.append(ready[s] + opt[s] + gather)
-    return float(max(tail)), float(max(opt, default=0.0))
-
-
-def _memory_bytes(ctx: _Context, stages: Sequence[Stage], schedule: str) -> dict[int, int]:
-    c = ctx.costs
-    out = {}
-    for s, st in enumerate(stages):
-        blocks = slice(st.block_start, st.block_stop)
-        nm = len(st.groups)
-        fw, fg, fo = _state_fractions(ctx.zero_stage, nm)
-        p = float(c.params[blocks].sum())
-        state = float(c.param_bytes[blocks].sum()) * fw + p * (c.grad_bytes_per_param * fg
-                                                               + c.optimizer_bytes_per_param * fo)
-        act = float(c.act_bytes[blocks].sum())
-        fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
-        held = stage_input_bytes(c, st) if st.recompute else 0.0
-        for g, members in enumerate(st.groups):
-            x = max(st.micro_batches[g])
-            need = state + (act * x + held * x * fly if st.recompute else act * x * fly)
-            for r in members:
-                out[r] = int(math.ceil(need))
-    return dict(sorted(out.items()))
-
+# -- stages of a candidate ---------------------------------------------------------------------------
 
 def _build_stages(ctx: _Context, grouping: StageGrouping, sizes: Sequence[int], num_micro: int,
                   recompute: Sequence[bool] = ()) -> tuple[Stage, ...]:
