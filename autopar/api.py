@@ -67,15 +67,22 @@ def _check_args(cluster, global_batch_size, strategy, zero_stage, schedule) -> N
 
 def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", zero_stage="auto",
                     schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
-                    replicated_fraction: float | None = None, recompute: bool = False) -> Plan:
+                    replicated_fraction: float | None = None, recompute: bool = False,
+                    timings: dict | None = None) -> Plan:
     """Run the planner of ``strategy`` on prepared cost tables and attach the bounds.
 
     ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
     one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
     parallelism cannot shard (``autopar.tp_cost.replicated_fraction_of``). ``recompute`` lets pipeline
-    stages whose activations do not fit recompute them in backward (off by default)."""
+    stages whose activations do not fit recompute them in backward (off by default). ``timings``, when
+    given, receives the wall seconds of the planner (``plan_s``) and of the bounds (``bounds_s``: the
+    planner run again on each device type alone)."""
+    import time
+
     from autopar import dp_planner, joint_planner, pp_planner
     from autopar.bounds import with_all_bounds
+
+    start = time.perf_counter()
 
     _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)
     if strategy == "auto" and dp_batch is not None:
@@ -102,7 +109,11 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     else:
         p = joint_planner.plan_auto(costs, cluster, global_batch_size, zero_stage=zero_stage, schedule=schedule,
                                     recompute=recompute, **tp_kw)
-    return with_all_bounds(p, costs, cluster, global_batch_size, schedule=schedule, recompute=recompute, **tp_kw)
+    planned = time.perf_counter()
+    p = with_all_bounds(p, costs, cluster, global_batch_size, schedule=schedule, recompute=recompute, **tp_kw)
+    if timings is not None:
+        timings.update(plan_s=planned - start, bounds_s=time.perf_counter() - planned)
+    return p
 
 
 def _num_heads(model: nn.Module) -> int | None:

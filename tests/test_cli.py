@@ -34,6 +34,10 @@ def test_plan_json_and_timeline(capsys, tmp_path):
                  "--global-batch", "256", "--strategy", "pp", "--json", "-", "--timeline", str(png)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["strategy"] == "pp" and d["predicted"]["samples_per_s"] > 0
+    assert d["planning_s"] > 0 and d["bounds_s"] > 0
+    # each type's part of the upper bound is noted (mixed-3 has three types)
+    bound_note = next(n for n in d["notes"] if n.startswith("upper bound = "))
+    assert all(f"{t} alone" in bound_note for t in ("H100-80GB", "A100-40GB", "V100-16GB"))
     assert png.stat().st_size > 1000
 
 
