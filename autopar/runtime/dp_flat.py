@@ -1,0 +1,240 @@
+"""Flat buffers and shards of the data-parallel engine (``autopar.runtime.dp``): the layout of each
+unit's flat buffer, the collectives over it, and the optimizer over this rank's shard.
+
+Terms
+- position: a rank's index inside the process group. Collectives lay out shards by position, so every
+  shard below is indexed by position.
+- unit: a set of trainable parameters flattened into one 1-D *flat buffer* in a fixed order shared
+  by all ranks (by optimizer parameter group, then parameter order), described by a ``FlatLayout``.
+  ZeRO 0-2 use one unit holding every trainable parameter; ZeRO-3 uses one unit per block plus a
+  root unit (``autopar.runtime.dp_units``), or a single unit.
+- shard: a contiguous range of a unit's flat buffer owned by one position, even or proportional to
+  the stage's ``zero_shares`` (memory-proportional sharding; a share of 0 gives an empty shard).
+  ``shard_bounds`` computes the ranges. gloo's all-gather / reduce-scatter need equal sizes, so
+  every shard travels padded to the largest shard (``FlatLayout.padded_numel``).
+- shard Parameter: under ZeRO >= 1 each rank steps one flat leaf Parameter per (unit, optimizer
+  parameter group) that intersects its shard, so the optimizer state is shard-sized.
+
+Exactness: sharded optimizer states are exact only for elementwise optimizers (SGD with or without
+momentum, Adam, AdamW, ...: the update of each element depends only on that element and step-level
+scalars, so it is the same on a flat shard as on the full tensors). Optimizers with cross-element
+coupling (LAMB's or LARS's per-tensor trust ratios, Adafactor's factored moments, L-BFGS) are not
+supported under ZeRO >= 1: ``ELEMENTWISE_OPTIMIZERS`` lists the accepted classes and anything else
+raises ``DataParallelError`` naming the optimizer (ZeRO-0 runs any optimizer). Parameter groups are
+kept (a flat shard per group, each with its group's hyperparameters).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS", "FlatBuffersMixin"]
+
+# Optimizers whose update is elementwise (given step-level scalars): exact on flat shards.
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
+def _all_gather_single(output, input, group=None):
+    # torch >= 2.10 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group)
+
+
+def _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group)
+
+
+class DataParallelError(ValueError):
+    """The plan, the model or the optimizer cannot run on the data-parallel engine."""
+
+
+def shard_bounds(total_numel: int, shares: Sequence[float]) -> tuple[int, ...]:
+    """Boundaries ``b`` (length ``len(shares) + 1``, ``b[0] = 0``, ``b[-1] = total_numel``) splitting
+    ``total_numel`` elements into contiguous shards proportional to ``shares`` (largest-remainder
+    rounding, ties to the lower index). Shares must be finite, >= 0 and not all 0."""
+    if total_numel < 0:
+        raise DataParallelError(f"shard_bounds: total_numel must be >= 0, got {total_numel}")
+    shares = [float(s) for s in shares]
+    if not shares:
+        raise DataParallelError("shard_bounds: need at least one share")
+    if any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
+        raise DataParallelError(f"zero_shares: need finite shares >= 0 with a positive sum, got {shares}")
+    total = sum(shares)
+    exact = [total_numel * s / total for s in shares]
+    sizes = [math.floor(e) for e in exact]
+    rest = total_numel - sum(sizes)
+    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:rest]:
+        sizes[i] += 1
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return tuple(bounds)
+
+
+@dataclass(frozen=True, slots=True)
+class FlatLayout:
+    """One unit's flat buffer: where each of its parameters lives and which range each position owns."""
+
+    numels: tuple[int, ...]          # per parameter of the unit, in flat order
+    offsets: tuple[int, ...]         # per parameter: start in the unit's flat buffer
+    group_bounds: tuple[int, ...]    # optimizer parameter group k covers [group_bounds[k], [k+1])
+    bounds: tuple[int, ...]          # position p owns [bounds[p], bounds[p+1])
+
+    @property
+    def total_numel(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def max_shard_numel(self) -> int:
+        return max(self.bounds[p + 1] - self.bounds[p] for p in range(self.num_shards))
+
+    @property
+    def padded_numel(self) -> int:
+        return self.max_shard_numel * self.num_shards
+
+    def shard(self, position: int) -> tuple[int, int]:
+        return self.bounds[position], self.bounds[position + 1]
+
+
+class FlatBuffersMixin:
+    """The flat-buffer half of ``DataParallelEngine``: flattening, padding, the collectives on a unit's
+    flat buffer and the sharded optimizer. Reads the engine's ``units`` (``FlatLayout`` per unit),
+    ``_params``, ``_unit_params``, ``_shard_params``, ``_position``, ``group``, ``dtype``, ``device``
+    and ``zero_stage``."""
+
+    # -- optimizer over flat shards --------------------------------------------------------------
+    @staticmethod
+    def _group_of(probe: torch.optim.Optimizer, trainable: list[nn.Parameter]) -> list[int]:
+        """The optimizer parameter group of each trainable parameter."""
+        group_of: dict[int, int] = {}
+        for k, group in enumerate(probe.param_groups):
+            for p in group["params"]:
+                if id(p) in group_of:
+                    raise DataParallelError(f"optimizer_factory: parameter groups {group_of[id(p)]} and {k} "
+                                            f"share a parameter")
+                group_of[id(p)] = k
+        if set(group_of) != {id(p) for p in trainable}:
+            raise DataParallelError(
+                f"optimizer_factory: the optimizer must hold exactly the model's trainable parameters "
+                f"({len(trainable)}), it holds {len(group_of)} (freeze a parameter with requires_grad=False "
+                f"instead of leaving it out)")
+        return [group_of[id(p)] for p in trainable]
+
+    def _check_elementwise(self, probe: torch.optim.Optimizer) -> None:
+        if type(probe) not in ELEMENTWISE_OPTIMIZERS:
+            raise DataParallelError(
+                f"optimizer_factory: {type(probe).__name__} is not supported under ZeRO-{self.zero_stage}: "
+                f"sharded optimizer states are exact only for elementwise optimizers "
+                f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); use zero_stage=0")
+
+    def _sharded_optimizer(self, probe: torch.optim.Optimizer, flats: list[torch.Tensor]):
+        """A flat shard Parameter per (unit, optimizer group) that intersects this rank's shard, and an
+        optimizer of the probe's class over them with each group's hyperparameters."""
+        shard_params = []
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for u, layout in enumerate(self.units):
+            lo, hi = layout.shard(self._position)
+            gb = layout.group_bounds
+            for k in range(len(probe.param_groups)):
+                a, b = max(gb[k], lo), min(gb[k + 1], hi)
+                if a < b:
+                    sp = nn.Parameter(flats[u][a:b].detach().clone())
+                    shard_params.append((sp, u, (a, b)))
+                    by_group.setdefault(k, []).append(sp)
+        if not by_group:                   # an empty shard still gets an optimizer
+            by_group[0] = [nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device))]
+        groups = [{**{key: v for key, v in probe.param_groups[k].items() if key != "params"}, "params": ps}
+                  for k, ps in sorted(by_group.items())]
+        accepted = inspect.signature(type(probe).__init__).parameters
+        defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
+        return type(probe)(groups, **defaults), tuple(shard_params)
+
+    # -- flat buffers ----------------------------------------------------------------------------
+    def _unit(self, u: int):
+        """(layout, parameters) of unit ``u``."""
+        return self.units[u], [self._params[i] for i in self._unit_params[u]]
+
+    def _flatten_params(self, u: int) -> torch.Tensor:
+        layout, params = self._unit(u)
+        if not params:
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
+        return torch.cat([p.detach().reshape(-1) for p in params]).to(self.dtype)
+
+    def _flatten_grads(self, u: int) -> torch.Tensor:
+        layout, params = self._unit(u)
+        flat = torch.zeros(layout.total_numel, dtype=self.dtype, device=self.device)
+        for p, o, n in zip(params, layout.offsets, layout.numels):
+            if p.grad is not None:
+                flat[o:o + n].copy_(p.grad.reshape(-1))
+        return flat
+
+    def _unflatten_into_params(self, u: int, flat: torch.Tensor) -> None:
+        layout, params = self._unit(u)
+        with torch.no_grad():
+            for p, o, n in zip(params, layout.offsets, layout.numels):
+                p.copy_(flat[o:o + n].view_as(p))
+
+    def _padded(self, u: int, flat: torch.Tensor) -> torch.Tensor:
+        """Unit ``u``'s ``flat`` laid out position by position, each shard padded to the largest."""
+        layout = self.units[u]
+        m = layout.max_shard_numel
+        out = torch.zeros(layout.padded_numel, dtype=flat.dtype, device=flat.device)
+        for p in range(layout.num_shards):
+            a, b = layout.shard(p)
+            out[p * m:p * m + (b - a)].copy_(flat[a:b])
+        return out
+
+    def _unpadded(self, u: int, padded: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        layout = self.units[u]
+        m = layout.max_shard_numel
+        if out is None:
+            out = torch.empty(layout.total_numel, dtype=padded.dtype, device=padded.device)
+        for p in range(layout.num_shards):
+            a, b = layout.shard(p)
+            out[a:b].copy_(padded[p * m:p * m + (b - a)])
+        return out
+
+    def _my_shard_values(self, u: int) -> torch.Tensor:
+        """This rank's shard of unit ``u``'s flat parameters, from the shard Parameters (padded)."""
+        layout = self.units[u]
+        out = torch.zeros(layout.max_shard_numel, dtype=self.dtype, device=self.device)
+        lo, _ = layout.shard(self._position)
+        for sp, su, (a, b) in self._shard_params:
+            if su == u:
+                out[a - lo:b - lo].copy_(sp.detach())
+        return out
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _all_gather_flat(self, u: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Unit ``u``'s full flat parameters gathered from every position's shard (into ``out``)."""
+        layout = self.units[u]
+        padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        _all_gather_single(padded, self._my_shard_values(u), group=self.group)
+        return self._unpadded(u, padded, out)
+
+    def _reduce_scatter_grad(self, u: int, flat_grad: torch.Tensor) -> torch.Tensor:
+        """This position's shard of the sum over ranks of unit ``u``'s ``flat_grad``. gloo implements
+        the real reduce-scatter on CPU (checked on torch 2.13 with 3 processes), so there is no
+        all-reduce + slice fallback."""
+        layout = self.units[u]
+        out = torch.empty(layout.max_shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
+        _reduce_scatter_single(out, self._padded(u, flat_grad), op=dist.ReduceOp.SUM, group=self.group)
+        lo, hi = layout.shard(self._position)
+        return out[:hi - lo]

@@ -1,0 +1,173 @@
+"""ZeRO-3 in the data-parallel engine (``autopar.runtime.dp``): units gathered before use and freed
+after it, in place, so parameters stay sharded between steps.
+
+Each full parameter is a view of its unit's full buffer, whose storage is resized to 0 bytes while
+the unit is freed (the tensors keep their shapes; reading one then fails). Terms (unit, position,
+shard) as in ``autopar.runtime.dp_flat``; a round is one micro-step slot that every rank joins (ranks
+without a micro-step in it contribute zero gradients). Each round:
+
+- ``"block"`` granularity (the default when the graph carries block annotations): the root unit
+  is gathered for the whole micro-step; hooks inserted into a copy of the captured graph
+  (``autopar.runtime.dp_units.insert_unit_hooks``) gather each block's unit right before its first
+  use in forward and free it right after its last use. In backward, a saved-tensor hook gathers a
+  unit again when autograd first needs one of its parameters, always in the fixed reverse order (a
+  request for unit ``u`` also gathers the units after ``u`` that backward has not reached), and a
+  unit is freed again once every one of its parameters has accumulated its gradient. After
+  backward, the units backward never needed are gathered (and freed) too, so every rank runs the
+  same collectives: ranks without a micro-step in the round gather every unit forward and backward
+  without computing. Then each unit's gradient is reduce-scattered into the shard's accumulated
+  gradient and freed. Models that re-run forward code during backward (activation checkpointing)
+  need ``"micro_step"``; a unit needed after it was freed raises instead of reading freed memory.
+  Per-block gathering moves the same bytes but issues about twice as many collectives per block,
+  so small models on high-latency links run faster per micro-step.
+- ``"micro_step"``: one unit, gathered before the micro-step's forward and freed after its
+  backward once its gradient is reduce-scattered.
+
+Emulation: a gather called from a hook inside a micro-step's compute block closes the block before
+the collective and reopens it after, so the emulated slow-down never stretches communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from autopar.runtime.dp_units import insert_unit_hooks
+
+__all__ = ["Zero3Granularity", "Zero3Mixin"]
+
+Zero3Granularity = Literal["block", "micro_step"]
+
+
+class _UnitHook(nn.Module):
+    """Called from the hooked graph with a unit index: gathers or frees that unit."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self._fn = fn
+
+    def forward(self, unit: int) -> None:
+        self._fn(unit)
+
+
+class Zero3Mixin:
+    """The ZeRO-3 half of ``DataParallelEngine``: gathering and freeing units in place, and one round.
+    Uses the engine's flat buffers (``FlatBuffersMixin``: ``units``, ``_unit``, ``_all_gather_flat``,
+    ``_flatten_grads``, ``_reduce_scatter_grad``), its ``_unit_params``, ``_shapes``, ``gm``, ``zero3_granularity``, and
+    its micro-step (``_micro_step``, ``_segment``, ``_segment_begin``, ``_segment_end``)."""
+
+    def _setup_zero3(self, units) -> None:
+        self._full = [torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
+                      for layout in self.units]
+        for u, layout in enumerate(self.units):
+            for p, o, n, i in zip(self._unit(u)[1], layout.offsets, layout.numels, self._unit_params[u]):
+                p.data = self._full[u][o:o + n].view(self._shapes[i])
+        self._gathered = [True] * len(self.units)
+        self._blocks = units.blocks if units is not None else (None,)
+        self._storage_unit: dict[int, int] = {}
+        self._pending = [0] * len(self.units)
+        self._bwd_order = tuple(range(len(self.units) - 1, 0, -1))    # block units, last first
+        self._bwd_next = 0
+        self._in_backward = False
+        for u in range(len(self.units)):
+            self._free(u)
+        if units is not None:
+            self.gm = insert_unit_hooks(self.gm, units, _UnitHook(self._forward_gather),
+                                        _UnitHook(self._free))
+            for u in range(1, len(self.units)):
+                for p in self._unit(u)[1]:
+                    p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u))
+
+    def _gather(self, u: int) -> None:
+        if self._gathered[u] or not self.units[u].total_numel:
+            return
+        paused = self._segment is not None          # called from a hook inside a compute block
+        if paused:
+            self._segment_end()
+        storage = self._full[u].untyped_storage()
+        storage.resize_(self._full[u].numel() * self._full[u].element_size())
+        self._all_gather_flat(u, out=self._full[u])
+        if paused:
+            self._segment_begin()
+        self._storage_unit[storage.data_ptr()] = u
+        self._gathered[u] = True
+
+    def _free(self, u: int) -> None:
+        if not self._gathered[u]:
+            return
+        storage = self._full[u].untyped_storage()
+        self._storage_unit.pop(storage.data_ptr(), None)
+        storage.resize_(0)
+        self._gathered[u] = False
+
+    def _forward_gather(self, u: int) -> None:
+        if not self._in_backward:
+            self._gather(u)
+
+    def _backward_gather_through(self, stop: int) -> None:
+        """Gather the block units of the backward order up to index ``stop`` (inclusive), in order."""
+        while self._bwd_next <= stop:
+            u = self._bwd_order[self._bwd_next]
+            self._bwd_next += 1
+            self._gather(u)
+            if self._pending[u] == 0 and self._bwd_order.index(u) < stop:
+                self._free(u)
+
+    def _grad_ready(self, u: int) -> None:
+        self._pending[u] -= 1
+        if self._pending[u] == 0 and self._in_backward and self._bwd_order.index(u) < self._bwd_next:
+            self._free(u)
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            return self._storage_unit.get(t.untyped_storage().data_ptr()), t
+        except (RuntimeError, NotImplementedError):      # tensors without a plain storage
+            return None, t
+
+    def _unpack(self, packed):
+        u, t = packed
+        if u is not None and u != 0:
+            self._in_backward = True
+            self._backward_gather_through(self._bwd_order.index(u))
+            if not self._gathered[u]:
+                raise RuntimeError(f"ZeRO-3: backward needs unit {u} (block {self._blocks[u]}) again after "
+                                   f"freeing it; use zero3_granularity='micro_step' for this model")
+        return t
+
+    def _zero3_round(self, inputs: tuple, targets: Any, rows: slice | None, loss_sum: torch.Tensor,
+                     shard_grads: list[torch.Tensor]) -> None:
+        """One ZeRO-3 round: every rank runs the same collectives; ``rows`` None or empty: no compute."""
+        active = rows is not None and rows.stop > rows.start
+        block_mode = self.zero3_granularity == "block"
+        units = range(len(self.units))
+        if block_mode:
+            self._gather(0)
+            if active:
+                self._pending = [len(self._unit_params[u]) for u in units]
+                self._bwd_next, self._in_backward = 0, False
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    loss_sum += self._micro_step(inputs, targets, rows).double()
+                self._in_backward = True
+                self._backward_gather_through(len(self._bwd_order) - 1)
+                self._in_backward = False
+            else:
+                for u in units[1:]:                     # forward's gathers, then backward's
+                    self._gather(u)
+                    self._free(u)
+                for u in self._bwd_order:
+                    self._gather(u)
+                    self._free(u)
+        else:
+            self._gather(0)
+            if active:
+                loss_sum += self._micro_step(inputs, targets, rows).double()
+        for u in units:
+            self._free(u)
+            flat_grad = self._flatten_grads(u)
+            for p in self._unit(u)[1]:
+                p.grad = None
+            if self.units[u].total_numel:
+                shard_grads[u] += self._reduce_scatter_grad(u, flat_grad)
+            del flat_grad
