@@ -11,7 +11,8 @@
   uneven (and zero) shares, SGD+momentum and AdamW(eps=1e-6), an idle rank; tensor-parallel members
   (3:1 and 2:2 heads) inside stages; ZeRO-1 inside a stage; hf-gpt-tiny (a torch.export graph) with 2
   stages; a toy model whose batch-less tensor crosses cuts; and the whole pipeline over a forced
-  bridge.
+  bridge; ``Communicator.irecv`` (receives posted out of tag order, direct and bridged) in the same
+  launch.
 """
 
 from __future__ import annotations
@@ -210,10 +211,40 @@ def _engine(name, plan, optimizer, rank, world_size, comm=None, perturb=False):
         device=torch.device("cpu"), clock=NullClock()), comm=comm)
 
 
+def _irecv_probe(rank: int) -> dict:
+    """``Communicator.irecv`` between ranks 0 -> 1, direct and over a forced bridge: rank 1 posts its
+    receives (tags 2 then 1) before rank 0 sends (tags 1 then 2); gloo matches them by tag."""
+    plain = Communicator(rank, 3, ["gloo"] * 3, torch.device("cpu"))
+    bridged = Communicator(rank, 3, ["nccl", "gloo", "nccl"], torch.device("cpu"),
+                           backend_impl={"nccl": "gloo", "gloo": "gloo"}, force_bridge=True)
+    out = {}
+    for key, comm in (("plain", plain), ("bridged", bridged)):
+        if rank == 1:
+            late = comm.irecv((2, 3), torch.float64, src=0, tag=2)
+            early = comm.irecv((4,), torch.int64, src=0, tag=1)
+            dist.barrier()                               # the receives are posted before the sends
+            a, b = early.wait(), late.wait()
+            out[key] = {"a": a, "b": b, "same": late.wait() is b, "path": comm.p2p_path(0),
+                        "bridged_bytes": comm.stats.bridged_bytes, "direct_bytes": comm.stats.direct_bytes}
+        else:
+            dist.barrier()
+            if rank == 0:
+                sends = [comm.isend(torch.arange(4), dst=1, tag=1),
+                         comm.isend(torch.full((2, 3), 0.5, dtype=torch.float64), dst=1, tag=2)]
+                for work in sends:
+                    work.wait()
+        dist.barrier()
+    return out
+
+
 def _run_plans(rank: int, runs):
-    """Each run: (key, model name, plan, optimizer, option: "" | "bridge" | "perturb")."""
+    """Each run: (key, model name, plan, optimizer, option: "" | "bridge" | "perturb" | "irecv"); an
+    "irecv" run is ``_irecv_probe`` alone."""
     out = {}
     for key, name, plan, optimizer, option in runs:
+        if option == "irecv":
+            out[key] = _irecv_probe(rank)
+            continue
         comm = None
         if option == "bridge":   # ranks 0 and 2 pretend to be GPUs: pairs 0-1 and 1-2 and the world are bridged
             comm = Communicator(rank, 3, ["nccl", "gloo", "nccl"], torch.device("cpu"),
@@ -298,7 +329,8 @@ def test_launch_export_graph_and_forced_bridge_match_one_device():
     # toy blocks: 0 embed (table * 2), 1-3 layers, 4 head (nothing): the table skips stage 1 of 3
     toy_skip = pp_plan([(1, {0: (4, 3, 3)}), (2, {1: (4, 3, 3)}), (5, {2: (4, 3, 3)})], "1f1b", num_blocks=5)
     toy_two = pp_plan([(2, {0: (4, 3, 3)}), (5, {1: (1, 3, 2), 2: (3, 0, 1)})], "gpipe", num_blocks=5)
-    runs = [("hf-2stages", "hf-gpt-tiny", hf, "sgd", ""),
+    runs = [("irecv", None, None, None, "irecv"),
+            ("hf-2stages", "hf-gpt-tiny", hf, "sgd", ""),
             ("bridge", "gpt-tiny", PLANS["3stages-1f1b"], "sgd", "bridge"),
             ("toy-skip", "toy", toy_skip, "sgd", ""),
             ("toy-two", "toy", toy_two, "adamw", "perturb")]
@@ -308,6 +340,15 @@ def test_launch_export_graph_and_forced_bridge_match_one_device():
         for res in results:
             assert_state_close(res[key]["state"], ref_state, RTOL[optimizer])
             assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(res[key]["losses"], ref_losses)), key
+    probe = results[1]["irecv"]
+    for key, path in (("plain", ("gloo", False)), ("bridged", ("gloo", True))):
+        got = probe[key]
+        assert torch.equal(got["a"], torch.arange(4)), key
+        assert torch.equal(got["b"], torch.full((2, 3), 0.5, dtype=torch.float64)), key
+        assert got["same"] and got["path"] == path, key
+    assert probe["plain"]["bridged_bytes"] == 0 and probe["plain"]["direct_bytes"] == 4 * 8 + 6 * 8
+    assert probe["bridged"]["bridged_bytes"] == 4 * 8 + 6 * 8 and probe["bridged"]["direct_bytes"] == 0
+    assert results[0]["irecv"] == {} and results[2]["irecv"] == {}
     _check(results, "hf-2stages", "hf-gpt-tiny", "sgd")
     _check(results, "bridge", "gpt-tiny", "sgd")
     assert all(res["bridge"]["bridged_bytes"] > 0 for res in results)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["CommGroup", "CommStats", "Communicator"]
+__all__ = ["CommGroup", "CommStats", "Communicator", "PendingRecv"]
 
 _HOST = "gloo"   # the backend of the bridge
 
@@ -167,18 +167,18 @@ class Communicator:
         return self._pair(peer)
 
     # -- staging ------------------------------------------------------------------------------------
-    def _wire_device(self, t: torch.Tensor, group: CommGroup) -> torch.device | None:
-        """Where ``t`` must be copied to travel on ``group`` (None: it travels as it is). NCCL needs a
-        GPU tensor; gloo takes a host copy of a GPU tensor (the bridge), and under ``force_bridge`` of
-        any tensor on a bridged group."""
+    def _wire_device(self, device: torch.device, group: CommGroup) -> torch.device | None:
+        """Where a tensor on ``device`` must be copied to travel on ``group`` (None: it travels as it
+        is). NCCL needs a GPU tensor; gloo takes a host copy of a GPU tensor (the bridge), and under
+        ``force_bridge`` of any tensor on a bridged group."""
         if self._impl(group.backend) == "nccl":
-            return None if t.device.type == "cuda" else self.device
-        if t.device.type != "cpu" or (self.force_bridge and group.bridged):
+            return None if device.type == "cuda" else self.device
+        if device.type != "cpu" or (self.force_bridge and group.bridged):
             return torch.device("cpu")
         return None
 
     def _to_wire(self, t: torch.Tensor, group: CommGroup) -> tuple[torch.Tensor, bool]:
-        dev = self._wire_device(t, group)
+        dev = self._wire_device(t.device, group)
         if dev is None:
             return t, False
         return t.detach().to(dev, copy=True), True
@@ -231,15 +231,45 @@ class Communicator:
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int = 0) -> torch.Tensor:
         """Receive a tensor of ``shape`` and ``dtype`` from global rank ``src`` (blocking), on this rank's
         device."""
-        group = self._pair(src)
-        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        dev = self._wire_device(out, group)
-        wire, staged = (out, False) if dev is None else (torch.empty_like(out, device=dev), True)
+        out, wire, group = self._recv_buffers(shape, dtype, src)
         dist.recv(wire, src=src, group=group.pg, tag=tag)
-        self.stats.count("recv", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
-        if staged:
+        self._count_recv(out, wire)
+        if wire is not out:
             out.copy_(wire)
         return out
+
+    def irecv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int = 0) -> "PendingRecv":
+        """Start receiving a tensor of ``shape`` and ``dtype`` from global rank ``src``; returns a
+        ``PendingRecv`` whose ``wait()`` gives the tensor on this rank's device. Paths and staging are
+        those of ``recv`` (a staged message lands in a host copy, copied over by ``wait()``).
+
+        Matching: gloo matches point-to-point messages by ``tag``, so receives from a peer may be
+        posted in any order; NCCL ignores tags and matches them in posting order (``p2p_path`` says
+        which applies)."""
+        out, wire, group = self._recv_buffers(shape, dtype, src)
+        work = dist.irecv(wire, src=src, group=group.pg, tag=tag)
+        self._count_recv(out, wire)
+        return PendingRecv(work, out, wire)
+
+    def p2p_path(self, peer: int, device: torch.device | None = None) -> tuple[str, bool]:
+        """How a message with ``peer`` travels for a tensor on ``device`` (default: this rank's):
+        ``(torch.distributed backend, staged)``, e.g. ``("gloo", False)`` for CPU tensors between two
+        CPU ranks, ``("gloo", True)`` for a host-staged (bridged) message."""
+        group = self._pair(peer)
+        device = self.device if device is None else torch.device(device)
+        return self._impl(group.backend), self._wire_device(device, group) is not None
+
+    def _recv_buffers(self, shape: Sequence[int], dtype: torch.dtype,
+                      src: int) -> tuple[torch.Tensor, torch.Tensor, CommGroup]:
+        """(the result on this rank's device, the tensor the message lands in, the pair's group)."""
+        group = self._pair(src)
+        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        dev = self._wire_device(out.device, group)
+        return out, (out if dev is None else torch.empty_like(out, device=dev)), group
+
+    def _count_recv(self, out: torch.Tensor, wire: torch.Tensor) -> None:
+        staged = wire is not out
+        self.stats.count("recv", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}/{self.world_size}, backends={self.rank_backends}, "
@@ -253,6 +283,31 @@ class _Pending:
 
     def wait(self) -> None:
         self.work.wait()
+
+
+class PendingRecv:
+    """A receive in flight (``Communicator.irecv``): ``wait()`` blocks until the message has arrived
+    and returns the tensor, on the receiving rank's device; later calls return the same tensor."""
+
+    __slots__ = ("_work", "_out", "_wire")
+
+    def __init__(self, work: Any, out: torch.Tensor, wire: torch.Tensor):
+        self._work = work
+        self._out = out
+        self._wire = wire
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._wire is not self._out:       # staged: copy the host landing buffer over
+                self._out.copy_(self._wire)
+            self._wire = self._out
+        return self._out
+
+    def __repr__(self) -> str:
+        state = "done" if self._work is None else "pending"
+        return f"PendingRecv(shape={tuple(self._out.shape)}, dtype={self._out.dtype}, {state})"
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -472,23 +472,18 @@ class PipelineEngine:
                     self._sends.append(self.comm.isend(piece, dst, self._tag(m, False, 2 + i)))
 
     def _irecv(self, shape, dtype: torch.dtype, src: int, tag: int):
-        """Post a receive now: ``(tensor, work)``, or None where the pair is not gloo on CPU tensors
-        (then the caller receives blocking, in order)."""
-        group = self.comm.pair_group(src)
-        out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        if self.comm._impl(group.backend) != "gloo" or self.comm._wire_device(out, group) is not None:
+        """Post a receive now (a ``PendingRecv``) where the pair is gloo on unstaged tensors, else None:
+        other pairs (NCCL, host-staged) receive blocking, in schedule order (``pre-posted receive``)."""
+        if self.comm.p2p_path(src) != ("gloo", False):
             return None
-        work = dist.irecv(out, src=src, group=group.pg, tag=tag)
-        self.comm.stats.count("recv", out.numel() * out.element_size(), False)
-        return out, work
+        return self.comm.irecv(shape, dtype, src, tag)
 
     def _take(self, spec) -> torch.Tensor:
         """The tensor of a receive ``spec`` = (shape, dtype, src, tag, posted or None)."""
         shape, dtype, src, tag, posted = spec
         if posted is None:
             return self.comm.recv(shape, dtype, src, tag)
-        posted[1].wait()
-        return posted[0]
+        return posted.wait()
 
     def _post_forward(self, m: int) -> list:
         """The receives of micro-batch m's forward values, posted now where the pair allows (known
