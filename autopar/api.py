@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, get_args
 
 import torch
 from torch import nn
 
 from autopar.errors import PlanError
 from autopar.plan import Plan
+
+if TYPE_CHECKING:
+    from autopar.runtime.dp_zero3 import Zero3Granularity
 
 __all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare"]
 
@@ -193,17 +196,28 @@ def _optimizer_kind(factory) -> str:
 def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
             optimizer: Callable | None = None, strategy="auto", zero_stage="auto", schedule="auto",
             pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
-            recompute: bool = False) -> Compiled:
+            recompute: bool = False, zero3_granularity: Zero3Granularity = "block") -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
-    ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither)."""
+    ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
+
+    ``zero3_granularity`` (a data-parallel plan at ZeRO stage 3 only; other plans ignore it): when
+    parameters are gathered. ``"block"`` (the default) gathers each block's parameters right before
+    its use and frees them right after, where the captured graph carries block annotations and
+    activations are not recomputed (otherwise it falls back to ``"micro_step"``); ``"micro_step"``
+    gathers every parameter once per micro-step: fewer, larger collectives for a higher peak memory.
+    Both train to the same state (``autopar.runtime.dp_zero3``). Anything else raises ``PlanError``."""
     import torch.distributed as dist
 
     from importlib import import_module
 
     from autopar.runtime import emulate
+    from autopar.runtime.dp import DataParallelEngine, Zero3Granularity
     from autopar.runtime.engine import EngineInputs, select_engine
     from passes.analyze import analyze
 
+    if zero3_granularity not in get_args(Zero3Granularity):   # on every rank, before any collective
+        raise PlanError(f"zero3_granularity: {zero3_granularity!r} must be one of "
+                        f"{', '.join(repr(g) for g in get_args(Zero3Granularity))}")
     _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
     optimizer = optimizer or _default_optimizer
     if not isinstance(example_inputs, tuple):
@@ -243,7 +257,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                               time_scale=emulate.emulation_time_scale(ctx.world_size)) \
         if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
     engine_cls = select_engine(the_plan)
+    options = {"zero3_granularity": zero3_granularity} if issubclass(engine_cls, DataParallelEngine) else {}
     engine = engine_cls(EngineInputs(gm=gm, model=model, plan=the_plan, loss_fn=loss_fn,
                                      optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
-                                     device=ctx.device, clock=clock))
+                                     device=ctx.device, clock=clock), **options)
     return Compiled(plan=the_plan, engine=engine, rank=ctx.rank)

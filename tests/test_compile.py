@@ -1,5 +1,6 @@
 """autopar.compile end to end on a one-device cluster (no processes): the public path from model to
-training step, with and without the Triton kernels substituted (interpreter on CPU)."""
+training step, with and without the Triton kernels substituted (interpreter on CPU), and ZeRO-3 at
+either gathering granularity."""
 
 import os
 
@@ -24,10 +25,11 @@ def _fresh_group(tmp_path, monkeypatch):
     import_module("autopar.runtime.launch").shutdown()
 
 
-def _train(use_triton: bool, steps=2, gb=8):
+def _train(use_triton: bool, steps=2, gb=8, **options):
     case = autopar.models.build("gpt-tiny", seed=0)
     compiled = autopar.compile(case.model, ONE, case.example_inputs, gb, case.loss_fn,
-                               optimizer=optimizer_factory("sgd"), strategy="dp", use_triton=use_triton)
+                               optimizer=optimizer_factory("sgd"), strategy="dp", use_triton=use_triton,
+                               **options)
     losses = [compiled.step(inputs, targets) for inputs, targets in batches("gpt-tiny", gb, steps, seed=0)]
     return compiled, losses
 
@@ -60,6 +62,24 @@ def test_use_triton_trains_to_the_same_state():
     plain, plain_losses = _train(False)
     assert_state_close(compiled.state_dict(), plain.state_dict(), 1e-4)
     assert losses == pytest.approx(plain_losses, rel=1e-4)
+
+
+@pytest.mark.parametrize("granularity", ["block", "micro_step"])
+def test_zero3_granularity_reaches_the_engine_and_trains_like_one_device(granularity):
+    compiled, losses = _train(False, zero_stage=3, zero3_granularity=granularity)
+    assert compiled.plan.zero_stage == 3
+    assert compiled.engine.zero3_granularity == granularity
+    assert len(compiled.engine.units) == (1 if granularity == "micro_step" else 7)
+    assert_state_close(compiled.state_dict(), single_device_state("gpt-tiny", 8, steps=2, optimizer="sgd", seed=0),
+                       RTOL["sgd"])
+
+
+@pytest.mark.parametrize("bad", ["layer", None, "Block"])
+def test_bad_zero3_granularity_is_a_clear_error(bad):
+    case = autopar.models.build("gpt-tiny", seed=0)
+    with pytest.raises(autopar.PlanError, match=r"zero3_granularity: .*'block', 'micro_step'"):
+        autopar.compile(case.model, ONE, case.example_inputs, 8, case.loss_fn, strategy="dp", zero_stage=3,
+                        zero3_granularity=bad)
 
 
 def test_wrong_batch_size_is_a_clear_error():
