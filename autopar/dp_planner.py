@@ -12,17 +12,21 @@ Terms
   its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``).
 - ZeRO communication, per step, among the plan's ranks (``autopar.comm``, flat or hierarchical rings):
   ZeRO-0 all-reduce of the gradients after the last micro-step; ZeRO-1 the same, then an all-gather
-  of the updated parameters; ZeRO-2 reduce-scatter of the gradients + all-gather of the parameters;
-  ZeRO-3, on every micro-step, an all-gather of the parameters for forward, another for backward and
-  a reduce-scatter of the gradients.
+  of the updated parameters; ZeRO-2, on every micro-step, a reduce-scatter of the gradients (they are
+  sharded, so they cannot be accumulated whole across micro-steps: DeepSpeed's ZeRO-2 reduces after
+  every backward too) + after the last one an all-gather of the parameters; ZeRO-3, on every
+  micro-step, an all-gather of the parameters for forward, another for backward and a
+  reduce-scatter of the gradients. ZeRO-2 thus trades ZeRO-1's full gradient for one reduce-scatter
+  per micro-step, and pays only when memory binds or a rank takes one micro-step.
 - rank time: its micro-step curve summed over its micro-batches. Step time: the slowest rank's time,
   plus the per-step collectives (which every rank enters together after its last micro-step), plus
   the slowest rank's optimizer step (``optimizer_step_s``: ``ModelCosts.optimizer_time`` of every
   parameter under ZeRO-0, of its 1/N shard under ZeRO >= 1), which runs between the gradient
   reduction and the ZeRO-1/2 all-gather.
-  Under ZeRO-3 the per-micro-step collectives are charged to each rank for its own micro-steps; a
-  runtime whose ranks must all join every gather (ranks with fewer micro-steps joining with empty
-  ones) waits a little longer than predicted when the counts differ.
+  Under ZeRO-2/3 the per-micro-step collectives are charged to each rank for its own micro-steps; a
+  runtime whose ranks must all join every collective (ranks with fewer micro-steps joining with empty
+  ones) waits a little longer than predicted when the counts differ. The full gradient a micro-step's
+  backward produces before its reduce-scatter is not counted in memory (ZeRO-2/3).
 
 Strategies: ``"dp"`` chooses shares and micro-batches that minimise the step time exactly
 (``autopar.allocate``); ``"uniform-dp"`` (DeepSpeed-style) gives every rank ``B/N`` samples (the first
@@ -74,7 +78,7 @@ class ZeroComm:
 
     zero_stage: int
     per_step_s: float             # after the last micro-step (ZeRO-0/1/2)
-    per_micro_step_s: float       # on every micro-step (ZeRO-3)
+    per_micro_step_s: float       # on every micro-step (ZeRO-2/3)
     per_step_bytes: float
     per_micro_step_bytes: float
 
@@ -100,7 +104,7 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
     if zero_stage == 1:
         return ZeroComm(1, ar + ag, 0.0, ring * (2 * grad_bytes + param_bytes), 0.0)
     if zero_stage == 2:
-        return ZeroComm(2, rs + ag, 0.0, ring * (grad_bytes + param_bytes), 0.0)
+        return ZeroComm(2, ag, rs, ring * param_bytes, ring * grad_bytes)
     return ZeroComm(3, 0.0, 2 * ag + rs, 0.0, ring * (2 * param_bytes + grad_bytes))
 
 
@@ -112,7 +116,7 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     Built from the sizes the cost tables were sampled at plus 1 and ``max_batch`` (so evaluating at
     ``1..max_batch`` never extrapolates); PCHIP keeps monotone samples monotone. A micro-step is one
     compute call (``ModelCosts.call_overhead``). ``comm_cost`` adds its per-micro-step collectives
-    (non-zero under ZeRO-3 only).
+    (non-zero under ZeRO-2 and 3).
     """
     _check_zero_stage(zero_stage)
     if device_type not in costs.fwd_table:
@@ -279,12 +283,9 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
     rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
     slow = int(np.argmax(rank_time))
     steps = [len(mb) for mb in micro]
-    if zc.zero_stage == 3:
-        comm_s = zc.per_micro_step_s * steps[slow]
-        compute_s = rank_time[slow] - comm_s
-    else:
-        comm_s = zc.per_step_s
-        compute_s = rank_time[slow]
+    micro_comm_s = zc.per_micro_step_s * steps[slow]      # inside the rank times (ZeRO-2/3)
+    comm_s = zc.per_step_s + micro_comm_s
+    compute_s = rank_time[slow] - micro_comm_s
     memory = {r: m.peak_bytes(max(mb, default=0)) for r, m, mb in zip(ranks, mems, micro)}
     return _Candidate(
         zero_stage=zc.zero_stage, shares=tuple(shares), micro=tuple(tuple(m) for m in micro),

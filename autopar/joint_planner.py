@@ -17,10 +17,14 @@ Terms
   per rank, p2p transfers; see ``_cost_tensor``) goes to ``pp_planner.split_blocks``, the exact split
   DP; the best candidates by the split estimate are built and predicted by the schedule simulator
   (``pp_planner.plan_timeline``, which prices TP members through ``autopar.tp_cost``).
-- ZeRO inside a pipeline stage shards states over the stage's members; ZeRO-1/2 move the same bytes
-  as the all-reduce they replace, so ``zero_stage="auto"`` searches with ZeRO-2's memory and reports
-  the least stage the chosen plan fits with. ZeRO-3 is only offered by pure data parallelism, whose
-  planner models its per-micro-step gathers.
+- ZeRO inside a pipeline stage shards states over the stage's members. ZeRO-1 moves the same bytes
+  as the all-reduce it replaces (optimizer state sharded, the gradient accumulated whole over the
+  micro-batches and reduced once). ZeRO-2 shards the gradient too, so it must be reduced after every
+  micro-batch: it is offered only to candidates of one micro-batch (M = 1), where it moves the same
+  bytes as ZeRO-1 (DeepSpeed refuses ZeRO-2 with pipeline parallelism for this reason).
+  ``zero_stage="auto"`` searches with the memory of the highest stage a candidate may take and
+  reports the least stage the chosen plan fits with. ZeRO-3 is only offered by pure data
+  parallelism, whose planner models its per-micro-step gathers.
 - search: every (grouping, micro-batch count) gets a cheap lower bound of its split estimate
   (``_split_lower_bound``) and they are visited best-first; the search stops once the bound exceeds
   the best estimate found (x ``_ESTIMATE_SLACK``, so near-ties still reach the simulator), and the
@@ -154,13 +158,18 @@ class _Ctx:
             self.cache["spans"] = (span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes)))
         return self.cache["spans"]
 
-    def state(self, num_members: int) -> np.ndarray:
-        key = ("state", num_members, self.zero_stage)
+    def zero_for(self, num_micro: int) -> int:
+        """The ZeRO stage whose memory a candidate of ``num_micro`` micro-batches is searched with:
+        ZeRO-2 only at one micro-batch (see the module docstring)."""
+        return self.zero_stage if num_micro <= 1 else min(self.zero_stage, 1)
+
+    def state(self, num_members: int, zero_stage: int | None = None) -> np.ndarray:
+        z = self.zero_stage if zero_stage is None else zero_stage
+        key = ("state", num_members, z)
         if key not in self.cache:
             c = self.costs
             params, wbytes, _ = self.spans()
             f = 1.0 / num_members
-            z = self.zero_stage
             self.cache[key] = (wbytes * (f if z >= 3 else 1.0)
                                + params * (c.grad_bytes_per_param * (f if z >= 2 else 1.0)
                                            + c.optimizer_bytes_per_param * (f if z >= 1 else 1.0)))
@@ -240,9 +249,10 @@ def _cost_tensor(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int, schedule
             shares = tuple((i, b, room, caps) for i, _, room, caps in st.kinds)
         else:
             shares = tuple((i, int(math.ceil(b * f - 1e-9)), room, caps) for i, f, room, caps in st.kinds)
-        sig = (shares, st.num_members, fly, recompute)
+        zero = ctx.zero_for(num_micro)
+        sig = (shares, st.num_members, fly, recompute, zero)
         if sig not in row_cache:
-            state = ctx.state(st.num_members)
+            state = ctx.state(st.num_members, zero)
             t = np.zeros((n + 1, n + 1))
             t_rc = np.zeros((n + 1, n + 1))
             fits = upper.copy()
@@ -340,6 +350,8 @@ class _Scored:
 def _predict(ctx: _Ctx, stages: tuple[Stage, ...], schedules: Sequence[str], label: str,
              zero_choices: Sequence[int]) -> list[_Scored]:
     out = []
+    if len(stages[0].micro_batches[0]) > 1:   # ZeRO-2 would reduce after every micro-batch
+        zero_choices = [z for z in zero_choices if z < 2]
     for name in schedules:
         zero = next((z for z in zero_choices if _fits(ctx, _memory(ctx, stages, name, z))), None)
         if zero is None:
@@ -586,7 +598,7 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
                        memory_fraction=memory_fraction)
     if strategy in ("pp", "uniform-pp"):
         # uniform-pp has one device per stage: a ZeRO stage would shard over one member, no change.
-        zs = ((0,) if strategy == "uniform-pp" else (0, 2)) if zero_stage == "auto" else (zero_stage,)
+        zs = ((0,) if strategy == "uniform-pp" else (0, 1)) if zero_stage == "auto" else (zero_stage,)
         best, err = None, None
         for z in zs:
             try:

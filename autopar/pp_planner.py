@@ -352,6 +352,10 @@ def _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, ze
         raise PlanError(f"schedule: {schedule!r} is not one of 'auto', 'gpipe', '1f1b'")
     if zero_stage not in (0, 1, 2, 3):
         raise PlanError(f"zero_stage: {zero_stage!r} is not one of 0, 1, 2, 3")
+    if zero_stage >= 2:
+        raise PlanError(f"zero_stage: {zero_stage} shards gradients, which a pipeline stage would then reduce "
+                        f"after every micro-batch; pipelines take ZeRO 0 or 1 (data parallelism, strategy "
+                        f"'dp', takes 2 and 3)")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
     if num_micro is not None and not (isinstance(num_micro, (int, np.integer)) and 1 <= num_micro <= global_batch):

@@ -171,8 +171,14 @@ def test_zero_auto_prefers_fewest_bytes_on_a_tie_and_zero3_pays_per_micro_step()
     assert zero_comm(costs, cluster, (0, 1, 2), 0).per_step_s == pytest.approx(
         comm.allreduce_time_s(cluster, (0, 1, 2), grad, algorithm="auto"))
     ring = zero_comm(costs, cluster, (0, 1, 2), 2, algorithm="ring")
-    assert ring.per_step_s == pytest.approx(comm.reduce_scatter_time_s(cluster, (0, 1, 2), grad)
-                                            + comm.allgather_time_s(cluster, (0, 1, 2), costs.param_bytes.sum()))
+    # ZeRO-2 shards gradients: a reduce-scatter on every micro-step, the all-gather once per step
+    assert ring.per_micro_step_s == pytest.approx(comm.reduce_scatter_time_s(cluster, (0, 1, 2), grad))
+    assert ring.per_step_s == pytest.approx(comm.allgather_time_s(cluster, (0, 1, 2), costs.param_bytes.sum()))
+    z2 = plan_dp(costs, cluster, 47, zero_stage=2)
+    zc2 = zero_comm(costs, cluster, (0, 1, 2), 2)
+    steps = max(len(mb) for mb in _micro(z2).values())
+    assert z2.predicted.breakdown["comm_s"] <= zc2.per_step_s + zc2.per_micro_step_s * steps + 1e-12
+    assert z2.predicted.breakdown["comm_s"] >= zc2.per_step_s + zc2.per_micro_step_s - 1e-12
 
 
 # -- pins, subsets, bounds ------------------------------------------------------------------------------

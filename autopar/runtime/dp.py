@@ -23,7 +23,7 @@ Terms
 - micro loss weight: micro-batch ``m`` of size ``n_m`` contributes ``loss_m * n_m / B`` (``B`` the
   global batch size) to the backward pass, so gradients summed over all ranks and micro-batches are
   the gradient of the global-batch mean loss, exactly as on one device.
-- rounds (ZeRO-3): the number of micro-steps of the member with the most; every rank joins every
+- rounds (ZeRO-2 and 3): the number of micro-steps of the member with the most; every rank joins every
   round's collectives, ranks without a micro-step in a round contribute zero gradients.
 
 ZeRO stages (per step, after the member's micro-steps)
@@ -31,9 +31,10 @@ ZeRO stages (per step, after the member's micro-steps)
 - 1: all-reduce the flat gradient; each rank keeps optimizer state for its shard only and steps one
   flat shard Parameter per optimizer parameter group (a leaf tensor holding that rank's slice, so
   the state is shard-sized); then all-gather the updated shards into the full parameters.
-- 2: reduce-scatter the flat gradient so each rank keeps only its shard's gradient (the full
-  gradients are freed after the reduce; they live while a rank accumulates its micro-steps), then
-  as ZeRO-1.
+- 2: gradients are sharded: after every micro-step round each rank reduce-scatters its flat
+  gradient (zeros without a micro-step in the round) and adds its shard to the shard's sum, and the
+  full gradients are freed, so none is held across micro-steps (as DeepSpeed's ZeRO-2 reduces after
+  every backward); one reduce-scatter per round instead of one all-reduce per step. Then as ZeRO-1.
 - 3: parameters stay sharded between steps; units are gathered per block (``"block"``) or per
   micro-step (``"micro_step"``) and freed again, each round (``autopar.runtime.dp_zero3``).
   ``state_dict()`` is a collective (it gathers).
@@ -315,6 +316,20 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             for r in range(self._rounds):
                 self._zero3_round(inputs, targets, self._micro[r] if r < len(self._micro) else None,
                                   loss_sum, shard_grads)
+        elif self.zero_stage == 2:
+            # Gradients are sharded: each round's are reduce-scattered into the shard's sum and freed,
+            # so no rank holds a full gradient across micro-steps (every rank joins every round; one
+            # without a micro-step in it contributes zeros).
+            for r in range(self._rounds):
+                rows = self._micro[r] if r < len(self._micro) else None
+                if rows is not None and rows.stop > rows.start:
+                    loss_sum += self._micro_step(inputs, targets, rows).double()
+                for u in range(len(self.units)):
+                    flat_grad = self._flatten_grads(u)
+                    for p in self._unit(u)[1]:
+                        p.grad = None
+                    shard_grads[u] += self._reduce_scatter_grad(u, flat_grad)
+                    del flat_grad
         else:
             for rows in self._micro:
                 if rows.stop > rows.start:
@@ -322,20 +337,15 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             for u, layout in enumerate(self.units):
                 flat_grad = self._flatten_grads(u)
                 params = self._unit(u)[1]
-                if self.zero_stage == 2:
+                dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=self.group)
+                if self.zero_stage == 0:
+                    for p, o, n in zip(params, layout.offsets, layout.numels):
+                        p.grad = flat_grad[o:o + n].view_as(p)
+                else:
                     for p in params:
                         p.grad = None
-                    shard_grads[u] = self._reduce_scatter_grad(u, flat_grad)
-                else:
-                    dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=self.group)
-                    if self.zero_stage == 0:
-                        for p, o, n in zip(params, layout.offsets, layout.numels):
-                            p.grad = flat_grad[o:o + n].view_as(p)
-                    else:
-                        for p in params:
-                            p.grad = None
-                        lo, hi = layout.shard(self._position)
-                        shard_grads[u] = flat_grad[lo:hi]
+                    lo, hi = layout.shard(self._position)
+                    shard_grads[u] = flat_grad[lo:hi]
                 del flat_grad
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.group)
 
