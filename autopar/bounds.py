@@ -11,9 +11,11 @@ Terms
   alone (no plan fits, whatever its micro-batches) is planned with its memory relaxed (x2, x4, ...
   x16) so it counts with what its compute reaches; ``with_all_bounds`` notes each type's part and
   any relaxation in ``Plan.notes``. What a heterogeneous plan reaches against it is its
-  *efficiency*; on a homogeneous cluster the bound is the plan itself. Efficiency can pass 1 a
-  little where the mixed plan pools memory that no type has alone (a pipeline whose stages on one
-  type take layers off another type's memory, ZeRO shards over every device).
+  *efficiency*; on a homogeneous cluster the bound is the plan itself. Efficiency can pass 1
+  where the mixed plan pools memory that no type has alone (a pipeline whose stages on one type
+  take layers off another type's memory, ZeRO shards over every device; llama-140b on hethub-768:
+  105.6%), and falls below it by the larger bubble and all-reduce share of more devices on the
+  same batch.
 - compute bound (``compute_bound_samples_per_s``): no communication, no bubbles, no replication:
   the sum over devices of (samples / forward+backward seconds of the whole model) at the best
   micro-batch whose activations of the lightest block fit in ``memory_fraction`` of the device

@@ -23,9 +23,10 @@ Terms
   the slowest rank's optimizer step (``optimizer_step_s``: ``ModelCosts.optimizer_time`` of every
   parameter under ZeRO-0, of its 1/N shard under ZeRO >= 1), which runs between the gradient
   reduction and the ZeRO-1/2 all-gather.
-  Under ZeRO-2/3 the per-micro-step collectives are charged to each rank for its own micro-steps; a
-  runtime whose ranks must all join every collective (ranks with fewer micro-steps joining with empty
-  ones) waits a little longer than predicted when the counts differ. The full gradient a micro-step's
+  Under ZeRO-2/3 every rank joins every round of per-micro-step collectives (a rank with fewer
+  micro-steps joins with empty ones), so the rounds run in lockstep: the step is the sum over rounds
+  of the round's slowest micro-step plus its collectives. Uneven micro-step counts thus cost ZeRO-2/3
+  time, and the planner falls back to ZeRO-0/1 where they fit. The full gradient a micro-step's
   backward produces before its reduce-scatter is not counted in memory (ZeRO-2/3).
 
 Strategies: ``"dp"`` chooses shares and micro-batches that minimise the step time exactly
@@ -283,9 +284,16 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
     rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
     slow = int(np.argmax(rank_time))
     steps = [len(mb) for mb in micro]
-    micro_comm_s = zc.per_micro_step_s * steps[slow]      # inside the rank times (ZeRO-2/3)
-    comm_s = zc.per_step_s + micro_comm_s
-    compute_s = rank_time[slow] - micro_comm_s
+    if zc.per_micro_step_s > 0:
+        # ZeRO-2/3: every rank joins every round's collectives (one without a micro-step in the round
+        # with nothing), so the rounds run in lockstep: each lasts its slowest micro-step.
+        rounds = max(steps, default=0)
+        compute_s = sum(max(fns[i](mb[r]) - zc.per_micro_step_s for i, mb in enumerate(micro) if r < len(mb))
+                        for r in range(rounds))
+        comm_s = zc.per_step_s + zc.per_micro_step_s * rounds
+    else:
+        comm_s = zc.per_step_s
+        compute_s = rank_time[slow]
     memory = {r: m.peak_bytes(max(mb, default=0)) for r, m, mb in zip(ranks, mems, micro)}
     return _Candidate(
         zero_stage=zc.zero_stage, shares=tuple(shares), micro=tuple(tuple(m) for m in micro),
