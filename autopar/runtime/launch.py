@@ -31,6 +31,7 @@ import multiprocessing.connection
 import os
 import pickle
 import re
+import faulthandler
 import signal
 import sys
 import tempfile
@@ -400,6 +401,7 @@ def _worker(fn, cluster, rank, args, port, workdir, step_timeout_s, env, parent_
     except OSError:
         pass
     _die_with_parent(parent_pid)
+    faulthandler.enable()          # a rank killed by a fatal signal prints its Python stack to stderr
     os.environ.update(env)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # every rank is on this machine
@@ -421,6 +423,12 @@ def _worker(fn, cluster, rank, args, port, workdir, step_timeout_s, env, parent_
         shutdown()
     except Exception:
         pass
+    # The result is saved: leave without interpreter finalization. Its C++ static destructors (gloo's
+    # threads) sometimes abort ("terminate called without an active exception", SIGABRT with no
+    # Python frame), which turned a finished rank into a failed launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _die_with_parent(parent_pid: int) -> None:
