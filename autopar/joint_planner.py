@@ -37,9 +37,9 @@ Terms
   every TP rank) plus one micro-batch's full activations, for one more forward in its backward
   (``Stage.recompute``; priced by ``pp_planner.stage_durations``). Keeping is never slower, so the
   split DP takes it per stage exactly: an entry recomputes only where keeping does not fit. Off by
-  default: it about triples planning time on large clusters (llama-140b on hethub-768: 3 s -> 8.4 s)
-  for a few percent (16.46 -> 16.85 samples/s there), and it trades compute for memory, which a user
-  should choose. The bound then lets each type alone recompute too.
+  default: it more than doubles planning time on large clusters (llama-140b on hethub-768: 3.3 s ->
+  7.7 s, for the same plan there: its bubble binds, not its memory), and it trades compute for
+  memory, which a user should choose. The bound then lets each type alone recompute too.
 - single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates
   too, so ``auto`` is never predicted slower than any of them.
 - cache: plans are kept as JSON under ``$AUTOPAR_CACHE_DIR/plans/`` (default
