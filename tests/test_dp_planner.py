@@ -300,3 +300,40 @@ def test_rank_that_holds_states_but_no_sample_gets_none():
         plan_dp(costs, cluster, 12, zero_stage=0, dp_batch={2: 3})
     with pytest.raises(PlanError, match="rank 2 .* cannot hold 1 sample"):
         plan_dp(costs, cluster, 12, strategy="uniform-dp", zero_stage=0)
+
+
+def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
+    import itertools
+    import random
+
+    from autopar.dp_planner import _lockstep_allocations, _round_split
+
+    rng = random.Random(0)
+    for _ in range(200):   # one micro-batch per rank: greedy equals the brute-force min-max
+        n = rng.randint(1, 3)
+        rates = [rng.uniform(0.5, 3.0) for _ in range(n)]
+        fixed = [rng.uniform(0.0, 1.0) for _ in range(n)]
+        fns = [lambda b, a=a, c=c: c + a * b for a, c in zip(rates, fixed)]
+        caps = [rng.randint(0, 6) for _ in range(n)]
+        total = rng.randint(1, 10)
+        got = _round_split(fns, caps, total)
+        splits = [x for x in itertools.product(*[range(c + 1) for c in caps]) if sum(x) == total]
+        if not splits:
+            assert got is None
+            continue
+        cost = lambda x: max((fns[r](b) for r, b in enumerate(x) if b), default=0.0)  # noqa: E731
+        assert sum(got) == total and all(b <= c for b, c in zip(got, caps))
+        assert cost(got) == pytest.approx(min(cost(x) for x in splits))
+    fns = [lambda b: 1.0 + b, lambda b: 1.0 + 3 * b]
+    for shares, micro in _lockstep_allocations(fns, [4, 4], 23):
+        assert sum(shares) == 23 and all(b <= 4 for m in micro for b in m)
+
+    costs, cluster = _costs(), _cluster()
+    z3 = plan_dp(costs, cluster, 47, zero_stage=3)
+    zc = zero_comm(costs, cluster, (0, 1, 2), 3)
+    micro = _micro(z3)
+    rounds = max(len(mb) for mb in micro.values())
+    curves = {r: micro_step_curve(costs, cluster.devices[r].spec.name, 3, zc, max_batch=47) for r in micro}
+    lockstep = sum(max(float(curves[r](mb[i])) for r, mb in micro.items() if i < len(mb))
+                   for i in range(rounds))
+    assert z3.predicted.step_time_s == pytest.approx(lockstep, rel=1e-9)
