@@ -82,6 +82,9 @@ def plan_table(plan, cluster=None) -> str:
         lines.append(f"upper bound {p.upper_bound_samples_per_s:.2f} samples/s, efficiency {p.efficiency:.1%}"
                      + (f"; compute bound {p.compute_bound_samples_per_s:.2f} samples/s"
                         if p.compute_bound_samples_per_s else ""))
+        if p.efficiency > 1.0005:
+            lines.append("  (above the bound, the sum of each device type alone: the mixed plan pools memory "
+                         "that no type has alone)")
     if plan.notes:
         lines.append("why this plan:")
         lines.extend(f"  {n}" for n in plan.notes)

@@ -1,3 +1,5 @@
+import dataclasses
+
 from autopar.cluster import Cluster
 from autopar.plan import Plan, Predicted, Stage
 
@@ -11,6 +13,11 @@ def test_alike_members_are_one_row_and_others_stay_apart():
     assert "4 members x 1: 0-3" in text
     rows = [line for line in text.splitlines() if line.startswith("│ 0")]
     assert len(rows) == 3      # ranks 0-3 alike; rank 4 (2 micro-batches) and rank 5 (3 samples) apart
+    assert "upper bound" not in text      # a plan without bounds prints none
+    above = dataclasses.replace(plan, predicted=dataclasses.replace(
+        plan.predicted, upper_bound_samples_per_s=25.0, efficiency=27.0 / 25.0))
+    text = above.summary(cl)
+    assert "efficiency 108.0%" in text and "pools memory" in text
 
 
 def test_engine_selection_by_plan_shape():
