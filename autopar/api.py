@@ -77,7 +77,8 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
     one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
     parallelism cannot shard (``autopar.tp_cost.replicated_fraction_of``). ``recompute`` lets pipeline
-    stages whose activations do not fit recompute them in backward (off by default). ``timings``, when
+    stages whose activations do not fit, and the ``dp`` strategy, recompute them in backward (off by
+    default; the uniform baselines never do). ``timings``, when
     given, receives the wall seconds of the planner (``plan_s``) and of the bounds (``bounds_s``: the
     planner run again on each device type alone)."""
     import time
@@ -101,7 +102,7 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
         if pp_layers is not None and len(pp_layers) > 1:
             raise PlanError(f"pp_layers: {pp_layers} asks for a pipeline but strategy={strategy!r} has one stage")
         p = dp_planner.plan_dp(costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
-                               dp_batch=dp_batch)
+                               dp_batch=dp_batch, recompute=recompute)
     elif strategy in ("pp", "uniform-pp"):
         # ZeRO-1 shards optimizer state over a stage's members (one-device stages: nothing to shard)
         zs = ((0,) if strategy == "uniform-pp" else (0, 1)) if zero_stage == "auto" else (zero_stage,)

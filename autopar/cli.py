@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"])
         q.add_argument("--zero", default="auto", choices=["auto", "0", "1", "2", "3"], help="ZeRO stage")
         q.add_argument("--recompute", action="store_true",
-                       help="let pipeline stages whose activations do not fit recompute them in backward")
+                       help="let pipeline stages and data parallelism recompute activations in backward "
+                            "where that is faster or keeping them does not fit (one more forward)")
         q.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-' for stdout)")
 
     q = sub.add_parser("plan", help="plan a model on a cluster and show the predicted throughput")

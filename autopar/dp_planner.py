@@ -59,8 +59,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "DpStrategy", "DP_STRATEGIES", "ZERO_STAGES", "DEFAULT_WORKSPACE_BYTES", "ZeroComm", "RankMemory",
-    "zero_comm", "micro_step_curve", "rank_memory", "max_micro_batch", "plan_dp", "with_bounds",
-    "dp_upper_bound", "optimizer_step_s",
+    "zero_comm", "micro_step_curve", "activation_bytes_per_sample", "rank_memory", "max_micro_batch",
+    "plan_dp", "with_bounds", "dp_upper_bound", "optimizer_step_s",
 ]
 
 DpStrategy = Literal["dp", "uniform-dp", "proportional-dp"]
@@ -112,13 +112,14 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
 
 # -- profiling curves and memory -------------------------------------------------------------------
 def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
-                     comm_cost: ZeroComm | None = None, *, max_batch: int | None = None) -> PchipInterpolator:
+                     comm_cost: ZeroComm | None = None, *, max_batch: int | None = None,
+                     recompute: bool = False) -> PchipInterpolator:
     """Seconds of one micro-step on ``device_type`` as a function of the micro-batch size.
 
     Built from the sizes the cost tables were sampled at plus 1 and ``max_batch`` (so evaluating at
     ``1..max_batch`` never extrapolates); PCHIP keeps monotone samples monotone. A micro-step is one
     compute call (``ModelCosts.call_overhead``). ``comm_cost`` adds its per-micro-step collectives
-    (non-zero under ZeRO-2 and 3).
+    (non-zero under ZeRO-2 and 3). ``recompute``: the backward re-runs the forward (one more forward).
     """
     _check_zero_stage(zero_stage)
     if device_type not in costs.fwd_table:
@@ -133,7 +134,8 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
         xs.add(2.0)
     x = np.array(sorted(xs))
     extra = (comm_cost.per_micro_step_s if comm_cost is not None else 0.0) + costs.call_overhead(device_type)
-    y = np.array([costs.step_time(device_type, b) for b in x]) + extra
+    y = np.array([costs.step_time(device_type, b)
+                  + (float(costs.fwd_time(device_type, b).sum()) if recompute else 0.0) for b in x]) + extra
     return PchipInterpolator(x, y, extrapolate=True)
 
 
@@ -164,9 +166,18 @@ class RankMemory:
         return min(_MICRO_LIMIT, int(room // self.act_bytes_per_sample))
 
 
+def activation_bytes_per_sample(costs: ModelCosts, recompute: bool = False) -> float:
+    """Activation bytes a micro-step holds per sample: every block's saved activations, or with
+    ``recompute`` (block by block, as ``runtime.dp`` does) every block's input plus the largest
+    block's activations while it is recomputed."""
+    if not recompute or not costs.num_blocks:
+        return float(costs.act_bytes.sum())
+    return float(costs.out_bytes[:-1].sum() + costs.act_bytes.max())
+
+
 def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shards: int,
                 memory_fraction: float = 0.9, *,
-                workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> RankMemory:
+                workspace_bytes: float = DEFAULT_WORKSPACE_BYTES, recompute: bool = False) -> RankMemory:
     _check_zero_stage(zero_stage)
     if not (isinstance(num_shards, int) and num_shards >= 1):
         raise ValueError(f"num_shards: {num_shards!r} must be an integer >= 1")
@@ -177,7 +188,7 @@ def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shar
         usable_bytes=memory_fraction * spec.memory_bytes,
         state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
         gathered_bytes=gathered, workspace_bytes=float(workspace_bytes),
-        act_bytes_per_sample=float(costs.act_bytes.sum()),
+        act_bytes_per_sample=activation_bytes_per_sample(costs, recompute),
     )
 
 
@@ -202,6 +213,7 @@ class _Candidate:
     memory_bytes: dict[int, int]
     note: str = ""
     optimizer_s: float = 0.0
+    recompute: bool = False
 
 
 def _check_zero_stage(zero_stage) -> None:
@@ -281,7 +293,8 @@ def optimizer_step_s(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int]
                 + costs.call_overhead(cluster.devices[r].spec.name) for r in ranks), default=0.0)
 
 
-def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_s: float = 0.0) -> _Candidate:
+def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_s: float = 0.0,
+              recompute: bool = False) -> _Candidate:
     rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
     slow = int(np.argmax(rank_time))
     steps = [len(mb) for mb in micro]
@@ -300,15 +313,16 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
         zero_stage=zc.zero_stage, shares=tuple(shares), micro=tuple(tuple(m) for m in micro),
         step_time_s=compute_s + comm_s + optimizer_s, compute_s=compute_s, comm_s=comm_s,
         bytes_moved=zc.bytes_moved(max(steps)), memory_bytes=memory, note=note, optimizer_s=optimizer_s,
+        recompute=recompute,
     )
 
 
 def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
-                workspace_bytes, link, algorithm) -> _Candidate:
+                workspace_bytes, link, algorithm, recompute: bool = False) -> _Candidate:
     n = len(ranks)
     specs = [cluster.devices[r].spec for r in ranks]
-    mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes)
-            for s in specs]
+    mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes,
+                        recompute=recompute) for s in specs]
     why = _fit_error(costs, cluster, ranks, mems, zero_stage)
     if why:
         raise PlanError(why)
@@ -320,14 +334,15 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
     for spec, cap in zip(specs, caps):
         key = (spec.name, cap)
         if key not in by_type:
-            curve = micro_step_curve(costs, spec.name, zero_stage, zc, max_batch=min(cap, global_batch))
+            curve = micro_step_curve(costs, spec.name, zero_stage, zc, max_batch=min(cap, global_batch),
+                                     recompute=recompute)
             by_type[key] = lambda b, c=curve: float(c(b))
         fns.append(by_type[key])
 
     opt_s = optimizer_step_s(costs, cluster, ranks, zero_stage)
 
     def evaluate(shares, micro, note=""):
-        return _evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s)
+        return _evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute)
 
     if strategy == "uniform-dp":
         if global_batch < n:
@@ -372,7 +387,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         for other in ("uniform-dp", "proportional-dp"):
             try:
                 alt = _plan_stage(costs, cluster, ranks, global_batch, other, zero_stage, {},
-                                  memory_fraction, workspace_bytes, link, algorithm)
+                                  memory_fraction, workspace_bytes, link, algorithm, recompute)
             except PlanError:
                 continue
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
@@ -443,14 +458,18 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
             zero_stage: int | Literal["auto"] = "auto", dp_batch: Mapping[int, int] | None = None,
             ranks: Sequence[int] | None = None, memory_fraction: float = 0.9,
             workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
-            link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> Plan:
+            link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto",
+            recompute: bool = False) -> Plan:
     """A data-parallel plan (one stage over every block, one member per rank) and its prediction.
 
     ``zero_stage="auto"`` tries every stage and keeps the fastest that fits (fewest bytes moved on a
     tie); ``Plan.notes`` lists each stage's predicted step time or why it does not fit.
     ``dp_batch`` pins some ranks' shares (strategy "dp" only); the others take the rest.
     ``ranks`` restricts the plan to a subset of the cluster. Upper bound and efficiency are left at
-    0: see ``with_bounds`` and ``dp_upper_bound``.
+    0: see ``with_bounds`` and ``dp_upper_bound``. ``recompute`` (strategy "dp" only; the baselines
+    keep their activations) also tries every ZeRO stage recomputing activations block by block
+    (``Stage.recompute``: memory of ``activation_bytes_per_sample``, one more forward per micro-step);
+    keeping wins ties.
     """
     if strategy not in DP_STRATEGIES:
         raise PlanError(f"strategy: {strategy!r} is not a data-parallel strategy {DP_STRATEGIES}")
@@ -476,36 +495,41 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
         _check_zero_stage(zero_stage)
         stages = (int(zero_stage),)
 
-    found: dict[int, _Candidate] = {}
-    failed: dict[int, str] = {}
-    for z in stages:
+    variants = [(z, False) for z in stages]
+    if recompute and strategy == "dp":
+        variants += [(z, True) for z in stages]
+    found: dict[tuple[int, bool], _Candidate] = {}
+    failed: dict[tuple[int, bool], str] = {}
+    for z, rc in variants:
         try:
-            found[z] = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
-                                   memory_fraction, workspace_bytes, link, algorithm)
+            found[(z, rc)] = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
+                                         memory_fraction, workspace_bytes, link, algorithm, rc)
         except PlanError as e:
-            failed[z] = str(e)
+            failed[(z, rc)] = str(e)
     if not found:
-        if len(failed) == 1:
-            raise PlanError(f"{strategy}: " + next(iter(failed.values())))
-        raise PlanError(f"{strategy}: no ZeRO stage fits: " + "; ".join(failed.values()))
+        kept = [v for (_, rc), v in failed.items() if not rc]
+        if len(kept) == 1:
+            raise PlanError(f"{strategy}: " + kept[0])
+        raise PlanError(f"{strategy}: no ZeRO stage fits: " + "; ".join(kept))
     best_time = min(c.step_time_s for c in found.values())
     tied = [c for c in found.values() if c.step_time_s <= best_time * (1 + 1e-9)]
-    best = min(tied, key=lambda c: (c.bytes_moved, c.zero_stage))
+    best = min(tied, key=lambda c: (c.recompute, c.bytes_moved, c.zero_stage))
 
     notes = []
-    for z in stages:
-        if z in found:
-            c = found[z]
-            mark = " (chosen)" if z == best.zero_stage else ""
-            notes.append(f"zero-{z}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
+    for z, rc in variants:
+        name = f"zero-{z}{' recompute' if rc else ''}"
+        if (z, rc) in found:
+            c = found[(z, rc)]
+            mark = " (chosen)" if c is best else ""
+            notes.append(f"{name}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
                          f"comm {c.comm_s:.4g} s, optimizer {c.optimizer_s:.4g} s, "
                          f"{c.bytes_moved:.4g} B sent per rank)"
                          + (f"; {c.note}" if c.note else ""))
         else:
-            notes.append(f"zero-{z}: does not fit: {failed[z]}")
+            notes.append(f"{name}: does not fit: {failed[(z, rc)]}")
 
     stage = Stage(block_start=0, block_stop=max(costs.num_blocks, 1),
-                  groups=tuple((r,) for r in ranks), micro_batches=best.micro)
+                  groups=tuple((r,) for r in ranks), micro_batches=best.micro, recompute=best.recompute)
     predicted = Predicted(
         step_time_s=best.step_time_s, samples_per_s=global_batch / best.step_time_s,
         memory_bytes=dict(best.memory_bytes),

@@ -592,10 +592,11 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
                   schedule: str = "auto", memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False) -> Plan:
     """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
-    (``recompute``: whether pipeline stages may recompute activations; dp never does)."""
+    (``recompute``: whether pipeline stages and the ``dp`` strategy may recompute activations; the
+    uniform baselines never do)."""
     if strategy in ("dp", "uniform-dp", "proportional-dp"):
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
-                       memory_fraction=memory_fraction)
+                       memory_fraction=memory_fraction, recompute=recompute)
     if strategy in ("pp", "uniform-pp"):
         # uniform-pp has one device per stage: a ZeRO stage would shard over one member, no change.
         zs = ((0,) if strategy == "uniform-pp" else (0, 1)) if zero_stage == "auto" else (zero_stage,)

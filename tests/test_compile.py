@@ -87,3 +87,24 @@ def test_wrong_batch_size_is_a_clear_error():
     case = autopar.models.build("gpt-tiny")
     with pytest.raises(ValueError, match="global_batch_size=8"):
         compiled.step(*case.batch(5))
+
+
+def test_dp_plan_that_recomputes_trains_like_one_device():
+    """A device whose memory holds a micro-batch only with activations recomputed: compile(recompute=True)
+    plans data parallelism that recomputes block by block, and it trains exactly."""
+    from autopar.dp_planner import DEFAULT_WORKSPACE_BYTES, activation_bytes_per_sample
+
+    case = autopar.models.build("gpt-tiny", seed=0)
+    costs = import_module("autopar.api").prepare(case.model, ONE, case.example_inputs, optimizer="sgd").costs
+    keep, rc = activation_bytes_per_sample(costs), activation_bytes_per_sample(costs, recompute=True)
+    assert rc < keep
+    usable = costs.state_bytes() + DEFAULT_WORKSPACE_BYTES + (keep + rc) / 2   # < 1 sample kept
+    tight = Cluster.from_dict({"nodes": [{"device": {"name": "cpu-tight", "emulate": "cpu", "speed": 1.0,
+                                                     "memory_GB": usable / 0.9 / 2**30}, "count": 1}]})
+    compiled = autopar.compile(case.model, tight, case.example_inputs, 4, case.loss_fn,
+                               optimizer=optimizer_factory("sgd"), strategy="dp", recompute=True)
+    assert compiled.plan.stages[0].recompute     # keeping does not fit even one sample
+    for inputs, targets in batches("gpt-tiny", 4, 2, seed=0):
+        compiled.step(inputs, targets)
+    assert_state_close(compiled.state_dict(), single_device_state("gpt-tiny", 4, steps=2, optimizer="sgd", seed=0),
+                       RTOL["sgd"])

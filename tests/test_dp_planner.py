@@ -337,3 +337,31 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
     lockstep = sum(max(float(curves[r](mb[i])) for r, mb in micro.items() if i < len(mb))
                    for i in range(rounds))
     assert z3.predicted.step_time_s == pytest.approx(lockstep, rel=1e-9)
+
+
+def test_recompute_lets_dp_fit_and_is_priced_one_more_forward():
+    from autopar.dp_planner import activation_bytes_per_sample
+
+    costs = ModelCosts.synthetic({"fast": [1e-3] * 4, "slow": [3e-3] * 4}, param_bytes=[4e6] * 4,
+                                 act_bytes=[2e8] * 4, out_bytes=[1e6] * 4, overhead_s=1e-4)
+    assert activation_bytes_per_sample(costs) == 8e8
+    assert activation_bytes_per_sample(costs, recompute=True) == 3e6 + 2e8   # 3 block inputs + 1 block
+    cluster = _cluster(fast_GB=1, slow_GB=1)     # 90% of 1 GB usable: 8e8 B of activations per sample do not fit
+    with pytest.raises(PlanError, match="no ZeRO stage fits"):
+        plan_dp(costs, cluster, 12)
+    plan = plan_dp(costs, cluster, 12, recompute=True)
+    (stage,) = plan.stages
+    assert stage.recompute and sum(plan.rank_batch.values()) == 12
+    assert all(v <= 0.9 * cluster.devices[r].spec.memory_bytes for r, v in plan.predicted.memory_bytes.items())
+    assert "zero-0 recompute" in " ".join(plan.notes)
+    # the recompute curve is the keeping curve plus one forward
+    keep = micro_step_curve(costs, "fast", 0, max_batch=4)
+    rc = micro_step_curve(costs, "fast", 0, max_batch=4, recompute=True)
+    assert float(rc(2)) == pytest.approx(float(keep(2)) + float(costs.fwd_time("fast", 2).sum()))
+    # where keeping fits it is faster, so recompute=True changes nothing; the baselines never recompute
+    roomy = _cluster(fast_GB=40, slow_GB=40)
+    assert not plan_dp(costs, roomy, 12, recompute=True).stages[0].recompute
+    assert plan_dp(costs, roomy, 12, recompute=True).predicted.step_time_s == pytest.approx(
+        plan_dp(costs, roomy, 12).predicted.step_time_s)
+    with pytest.raises(PlanError):
+        plan_dp(costs, cluster, 12, strategy="uniform-dp", recompute=True)
