@@ -83,7 +83,7 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     planner run again on each device type alone)."""
     import time
 
-    from autopar import dp_planner, joint_planner, pp_planner
+    from autopar import dp_planner, joint_planner
     from autopar.bounds import with_all_bounds
 
     start = time.perf_counter()
@@ -104,18 +104,8 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
         p = dp_planner.plan_dp(costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
                                dp_batch=dp_batch, recompute=recompute)
     elif strategy in ("pp", "uniform-pp"):
-        # ZeRO-1 shards optimizer state over a stage's members (one-device stages: nothing to shard)
-        zs = ((0,) if strategy == "uniform-pp" else (0, 1)) if zero_stage == "auto" else (zero_stage,)
-        found = []
-        for z in zs:
-            try:
-                found.append(pp_planner.plan_pipeline(
-                    costs, cluster, global_batch_size, schedule=schedule, pp_layers=pp_layers, zero_stage=z,
-                    uniform=strategy == "uniform-pp", recompute=recompute and strategy == "pp"))
-            except PlanError:
-                if z == zs[-1] and not found:
-                    raise
-        p = min(found, key=lambda x: x.predicted.step_time_s * (1 + 1e-9 * x.zero_stage))
+        p = joint_planner.plan_strategy(costs, cluster, global_batch_size, strategy, zero_stage=zero_stage,
+                                        schedule=schedule, recompute=recompute, pp_layers=pp_layers)
     elif strategy == "tp":
         p = joint_planner.plan_strategy(costs, cluster, global_batch_size, "tp", zero_stage=zero_stage,
                                         schedule=schedule, recompute=recompute, **tp_kw)

@@ -131,8 +131,8 @@ class _Scored:
 def _predict(ctx: _Ctx, stages: tuple[Stage, ...], schedules: Sequence[str], label: str,
              zero_choices: Sequence[int]) -> list[_Scored]:
     out = []
-    if len(stages[0].micro_batches[0]) > 1:   # ZeRO-2 would reduce after every micro-batch
-        zero_choices = [z for z in zero_choices if z < 2]
+    top = ctx.zero_for(len(stages[0].micro_batches[0]))   # ZeRO-2 only at one micro-batch
+    zero_choices = [z for z in zero_choices if z <= top]
     for name in schedules:
         zero = next((z for z in zero_choices if _fits(ctx, _memory(ctx, stages, name, z))), None)
         if zero is None:
@@ -167,10 +167,12 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
     Returns (estimate, entry index, M, sizes, recompute per stage) of every solved candidate, and how
     many were solved."""
     items = []
+    largest = []              # per entry: its largest micro-batch count
     for e, entry in enumerate(entries):
         S = len(entry.prep)
         counts = ((num_micro,) if num_micro is not None else
-                  micro_candidates(ctx.global_batch, S, max(len(st) for st in entry.grouping.stages)))
+                  micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
+        largest.append(counts[-1])
         for M in counts:
             items.append((_split_lower_bound(ctx, entry.prep, M), e, M))
     items.sort()
@@ -203,8 +205,7 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
             # From M = S on, every stage has its full 1F1B depth in flight and shares only shrink as
             # M grows: the largest count needs the least memory, so if it does not fit none does.
             if entry.feasible is None:
-                top = (num_micro if num_micro is not None else micro_candidates(
-                    ctx.global_batch, S, max(len(st) for st in entry.grouping.stages))[-1])
+                top = largest[e]
                 entry.feasible = top < S or solve(entry, top) != "infeasible"
             if not entry.feasible:
                 continue
@@ -350,10 +351,11 @@ def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_hea
 def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, strategy: str, *,
                   num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                   schedule: str = "auto", memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
-                  replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False) -> Plan:
+                  replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False,
+                  pp_layers: Sequence[int] | None = None) -> Plan:
     """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
     (``recompute``: whether pipeline stages and the ``dp`` strategy may recompute activations; the
-    uniform baselines never do)."""
+    uniform baselines never do; ``pp_layers`` pins the blocks per stage of "pp" and "uniform-pp")."""
     if strategy in ("dp", "uniform-dp", "proportional-dp"):
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
                        memory_fraction=memory_fraction, recompute=recompute)
@@ -365,7 +367,7 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
             try:
                 p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=z,
                                   uniform=strategy == "uniform-pp", memory_fraction=memory_fraction, ranks=ranks,
-                                  recompute=recompute)
+                                  recompute=recompute, pp_layers=pp_layers)
             except PlanError as e:
                 err = e
                 continue

@@ -73,6 +73,11 @@ class StageGrouping:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def max_members(self) -> int:
+        """The most members of any stage (what ``micro_candidates`` needs)."""
+        return max((len(st) for st in self.stages), default=0)
+
     def __repr__(self) -> str:
         return f"StageGrouping({self.name!r}, {[tuple(r for m in st for r in m) for st in self.stages]})"
 
@@ -435,7 +440,7 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     for grouping in groupings:
         S = grouping.num_stages
         counts = ((num_micro,) if num_micro is not None else
-                  micro_candidates(ctx.global_batch, S, max(len(st) for st in grouping.stages)))
+                  micro_candidates(ctx.global_batch, S, grouping.max_members))
         for M in counts:
             tried += 1
             # The uniform (Megatron-style) baseline keeps every activation, as it did.

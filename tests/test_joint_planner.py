@@ -112,7 +112,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
         members = {m.ranks: m for m in lay.members}
         for gr in jp.member_groupings(cluster, lay, n, {m.kind: speed[m.ranks] for m in lay.members}):
             S = gr.num_stages
-            for M in micro_candidates(B, S, max(len(st) for st in gr.stages)):
+            for M in micro_candidates(B, S, gr.max_members):
                 b = micro_sizes(B, M)[0]
                 z = zero_stage if M == 1 else min(zero_stage, 1)   # ZeRO-2 only at one micro-batch
                 for cuts in itertools.combinations(range(1, n), S - 1):

@@ -26,12 +26,12 @@ started (data-loader workers); nothing is left behind.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing.connection
 import os
 import pickle
 import re
-import faulthandler
 import signal
 import sys
 import tempfile
