@@ -1,7 +1,7 @@
 """autopar: a compiled-graph auto-parallelizer for training PyTorch models on heterogeneous clusters.
 
 Public surface (see shared/spec/api.md): ``Cluster``, ``plan``, ``compile``, ``launch``, ``init``,
-``Plan``, ``models``, and the errors ``ClusterError``, ``PlanError``, ``LaunchError``.
+``Plan``, ``PlanConfig``, ``RunConfig``, ``models``, ``kernels``, ``passes``, and the errors ``ClusterError``, ``PlanError``, ``LaunchError``.
 Submodules are imported lazily so ``import autopar`` stays cheap and does nothing at import time.
 """
 
@@ -11,17 +11,22 @@ from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError
 
 __all__ = [
     "AutoparError", "ClusterError", "PlanError", "LaunchError",
-    "Cluster", "Plan", "plan", "compile", "launch", "init", "models",
+    "Cluster", "Plan", "PlanConfig", "RunConfig", "plan", "compile", "launch", "init", "models", "kernels",
+    "passes",
 ]
 
 _LAZY = {
-    "Cluster": ("autopar.cluster", "Cluster"),
-    "Plan": ("autopar.plan", "Plan"),
+    "Cluster": ("autopar.cluster.model", "Cluster"),
+    "Plan": ("autopar.ir.plan", "Plan"),
     "plan": ("autopar.api", "plan"),
     "compile": ("autopar.api", "compile"),
     "launch": ("autopar.runtime.launch", "launch"),
     "init": ("autopar.runtime.launch", "init"),
     "models": ("autopar.models", None),
+    "kernels": ("autopar.kernels", None),
+    "passes": ("autopar.passes", None),
+    "PlanConfig": ("autopar.config", "PlanConfig"),
+    "RunConfig": ("autopar.config", "RunConfig"),
 }
 
 

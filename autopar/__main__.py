@@ -1,3 +1,3 @@
-from autopar.cli import main
+from autopar.cli.main import main
 
 raise SystemExit(main())

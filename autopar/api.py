@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autopar.errors import PlanError
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 
 if TYPE_CHECKING:
     from autopar.runtime.dp_zero3 import Zero3Granularity
@@ -36,7 +36,7 @@ class Prepared:
 
     @property
     def replicated_fraction(self) -> float:
-        from autopar.tp_cost import replicated_fraction_of
+        from autopar.cost.tp import replicated_fraction_of
 
         return replicated_fraction_of(self.analysis.stats)
 
@@ -44,8 +44,8 @@ class Prepared:
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
             measure: bool | None = None, progress=None, analysis=None) -> Prepared:
     """Analysis (unless given) and cost tables of ``model`` on ``cluster``."""
-    from autopar.profile import model_costs
-    from passes.analyze import analyze
+    from autopar.cost.profile import model_costs
+    from autopar.passes.analyze import analyze
 
     t0 = time.perf_counter()
     analysis = analysis or analyze(model, tuple(example_inputs))
@@ -76,15 +76,16 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
 
     ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
     one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
-    parallelism cannot shard (``autopar.tp_cost.replicated_fraction_of``). ``recompute`` lets pipeline
+    parallelism cannot shard (``autopar.cost.tp.replicated_fraction_of``). ``recompute`` lets pipeline
     stages whose activations do not fit, and the ``dp`` strategy, recompute them in backward (off by
     default; the uniform baselines never do). ``timings``, when
     given, receives the wall seconds of the planner (``plan_s``) and of the bounds (``bounds_s``: the
     planner run again on each device type alone)."""
     import time
 
-    from autopar import dp_planner, joint_planner
-    from autopar.bounds import with_all_bounds
+    from autopar.planner import dp as dp_planner
+    from autopar.planner import joint as joint_planner
+    from autopar.planner.bounds import with_all_bounds
 
     start = time.perf_counter()
 
@@ -213,7 +214,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     from autopar.runtime import emulate
     from autopar.runtime.dp import DataParallelEngine, Zero3Granularity
     from autopar.runtime.engine import EngineInputs, select_engine
-    from passes.analyze import analyze
+    from autopar.passes.analyze import analyze
 
     if zero3_granularity not in get_args(Zero3Granularity):   # on every rank, before any collective
         raise PlanError(f"zero3_granularity: {zero3_granularity!r} must be one of "
@@ -250,7 +251,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
     if use_triton:
-        from passes.triton_patterns import substitute_kernels
+        from autopar.passes.triton_patterns import substitute_kernels
 
         gm = substitute_kernels(gm)
     clock = emulate.clock_for(cluster.devices[ctx.rank],

@@ -18,7 +18,7 @@ from _common import md_table, write_results  # noqa: E402
 _CHILD = r"""
 import json, resource, sys, time
 import autopar.models as zoo
-from passes.analyze import analyze
+from autopar.passes.analyze import analyze
 name = sys.argv[1]
 case = zoo.build(name, device="cpu" if "tiny" in name else "meta")
 t0 = time.perf_counter()

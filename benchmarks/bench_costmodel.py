@@ -1,6 +1,6 @@
 """Roofline transfer checked against measurement on this CPU.
 
-Calibrate the roofline's per-op-class efficiencies (``autopar.profile.calibrate``) on measured
+Calibrate the roofline's per-op-class efficiencies (``autopar.cost.profile.calibrate``) on measured
 micro-blocks (Linear stacks, norms + activations, attention) and on the *other* distinct blocks of
 gpt2-small, then predict each held-out block's forward + backward time at two batch sizes and compare
 with its measurement (leave-one-out over the distinct blocks).
@@ -52,7 +52,7 @@ def _suite(seq: int):
 
 
 def _points(analysis, measured, batches, spec):
-    from autopar.profile import roofline_features
+    from autopar.cost.profile import roofline_features
 
     feats, times, who = [], [], []
     for s in analysis.stats:
@@ -66,10 +66,10 @@ def _points(analysis, measured, batches, spec):
 
 
 def main() -> None:
-    from autopar.devices import CPU_NOMINAL
+    from autopar.cluster.devices import CPU_NOMINAL
     from autopar.models import build
-    from autopar.profile import calibrate, measure_blocks
-    from passes.analyze import analyze
+    from autopar.cost.profile import calibrate, measure_blocks
+    from autopar.passes.analyze import analyze
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-small")

@@ -25,7 +25,7 @@ TOKENS = 2 * 1024 * 1024
 
 def predicted() -> tuple[list, list]:
     from autopar.api import prepare, plan_from_costs
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
     from autopar.models import build
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -64,8 +64,8 @@ def predicted() -> tuple[list, list]:
 
 
 def measured(steps: int) -> dict:
-    from autopar.cluster import builtin
-    from autopar.trainer import RunSpec, run_comparison
+    from autopar.cluster.model import builtin
+    from autopar.cli.trainer import RunSpec, run_comparison
 
     cluster = builtin("demo")
     spec = RunSpec(model="gpt-tiny", cluster_dict=cluster.to_dict(), global_batch=96, steps=steps,

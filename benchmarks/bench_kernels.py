@@ -38,9 +38,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
-from kernels.devices import local_device_name, peak_for  # noqa: E402
-from kernels.tune import call_work  # noqa: E402
+from autopar import kernels  # noqa: E402
+from autopar.kernels.devices import local_device_name, peak_for  # noqa: E402
+from autopar.kernels.tune import call_work  # noqa: E402
 
 # Canonical shapes: (rows, cols) for the row/elementwise kernels, (M, N, K) for matmul.
 SIZES: dict[str, list[tuple[int, ...]]] = {
@@ -61,7 +61,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _inputs(kernel, shape, dtype, device):
-    from kernels.tune import make_inputs
+    from autopar.kernels.tune import make_inputs
 
     return make_inputs(kernel, shape, dtype, device=device)
 
@@ -228,7 +228,7 @@ def _markdown(record) -> str:
 
 
 def interpret_smoke(names) -> int:
-    from kernels.check import compare
+    from autopar.kernels.check import compare
 
     failed = 0
     for kernel in names:

@@ -9,7 +9,7 @@ Usage (a few minutes on 2 CPU cores)::
 
 Writes ``benchmarks/results/planner.json``, ``planner.md`` and ``planner_scaling.png``.
 
-Cost tables: ``autopar.profile.model_costs`` on the fake-tensor analysis of each zoo model built on
+Cost tables: ``autopar.cost.profile.model_costs`` on the fake-tensor analysis of each zoo model built on
 the meta device (roofline per device type); the scaling sweep uses Llama-shaped tables built from the
 model's arithmetic (``llama_like_costs``) so that only the planner is timed. All figures are
 predictions of the cost model; nothing here runs a model. Planning times are medians of ``--repeats``
@@ -33,11 +33,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autopar.bounds import compute_bound_samples_per_s, upper_bound_samples_per_s  # noqa: E402
-from autopar.cluster import Cluster  # noqa: E402
-from autopar.costs import ModelCosts  # noqa: E402
+from autopar.planner.bounds import compute_bound_samples_per_s, upper_bound_samples_per_s  # noqa: E402
+from autopar.cluster.model import Cluster  # noqa: E402
+from autopar.ir.costs import ModelCosts  # noqa: E402
 from autopar.errors import PlanError  # noqa: E402
-from autopar.joint_planner import SINGLE_STRATEGIES, plan_auto, plan_strategy  # noqa: E402
+from autopar.planner.joint import SINGLE_STRATEGIES, plan_auto, plan_strategy  # noqa: E402
 
 CLUSTERS = ("poplar-a100", "poplar-v100-t4", "poplar-a800-v100s", "mixed-3", "hethub-768", "demo")
 MODELS = {"gpt2-xl": 25, "llama-7b": 32, "llama-140b": 96, "bert-large": 16}   # zoo name -> heads
@@ -51,14 +51,14 @@ def global_batch(cluster: Cluster) -> int:
 def analysis_costs(model: str, clusters: dict[str, Cluster], cache: dict) -> dict[str, ModelCosts]:
     """Cost tables of a zoo model on every cluster (one analysis, one table per cluster)."""
     import autopar.models as zoo
-    from passes.analyze import analyze
+    from autopar.passes.analyze import analyze
 
     if model not in cache:
         case = zoo.build(model, device="meta")
         cache[model] = (case, analyze(case.model, case.example_inputs))
     case, analysis = cache[model]
     try:
-        from autopar.profile import model_costs
+        from autopar.cost.profile import model_costs
     except ImportError:   # pragma: no cover - before the profiler existed
         model_costs = None
     out = {}

@@ -26,7 +26,7 @@ TWO = {"name": "pp-2", "nodes": [{"devices": [
 
 def predicted() -> tuple[list, list]:
     from autopar.api import prepare, plan_from_costs
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
     from autopar.models import build
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -59,9 +59,9 @@ def predicted() -> tuple[list, list]:
 
 
 def measured(steps: int, timeline: bool) -> dict:
-    from autopar.cluster import Cluster
-    from autopar.plan import Plan
-    from autopar.trainer import RunSpec, run_comparison
+    from autopar.cluster.model import Cluster
+    from autopar.ir.plan import Plan
+    from autopar.cli.trainer import RunSpec, run_comparison
 
     cluster = Cluster.from_dict(TWO)
     spec = RunSpec(model="gpt-tiny", cluster_dict=cluster.to_dict(), global_batch=64, steps=steps,

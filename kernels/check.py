@@ -82,7 +82,7 @@ def _target(shape: tuple, device, gen: torch.Generator) -> torch.Tensor:
 
 def _ops(kernel: str, target, eps_ln=1e-5, eps_rms=1e-6, **kw):
     """(kernel op, fp32 torch reference) taking the inputs of ``_inputs``."""
-    import kernels
+    from autopar import kernels
 
     if kernel == "layer_norm":
         return (lambda x, w, b: kernels.layer_norm(x, w, b, eps_ln, **kw),

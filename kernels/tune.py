@@ -118,7 +118,7 @@ def make_inputs(kernel: str, shape, dtype: torch.dtype, *, grad: bool = False, d
 def _time_config(kernel: str, direction: str, shape, dtype: torch.dtype, cfg) -> float:
     import triton.testing
 
-    import kernels
+    from autopar import kernels
 
     op = getattr(kernels, kernel)
     inputs, kw = make_inputs(kernel, shape, dtype, grad=direction == "bwd")
@@ -212,7 +212,7 @@ def _run_check(names: list[str] | None, argv: list[str]) -> int:
         env = dict(os.environ, TRITON_INTERPRET="1")
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        return subprocess.run([sys.executable, "-m", "kernels.tune", *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", "autopar.kernels.tune", *argv], env=env).returncode
 
     from rich.console import Console
     from rich.table import Table

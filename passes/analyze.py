@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from passes.analysis import annotate_pass
-from passes.blocks import Block, BlockStats, assign_blocks_pass, block_stats
-from passes.capture import Captured, capture
+from autopar.passes.analysis import annotate_pass
+from autopar.passes.blocks import Block, BlockStats, assign_blocks_pass, block_stats
+from autopar.passes.capture import Captured, capture
 
 __all__ = ["Analysis", "analyze"]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from passes.capture import module_path
+from autopar.passes.capture import module_path
 
 __all__ = ["Block", "BlockStats", "assign_blocks_pass", "block_stats"]
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from passes.tp_match import TPPair, _attr, _Lin, _linear, find_tp_pairs
+from autopar.passes.tp_match import TPPair, _attr, _Lin, _linear, find_tp_pairs
 
 __all__ = ["TPPair", "ParamShard", "TPLayout", "CopyToGroup", "ReduceFromGroup", "find_tp_pairs",
            "unit_ranges", "tp_rewrite", "assemble_full", "TP_META_KEY"]

@@ -53,7 +53,7 @@ class _Found:
 # ---- runtime wrappers: the kernel where it applies, the torch op elsewhere ----
 
 def _kernel_ok(*tensors) -> bool:
-    from kernels._common import SUPPORTED_DTYPES, interpreting
+    from autopar.kernels._common import SUPPORTED_DTYPES, interpreting
 
     ts = [t for t in tensors if t is not None]
     dev = ts[0].device
@@ -63,7 +63,7 @@ def _kernel_ok(*tensors) -> bool:
 
 def _layer_norm(x, weight, bias, eps):
     if _kernel_ok(x, weight, bias) and x.dim() >= 1:
-        import kernels
+        from autopar import kernels
         return kernels.layer_norm(x, weight, bias, eps)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -72,7 +72,7 @@ def _rms_norm(x, weight, eps):
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     if _kernel_ok(x, weight) and (weight is None or weight.dtype == x.dtype):
-        import kernels
+        from autopar import kernels
         return kernels.rms_norm(x, weight, eps)
     out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return out if weight is None else out * weight
@@ -80,21 +80,21 @@ def _rms_norm(x, weight, eps):
 
 def _softmax(x):
     if _kernel_ok(x) and x.dim() >= 1 and x.numel():
-        import kernels
+        from autopar import kernels
         return kernels.softmax(x)
     return torch.softmax(x, -1)
 
 
 def _bias_gelu(x, bias):
     if _kernel_ok(x, bias) and x.dim() >= 1 and bias.shape == x.shape[-1:] and bias.dtype == x.dtype:
-        import kernels
+        from autopar import kernels
         return kernels.bias_gelu(x, bias)
     return F.gelu(x + bias)
 
 
 def _swiglu(gate, up):
     if isinstance(up, torch.Tensor) and _kernel_ok(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype:
-        import kernels
+        from autopar import kernels
         return kernels.swiglu(gate, up)
     return F.silu(gate) * up
 
@@ -103,7 +103,7 @@ def _cross_entropy(logits, target, ignore_index):
     """``F.cross_entropy`` layout: classes in dim 1 (``(N, C)``, ``(N, C, d...)``) or ``(C,)``."""
     if target.dtype not in (torch.int64, torch.int32) or not _kernel_ok(logits):
         return F.cross_entropy(logits, target, ignore_index=ignore_index)
-    import kernels
+    from autopar import kernels
     if logits.dim() == 1:
         return kernels.cross_entropy(logits.unsqueeze(0), target.unsqueeze(0), ignore_index=ignore_index)
     return kernels.cross_entropy(logits.movedim(1, -1), target, ignore_index=ignore_index)

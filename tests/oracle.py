@@ -172,7 +172,7 @@ def prepared_case(name: str):
     per test process; callers deep-copy what they mutate (threaded tests hold their own lock)."""
     if name not in _PREPARED:
         from autopar.models import build
-        from passes.analyze import analyze
+        from autopar.passes.analyze import analyze
 
         case = build(name, seed=0)
         analysis = analyze(case.model, case.example_inputs)

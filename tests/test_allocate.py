@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.allocate import Allocation, allocate, balanced_split, rank_time_table
+from autopar.planner.allocate import Allocation, allocate, balanced_split, rank_time_table
 from autopar.errors import PlanError
 
 

@@ -7,8 +7,8 @@ import torch.fx as fx
 from torch import nn
 
 import autopar.models as zoo
-from passes.analyze import analyze
-from passes.capture import CaptureError, capture
+from autopar.passes.analyze import analyze
+from autopar.passes.capture import CaptureError, capture
 
 TINY = ["gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "resnet-tiny", "mlp-tiny", "hf-gpt-tiny", "hf-llama-tiny"]
 BIG = ["gpt2-small", "gpt2-xl", "llama-7b", "bert-large", "vit-base", "resnet50", "mlp"]
@@ -83,7 +83,7 @@ def test_third_party_models_defeat_fx_and_come_through_export(name):
 
 
 def test_module_paths_are_kept():
-    from passes.capture import module_path
+    from autopar.passes.capture import module_path
 
     case = zoo.build("hf-gpt-tiny")
     c = capture(case.model, case.example_inputs)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from autopar.cli import main
+from autopar.cli.main import main
 
 
 @pytest.fixture(autouse=True)

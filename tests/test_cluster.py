@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar import comm
-from autopar.cluster import Cluster, DeviceSpec, _match_preset, builtin, builtin_names
-from autopar.devices import GiB, PRESETS, cpu_spec_detect, preset
+from autopar.cost import comm
+from autopar.cluster.model import Cluster, DeviceSpec, _match_preset, builtin, builtin_names
+from autopar.cluster.devices import GiB, PRESETS, cpu_spec_detect, preset
 from autopar.errors import ClusterError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_rank_order_is_node_by_node_in_file_order():
 
 def test_demo_is_builtin_and_identical_to_the_benchmark_file():
     assert "demo" in builtin_names()
-    assert (ROOT / "autopar" / "clusters" / "demo.yaml").read_bytes() == (CLUSTERS / "demo.yaml").read_bytes()
+    assert (ROOT / "autopar" / "cluster" / "builtin" / "demo.yaml").read_bytes() == (CLUSTERS / "demo.yaml").read_bytes()
     c = builtin("demo")
     assert c == load("demo")
     assert c.is_emulated and all(d.spec.backend == "gloo" for d in c.devices)
@@ -366,7 +366,7 @@ def test_missing_file(tmp_path):
 
 def test_hand_built_cluster_is_validated():
     spec = PRESETS["T4-16GB"]
-    from autopar.cluster import Device
+    from autopar.cluster.model import Device
     with pytest.raises(ClusterError, match="rank"):
         Cluster("x", (Device(1, spec, 0, 0),), 1)
     with pytest.raises(ClusterError, match="num_nodes"):
@@ -497,7 +497,7 @@ def test_subset_keeps_nodes_links_and_types():
 
 
 def test_load_takes_a_path_or_a_builtin_name(tmp_path, monkeypatch):
-    from autopar.cluster import load as load_cluster
+    from autopar.cluster.model import load as load_cluster
     assert load_cluster(CLUSTERS / "poplar-a100.yaml") == load("poplar-a100")
     monkeypatch.chdir(tmp_path)
     assert load_cluster("demo") == builtin("demo")

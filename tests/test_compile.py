@@ -11,7 +11,7 @@ import torch
 from importlib import import_module
 
 import autopar
-from autopar.cluster import Cluster
+from autopar.cluster.model import Cluster
 from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_state
 
 ONE = Cluster.from_dict({"nodes": [{"device": {"name": "cpu", "emulate": "cpu", "speed": 1.0, "memory_GB": 2},
@@ -43,7 +43,7 @@ def test_compile_trains_like_one_device():
 
 
 def test_use_triton_trains_to_the_same_state():
-    from passes import triton_patterns
+    from autopar.passes import triton_patterns
 
     calls = []
     orig = triton_patterns._layer_norm
@@ -92,7 +92,7 @@ def test_wrong_batch_size_is_a_clear_error():
 def test_dp_plan_that_recomputes_trains_like_one_device():
     """A device whose memory holds a micro-batch only with activations recomputed: compile(recompute=True)
     plans data parallelism that recomputes block by block, and it trains exactly."""
-    from autopar.dp_planner import DEFAULT_WORKSPACE_BYTES, activation_bytes_per_sample
+    from autopar.planner.dp import DEFAULT_WORKSPACE_BYTES, activation_bytes_per_sample
 
     case = autopar.models.build("gpt-tiny", seed=0)
     costs = import_module("autopar.api").prepare(case.model, ONE, case.example_inputs, optimizer="sgd").costs

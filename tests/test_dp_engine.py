@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
-from autopar.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.runtime.dp import DataParallelEngine, DataParallelError, FlatLayout, shard_bounds
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
@@ -295,7 +295,7 @@ def _launch_rank(rank: int, micro, zero_stage: int, zero_shares):
 
 def test_launch_zero3_on_the_emulated_demo_cluster_returns_exact_state_dicts():
     import autopar
-    from autopar.cluster import builtin
+    from autopar.cluster.model import builtin
 
     cluster = builtin("demo")
     assert [d.spec.speed for d in cluster.devices] == [1.0, 0.5, 0.25]

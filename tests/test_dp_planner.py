@@ -5,15 +5,15 @@ import math
 import numpy as np
 import pytest
 
-from autopar import comm
-from autopar.cluster import Cluster
-from autopar.costs import ModelCosts
-from autopar.dp_planner import (
+from autopar.cost import comm
+from autopar.cluster.model import Cluster
+from autopar.ir.costs import ModelCosts
+from autopar.planner.dp import (
     DEFAULT_WORKSPACE_BYTES, max_micro_batch, micro_step_curve, plan_dp, rank_memory, with_bounds,
     dp_upper_bound, zero_comm,
 )
 from autopar.errors import PlanError
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 
 GiB = 1 << 30
 
@@ -306,7 +306,7 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
     import itertools
     import random
 
-    from autopar.dp_planner import _lockstep_allocations, _round_split
+    from autopar.planner.dp import _lockstep_allocations, _round_split
 
     rng = random.Random(0)
     for _ in range(200):   # one micro-batch per rank: greedy equals the brute-force min-max
@@ -340,7 +340,7 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
 
 
 def test_recompute_lets_dp_fit_and_is_priced_one_more_forward():
-    from autopar.dp_planner import activation_bytes_per_sample
+    from autopar.planner.dp import activation_bytes_per_sample
 
     costs = ModelCosts.synthetic({"fast": [1e-3] * 4, "slow": [3e-3] * 4}, param_bytes=[4e6] * 4,
                                  act_bytes=[2e8] * 4, out_bytes=[1e6] * 4, overhead_s=1e-4)

@@ -9,16 +9,16 @@ import random
 import numpy as np
 import pytest
 
-from autopar import joint_planner as jp
-from autopar import tp_cost
-from autopar.bounds import (
+from autopar.planner import joint as jp
+from autopar.cost import tp as tp_cost
+from autopar.planner.bounds import (
     compute_bound_samples_per_s, type_batches, upper_bound_samples_per_s, with_all_bounds,
 )
-from autopar.cluster import Cluster
-from autopar.comm import p2p_time_s
-from autopar.costs import ModelCosts
+from autopar.cluster.model import Cluster
+from autopar.cost.comm import p2p_time_s
+from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
-from autopar.pp_planner import micro_candidates, micro_sizes, plan_timeline, split_objective
+from autopar.planner.pp import micro_candidates, micro_sizes, plan_timeline, split_objective
 
 GiB = 1 << 30
 
@@ -297,7 +297,7 @@ def test_plan_cache_hit_returns_an_equal_plan(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def llama_140b_analysis():
     import autopar.models as zoo
-    from passes.analyze import analyze
+    from autopar.passes.analyze import analyze
 
     case = zoo.build("llama-140b", device="meta")
     return case, analyze(case.model, case.example_inputs)
@@ -307,7 +307,7 @@ def llama_140b_analysis():
 def test_hethub_768_llama_140b_efficiency(tables, request):
     cluster = Cluster.from_yaml("benchmarks/clusters/hethub-768.yaml")
     if tables == "profile":   # the cost model's roofline tables of the analysed model
-        from autopar.profile import model_costs
+        from autopar.cost.profile import model_costs
 
         case, analysis = request.getfixturevalue("llama_140b_analysis")
         costs = model_costs(analysis, cluster, model=case.model)

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cache, tune
-from kernels.check import TOLERANCE, compare
-from kernels.configs import ElementwiseConfig, MatmulConfig, RowConfig, config_from_dict
-from kernels.timing import kernel_time_s
+from autopar import kernels
+from autopar.kernels import cache, tune
+from autopar.kernels.check import TOLERANCE, compare
+from autopar.kernels.configs import ElementwiseConfig, MatmulConfig, RowConfig, config_from_dict
+from autopar.kernels.timing import kernel_time_s
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ROW_SHAPES = [(4, 64), (3, 77), (2, 3, 100), (1, 1000), (5, 3)]
@@ -230,7 +230,7 @@ def test_unreadable_cache_is_empty(tmp_path):
 
 
 def test_device_peaks():
-    from kernels.devices import peak_for
+    from autopar.kernels.devices import peak_for
 
     assert peak_for("NVIDIA H200").mem_bandwidth_Bps == 4.8e12
     assert peak_for("NVIDIA H100 80GB HBM3").mem_bandwidth_Bps == 3.35e12

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import Cluster
+from autopar.cluster.model import Cluster
 from autopar.errors import LaunchError
 from autopar.runtime import emulate
 from autopar.runtime.emulate import ClockStats, EmulatedClock, NullClock, clock_for

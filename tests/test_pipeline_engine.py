@@ -27,7 +27,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.errors import PlanError
-from autopar.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.runtime.communicator import Communicator
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
@@ -192,7 +192,7 @@ def _toy_oracle(optimizer):
 
 def _engine(name, plan, optimizer, rank, world_size, comm=None, perturb=False):
     from autopar.models import build
-    from passes.analyze import analyze
+    from autopar.passes.analyze import analyze
 
     if name == "toy":
         model, loss_fn = _toy_case()
@@ -272,7 +272,7 @@ def _check(results, key, name, optimizer):
 
 
 def _cluster(n=3):
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
     return Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
                                                     "memory_GB": 4}, "count": n}]})

@@ -6,12 +6,12 @@ import itertools
 import numpy as np
 import pytest
 
-from autopar.cluster import Cluster
-from autopar.comm import p2p_time_s
-from autopar.costs import ModelCosts
+from autopar.cluster.model import Cluster
+from autopar.cost.comm import p2p_time_s
+from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
-from autopar.plan import Plan
-from autopar.pp_planner import (
+from autopar.ir.plan import Plan
+from autopar.planner.pp import (
     StageGrouping, _Context, _stage_cost_tensor, member_shares, micro_candidates, micro_sizes,
     plan_pipeline, plan_timeline, save_plan_timeline, split_blocks, split_objective, stage_groupings,
 )

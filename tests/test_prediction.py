@@ -1,4 +1,4 @@
-"""Step-time terms beyond the block tables (``autopar.step_costs``): the optimizer step and the fixed
+"""Step-time terms beyond the block tables (``autopar.cost.step``): the optimizer step and the fixed
 cost of a compute call, their measurement and roofline, and how ``plan_dp`` and the pipeline
 timeline add them (exact sums on synthetic costs)."""
 
@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 import autopar.models as zoo
-from autopar.cluster import Cluster
-from autopar.comm import allreduce_time_s
-from autopar.costs import ModelCosts
-from autopar.devices import PRESETS
-from autopar.dp_planner import optimizer_step_s, plan_dp
-from autopar.plan import Stage
-from autopar.pp_planner import plan_pipeline, plan_timeline, stage_durations, stage_optimizer_s
+from autopar.cluster.model import Cluster
+from autopar.cost.comm import allreduce_time_s
+from autopar.ir.costs import ModelCosts
+from autopar.cluster.devices import PRESETS
+from autopar.planner.dp import optimizer_step_s, plan_dp
+from autopar.ir.plan import Stage
+from autopar.planner.pp import plan_pipeline, plan_timeline, stage_durations, stage_optimizer_s
 from autopar.runtime.emulate import emulation_time_scale
-from autopar.step_costs import (OPTIMIZER_BANDWIDTH_EFFICIENCY, measure_call_overhead, measure_optimizer,
+from autopar.cost.step import (OPTIMIZER_BANDWIDTH_EFFICIENCY, measure_call_overhead, measure_optimizer,
                                 optimizer_roofline_s_per_param, step_terms)
-from passes.analyze import analyze
+from autopar.passes.analyze import analyze
 
 
 def _emulated(name, speed):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autopar.probe import is_oom, probe_max_micro_batch
+from autopar.cost.probe import is_oom, probe_max_micro_batch
 
 
 @pytest.mark.parametrize("limit, upper", [(0, 64), (1, 64), (37, 64), (64, 64), (100, 64), (5, 5), (13, 1000)])

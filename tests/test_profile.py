@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import autopar.models as zoo
-from autopar.cluster import Cluster, builtin
-from autopar.profile import Efficiency, calibrate, measure_blocks, model_costs, roofline_features
-from passes.analyze import analyze
+from autopar.cluster.model import Cluster, builtin
+from autopar.cost.profile import Efficiency, calibrate, measure_blocks, model_costs, roofline_features
+from autopar.passes.analyze import analyze
 
 
 def test_calibrate_recovers_known_coefficients():
@@ -68,7 +68,7 @@ def test_roofline_for_devices_not_at_hand_orders_by_speed():
 
 
 def test_tuned_kernel_times_replace_the_roofline_of_the_nodes_they_cover(tmp_path, monkeypatch):
-    from kernels.cache import invalidate, shape_bucket, write_entries
+    from autopar.kernels.cache import invalidate, shape_bucket, write_entries
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     invalidate()

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from autopar import joint_planner as jp
-from autopar.cluster import Cluster
-from autopar.costs import ModelCosts
-from autopar.plan import Stage
-from autopar.pp_planner import (
+from autopar.planner import joint as jp
+from autopar.cluster.model import Cluster
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Stage
+from autopar.planner.pp import (
     StageGrouping, _Context, _memory_bytes, _stage_cost_tensor, _stage_costs, micro_sizes, plan_pipeline,
     plan_timeline, stage_durations, stage_input_bytes,
 )

@@ -89,7 +89,7 @@ def _build(name, plan, rank):
     from autopar.runtime.emulate import NullClock
     from autopar.runtime.engine import EngineInputs, select_engine
     from oracle import optimizer_factory
-    from passes.analyze import analyze
+    from autopar.passes.analyze import analyze
 
     if name == "toy":
         (model, loss_fn), example = _toy_case(), (torch.randn(2, 8),)

@@ -1,7 +1,7 @@
 import dataclasses
 
-from autopar.cluster import Cluster
-from autopar.plan import Plan, Predicted, Stage
+from autopar.cluster.model import Cluster
+from autopar.ir.plan import Plan, Predicted, Stage
 
 
 def test_alike_members_are_one_row_and_others_stay_apart():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import AutoparError
-from autopar.schedule import (
+from autopar.ir.schedule import (
     Action, PipelineSchedule, ScheduleError, dry_run, gpipe, make_schedule, one_f_one_b, plot_timeline,
     simulate, with_comm,
 )

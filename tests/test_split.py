@@ -12,13 +12,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes.split import SplitError, batched_values, flat_inputs, run_stages, split_stages
+from autopar.passes.split import SplitError, batched_values, flat_inputs, run_stages, split_stages
 
 
 @functools.lru_cache(maxsize=None)
 def _analysed(name: str):
     from autopar.models import build
-    from passes.analyze import analyze
+    from autopar.passes.analyze import analyze
 
     case = build(name, seed=0)
     analysis = analyze(case.model, case.example_inputs)
@@ -119,7 +119,7 @@ class _Toy(nn.Module):
 
 def _toy_gm(example):
     gm = fx.symbolic_trace(_Toy())
-    from passes.analysis import annotate_pass
+    from autopar.passes.analysis import annotate_pass
 
     annotate_pass(gm, (example,))
     for n in gm.graph.nodes:

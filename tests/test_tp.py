@@ -22,12 +22,12 @@ from torch import nn
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
-from autopar.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.tp import TensorParallelEngine, gather_full_params, shard_stage_module, tp_layout
 from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
-from passes.tp import find_tp_pairs, tp_rewrite, unit_ranges
+from autopar.passes.tp import find_tp_pairs, tp_rewrite, unit_ranges
 
 STEPS = 2
 NOISE_FLOOR = 1e-9
@@ -134,7 +134,7 @@ def test_rewrite_partial_sums_add_up_without_a_process_group():
     """Without torch.distributed, f and g are identities: each member's module returns its partial
     row output plus the (replicated) bias, so the members' outputs add up to the original's plus
     (members - 1) biases. MLP hidden 32 in granules of 8 for shares 2/1/1: 16/8/8 features."""
-    from passes.analysis import annotate_pass
+    from autopar.passes.analysis import annotate_pass
 
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
@@ -182,7 +182,7 @@ class _LeafTracer(fx.Tracer):
 
 
 def _two_mlps():
-    from passes.analysis import annotate_pass
+    from autopar.passes.analysis import annotate_pass
 
     torch.manual_seed(0)
     model = TwoMLPs()
@@ -333,7 +333,7 @@ def _launch_rank(rank: int):
 
 def test_launch_llama_tiny_heads_2_1_1_over_gloo():
     import autopar
-    from autopar.cluster import builtin
+    from autopar.cluster.model import builtin
 
     results = autopar.launch(_launch_rank, builtin("demo"), timeout_s=240)
     ref = single_device_run("llama-tiny", 23, STEPS, "adamw")

@@ -1,9 +1,9 @@
 """The measured timeline of a real pipeline run: engine traces -> schedule.Timeline -> Gantt PNG."""
 
-from autopar.cluster import Cluster
-from autopar.plan import Plan, Predicted, Stage
-from autopar.schedule import plot_timeline
-from autopar.trainer import StrategyResult, measured_timeline
+from autopar.cluster.model import Cluster
+from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.schedule import plot_timeline
+from autopar.cli.trainer import StrategyResult, measured_timeline
 
 TWO = Cluster.from_yaml("benchmarks/clusters/two-emulated.yaml")
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
 
-from passes.triton_patterns import KernelMatch, find_kernel_patterns, kernel_shapes, substitute_kernels
+from autopar.passes.triton_patterns import KernelMatch, find_kernel_patterns, kernel_shapes, substitute_kernels
 
 B, T, D, H, V, L = 2, 8, 32, 2, 50, 2
 
@@ -227,7 +227,7 @@ def _assert_close_dicts(a, b, rtol=1e-4):
 
 
 def test_substitute_gpt_like_trains_like_the_original(monkeypatch):
-    import kernels
+    from autopar import kernels
 
     calls = collections.Counter()
     for name in ("layer_norm", "softmax", "bias_gelu", "cross_entropy"):

@@ -245,7 +245,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
     def _split_blocks(self) -> list:
         """``Stage.recompute``: the captured graph cut into one program per block (recomputed one by
         one in backward)."""
-        from passes.split import split_stages
+        from autopar.passes.split import split_stages
 
         return split_stages(self.gm, [(b, b + 1) for b in range(_num_blocks(self.gm))])
 
@@ -256,7 +256,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             return self.gm(*local)
         from torch.utils.checkpoint import checkpoint
 
-        from passes.split import flat_inputs
+        from autopar.passes.split import flat_inputs
 
         flat = flat_inputs(self.gm, local)
         received: Any = ()

@@ -128,7 +128,7 @@ def clock_for(device, time_scale: float = 1.0) -> EmulatedClock | NullClock:
 def emulation_time_scale(num_ranks: int, num_cores: int | None = None) -> float:
     """The ``time_scale`` of a run's emulated devices: twice the oversubscription, so the ranks' CPU
     demand (sum of speed / scale) stays well under the cores and speed ratios survive some contention.
-    The cost model (``autopar.profile``) prices emulated devices with the same factor, so predicted and
+    The cost model (``autopar.cost.profile``) prices emulated devices with the same factor, so predicted and
     measured step times are in the same units."""
     return 2.0 * oversubscription(num_ranks, num_cores)
 

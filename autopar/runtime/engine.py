@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 
 __all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "compute_loss",
            "take_rows", "global_batch_inputs"]
@@ -97,7 +97,7 @@ def compute_loss(output: Any, targets: torch.Tensor | None, loss_fn) -> torch.Te
     """The micro-batch mean loss from a model output (``loss_fn`` or the output's own loss)."""
     if loss_fn is not None:
         return loss_fn(output, targets)
-    from passes.capture import output_to_loss
+    from autopar.passes.capture import output_to_loss
 
     return output_to_loss(output)
 

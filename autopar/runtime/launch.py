@@ -69,7 +69,7 @@ class RankContext:
     """What a rank knows about itself once ``init`` has run."""
     rank: int
     world_size: int
-    cluster: Any                # autopar.cluster.Cluster
+    cluster: Any                # autopar.cluster.model.Cluster
     device: torch.device        # cuda:<local index> for GPU ranks, cpu otherwise
     speed: float | None         # emulated devices: fraction of this CPU's speed; None otherwise
     backend: str                # backend of the default group

@@ -23,7 +23,7 @@ Terms
   gloo send whose receive is posted writes at once; otherwise the data waits for a round trip through
   the sender's communication thread, which an emulated device that is computing (or any busy CPU)
   serves late. Other pairs (NCCL, host-staged) receive blocking, in schedule order.
-- schedule: ``autopar.schedule.make_schedule(plan.schedule, S, M)`` lowered with ``with_comm``; each
+- schedule: ``autopar.ir.schedule.make_schedule(plan.schedule, S, M)`` lowered with ``with_comm``; each
   rank runs its stage's action list: RECV_F, F, SEND_F, RECV_B, B, SEND_B. Sends are asynchronous,
   receives block.
 - loss weight: the last stage's micro-batch loss (the mean over its rows) is scaled by rows / global
@@ -73,11 +73,11 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from autopar.errors import PlanError
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 from autopar.runtime.communicator import Communicator
 from autopar.runtime.engine import EngineInputs, compute_loss
-from autopar.schedule import make_schedule, with_comm
-from passes.split import batched_values, flat_inputs, split_stages
+from autopar.ir.schedule import make_schedule, with_comm
+from autopar.passes.split import batched_values, flat_inputs, split_stages
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]
 

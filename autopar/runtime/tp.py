@@ -47,7 +47,7 @@ from torch import nn
 from autopar.runtime.engine import (
     EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows,
 )
-from passes.tp import TP_META_KEY, TPLayout, assemble_full, tp_rewrite
+from autopar.passes.tp import TP_META_KEY, TPLayout, assemble_full, tp_rewrite
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "tp_layout",
            "gather_full_params", "flat_full_grad"]

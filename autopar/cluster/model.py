@@ -4,7 +4,7 @@ Terms
 - rank: a device's index in the cluster, 0..len-1, numbered node by node in file order, device by
   device inside a node.
 - node: a machine; devices of one node talk over the intra-node link, devices of different nodes over
-  the network (see ``autopar.comm`` for link kinds, including host-staged "bridge" links).
+  the network (see ``autopar.cost.comm`` for link kinds, including host-staged "bridge" links).
 - device type: the spec name (``DeviceSpec.name``). Within one cluster a name means one spec; two
   different specs under one name are an error. Emulated devices at different speeds are different
   types because they carry different names.
@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
-from autopar import comm
-from autopar.devices import (
+from autopar.cost import comm
+from autopar.cluster.devices import (
     GiB, PCIE4_X16_Bps, PRESETS, VENDORS, DeviceSpec, cpu_spec_detect, emulated_spec, preset,
 )
 from autopar.errors import ClusterError
@@ -312,7 +312,7 @@ def load(source: str | os.PathLike) -> Cluster:
 
 
 def _builtin_dir():
-    return resources.files("autopar") / "clusters"
+    return resources.files("autopar.cluster") / "builtin"
 
 
 def builtin_names() -> tuple[str, ...]:
@@ -323,7 +323,7 @@ def builtin_names() -> tuple[str, ...]:
 
 
 def builtin(name: str) -> Cluster:
-    """A cluster shipped inside the package (``autopar/clusters/NAME.yaml``), e.g. ``"demo"``."""
+    """A cluster shipped inside the package (``autopar/cluster/builtin/NAME.yaml``), e.g. ``"demo"``."""
     path = _builtin_dir() / f"{name}.yaml"
     if not path.is_file():
         raise ClusterError(f"builtin: {name!r} is not a built-in cluster "

@@ -40,11 +40,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
-from autopar.devices import PCIE4_X16_Bps, DeviceSpec
+from autopar.cluster.devices import PCIE4_X16_Bps, DeviceSpec
 from autopar.errors import ClusterError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = [
     "LinkModel", "DEFAULT_LINK", "LinkKind", "Algorithm", "link_kind", "family", "pair_bandwidth_Bps",

@@ -1,6 +1,6 @@
 """Heterogeneous pipeline planning (HETHUB-style): stage device groupings, an uneven block split by
 dynamic programming, a micro-batch count search, and a final prediction from the schedule simulator.
-This module searches; ``autopar.pp_costs`` prices a built plan (stage durations, memory, the
+This module searches; ``autopar.cost.pipeline`` prices a built plan (stage durations, memory, the
 simulated prediction) and its names are re-exported here.
 
 Terms
@@ -21,7 +21,7 @@ Terms
   per micro-batch in flight only its input (``stage_input_bytes``) plus, at its peak, one micro-batch's
   full activations, and its backward reruns the forward (backward + forward seconds, one more call).
   The split DP offers it exactly where keeping every activation does not fit (``_stage_costs``).
-- prediction: ``plan_timeline`` (``autopar.pp_costs``) of each shortlisted candidate: the simulated
+- prediction: ``plan_timeline`` (``autopar.cost.pipeline``) of each shortlisted candidate: the simulated
   schedule, then gradient all-reduces, optimizer steps and ZeRO gathers. Its breakdown's
   ``allreduce_s`` is everything after the schedule (all-reduces and optimizer).
 """
@@ -34,18 +34,18 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
-from autopar.comm import p2p_time_s
-from autopar.costs import ModelCosts
+from autopar.cost.comm import p2p_time_s
+from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
-from autopar.plan import Plan, Predicted, Stage
-from autopar.pp_costs import (  # the cost model's public names stay importable from here (``__all__``)
+from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.cost.pipeline import (  # the cost model's public names stay importable from here (``__all__``)
     _Context, _in_flight, _memory_bytes, _state_fractions, plan_timeline, stage_durations, stage_input_bytes,
     stage_optimizer_s,
 )
-from autopar.schedule import Timeline
+from autopar.ir.schedule import Timeline
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = [
     "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
@@ -551,9 +551,9 @@ def pp_upper_bound(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
 
 
 def save_plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", path) -> Timeline:
-    """Simulate a pipeline plan and save its Gantt chart (``autopar.schedule.plot_timeline``) to
+    """Simulate a pipeline plan and save its Gantt chart (``autopar.ir.schedule.plot_timeline``) to
     ``path``: one row per stage, labelled with its ranks and device types. Returns the timeline."""
-    from autopar.schedule import plot_timeline
+    from autopar.ir.schedule import plot_timeline
 
     timeline, _ = plan_timeline(plan, costs, cluster)
     labels = []

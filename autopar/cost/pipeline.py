@@ -1,5 +1,5 @@
 """The pipeline cost model: what a built pipeline plan (its ``Stage`` tuple) costs in time and memory.
-The search over groupings, splits and micro-batch counts lives in ``autopar.pp_planner``.
+The search over groupings, splits and micro-batch counts lives in ``autopar.planner.pp``.
 
 Terms
 - context (``_Context``): the fixed inputs of one planning call: model costs, cluster, global batch,
@@ -7,7 +7,7 @@ Terms
 - stage durations: per-micro-batch forward and backward seconds of each stage's slowest member (each
   call with its type's ``ModelCosts.call_overhead``; a recompute stage's backward reruns the forward)
   and p2p seconds of each stage boundary, split over min(k, l) parallel links between stages of k and
-  l members (``stage_durations``). Tensor-parallel members are priced by ``autopar.tp_cost``.
+  l members (``stage_durations``). Tensor-parallel members are priced by ``autopar.cost.tp``.
 - stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
   ZeRO, ``_state_fractions``) + activations of the micro-batches in flight (``_in_flight``: GPipe
   holds all M, 1F1B holds ``min(M, S - s)`` on stage s). A recompute stage keeps per micro-batch in
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from autopar.comm import allgather_time_s, allreduce_time_s, p2p_time_s
-from autopar.costs import ModelCosts
-from autopar.plan import Plan, Stage
-from autopar.schedule import Timeline, make_schedule, simulate
+from autopar.cost.comm import allgather_time_s, allreduce_time_s, p2p_time_s
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Plan, Stage
+from autopar.ir.schedule import Timeline, make_schedule, simulate
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = ["stage_durations", "stage_input_bytes", "plan_timeline", "stage_optimizer_s"]
 
@@ -73,7 +73,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     type's ``ModelCosts.call_overhead``) and transfer seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
     first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
-    ``autopar.tp_cost`` with ``replicated_fraction`` (None: its default)."""
+    ``autopar.cost.tp`` with ``replicated_fraction`` (None: its default)."""
     S = len(stages)
     M = max(len(mb) for st in stages for mb in st.micro_batches)
     fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
@@ -86,7 +86,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
             t = cluster.devices[members[0]].spec.name
             kind = None
             if len(members) > 1 and st.tp_shares:
-                from autopar import tp_cost  # local: the TP cost model imports nothing from here
+                from autopar.cost import tp as tp_cost  # local: the TP cost model imports nothing from here
 
                 kind = tp_cost.group_kind(cluster, members, st.tp_shares[g])
                 t = tp_ids.setdefault(kind, len(tp_ids))
@@ -100,7 +100,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                         seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
                                                           tp_seen)
                 f, b = seen[(t, x)]
-                if x > 0:        # a forward call and a backward call (autopar.step_costs)
+                if x > 0:        # a forward call and a backward call (autopar.cost.step)
                     f, b = f + call, b + call
                     if st.recompute:   # the backward reruns the forward (another call)
                         b = b + f
@@ -128,7 +128,7 @@ def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None
     if len(stage.groups) < 2:
         return 0.0
     if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
-        from autopar import tp_cost
+        from autopar.cost import tp as tp_cost
 
         return tp_cost.stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
     grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
@@ -139,7 +139,7 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     """The simulated timeline of a pipeline plan's schedule and its step time (the last stage to finish
     its backward and then its gradient all-reduce). The planner predicts with this same function.
     Tensor-parallel members are priced with the replicated fraction the joint planner recorded in
-    ``plan.predicted.breakdown["tp_replicated_fraction"]`` (``autopar.tp_cost``'s default if absent)."""
+    ``plan.predicted.breakdown["tp_replicated_fraction"]`` (``autopar.cost.tp``'s default if absent)."""
     stages = plan.stages
     M = plan.num_micro_batches
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
@@ -173,7 +173,7 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
         for i, r in enumerate(members):
             n = p
             if tp and len(members) > 1:
-                from autopar import tp_cost
+                from autopar.cost import tp as tp_cost
 
                 rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
                 shares = stage.tp_shares[g]

@@ -49,7 +49,7 @@ def _planning_device(spec: str) -> str:
 
 
 def _load_cluster(arg: str | None):
-    from autopar.cluster import Cluster, load
+    from autopar.cluster.model import Cluster, load
 
     return Cluster.detect() if arg is None else load(arg)
 
@@ -77,8 +77,8 @@ def _write_json(obj, dest: str) -> None:
 def _prepare(model_spec: str, cluster, need_measure: bool = True):
     from autopar.api import prepare
 
-    from autopar.profile import DEFAULT_SAMPLE_BATCHES
-    from passes.analyze import analyze
+    from autopar.cost.profile import DEFAULT_SAMPLE_BATCHES
+    from autopar.passes.analyze import analyze
 
     case = _load_model(model_spec, device=_planning_device(model_spec))
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True):
 # -- commands ------------------------------------------------------------------------------------
 def cmd_models(args) -> int:
     from autopar.models import load, names
-    from autopar.report import fmt_count, render
+    from autopar.ir.report import fmt_count, render
     from rich.table import Table
 
     t = Table(title="model zoo")
@@ -114,7 +114,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from autopar.report import analysis_table
+    from autopar.ir.report import analysis_table
 
     cluster = _load_cluster(args.cluster)
     case, prep = _prepare(args.model, cluster)
@@ -165,7 +165,7 @@ def cmd_plan(args) -> int:
         d["bounds_s"] = timings["bounds_s"]
         _write_json(d, args.json)
     if args.timeline:
-        from autopar.pp_planner import save_plan_timeline
+        from autopar.planner.pp import save_plan_timeline
 
         save_plan_timeline(p, prep.costs, cluster, args.timeline)
         if args.json != "-":
@@ -174,7 +174,7 @@ def cmd_plan(args) -> int:
 
 
 def _print_run(results, cluster, baseline: str | None) -> dict:
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     emu = " (emulated devices)" if cluster.is_emulated else ""
     summary = {}
@@ -201,7 +201,7 @@ def _print_run(results, cluster, baseline: str | None) -> dict:
 
 
 def cmd_train(args) -> int:
-    from autopar.trainer import RunSpec, run_comparison
+    from autopar.cli.trainer import RunSpec, run_comparison
 
     cluster = _load_cluster(args.cluster)
     strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
@@ -212,15 +212,15 @@ def cmd_train(args) -> int:
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.steps} steps")
     results = run_comparison(spec, cluster)
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     print(Plan.from_json(results[0].plan_json).summary(cluster), end="")
     summary = _print_run(results, cluster, strategies[1] if len(strategies) > 1 else None)
     if args.json:
         _write_json(summary, args.json)
     if getattr(args, "timeline", None):
-        from autopar.schedule import plot_timeline
-        from autopar.trainer import measured_timeline
+        from autopar.ir.schedule import plot_timeline
+        from autopar.cli.trainer import measured_timeline
 
         first = results[0]
         if not any(first.traces):
@@ -242,11 +242,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_tune(args, rest: list[str]) -> int:
-    from kernels import tune
+    from autopar.kernels import tune
 
     def shapes_for_model(name):
-        from passes.triton_patterns import find_kernel_patterns, kernel_shapes
-        from passes.analyze import analyze
+        from autopar.passes.triton_patterns import find_kernel_patterns, kernel_shapes
+        from autopar.passes.analyze import analyze
 
         case = _load_model(name, device="meta")
         gm = analyze(case.model, case.example_inputs).captured.gm  # nodes carry "autopar.tensor" shapes

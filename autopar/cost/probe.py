@@ -1,6 +1,6 @@
 """The largest micro-batch that really fits on a local GPU, found by bisection over real steps.
 
-The memory model (``autopar.dp_planner.max_micro_batch``) predicts the largest micro-batch from the
+The memory model (``autopar.planner.dp.max_micro_batch``) predicts the largest micro-batch from the
 analysis; on a real GPU the allocator's fragmentation and the kernels' workspaces decide. ``probe``
 runs a training micro-step (forward + backward) at candidate sizes, catching out-of-memory, and
 bisects between the largest size that ran and the smallest that did not.

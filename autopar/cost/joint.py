@@ -1,7 +1,7 @@
 """The joint planner's cost model: what a stage grouping of tensor-parallel members costs at every
 split (the cost tensor the split DP minimises, and a cheap lower bound of it), and what a built
 candidate (its ``Stage`` tuple) needs in memory. The search over layouts, groupings and micro-batch
-counts lives in ``autopar.joint_planner``, which imports these names.
+counts lives in ``autopar.planner.joint``, which imports these names.
 
 Terms
 - context (``_Ctx``): the fixed inputs of one joint planning call (model costs, cluster, global
@@ -40,17 +40,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar import tp_cost
-from autopar.comm import p2p_time_s
-from autopar.costs import ModelCosts
-from autopar.plan import Stage
-from autopar.plan_layouts import Member
-from autopar.pp_planner import micro_sizes, stage_input_bytes
+from autopar.cost import tp as tp_cost
+from autopar.cost.comm import p2p_time_s
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Stage
+from autopar.planner.layouts import Member
+from autopar.planner.pp import micro_sizes, stage_input_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
-__all__: list[str] = []   # every name is private to ``autopar.joint_planner``, which imports them
+__all__: list[str] = []   # every name is private to ``autopar.planner.joint``, which imports them
 
 
 # -- the cost tensor of one grouping -----------------------------------------------------------------

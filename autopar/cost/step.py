@@ -18,7 +18,7 @@ Terms
   micro-batch, hot and after a sleep, and keeps the mean difference (``ModelCosts.call_overhead_s``,
   scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
 
-Measurements are cached with the block timings (``autopar.profile.cache_dir()/measure.json``).
+Measurements are cached with the block timings (``autopar.cost.profile.cache_dir()/measure.json``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from autopar.costs import OPTIMIZER_STATE_BYTES
+from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
 __all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "optimizer_roofline_s_per_param",
            "measure_call_overhead", "step_terms"]
@@ -52,7 +52,7 @@ def _make_optimizer(kind: str, params):
 
 
 def _cache():
-    from autopar import profile
+    from autopar.cost import profile
 
     path = profile.cache_dir() / "measure.json"
     return path, profile._load_json(path), profile._save_json
@@ -109,8 +109,8 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     """CPU seconds a compute call costs beyond its hot time when it starts after a ``gap_s`` sleep (see
     the module docstring), at least 0. Cached per graph (its blocks' signatures) and CPU thread count.
     Runs forward and backward on the captured graph, so it leaves the model's ``.grad`` cleared."""
-    from autopar.profile import _tile_batch
-    from passes.split import flat_inputs
+    from autopar.cost.profile import _tile_batch
+    from autopar.passes.split import flat_inputs
 
     sig = hashlib.sha1("/".join(s.struct_hash for s in analysis.stats).encode()).hexdigest()[:16]
     key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}"
@@ -163,7 +163,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     types = cluster.device_types()
     specs = {t: cluster.spec_of(t) for t in types}
     cpu_types = [t for t, s in specs.items() if s.is_emulated or s.vendor == "cpu"]
-    mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.profile)
+    mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.cost.profile)
     opt, flat, call = {}, {}, {}
     cpu_opt = cpu_flat = cpu_call = 0.0
     if cpu_types:

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from autopar.costs import ModelCosts
+from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
-from autopar.plan import Plan
+from autopar.ir.plan import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds"]
 
@@ -73,7 +73,7 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
     ``recompute``: the plans may recompute activations too; whether a type holds the model alone (and
     so how much its memory is relaxed) is still decided without recomputation, so that recomputing
     every stage of a type that cannot hold the model does not lower the ceiling below its compute."""
-    from autopar.joint_planner import plan_auto   # local: the planner imports nothing from here
+    from autopar.planner.joint import plan_auto   # local: the planner imports nothing from here
 
     total = 0.0
     for t in cluster.device_types():

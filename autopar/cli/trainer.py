@@ -52,7 +52,7 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
     import torch.distributed as dist
 
     import autopar
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
     from autopar.models import build, load
 
     cluster = Cluster.from_dict(spec.cluster_dict)
@@ -95,8 +95,8 @@ def run_comparison(spec: RunSpec, cluster) -> list[StrategyResult]:
 def measured_timeline(result: StrategyResult, cluster):
     """A ``schedule.Timeline`` of a real pipeline run's last step (each stage drawn from its first rank),
     for ``schedule.plot_timeline``; the labels name the stage, rank and device."""
-    from autopar.plan import Plan
-    from autopar.schedule import Action, Timeline
+    from autopar.ir.plan import Plan
+    from autopar.ir.schedule import Action, Timeline
 
     plan = Plan.from_json(result.plan_json)
     events, transfers, busy, labels = [], [], [], []

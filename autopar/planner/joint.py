@@ -1,13 +1,13 @@
 """The joint planner (``strategy="auto"``): pipeline stages x tensor-parallel groups x data-parallel
 members with uneven batch shares x ZeRO stage x micro-batches, searched together.
-This module searches; ``autopar.joint_costs`` prices a grouping (the stage cost tensor, its lower
+This module searches; ``autopar.cost.joint`` prices a grouping (the stage cost tensor, its lower
 bound) and a built candidate's memory.
 
 Terms
 - TP layout: how every node's devices are cut into tensor-parallel groups: a degree per device type
   (1, 2, 4 or 8 devices, consecutive ranks of one node; a node mixing types uses the least degree of
   its types; a node whose size the degree does not divide keeps a smaller last group). Each group's
-  head shares are the exact min-max of ``autopar.tp_cost.best_shares``. The groups are the *members*.
+  head shares are the exact min-max of ``autopar.cost.tp.best_shares``. The groups are the *members*.
 - grouping: the members arranged into pipeline stages (``pp_planner.StageGrouping`` with TP groups as
   members). Families, all in rank order inside a type: per member, per node, per type, *type-major*
   (each type's members cut into S_t equal stages, types one after another, S_t chosen so that stages
@@ -18,7 +18,7 @@ Terms
 - candidate: a (layout, grouping, micro-batch count). Its stage cost tensor (TP-aware times, memory
   per rank, p2p transfers; see ``_cost_tensor``) goes to ``pp_planner.split_blocks``, the exact split
   DP; the best candidates by the split estimate are built and predicted by the schedule simulator
-  (``pp_planner.plan_timeline``, which prices TP members through ``autopar.tp_cost``).
+  (``pp_planner.plan_timeline``, which prices TP members through ``autopar.cost.tp``).
 - ZeRO inside a pipeline stage shards states over the stage's members. ZeRO-1 moves the same bytes
   as the all-reduce it replaces (optimizer state sharded, the gradient accumulated whole over the
   micro-batches and reduced once). ZeRO-2 shards the gradient too, so it must be reduced after every
@@ -59,24 +59,24 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from autopar import tp_cost
-from autopar.costs import ModelCosts
-from autopar.dp_planner import plan_dp
+from autopar.cost import tp as tp_cost
+from autopar.ir.costs import ModelCosts
+from autopar.planner.dp import plan_dp
 from autopar.errors import PlanError
-from autopar.joint_costs import (  # the cost model; _Ctx and _memory stay importable from here (tests)
+from autopar.cost.joint import (  # the cost model; _Ctx and _memory stay importable from here (tests)
     _Ctx, _cost_tensor, _fits, _memory, _prepare, _split_lower_bound,
 )
-from autopar.plan import Plan, Predicted, Stage
-from autopar.pp_planner import (
+from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.planner.pp import (
     StageGrouping, _dp_min_max, member_shares, micro_candidates, micro_sizes, plan_pipeline, plan_timeline,
     split_blocks,
 )
 
-from autopar.plan_cache import cache_dir, cache_key, cache_read, cache_write
-from autopar.plan_layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
+from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
+from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = [
     "TP_DEGREES", "SINGLE_STRATEGIES", "Member", "MemberLayout", "member_layouts", "member_groupings",
@@ -397,7 +397,7 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     (``tp_cost.DEFAULT_REPLICATED_FRACTION`` when None). ``Plan.notes`` lists the runner-ups with their
     predicted step times. ``recompute``: whether pipeline stages whose memory binds may recompute
     their activations (``Stage.recompute``). Upper bound and efficiency are left at 0: see
-    ``autopar.bounds``.
+    ``autopar.planner.bounds``.
     Raises ``PlanError`` when nothing fits."""
     B = _check_batch(global_batch)
     if schedule not in ("auto", "gpipe", "1f1b"):

@@ -5,7 +5,7 @@ activation bytes saved for backward per sample, output bytes per sample, FLOPs p
 device type, the forward and backward time of every block sampled at a few micro-batch sizes.
 Times between samples are interpolated linearly; above the largest sample they are extrapolated
 linearly from the last two samples (time grows at least linearly with the batch once a device is
-busy). The tables come from ``autopar.profile`` (measurement, roofline transfer, kernel timings) or,
+busy). The tables come from ``autopar.cost.profile`` (measurement, roofline transfer, kernel timings) or,
 in solver tests, from ``ModelCosts.synthetic``.
 
 Memory terms (bytes): weights ``param_bytes``; gradients the same size; optimizer state

@@ -148,7 +148,7 @@ class Plan:
     # -- display -------------------------------------------------------------------------------
     def summary(self, cluster=None) -> str:
         """A readable table: one row per stage member."""
-        from autopar.report import plan_table  # local: rich is only needed for display
+        from autopar.ir.report import plan_table  # local: rich is only needed for display
 
         return plan_table(self, cluster)
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.costs import ModelCosts
-from autopar.plan import Plan
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = ["cache_dir", "cache_key", "cache_read", "cache_write"]
 

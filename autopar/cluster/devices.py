@@ -57,7 +57,7 @@ class DeviceSpec:
     speed: float = 1.0            # emulated devices only: fraction of this CPU's speed
 
     def __post_init__(self):
-        # Programming errors only; user input is validated (with field paths) in autopar.cluster.
+        # Programming errors only; user input is validated (with field paths) in autopar.cluster.model.
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"DeviceSpec.name: {self.name!r} must be a non-empty string")
         if self.vendor not in VENDORS:

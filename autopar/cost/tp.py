@@ -10,7 +10,7 @@ Terms
   block statistics where known (``replicated_fraction_of``), else ``DEFAULT_REPLICATED_FRACTION``.
 - TP communication: Megatron-style, ``TP_ALLREDUCES_PER_BLOCK`` all-reduces per block per micro-step
   (2 in forward, 2 in backward), each of the block's output (``out_bytes`` per sample x samples) over
-  the group's ring (``autopar.comm.allreduce_time_s``). Every block counts as a transformer layer.
+  the group's ring (``autopar.cost.comm.allreduce_time_s``). Every block counts as a transformer layer.
 - group time of a block: the slowest rank's share of it (ranks synchronise at every all-reduce, so the
   maximum is taken block by block) plus its all-reduces.
 """
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.comm import allreduce_time_s, ring_link
-from autopar.costs import ModelCosts
+from autopar.cost.comm import allreduce_time_s, ring_link
+from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = [
     "DEFAULT_REPLICATED_FRACTION", "TP_ALLREDUCES_PER_BLOCK", "DEFAULT_NUM_UNITS", "TpGroup",

@@ -1,7 +1,7 @@
 """Member layouts and stage groupings for the joint planner: how a cluster's devices form
 tensor-parallel members (TP degree per device type, inside a node) and how members are grouped into
 pipeline stages (one stage per member, per node, per type, type-major, lockstep). Pure functions of the
-cluster; see ``autopar.joint_planner`` for the search over them."""
+cluster; see ``autopar.planner.joint`` for the search over them."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 
-from autopar import tp_cost
-from autopar.costs import ModelCosts
-from autopar.pp_planner import StageGrouping
+from autopar.cost import tp as tp_cost
+from autopar.ir.costs import ModelCosts
+from autopar.planner.pp import StageGrouping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
+    from autopar.cluster.model import Cluster
 
 __all__ = ["TP_DEGREES", "Member", "MemberLayout", "member_layouts", "member_groupings"]
 

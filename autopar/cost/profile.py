@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autopar.costs import OPTIMIZER_STATE_BYTES, ModelCosts
+from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
            "measure_blocks", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
@@ -265,9 +265,9 @@ def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=
     tuned Triton kernel covers run that kernel instead of what the roofline assumed: the kernel's tuned
     time (``autopar tune`` cache, ``kernels.timing``) minus those nodes' memory-bound roofline time.
     None when the tuning cache knows nothing of ``device_name``."""
-    from kernels.cache import read_cache
-    from kernels.timing import kernel_time_s
-    from passes.triton_patterns import find_kernel_patterns
+    from autopar.kernels.cache import read_cache
+    from autopar.kernels.timing import kernel_time_s
+    from autopar.passes.triton_patterns import find_kernel_patterns
 
     # The tuning cache is keyed by the CUDA device name ("NVIDIA H200"); presets are "H200-141GB".
     known = list(read_cache())
@@ -331,7 +331,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
                 bwd_table[t] = np.stack([measured[int(b)][1] for b in batches]) / speed
                 sources[t] = "emulated" if spec.is_emulated else "measured"
                 continue
-            from autopar.devices import CPU_NOMINAL
+            from autopar.cluster.devices import CPU_NOMINAL
 
             f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1, 1e-5, 0.0), False)
             fwd_table[t], bwd_table[t] = f / speed, b_ / speed
@@ -355,7 +355,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     act_scale = 0.5 if all_gpu else 1.0
     weight_bytes_per_param = 2 if all_gpu else 4
     opt_bytes = OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0)
-    from autopar.step_costs import step_terms  # optimizer step and per-call overhead per type
+    from autopar.cost.step import step_terms  # optimizer step and per-call overhead per type
 
     terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
                        measured=measured is not None)

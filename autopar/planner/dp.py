@@ -10,7 +10,7 @@ Terms
   under ZeRO-3 each micro-step also pays the gathers it needs (``ZeroComm.per_micro_step_s``).
 - max micro-batch: the largest micro-batch a rank holds in ``memory_fraction`` of its memory next to
   its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``).
-- ZeRO communication, per step, among the plan's ranks (``autopar.comm``, flat or hierarchical rings):
+- ZeRO communication, per step, among the plan's ranks (``autopar.cost.comm``, flat or hierarchical rings):
   ZeRO-0 all-reduce of the gradients after the last micro-step; ZeRO-1 the same, then an all-gather
   of the updated parameters; ZeRO-2, on every micro-step, a reduce-scatter of the gradients (they are
   sharded, so they cannot be accumulated whole across micro-steps: DeepSpeed's ZeRO-2 reduces after
@@ -30,7 +30,7 @@ Terms
   backward produces before its reduce-scatter is not counted in memory (ZeRO-2/3).
 
 Strategies: ``"dp"`` chooses shares and micro-batches that minimise the step time exactly
-(``autopar.allocate``); ``"uniform-dp"`` (DeepSpeed-style) gives every rank ``B/N`` samples (the first
+(``autopar.planner.allocate``); ``"uniform-dp"`` (DeepSpeed-style) gives every rank ``B/N`` samples (the first
 ``B mod N`` one more) in micro-batches of one size, the least max micro-batch over ranks;
 ``"proportional-dp"`` (Whale-style) gives shares proportional to ``peak_flops_bf16`` (largest
 remainder rounding) in micro-batches capped by each rank's memory.
@@ -47,15 +47,15 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from autopar import comm
-from autopar.allocate import allocate, balanced_split
-from autopar.costs import ModelCosts
+from autopar.cost import comm
+from autopar.planner.allocate import allocate, balanced_split
+from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
-from autopar.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted, Stage
 
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
-    from autopar.devices import DeviceSpec
+    from autopar.cluster.model import Cluster
+    from autopar.cluster.devices import DeviceSpec
 
 __all__ = [
     "DpStrategy", "DP_STRATEGIES", "ZERO_STAGES", "DEFAULT_WORKSPACE_BYTES", "ZeroComm", "RankMemory",
@@ -91,7 +91,7 @@ class ZeroComm:
 def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
               link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> ZeroComm:
     """The collectives of ``zero_stage`` over ``ranks`` (see the module docstring); ``algorithm`` as in
-    ``autopar.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks)."""
+    ``autopar.cost.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks)."""
     _check_zero_stage(zero_stage)
     ranks = tuple(ranks)
     n = len(ranks)

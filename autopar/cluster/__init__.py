@@ -1,0 +1,11 @@
+"""Step 0, the cluster: which devices exist, how they are grouped into nodes, and the links between them.
+
+- ``devices``: the one preset table (datasheet figures cited) and its name matcher;
+- ``model``: ``Cluster`` and ``Device``, the YAML/dict schema, built-in clusters, detection;
+- ``links``: what a link between two ranks is (intra, network, bridge), its bandwidth and latency.
+"""
+
+from autopar.cluster.devices import DeviceSpec
+from autopar.cluster.model import Cluster, Device, builtin, builtin_names, load
+
+__all__ = ["Cluster", "Device", "DeviceSpec", "builtin", "builtin_names", "load"]

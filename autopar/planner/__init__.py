@@ -1,0 +1,9 @@
+"""Step 3, partitioning: pure functions of (cost tables, cluster, config) that return a ``Plan``.
+
+- ``allocate``: the exact uneven batch allocator; ``dp``: data parallel + ZeRO 0-3 (Poplar);
+- ``pp``: pipeline stages across device types (HETHUB); ``layouts``: tensor-parallel member layouts;
+- ``joint``: the joint search over pipeline x tensor x data parallel (``plan_auto``);
+- ``bounds``: the one definition of the upper and compute bounds; ``cache``: the plan cache.
+"""
+
+__all__: list[str] = []
