@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.cost import comm
-from autopar.cluster.model import Cluster, DeviceSpec, _match_preset, builtin, builtin_names
-from autopar.cluster.devices import GiB, PRESETS, cpu_spec_detect, preset
+from autopar.cluster.model import Cluster, DeviceSpec, builtin, builtin_names
+from autopar.cluster.devices import GiB, PRESETS, cpu_spec_detect, match_preset, preset
 from autopar.errors import ClusterError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +228,8 @@ def test_signature_is_stable_and_sensitive():
     ("NVIDIA A100-PCIE-40GB", 39.4, "A100-40GB"),
     ("NVIDIA A10", 22.1, "A10-24GB"),
     ("NVIDIA H100 80GB HBM3", 79.1, "H100-80GB"),
+    ("NVIDIA H100 PCIe", 79.6, "H100-PCIe-80GB"),       # the most specific preset wins
+    ("NVIDIA A100 80GB PCIe", 79.2, "A100-PCIe-80GB"),
     ("NVIDIA H200", 139.8, "H200-141GB"),
     ("Tesla V100-SXM2-16GB", 15.8, "V100-16GB"),
     ("Tesla V100S-PCIE-32GB", 31.7, "V100S-32GB"),
@@ -238,7 +240,7 @@ def test_signature_is_stable_and_sensitive():
     ("NVIDIA GeForce RTX 3090", 23.6, None),
 ])
 def test_match_preset(name, mem_gib, expected):
-    got = _match_preset(name, int(mem_gib * GiB))
+    got = match_preset(name, int(mem_gib * GiB))
     assert (got.name if got else None) == expected
 
 

@@ -19,12 +19,13 @@ Nothing here probes the machine at import; ``cpu_spec_detect()`` does, when call
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = [
     "DeviceSpec", "Vendor", "VENDORS", "PRESETS", "CPU_NOMINAL", "PCIE3_X16_Bps", "PCIE4_X16_Bps",
-    "PCIE5_X16_Bps", "SHARED_MEMORY_Bps", "GiB", "preset", "preset_names", "emulated_spec",
+    "PCIE5_X16_Bps", "SHARED_MEMORY_Bps", "GiB", "preset", "preset_names", "match_preset", "emulated_spec",
     "cpu_spec_detect",
 ]
 
@@ -99,12 +100,18 @@ _PRESET_LIST: tuple[DeviceSpec, ...] = (
     _gpu("A100-80GB",     "nvidia",  312.0,  19.5,  80, 2039, 300),
     # Same datasheet (SXM4 40GB): 312 / 19.5 TFLOPS, 40GB HBM2 at 1,555 GB/s, NVLink 600 GB/s.
     _gpu("A100-40GB",     "nvidia",  312.0,  19.5,  40, 1555, 300),
+    # Same datasheet (PCIe 80GB): 312 / 19.5 TFLOPS, 80GB HBM2e at 1,935 GB/s; NVLink bridges pair two
+    # cards only -> PCIe Gen4 x16 64 GB/s, 32 per direction.
+    _gpu("A100-PCIe-80GB", "nvidia", 312.0,  19.5,  80, 1935,  32),
     # NVIDIA A800 Tensor Core GPU datasheet (SXM 80GB): 312 / 19.5 TFLOPS, 80GB HBM2e at 2,039 GB/s,
     # NVLink 400 GB/s (bidirectional; export-limited A100) -> 200 per direction.
     _gpu("A800-80GB",     "nvidia",  312.0,  19.5,  80, 2039, 200),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS with sparsity ->
     # 989.5 dense, FP32 67 TFLOPS, 80GB HBM3 at 3.35 TB/s, NVLink 900 GB/s -> 450 per direction.
     _gpu("H100-80GB",     "nvidia",  989.5,  67.0,  80, 3350, 450),
+    # Same datasheet (PCIe): BF16 Tensor Core 1,513 TFLOPS with sparsity -> 756.5 dense, FP32 51 TFLOPS,
+    # 80GB HBM2e at 2 TB/s; NVLink bridges pair two cards only -> PCIe Gen5 x16, 64 per direction.
+    _gpu("H100-PCIe-80GB", "nvidia", 756.5,  51.0,  80, 2000,  64),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS sparse -> 989.5 dense, FP32 67,
     # 141GB HBM3e at 4.8 TB/s, NVLink 900 GB/s -> 450 per direction.
     _gpu("H200-141GB",    "nvidia",  989.5,  67.0, 141, 4800, 450),
@@ -161,6 +168,36 @@ def preset(name: str) -> DeviceSpec:
         if key.lower() == name.lower():
             return spec
     raise KeyError(name)
+
+
+def _words(name: str) -> list[str]:
+    return [t.upper() for t in re.split(r"[^A-Za-z0-9]+", name) if t]
+
+
+def match_preset(device_name: str, memory_bytes: int) -> DeviceSpec | None:
+    """The preset of a device as its driver names it (``"NVIDIA A100-SXM4-80GB"``, ``"Tesla T4"``,
+    ``"NVIDIA GeForce RTX 4090"``) with ``memory_bytes`` of memory, or None.
+
+    A preset matches when every word of its model name (the preset name without the memory size:
+    ``H100``, ``H100-PCIe``) is a word of the device name, or two adjacent ones run together
+    (``RTX 4090``), and its memory is within 10% of ``memory_bytes`` (drivers report a little less
+    than the datasheet). Among matches the one naming the most words wins (``H100 PCIe`` over ``H100``).
+    This is the one matcher of hardware names: detection and the kernel benchmarks use it."""
+    tokens = _words(device_name)
+    words = set(tokens) | {a + b for a, b in zip(tokens, tokens[1:])}
+    best, best_key = None, None
+    for spec in PRESETS.values():
+        if spec.is_emulated:
+            continue
+        model = _words(spec.name.rsplit("-", 1)[0])
+        if not all(w in words for w in model):
+            continue
+        if abs(memory_bytes - spec.memory_bytes) > 0.1 * spec.memory_bytes:
+            continue
+        key = (len(model), len(spec.name))
+        if best_key is None or key > best_key:
+            best, best_key = spec, key
+    return best
 
 
 def emulated_spec(name: str, speed: float, memory_bytes: int) -> DeviceSpec:

@@ -1,17 +1,8 @@
 """Alpha-beta cost model of point-to-point transfers and collectives over the ranks of a cluster.
 
 Terms
-- link: the path between two ranks. Its kind is
-  "intra"   both in one node and of one device family: NVLink / Infinity Fabric / PCIe peer-to-peer,
-            or shared memory between two CPU processes;
-  "network" in different nodes, same device family: the inter-node network (one NIC per device);
-  "bridge"  different device families (CPU vs GPU, NVIDIA vs AMD vs another vendor): no common
-            collective library, so the data is staged through host memory on both sides. Bandwidth is
-            the slower side's host link (PCIe, or shared memory for a CPU), also bounded by the network
-            when the two are in different nodes; latency is the intra or network latency plus
-            ``LinkModel.bridge_latency_s``.
-- device family: "cpu" for CPU and emulated devices, else the vendor ("nvidia", "amd"); vendor
-  "other" devices form one family per device type (an unknown accelerator talks only to its own kind).
+- link, link kind, device family: see ``autopar.cluster.links`` (re-exported here: ``LinkModel``,
+  ``DEFAULT_LINK``, ``LinkKind``, ``family``, ``link_kind``, ``pair_bandwidth_Bps``, ``pair_latency_s``).
 - alpha-beta: a message of n bytes over a link costs ``latency_s + n / bandwidth_Bps``.
 - ring: ranks in the given order, each sending to the next and the last to the first. Every step
   moves one chunk over every link at once, so the slowest link bounds the bandwidth term and the
@@ -37,10 +28,11 @@ Algorithms (keyword ``algorithm``)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
-from autopar.cluster.devices import PCIE4_X16_Bps, DeviceSpec
+from autopar.cluster.links import (
+    DEFAULT_LINK, LinkKind, LinkModel, check_rank, family, link_kind, pair_bandwidth_Bps, pair_latency_s,
+)
 from autopar.errors import ClusterError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,109 +44,14 @@ __all__ = [
     "allgather_time_s", "broadcast_time_s",
 ]
 
-LinkKind = Literal["intra", "network", "bridge"]
 Algorithm = Literal["ring", "hierarchical", "auto"]
-
-
-@dataclass(frozen=True, slots=True)
-class LinkModel:
-    """Parameters of the link model; replace with measured figures where known."""
-    intra_latency_s: float = 3e-6            # NVLink / PCIe peer-to-peer hop (NCCL's few us)
-    cpu_intra_latency_s: float = 30e-6       # gloo between two processes of one machine
-    bridge_latency_s: float = 20e-6          # extra for a host-staged copy (two PCIe hops + sync)
-    host_link_Bps: float = PCIE4_X16_Bps     # a GPU's PCIe link to host, per direction
-    network_bandwidth_Bps: float | None = None   # None: the cluster's figure
-    network_latency_s: float | None = None       # None: the cluster's figure
-    bandwidth_efficiency: float = 1.0        # achieved / nominal bandwidth, all links
-
-    def __post_init__(self):
-        for name in ("intra_latency_s", "cpu_intra_latency_s", "bridge_latency_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"LinkModel.{name}: {getattr(self, name)!r} must be >= 0")
-        if not self.host_link_Bps > 0:
-            raise ValueError(f"LinkModel.host_link_Bps: {self.host_link_Bps!r} must be > 0")
-        if self.network_bandwidth_Bps is not None and not self.network_bandwidth_Bps > 0:
-            raise ValueError(f"LinkModel.network_bandwidth_Bps: {self.network_bandwidth_Bps!r} must be > 0")
-        if self.network_latency_s is not None and not self.network_latency_s >= 0:
-            raise ValueError(f"LinkModel.network_latency_s: {self.network_latency_s!r} must be >= 0")
-        if not 0 < self.bandwidth_efficiency <= 1:
-            raise ValueError(f"LinkModel.bandwidth_efficiency: {self.bandwidth_efficiency!r} "
-                             "must be in (0, 1]")
-
-
-DEFAULT_LINK = LinkModel()
-
-
-def family(spec: DeviceSpec) -> str:
-    if spec.is_emulated or spec.vendor == "cpu":
-        return "cpu"
-    if spec.vendor == "other":
-        return f"other:{spec.name}"
-    return spec.vendor
-
-
-def _check_rank(cluster: "Cluster", rank: int, what: str = "rank") -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(cluster.devices):
-        raise ClusterError(f"{what}: {rank!r} is not a rank of cluster {cluster.name!r} "
-                           f"(ranks 0..{len(cluster.devices) - 1})")
-
-
-def link_kind(cluster: "Cluster", a: int, b: int) -> LinkKind:
-    _check_rank(cluster, a)
-    _check_rank(cluster, b)
-    da, db = cluster.devices[a], cluster.devices[b]
-    if family(da.spec) != family(db.spec):
-        return "bridge"
-    return "intra" if da.node == db.node else "network"
-
-
-def _host_side_Bps(spec: DeviceSpec, link: LinkModel) -> float:
-    if family(spec) == "cpu":
-        return spec.intra_bandwidth_Bps
-    return min(spec.intra_bandwidth_Bps, link.host_link_Bps)
-
-
-def _network(cluster: "Cluster", link: LinkModel) -> tuple[float, float]:
-    bw, lat = link.network_bandwidth_Bps, link.network_latency_s
-    bw = cluster.network_bandwidth_Bps if bw is None else bw
-    lat = cluster.network_latency_s if lat is None else lat
-    return bw, lat
-
-
-def pair_bandwidth_Bps(cluster: "Cluster", a: int, b: int, link: LinkModel = DEFAULT_LINK) -> float:
-    """Per-direction bandwidth between two ranks (infinite from a rank to itself)."""
-    kind = link_kind(cluster, a, b)
-    if a == b:
-        return math.inf
-    da, db = cluster.devices[a], cluster.devices[b]
-    if kind == "intra":
-        bw = cluster.node_intra_bandwidth_Bps(da.node, (da.spec, db.spec))
-    elif kind == "network":
-        bw = _network(cluster, link)[0]
-    else:
-        bw = min(_host_side_Bps(da.spec, link), _host_side_Bps(db.spec, link))
-        if da.node != db.node:
-            bw = min(bw, _network(cluster, link)[0])
-    return bw * link.bandwidth_efficiency
-
-
-def pair_latency_s(cluster: "Cluster", a: int, b: int, link: LinkModel = DEFAULT_LINK) -> float:
-    """One-message latency between two ranks (0 from a rank to itself)."""
-    kind = link_kind(cluster, a, b)
-    if a == b:
-        return 0.0
-    da, db = cluster.devices[a], cluster.devices[b]
-    cpu = family(da.spec) == "cpu" and family(db.spec) == "cpu"
-    base = _network(cluster, link)[1] if da.node != db.node else (
-        link.cpu_intra_latency_s if cpu else link.intra_latency_s)
-    return base + (link.bridge_latency_s if kind == "bridge" else 0.0)
 
 
 def p2p_time_s(cluster: "Cluster", src: int, dst: int, nbytes: float,
                link: LinkModel = DEFAULT_LINK) -> float:
     _check_nbytes(nbytes)
     if src == dst:
-        _check_rank(cluster, src, "src")
+        check_rank(cluster, src, "src")
         return 0.0
     return pair_latency_s(cluster, src, dst, link) + nbytes / pair_bandwidth_Bps(cluster, src, dst, link)
 
@@ -167,11 +64,11 @@ def _check_nbytes(nbytes: float) -> None:
 def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
     ranks = tuple(ranks)
     if not ranks:
-        raise ValueError("ranks: empty; a collective needs at least one rank")
+        raise ClusterError("ranks: empty; a collective needs at least one rank")
     for r in ranks:
-        _check_rank(cluster, r, "ranks")
+        check_rank(cluster, r, "ranks")
     if len(set(ranks)) != len(ranks):
-        raise ValueError(f"ranks: {ranks} repeats a rank")
+        raise ClusterError(f"ranks: {ranks} repeats a rank")
     return ranks
 
 

@@ -1,0 +1,134 @@
+"""Links between the ranks of a cluster: what kind each is, its bandwidth and its latency.
+
+Terms
+- link: the path between two ranks. Its kind is
+  "intra"   both in one node and of one device family: NVLink / Infinity Fabric / PCIe peer-to-peer,
+            or shared memory between two CPU processes;
+  "network" in different nodes, same device family: the inter-node network (one NIC per device);
+  "bridge"  different device families (CPU vs GPU, NVIDIA vs AMD vs another vendor): no common
+            collective library, so the data is staged through host memory on both sides. Bandwidth is
+            the slower side's host link (PCIe, or shared memory for a CPU), also bounded by the network
+            when the two are in different nodes; latency is the intra or network latency plus
+            ``LinkModel.bridge_latency_s``.
+- device family: "cpu" for CPU and emulated devices, else the vendor ("nvidia", "amd"); vendor
+  "other" devices form one family per device type (an unknown accelerator talks only to its own kind).
+
+Bandwidths are per direction, in bytes per second; latencies in seconds. The time of a transfer or a
+collective over these links is ``autopar.cost.comm``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from autopar.cluster.devices import PCIE4_X16_Bps, DeviceSpec
+from autopar.errors import ClusterError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster.model import Cluster
+
+__all__ = [
+    "LinkModel", "DEFAULT_LINK", "LinkKind", "family", "check_rank", "link_kind", "pair_bandwidth_Bps",
+    "pair_latency_s",
+]
+
+LinkKind = Literal["intra", "network", "bridge"]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Parameters of the link model; replace with measured figures where known."""
+    intra_latency_s: float = 3e-6            # NVLink / PCIe peer-to-peer hop (NCCL's few us)
+    cpu_intra_latency_s: float = 30e-6       # gloo between two processes of one machine
+    bridge_latency_s: float = 20e-6          # extra for a host-staged copy (two PCIe hops + sync)
+    host_link_Bps: float = PCIE4_X16_Bps     # a GPU's PCIe link to host, per direction
+    network_bandwidth_Bps: float | None = None   # None: the cluster's figure
+    network_latency_s: float | None = None       # None: the cluster's figure
+    bandwidth_efficiency: float = 1.0        # achieved / nominal bandwidth, all links
+
+    def __post_init__(self):
+        for name in ("intra_latency_s", "cpu_intra_latency_s", "bridge_latency_s"):
+            if not getattr(self, name) >= 0:
+                raise ClusterError(f"LinkModel.{name}: {getattr(self, name)!r} must be >= 0")
+        if not self.host_link_Bps > 0:
+            raise ClusterError(f"LinkModel.host_link_Bps: {self.host_link_Bps!r} must be > 0")
+        if self.network_bandwidth_Bps is not None and not self.network_bandwidth_Bps > 0:
+            raise ClusterError(f"LinkModel.network_bandwidth_Bps: {self.network_bandwidth_Bps!r} must be > 0")
+        if self.network_latency_s is not None and not self.network_latency_s >= 0:
+            raise ClusterError(f"LinkModel.network_latency_s: {self.network_latency_s!r} must be >= 0")
+        if not 0 < self.bandwidth_efficiency <= 1:
+            raise ClusterError(f"LinkModel.bandwidth_efficiency: {self.bandwidth_efficiency!r} "
+                             "must be in (0, 1]")
+
+
+DEFAULT_LINK = LinkModel()
+
+
+def family(spec: DeviceSpec) -> str:
+    """The device family of ``spec`` (see the module docstring): who can talk to whom directly."""
+    if spec.is_emulated or spec.vendor == "cpu":
+        return "cpu"
+    if spec.vendor == "other":
+        return f"other:{spec.name}"
+    return spec.vendor
+
+
+def check_rank(cluster: "Cluster", rank: int, what: str = "rank") -> None:
+    """``ClusterError`` naming ``what`` unless ``rank`` is a rank of ``cluster``."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(cluster.devices):
+        raise ClusterError(f"{what}: {rank!r} is not a rank of cluster {cluster.name!r} "
+                           f"(ranks 0..{len(cluster.devices) - 1})")
+
+
+def link_kind(cluster: "Cluster", a: int, b: int) -> LinkKind:
+    """The kind of the link between ranks ``a`` and ``b``."""
+    check_rank(cluster, a)
+    check_rank(cluster, b)
+    da, db = cluster.devices[a], cluster.devices[b]
+    if family(da.spec) != family(db.spec):
+        return "bridge"
+    return "intra" if da.node == db.node else "network"
+
+
+def _host_side_Bps(spec: DeviceSpec, link: LinkModel) -> float:
+    if family(spec) == "cpu":
+        return spec.intra_bandwidth_Bps
+    return min(spec.intra_bandwidth_Bps, link.host_link_Bps)
+
+
+def _network(cluster: "Cluster", link: LinkModel) -> tuple[float, float]:
+    bw, lat = link.network_bandwidth_Bps, link.network_latency_s
+    bw = cluster.network_bandwidth_Bps if bw is None else bw
+    lat = cluster.network_latency_s if lat is None else lat
+    return bw, lat
+
+
+def pair_bandwidth_Bps(cluster: "Cluster", a: int, b: int, link: LinkModel = DEFAULT_LINK) -> float:
+    """Per-direction bandwidth between two ranks (infinite from a rank to itself)."""
+    kind = link_kind(cluster, a, b)
+    if a == b:
+        return math.inf
+    da, db = cluster.devices[a], cluster.devices[b]
+    if kind == "intra":
+        bw = cluster.node_intra_bandwidth_Bps(da.node, (da.spec, db.spec))
+    elif kind == "network":
+        bw = _network(cluster, link)[0]
+    else:
+        bw = min(_host_side_Bps(da.spec, link), _host_side_Bps(db.spec, link))
+        if da.node != db.node:
+            bw = min(bw, _network(cluster, link)[0])
+    return bw * link.bandwidth_efficiency
+
+
+def pair_latency_s(cluster: "Cluster", a: int, b: int, link: LinkModel = DEFAULT_LINK) -> float:
+    """One-message latency between two ranks (0 from a rank to itself)."""
+    kind = link_kind(cluster, a, b)
+    if a == b:
+        return 0.0
+    da, db = cluster.devices[a], cluster.devices[b]
+    cpu = family(da.spec) == "cpu" and family(db.spec) == "cpu"
+    base = _network(cluster, link)[1] if da.node != db.node else (
+        link.cpu_intra_latency_s if cpu else link.intra_latency_s)
+    return base + (link.bridge_latency_s if kind == "bridge" else 0.0)
