@@ -2,9 +2,9 @@
 
 For every kernel and size: the median time of each implementation (``triton.testing.do_bench``: warm
 up, synchronise, L2 flushed between runs), the achieved bandwidth (bytes the call must move / time)
-or, for matmul, FLOP/s, its fraction of the device's peak (``kernels.devices``), the speedup of the
-Triton kernel over eager and over compiled torch measured side by side in the same run, and the
-Triton kernel's largest relative error against eager. Writes
+or, for matmul, FLOP/s, its fraction of the device's peak (its preset in ``autopar.cluster.devices``),
+the speedup of the Triton kernel over eager and over compiled torch measured side by side in the same
+run, and the Triton kernel's largest relative error against eager. Writes
 ``benchmarks/results/kernels-<device>.json`` (machine, versions, config, every measurement) and a
 short ``.md`` table.
 
@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autopar import kernels  # noqa: E402
-from autopar.kernels.devices import local_device_name, peak_for  # noqa: E402
+from autopar.cluster.devices import match_preset  # noqa: E402
+from autopar.kernels.devices import local_device_memory_bytes, local_device_name  # noqa: E402
 from autopar.kernels.tune import call_work  # noqa: E402
 
 # Canonical shapes: (rows, cols) for the row/elementwise kernels, (M, N, K) for matmul.
@@ -133,7 +134,9 @@ def run_benchmark(sizes, dtype, modes, use_compile, out_dir: Path, device: str =
     import triton.testing
 
     device_name = local_device_name()
-    peak = peak_for(device_name)
+    memory = local_device_memory_bytes()
+    # Peak figures from the one preset table (autopar.cluster.devices); None for an unknown part.
+    peak = match_preset(device_name, memory) if device_name and memory else None
     torch_ops = _torch_ops()
     compiled = {k: torch.compile(f, dynamic=False) for k, f in torch_ops.items()} if use_compile else {}
     for knob in ("recompile_limit", "cache_size_limit"):  # one compile per shape and mode
@@ -167,7 +170,7 @@ def run_benchmark(sizes, dtype, modes, use_compile, out_dir: Path, device: str =
                     rate = (flops or bytes_) / t
                     frac = None
                     if peak is not None and not (flops and dtype == torch.float32):
-                        frac = rate / (peak.bf16_flops if flops else peak.mem_bandwidth_Bps)
+                        frac = rate / (peak.peak_flops_bf16 if flops else peak.mem_bandwidth_Bps)
                     rows.append({
                         "kernel": kernel, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
                         "mode": mode, "impl": impl, "time_s": t, "bytes": bytes_, "flops": flops,
@@ -191,7 +194,8 @@ def run_benchmark(sizes, dtype, modes, use_compile, out_dir: Path, device: str =
                    "sizes": {k: [list(s) for s in v] for k, v in sizes.items()},
                    "timer": "triton.testing.do_bench median, L2 flushed"},
         "machine": _machine(device_name), "versions": _versions(),
-        "peak": None if peak is None else {"mem_bandwidth_Bps": peak.mem_bandwidth_Bps, "bf16_flops": peak.bf16_flops},
+        "peak": None if peak is None else {"preset": peak.name, "mem_bandwidth_Bps": peak.mem_bandwidth_Bps,
+                                           "bf16_flops": peak.peak_flops_bf16},
         "results": rows,
     }
     json_path = out_dir / f"kernels-{slug}.json"

@@ -6,12 +6,14 @@ shape, and match the torch op within the dtype's tolerance. They run natively on
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported.
 
 Submodules: ``kernels.tune`` (tuning runs, ``autopar tune``), ``kernels.timing`` (tuned times for the
-cost model), ``kernels.cache`` (the cache file), ``kernels.devices`` (peak figures),
+cost model), ``kernels.cache`` (the cache file), ``kernels.devices`` (the local GPU;
+the peak figures the caller passes in),
 ``kernels.configs`` (launch configs), ``kernels.check`` (correctness against torch).
 
 Importing this package imports neither triton nor the kernels: each is loaded on first use, so that
 ``TRITON_INTERPRET`` may still be set after ``import kernels``. This package depends on nothing else
-in the repository.
+in the repository: its errors (``KernelInputError``) are plain ``ValueError``s, and device peak figures
+come from the caller (autopar's one preset table), not from a table here.
 """
 
 from __future__ import annotations

@@ -25,7 +25,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class KernelInputError(ValueError):
-    """A kernel was called with an input it does not support; the message names the argument."""
+    """A kernel was called with an input it does not support; the message names the argument.
+
+    Its own ``ValueError``, not an ``autopar.AutoparError``: ``kernels/`` imports nothing of autopar
+    (it is usable, and tested, alone). Catch ``ValueError`` to handle both."""
 
 
 def interpreting() -> bool:

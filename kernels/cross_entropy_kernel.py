@@ -18,7 +18,7 @@ import triton.language as tl
 from ._common import KernelInputError, as_rows
 from .cache import tuned_config
 from .configs import RowConfig, default_row_config
-from .softmax_kernel import _online_lse
+from .softmax_kernel import online_lse
 
 __all__ = ["cross_entropy"]
 
@@ -28,7 +28,7 @@ def _ce_fwd_kernel(Logits, Target, Loss, Lse, V, ignore_index, BLOCK_N: tl.const
     row = tl.program_id(0).to(tl.int64)
     x_row = Logits + row * V
     target = tl.load(Target + row)
-    m, s = _online_lse(x_row, V, BLOCK_N)
+    m, s = online_lse(x_row, V, BLOCK_N)
     lse = m + tl.log(s)
     valid = (target >= 0) & (target < V)
     x_t = tl.load(x_row + tl.where(valid, target, 0)).to(tl.float32)

@@ -1,43 +1,27 @@
-"""Peak figures of the GPUs that tuning runs and benchmarks report against.
+"""The local GPU as tuning runs and benchmarks see it, and the peak figures they report against.
 
-``DevicePeak`` gives the HBM bandwidth (``mem_bandwidth_Bps``, bytes per second) and the dense 16-bit
-tensor-core throughput (``bf16_flops``, FLOP per second, no sparsity). A CUDA device name matches the
-first entry whose ``pattern`` it contains (case-insensitive); an unknown device has no peak, and then
-no fraction of peak is reported.
+``DevicePeak`` is what a fraction of peak is measured against: any object with the HBM bandwidth
+(``mem_bandwidth_Bps``, bytes per second) and the dense 16-bit tensor-core throughput
+(``peak_flops_bf16``, FLOP per second, no sparsity). This package keeps no table of devices: the
+caller passes the peak in (``kernels.tune.tune(peak=...)``, ``kernels.tune.main(peak_for=...)``).
+autopar's CLI and benchmarks pass a preset of the one device table, ``autopar.cluster.devices``
+(its ``DeviceSpec`` has both figures; ``match_preset(name, memory_bytes)`` finds the local GPU's),
+since ``kernels/`` imports nothing of autopar. Without a peak no fraction of peak is reported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["DevicePeak", "PEAKS", "device_peak", "local_device_name", "peak_for"]
+__all__ = ["DevicePeak", "local_device_name", "local_device_memory_bytes"]
 
 
-@dataclass(frozen=True, slots=True)
-class DevicePeak:
-    pattern: str
+class DevicePeak(Protocol):
+    """The peak figures of one device (``autopar.cluster.devices.DeviceSpec`` is one)."""
     mem_bandwidth_Bps: float
-    bf16_flops: float
-
-
-# Most specific first. Figures from NVIDIA's datasheets.
-PEAKS: tuple[DevicePeak, ...] = (
-    DevicePeak("H200", 4.8e12, 989e12),          # H200 SXM: 4.8 TB/s HBM3e, 1,979 TFLOPS bf16 sparse = 989 dense
-    DevicePeak("H100 PCIe", 2.0e12, 756e12),     # H100 PCIe: 2.0 TB/s HBM2e, 1,513 sparse = 756 dense
-    DevicePeak("H100", 3.35e12, 989e12),         # H100 SXM: 3.35 TB/s HBM3, 1,979 sparse = 989 dense
-    DevicePeak("A100-SXM4-80GB", 2.039e12, 312e12),  # A100 80GB SXM: 2,039 GB/s, 312 TFLOPS bf16 dense
-    DevicePeak("A100 80GB PCIe", 1.935e12, 312e12),  # A100 80GB PCIe: 1,935 GB/s
-    DevicePeak("A100", 1.555e12, 312e12),        # A100 40GB: 1,555 GB/s
-)
-
-
-def peak_for(name: str | None) -> DevicePeak | None:
-    if not name:
-        return None
-    lowered = name.lower()
-    return next((p for p in PEAKS if p.pattern.lower() in lowered), None)
+    peak_flops_bf16: float
 
 
 def local_device_name() -> str | None:
@@ -47,6 +31,8 @@ def local_device_name() -> str | None:
     return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
-def device_peak() -> DevicePeak | None:
-    """The peak figures of the current CUDA device, or None (no GPU, or not in the table)."""
-    return peak_for(local_device_name())
+def local_device_memory_bytes() -> int | None:
+    """The memory of the current CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)

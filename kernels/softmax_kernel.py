@@ -16,11 +16,11 @@ from ._common import as_rows
 from .cache import tuned_config
 from .configs import RowConfig, default_row_config
 
-__all__ = ["softmax"]
+__all__ = ["softmax", "online_lse"]
 
 
 @triton.jit
-def _online_lse(x_row, N, BLOCK_N: tl.constexpr):
+def online_lse(x_row, N, BLOCK_N: tl.constexpr):
     """Max ``m`` of a row read in chunks and the sum ``s`` of ``exp(x - m)``: each lane keeps its own
     running max and rescaled running sum; lanes are combined once at the end."""
     cols = tl.arange(0, BLOCK_N)
@@ -52,7 +52,7 @@ def _softmax_fwd_kernel(X, Y, N, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
         y = e / tl.sum(e, axis=0)
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
     else:
-        m, s = _online_lse(x_row, N, BLOCK_N)
+        m, s = online_lse(x_row, N, BLOCK_N)
         for start in range(0, N, BLOCK_N):
             c = start + cols
             x = tl.load(x_row + c, mask=c < N, other=-float("inf")).to(tl.float32)

@@ -4,13 +4,16 @@ For each kernel, shape and direction (``fwd``; ``bwd`` for the kernels with a ba
 times each candidate (``kernels.configs``) with ``triton.testing.do_bench`` (median), writes the
 winner and its time to the tuning cache (``kernels.cache``: per device name, kernel, shape bucket),
 and prints a table with the achieved bandwidth (memory-bound kernels: bytes the call must move over
-its time) or FLOP/s (matmul) and its fraction of the device's peak (``kernels.devices``).
+its time) or FLOP/s (matmul) and, when the caller gives the device's peak figures
+(``kernels.devices.DevicePeak``), its fraction of that peak.
 
 ``main(argv)`` is the ``autopar tune`` command: ``[--kernels NAMES] [--model MODEL] [--check]
 [--cache FILE] [--dtype D] [--no-backward]``. Without a GPU it exits with status 2, except with
 ``--check``, which verifies every kernel against torch on small shapes (natively on a GPU, else under
 Triton's CPU interpreter) and exits 0 when all pass. ``--model`` needs a resolver from model name to
-shapes, which the autopar CLI passes in as ``main(argv, shapes_for_model=...)``.
+shapes, which the autopar CLI passes in as ``main(argv, shapes_for_model=...)``; the CLI also passes
+``peak_for(device_name, memory_bytes) -> DevicePeak | None``: autopar's preset matcher
+(``autopar.cluster.devices.match_preset``), so the one device table gives the peak.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from ._common import interpreting
 from .cache import KERNEL_NAMES, canonical_shape, shape_bucket, write_entries
 from .configs import elementwise_candidates, matmul_candidates, row_candidates
-from .devices import local_device_name, peak_for
+from .devices import DevicePeak, local_device_memory_bytes, local_device_name
 
 __all__ = ["TuneResult", "NoGpuError", "DEFAULT_SHAPES", "call_work", "make_inputs", "tune", "main"]
 
@@ -134,9 +137,10 @@ def _time_config(kernel: str, direction: str, shape, dtype: torch.dtype, cfg) ->
 
 def tune(kernels: Sequence[str] | None = None, shapes: Mapping[str, Sequence[Sequence[int]]] | None = None,
          cache_path: Path | str | None = None, *, dtype: torch.dtype = torch.bfloat16,
-         backward: bool = True) -> list[TuneResult]:
+         backward: bool = True, peak: DevicePeak | None = None) -> list[TuneResult]:
     """Tune ``kernels`` (default all) on ``shapes`` (kernel -> list of input shapes, ``(M, N, K)`` for
-    matmul; default ``DEFAULT_SHAPES``), write the winners to the cache and return them."""
+    matmul; default ``DEFAULT_SHAPES``), write the winners to the cache and return them. ``peak``: the
+    local device's peak figures, for the fraction of peak (None: not reported)."""
     names = list(kernels or (shapes.keys() if shapes else KERNEL_NAMES))
     unknown = [n for n in names if n not in KERNEL_NAMES]
     if unknown:
@@ -144,7 +148,6 @@ def tune(kernels: Sequence[str] | None = None, shapes: Mapping[str, Sequence[Seq
     device = local_device_name()
     if device is None:
         raise NoGpuError("tuning runs time kernels on the local GPU, and this machine has no CUDA GPU")
-    peak = peak_for(device)
     results, entries = [], []
     for kernel in names:
         for raw_shape in (shapes or DEFAULT_SHAPES).get(kernel, DEFAULT_SHAPES[kernel]):
@@ -168,7 +171,7 @@ def tune(kernels: Sequence[str] | None = None, shapes: Mapping[str, Sequence[Seq
                 if peak is None or (flops and dtype == torch.float32):
                     fraction = None
                 else:
-                    fraction = achieved / (peak.bf16_flops if flops else peak.mem_bandwidth_Bps)
+                    fraction = achieved / (peak.peak_flops_bf16 if flops else peak.mem_bandwidth_Bps)
                 result = TuneResult(device, name, tuple(shape), str(dtype).removeprefix("torch."), cfg.to_dict(),
                                     time_s, len(candidates), bytes_moved, flops, achieved, fraction)
                 results.append(result)
@@ -247,7 +250,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, *,
-         shapes_for_model: Callable[[str], Mapping[str, Sequence[Sequence[int]]]] | None = None) -> int:
+         shapes_for_model: Callable[[str], Mapping[str, Sequence[Sequence[int]]]] | None = None,
+         peak_for: Callable[[str, int], DevicePeak | None] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
@@ -276,7 +280,10 @@ def main(argv: list[str] | None = None, *,
         except ValueError as e:
             print(f"autopar tune: {e}", file=sys.stderr)
             return 2
-    results = tune(names, shapes, args.cache, dtype=_DTYPES[args.dtype], backward=not args.no_backward)
+    name, memory = local_device_name(), local_device_memory_bytes()
+    peak = peak_for(name, memory) if peak_for is not None and name is not None and memory is not None else None
+    results = tune(names, shapes, args.cache, dtype=_DTYPES[args.dtype], backward=not args.no_backward,
+                   peak=peak)
     _print_tune_table(results)
     where = args.cache or os.path.join(os.environ.get("AUTOPAR_CACHE_DIR", "~/.cache/autopar"), "kernels.json")
     print(f"{len(results)} tuned configs written to {where}")

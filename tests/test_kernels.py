@@ -229,13 +229,32 @@ def test_unreadable_cache_is_empty(tmp_path):
     assert kernel_time_s("softmax", (4, 4), torch.float32, device_name="x", cache_path=bad) is None
 
 
-def test_device_peaks():
-    from autopar.kernels.devices import peak_for
+def test_device_peaks_come_from_the_preset_table():
+    """kernels keeps no device table: the preset matcher gives the figures tuning reports against."""
+    from autopar.cluster.devices import GiB, match_preset
+    from autopar.kernels import devices
 
-    assert peak_for("NVIDIA H200").mem_bandwidth_Bps == 4.8e12
-    assert peak_for("NVIDIA H100 80GB HBM3").mem_bandwidth_Bps == 3.35e12
-    assert peak_for("NVIDIA A100-SXM4-80GB").mem_bandwidth_Bps == pytest.approx(2.0e12, rel=0.03)
-    assert peak_for("Tesla T4") is None and peak_for(None) is None
+    assert not hasattr(devices, "PEAKS") and not hasattr(devices, "peak_for")
+    assert match_preset("NVIDIA H200", int(139.8 * GiB)).mem_bandwidth_Bps == 4.8e12
+    assert match_preset("NVIDIA H100 80GB HBM3", int(79.1 * GiB)).mem_bandwidth_Bps == 3.35e12
+    assert match_preset("NVIDIA H100 PCIe", int(79.6 * GiB)).peak_flops_bf16 == 756.5e12
+    assert match_preset("NVIDIA A100-SXM4-80GB", int(79.2 * GiB)).mem_bandwidth_Bps == pytest.approx(2.0e12, rel=0.03)
+    assert match_preset("NVIDIA GeForce RTX 3090", int(23.6 * GiB)) is None
+
+
+def test_tune_reports_the_fraction_of_the_given_peak(monkeypatch, tmp_path):
+    from autopar.cluster.devices import preset
+
+    monkeypatch.setattr(tune, "local_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(tune, "_time_config", lambda kernel, direction, shape, dtype, cfg: 1e-3)
+    spec = preset("H200-141GB")
+    shapes = {"softmax": [(64, 64)], "matmul": [(64, 64, 64)]}
+    with_peak = tune.tune(["softmax", "matmul"], shapes, tmp_path / "k.json", backward=False, peak=spec)
+    for r in with_peak:
+        per_s = spec.peak_flops_bf16 if r.flops else spec.mem_bandwidth_Bps
+        assert r.peak_fraction == pytest.approx(r.achieved_per_s / per_s)
+    without = tune.tune(["softmax"], shapes, tmp_path / "k.json", backward=False)
+    assert [r.peak_fraction for r in without] == [None]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
