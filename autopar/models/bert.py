@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.models.case import ModelCase, check_positive, example_inputs_from, instantiate
+from autopar.models.case import ModelCase, ModelZooError, check_positive, example_inputs_from, instantiate
 from autopar.models.data import mlm_batch
 from autopar.models.losses import token_cross_entropy
 
@@ -38,10 +38,10 @@ class BertConfig:
     def __post_init__(self):
         check_positive(self, "num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"BertConfig.hidden_size={self.hidden_size} must be divisible by "
+            raise ModelZooError(f"BertConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_heads={self.num_heads}")
         if self.vocab_size < 2:
-            raise ValueError(f"BertConfig.vocab_size={self.vocab_size} must be >= 2 (one id is [MASK])")
+            raise ModelZooError(f"BertConfig.vocab_size={self.vocab_size} must be >= 2 (one id is [MASK])")
 
 
 PRESETS = {

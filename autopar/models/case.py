@@ -116,11 +116,11 @@ def example_inputs_from(make_batch: BatchFn, *, device: str | torch.device, seed
 
 
 def check_positive(cfg: Any, *names: str) -> None:
-    """Raise ``ValueError`` naming the first field of ``cfg`` among ``names`` that is not a positive int."""
+    """Raise ``ModelZooError`` naming the first field of ``cfg`` among ``names`` that is not a positive int."""
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{type(cfg).__name__}.{name} must be a positive int, got {value!r}")
+            raise ModelZooError(f"{type(cfg).__name__}.{name} must be a positive int, got {value!r}")
 
 
 def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
@@ -131,6 +131,8 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
             raise ModelZooError(f"{type(cfg).__name__} has no field {key!r}; fields: {', '.join(sorted(known))}")
     try:
         return dataclasses.replace(cfg, **overrides)
+    except ModelZooError:
+        raise
     except ValueError as exc:
         raise ModelZooError(str(exc)) from exc
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.models.case import ModelCase, check_positive, example_inputs_from, instantiate
+from autopar.models.case import ModelCase, ModelZooError, check_positive, example_inputs_from, instantiate
 from autopar.models.data import lm_batch
 from autopar.models.losses import token_cross_entropy
 
@@ -38,7 +38,7 @@ class GPTConfig:
     def __post_init__(self):
         check_positive(self, "num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
+            raise ModelZooError(f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_heads={self.num_heads}")
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.models.case import ModelCase, check_positive, example_inputs_from, instantiate
+from autopar.models.case import ModelCase, ModelZooError, check_positive, example_inputs_from, instantiate
 from autopar.models.data import lm_batch
 from autopar.models.losses import token_cross_entropy
 
@@ -38,10 +38,10 @@ class LlamaConfig:
     def __post_init__(self):
         check_positive(self, "num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "seq_len")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"LlamaConfig.hidden_size={self.hidden_size} must be divisible by "
+            raise ModelZooError(f"LlamaConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_heads={self.num_heads}")
         if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"LlamaConfig.num_heads={self.num_heads}: the head size "
+            raise ModelZooError(f"LlamaConfig.num_heads={self.num_heads}: the head size "
                              f"{self.hidden_size // self.num_heads} must be even for rotary embedding")
 
 

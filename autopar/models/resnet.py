@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from autopar.models.case import ModelCase, check_positive, example_inputs_from, instantiate
+from autopar.models.case import ModelCase, ModelZooError, check_positive, example_inputs_from, instantiate
 from autopar.models.data import image_batch
 from autopar.models.losses import class_cross_entropy
 
@@ -41,11 +41,11 @@ class ResNetConfig:
     def __post_init__(self):
         check_positive(self, "stem_width", "image_size", "channels", "num_classes")
         if len(self.blocks_per_stage) != len(self.stage_widths) or not self.stage_widths:
-            raise ValueError(f"ResNetConfig.blocks_per_stage={self.blocks_per_stage} and stage_widths="
+            raise ModelZooError(f"ResNetConfig.blocks_per_stage={self.blocks_per_stage} and stage_widths="
                              f"{self.stage_widths} must be non-empty and of equal length")
         for field_name in ("blocks_per_stage", "stage_widths"):
             if any(not isinstance(v, int) or v < 1 for v in getattr(self, field_name)):
-                raise ValueError(f"ResNetConfig.{field_name}={getattr(self, field_name)} must hold positive ints")
+                raise ModelZooError(f"ResNetConfig.{field_name}={getattr(self, field_name)} must hold positive ints")
 
 
 PRESETS = {

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models import gpt, llama
-from autopar.models.case import ModelCase, check_positive, example_inputs_from, instantiate
+from autopar.models.case import ModelCase, ModelZooError, check_positive, example_inputs_from, instantiate
 from autopar.models.data import hf_lm_batch
 
 __all__ = ["HFGPTConfig", "HFGPTForCausalLM", "HFLlamaConfig", "HFLlamaForCausalLM", "PRESETS", "make_case"]
@@ -52,9 +52,9 @@ class HFGPTConfig:
     def __post_init__(self):
         check_positive(self, "vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
         if self.n_embd % self.n_head:
-            raise ValueError(f"HFGPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            raise ModelZooError(f"HFGPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.activation_function not in ACT2FN:
-            raise ValueError(f"HFGPTConfig.activation_function={self.activation_function!r}: one of {sorted(ACT2FN)}")
+            raise ModelZooError(f"HFGPTConfig.activation_function={self.activation_function!r}: one of {sorted(ACT2FN)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,10 +78,10 @@ class HFLlamaConfig:
         check_positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "max_position_embeddings", "pretraining_tp")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"HFLlamaConfig.hidden_size={self.hidden_size} must be divisible by "
+            raise ModelZooError(f"HFLlamaConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_attention_heads={self.num_attention_heads}")
         if self.hidden_act not in ACT2FN:
-            raise ValueError(f"HFLlamaConfig.hidden_act={self.hidden_act!r}: one of {sorted(ACT2FN)}")
+            raise ModelZooError(f"HFLlamaConfig.hidden_act={self.hidden_act!r}: one of {sorted(ACT2FN)}")
 
 
 PRESETS = {"hf-gpt-tiny": HFGPTConfig(), "hf-llama-tiny": HFLlamaConfig()}

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from autopar.models.case import ModelCase, check_positive, example_inputs_from, instantiate
+from autopar.models.case import ModelCase, ModelZooError, check_positive, example_inputs_from, instantiate
 from autopar.models.data import image_batch
 from autopar.models.gpt import Block
 from autopar.models.losses import class_cross_entropy
@@ -38,10 +38,10 @@ class ViTConfig:
         check_positive(self, "num_layers", "hidden_size", "num_heads", "image_size", "patch_size", "channels",
                        "num_classes")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"ViTConfig.hidden_size={self.hidden_size} must be divisible by "
+            raise ModelZooError(f"ViTConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_heads={self.num_heads}")
         if self.image_size % self.patch_size:
-            raise ValueError(f"ViTConfig.image_size={self.image_size} must be divisible by "
+            raise ModelZooError(f"ViTConfig.image_size={self.image_size} must be divisible by "
                              f"patch_size={self.patch_size}")
 
     @property
