@@ -12,9 +12,10 @@ from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
 from autopar.ir.plan import Plan
 from autopar.planner.pp import (
-    StageGrouping, _Context, _stage_cost_tensor, member_shares, micro_candidates, micro_sizes,
+    PipelineContext, StageGrouping, member_shares, micro_candidates, micro_sizes, pipeline_cost_tensor,
     plan_pipeline, plan_timeline, save_plan_timeline, split_blocks, split_objective, stage_groupings,
 )
+from autopar.planner.bounds import with_all_bounds
 
 GiB = 1 << 30
 
@@ -98,9 +99,9 @@ def test_stage_cost_tensor_matches_direct_costs_and_memory():
                                      out_bytes=rng.uniform(1e4, 1e6, n), overhead_s=1e-4)
         B, M, zero = int(rng.integers(4, 40)), int(rng.integers(1, 6)), int(rng.integers(0, 4))
         schedule = ("gpipe", "1f1b")[case % 2]
-        ctx = _Context(costs, cluster, B, zero, 0.9)
+        ctx = PipelineContext(costs, cluster, B, zero, 0.9)
         grouping = StageGrouping("per-device", tuple(((s,),) for s in range(S)))
-        tensor = _stage_cost_tensor(ctx, grouping, M, schedule)
+        tensor = pipeline_cost_tensor(ctx, grouping.stages, M, schedule, recompute=False)[0]
         b = micro_sizes(B, M)[0]
         direct = np.full_like(tensor, np.inf)
         for s in range(S):
@@ -144,7 +145,7 @@ def test_fast_slow_split_and_speedup_over_uniform():
 
 def test_plan_is_consistent_and_prediction_is_the_simulation():
     cluster, costs = _fast_slow()
-    plan = plan_pipeline(costs, cluster, 30, num_micro=7, bounds=True)
+    plan = with_all_bounds(plan_pipeline(costs, cluster, 30, num_micro=7), costs, cluster)
     assert plan.num_micro_batches == 7
     for st in plan.stages:
         totals = [sum(mb[m] for mb in st.micro_batches) for m in range(7)]
@@ -162,6 +163,8 @@ def test_plan_is_consistent_and_prediction_is_the_simulation():
     assert plan.notes[0].startswith("chosen:") and any(n.startswith("runner-up:") for n in plan.notes)
     assert all(v <= 4 * GiB * 0.9 for v in plan.predicted.memory_bytes.values())
     assert Plan.from_json(plan.to_json()) == plan
+    bare = plan_pipeline(costs, cluster, 30, num_micro=7)      # the planner leaves the bounds to bounds.py
+    assert bare.predicted.upper_bound_samples_per_s == bare.predicted.compute_bound_samples_per_s == 0.0
 
 
 def test_one_f_one_b_holds_less_memory_than_gpipe():
@@ -185,7 +188,7 @@ def test_node_members_share_micro_batches_by_speed():
     assert groupings[1].stages == (((0,), (1,)), ((2,), (3,)))
     assert groupings[2].stages == (((0,), (2,)), ((1,), (3,)))
     costs = ModelCosts.synthetic({"fast": [0.01] * 6, "slow": [0.02] * 6})
-    plan = plan_pipeline(costs, cluster, 60, pp_layers=[3, 3], num_micro=4, bounds=False)
+    plan = plan_pipeline(costs, cluster, 60, pp_layers=[3, 3], num_micro=4)
     node = [st for st in plan.stages if len(st.groups) == 2]
     assert node, plan
     for st in plan.stages:
@@ -221,7 +224,7 @@ def test_pinned_split_and_errors():
     with pytest.raises(PlanError, match="3 stages need at least 3 devices, 2 given"):
         plan_pipeline(costs, cluster, 16, pp_layers=[4, 4, 4])
     # One pinned stage over two devices: a chunk grouping (both devices members of the stage).
-    one = plan_pipeline(costs, cluster, 16, pp_layers=[12], bounds=False)
+    one = plan_pipeline(costs, cluster, 16, pp_layers=[12])
     assert one.num_stages == 1 and one.stages[0].ranks == (0, 1)
     with pytest.raises(PlanError, match="global_batch"):
         plan_pipeline(costs, cluster, 0)
@@ -264,7 +267,7 @@ def test_mixed_cluster_plan_is_valid():
     speed = {"H100-80GB": 1.0, "A100-40GB": 0.32, "V100-16GB": 0.127}
     costs = ModelCosts.synthetic({k: layer / v for k, v in speed.items()}, param_bytes=np.full(n, 123e6),
                                  act_bytes=np.full(n, 60e6), out_bytes=np.full(n, 6.5e6), overhead_s=2e-4)
-    plan = plan_pipeline(costs, cluster, 512, bounds=False)
+    plan = plan_pipeline(costs, cluster, 512)
     assert plan.stages[0].block_start == 0 and plan.stages[-1].block_stop == n
     assert all(a.block_stop == b.block_start for a, b in zip(plan.stages, plan.stages[1:]))
     assert sorted(plan.ranks) == list(range(24))

@@ -4,6 +4,7 @@ backward) in the pipeline and joint planners, exact per-stage choice in the spli
 memory-bound case picks recompute while an unconstrained one does not."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,9 +14,10 @@ from autopar.cluster.model import Cluster
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Stage
 from autopar.planner.pp import (
-    StageGrouping, _Context, _memory_bytes, _stage_cost_tensor, _stage_costs, micro_sizes, plan_pipeline,
-    plan_timeline, stage_durations, stage_input_bytes,
+    PipelineContext, StageGrouping, micro_sizes, pipeline_cost_tensor, plan_pipeline, plan_timeline,
+    stage_durations, stage_input_bytes,
 )
+from autopar.cost.memory import stage_memory_bytes
 
 GB = 1e9
 
@@ -61,22 +63,21 @@ def test_recompute_stage_time_adds_one_forward():
 
 def test_recompute_stage_memory():
     cluster, costs = _cluster(2, 80), _costs(act=2e8, out=1e7, param=1e8)
-    ctx = _Context(costs, cluster, 8, 0, 0.9)
     state = 3 * costs.state_bytes(slice(0, 1), 0)
     M, x = 4, 2
     for sched in ("1f1b", "gpipe"):
         fly0 = M if sched == "gpipe" else min(M, 2)
         keep = (_stage(0, 3, 0, [x] * M, False), _stage(3, 6, 1, [x] * M, False))
         rc = (_stage(0, 3, 0, [x] * M, True), _stage(3, 6, 1, [x] * M, True))
-        mk, mr = _memory_bytes(ctx, keep, sched), _memory_bytes(ctx, rc, sched)
+        mk, mr = stage_memory_bytes(costs, keep, sched, 0), stage_memory_bytes(costs, rc, sched, 0)
         assert mk[0] == math.ceil(state + 3 * 2e8 * x * fly0)
         assert mr[0] == math.ceil(state + 3 * 2e8 * x + 0.0 * x * fly0)          # input of stage 0: ~0
         fly1 = M if sched == "gpipe" else 1
         assert mr[1] == math.ceil(state + 3 * 2e8 * x + 1e7 * x * fly1)          # input: block 2's output
-        # The joint planner's memory agrees (no tensor parallelism: work factor 1).
-        jctx = jp._Ctx(costs, cluster, 8, 0, 0.9, 0.1, {}, {})
-        assert jp._memory(jctx, rc, sched, 0) == mr
-        assert jp._memory(jctx, keep, sched, 0) == mk
+        # Members written as one-rank TP groups (as the joint planner builds them): work factor 1, same bytes.
+        as_tp = lambda stages: tuple(replace(st, tp_shares=((8,),)) for st in stages)  # noqa: E731
+        assert stage_memory_bytes(costs, as_tp(rc), sched, 0, 0.3) == mr
+        assert stage_memory_bytes(costs, as_tp(keep), sched, 0, 0.3) == mk
 
 
 def test_split_cost_tensor_recomputes_only_where_keeping_does_not_fit():
@@ -84,12 +85,12 @@ def test_split_cost_tensor_recomputes_only_where_keeping_does_not_fit():
     (one more forward and call), else inf."""
     costs = _costs(n=6, act=2e8, out=1e7, param=1e8)
     cluster = _cluster(2, 4)       # 3.6 GB usable: states 1.6 GB per block, activations 0.4 GB per block at 2
-    ctx = _Context(costs, cluster, 8, 0, 0.9)
+    ctx = PipelineContext(costs, cluster, 8, 0, 0.9)
     grouping = StageGrouping("per-device", (((0,),), ((1,),)))
     M = 4
     b = micro_sizes(8, M)[0]
-    keep = _stage_cost_tensor(ctx, grouping, M, "1f1b")
-    both, rc = _stage_costs(ctx, grouping, M, "1f1b")
+    keep = pipeline_cost_tensor(ctx, grouping.stages, M, "1f1b", recompute=False)[0]
+    both, rc = pipeline_cost_tensor(ctx, grouping.stages, M, "1f1b")
     call = costs.call_overhead("dev")
     cap = 4e9 * 0.9
     seen = set()

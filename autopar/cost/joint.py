@@ -1,10 +1,10 @@
 """The joint planner's cost model: what a stage grouping of tensor-parallel members costs at every
-split (the cost tensor the split DP minimises, and a cheap lower bound of it), and what a built
-candidate (its ``Stage`` tuple) needs in memory. The search over layouts, groupings and micro-batch
-counts lives in ``autopar.planner.joint``, which imports these names.
+split (its member loads for the one stage cost tensor, ``autopar.cost.stage``, and a cheap lower
+bound of the split estimate). A built candidate's memory is ``autopar.cost.memory.stage_memory_bytes``.
+The search over layouts, groupings and micro-batch counts lives in ``autopar.planner.joint``.
 
 Terms
-- context (``_Ctx``): the fixed inputs of one joint planning call (model costs, cluster, global
+- context (``JointContext``): the fixed inputs of one joint planning call (model costs, cluster, global
   batch, the ZeRO stage searched with, the usable ``memory_fraction`` of each device, the TP
   replicated fraction ``rho``, the members by rank tuple, whether stages may recompute) and a cache
   of what candidates share: kind ids, span times per (kind, samples), state bytes per span, each
@@ -15,20 +15,15 @@ Terms
   parameters, bytes) and are zero below the diagonal.
 - room: the bytes of (unsharded) block state + activations that a member's tightest rank can hold
   (its usable bytes over its TP work factor, ``tp_cost.work_factors``).
-- stage prep (``_StagePrep``, ``_prepare``): what the cost tensor needs of one stage, independent of
+- stage prep (``StagePrep``, ``prepare_stages``): what the cost tensor needs of one stage, independent of
   the micro-batch count: its member count, its distinct kinds (speed fraction of the stage, room, the
   (usable bytes, work factor) of its ranks) and the alpha-beta p2p link to the next stage.
-- in flight (``_in_flight``): the micro-batches a stage holds activations of: GPipe all M, 1F1B
-  ``min(M, S - s)`` on stage s.
-- cost tensor (``_cost_tensor``): [s, i, j] = seconds of stage s on blocks [i, j) at the largest
-  micro-batch (slowest kind at its share, TP all-reduces, p2p send of its output), inf where it does
-  not fit; with recomputation, where keeping does not fit, the entry keeps only the stage input per
-  micro-batch in flight and reruns the forward.
-- split lower bound (``_split_lower_bound``): a bound of the split estimate
+- cost tensor (``joint_cost_tensor``): ``autopar.cost.stage.stage_cost_tensor`` with one member load
+  per kind: its speed's share of the largest micro-batch (rounded up), the kind's span times
+  (slowest rank at its share, TP all-reduces; no per-call overhead, which the simulated prediction
+  adds), its room and rank caps.
+- split lower bound (``split_lower_bound``): a bound of the split estimate
   ``sum_s t_s + (M - 1) max_s t_s`` of a grouping over every split, without the cost tensor.
-- memory (``_memory``, ``_fits``): bytes per rank of a built candidate under a schedule and ZeRO
-  stage (states sharded over the stage's members, activations sharded like the work), against
-  ``memory_fraction`` of each device.
 """
 
 from __future__ import annotations
@@ -41,22 +36,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost import tp as tp_cost
-from autopar.cost.comm import p2p_time_s
-from autopar.ir.costs import ModelCosts
-from autopar.ir.plan import Stage
-from autopar.planner.layouts import Member
-from autopar.planner.pp import micro_sizes, stage_input_bytes
+from autopar.cost.memory import usable_bytes
+from autopar.cost.stage import MemberLoad, StageLink, micro_sizes, p2p_alpha_beta, span_sums, stage_cost_row, \
+    stage_cost_tensor
+from autopar.cost.tp import Member
+from autopar.ir.costs import ModelCosts, sharded_state_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__: list[str] = []   # every name is private to ``autopar.planner.joint``, which imports them
+__all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "split_lower_bound"]
 
 
 # -- the cost tensor of one grouping -----------------------------------------------------------------
 
 @dataclass
-class _Ctx:
+class JointContext:
+    """The fixed inputs of one joint planning call and the cache of what its candidates share (see the
+    module docstring); mutable only through that cache."""
+
     costs: ModelCosts
     cluster: "Cluster"
     global_batch: int
@@ -86,11 +84,11 @@ class _Ctx:
         return self.cache["out0"]
 
     def cap(self, r: int) -> float:
-        return self.cluster.devices[r].spec.memory_bytes * self.memory_fraction
+        return usable_bytes(self.cluster.devices[r].spec, self.memory_fraction)
 
     def ratio(self, kid: int, k: int) -> float:
         """``T_p`` x min over blocks of (time of kind ``kid`` at ``k`` samples) / (reference time
-        ``p``: kind 0 at 1 sample), for ``_split_lower_bound``."""
+        ``p``: kind 0 at 1 sample), for ``split_lower_bound``."""
         key = ("ratio", kid, k)
         if key not in self.cache:
             ref = self.span_time(0, 1)[0]
@@ -114,16 +112,13 @@ class _Ctx:
         if key not in self.cache:
             kind = self.cache["kind_list"][kid]
             f, b = tp_cost.kind_block_times(self.costs, kind, float(k), self.rho)
-            p = np.concatenate([[0.0], np.cumsum((2 * f if recompute else f) + b)])
-            self.cache[key] = p[None, :] - p[:, None]
+            self.cache[key] = span_sums((2 * f if recompute else f) + b)
         return self.cache[key]
 
     def spans(self):
         if "spans" not in self.cache:
             c = self.costs
-            pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-            span = lambda p: p[None, :] - p[:, None]               # noqa: E731
-            self.cache["spans"] = (span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes)))
+            self.cache["spans"] = (span_sums(c.params), span_sums(c.param_bytes), span_sums(c.act_bytes))
         return self.cache["spans"]
 
     def zero_for(self, num_micro: int) -> int:
@@ -137,10 +132,8 @@ class _Ctx:
         if key not in self.cache:
             c = self.costs
             params, wbytes, _ = self.spans()
-            f = 1.0 / num_members
-            self.cache[key] = (wbytes * (f if z >= 3 else 1.0)
-                               + params * (c.grad_bytes_per_param * (f if z >= 2 else 1.0)
-                                           + c.optimizer_bytes_per_param * (f if z >= 1 else 1.0)))
+            self.cache[key] = sharded_state_bytes(wbytes, params, c.grad_bytes_per_param,
+                                                  c.optimizer_bytes_per_param, z, 1.0 / num_members)
         return self.cache[key]
 
     def rank_caps(self, member: Member) -> tuple[tuple[float, float], ...]:
@@ -157,21 +150,18 @@ class _Ctx:
         return self.cache[key]
 
 
-def _in_flight(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
-    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
-
-
 @dataclass(frozen=True, slots=True)
-class _StagePrep:
+class StagePrep:
     """What the cost tensor needs of one stage, independent of the micro-batch count."""
 
     num_members: int
     # distinct (kind id, speed fraction of the stage, room, distinct (cap bytes, work factor) of its ranks)
     kinds: tuple[tuple[int, float, float, tuple[tuple[float, float], ...]], ...]
-    p2p: tuple[float, float, int] | None          # (alpha s, beta s/B, parallel links) to the next stage
+    p2p: StageLink | None                         # the link to the next stage
 
 
-def _prepare(ctx: _Ctx, stages: Sequence[Sequence[Member]]) -> list[_StagePrep]:
+def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> list[StagePrep]:
+    """The ``StagePrep`` of every stage of a grouping (members: ``Member``s)."""
     out = []
     for s, members in enumerate(stages):
         ids = [ctx.kind_id(m.kind) for m in members]
@@ -181,73 +171,42 @@ def _prepare(ctx: _Ctx, stages: Sequence[Sequence[Member]]) -> list[_StagePrep]:
         p2p = None
         if s < len(stages) - 1:
             nxt = stages[s + 1]
-            src, dst = members[0].ranks[0], nxt[0].ranks[0]
-            alpha = p2p_time_s(ctx.cluster, src, dst, 0.0)
-            beta = (p2p_time_s(ctx.cluster, src, dst, 1e9) - alpha) / 1e9
-            p2p = (alpha, beta, min(len(members), len(nxt)))
-        out.append(_StagePrep(len(members), kinds, p2p))
+            p2p = StageLink(*p2p_alpha_beta(ctx.cluster, members[0].ranks[0], nxt[0].ranks[0]),
+                            min(len(members), len(nxt)))
+        out.append(StagePrep(len(members), kinds, p2p))
     return out
 
 
-def _cost_tensor(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int, schedule: str,
-                 recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """([s, i, j] = seconds of stage s on blocks [i, j) at the largest micro-batch (slowest member, TP
-    all-reduces, p2p send of its output), inf where a member's rank cannot hold its state and the
-    activations in flight; [s, i, j] = whether that entry recomputes its activations). A member's
-    samples of a micro-batch are its speed's share, rounded up.
-
-    With ``recompute`` an entry that does not fit keeping every activation tries activation
-    recomputation: per micro-batch in flight only the stage input (``out_bytes`` of block i - 1,
-    replicated on every TP rank), plus one micro-batch's full activations, for one more forward in the
-    backward. Keeping is never slower, so an entry recomputes only where keeping does not fit: the
-    per-stage choice is exact for the split DP."""
-    c = ctx.costs
-    n = c.num_blocks
-    S = len(prep)
+def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, schedule: str,
+                      recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``autopar.cost.stage.stage_cost_tensor`` of a prepared grouping at ``num_micro`` micro-batches
+    (member loads: see the module docstring); ``recompute``: whether entries that do not fit keeping
+    every activation may recompute them. Stages of the same loads share one row."""
     b = micro_sizes(ctx.global_batch, num_micro)[0]
     _, _, act = ctx.spans()
-    out = np.empty((S, n + 1, n + 1))
-    rc = np.zeros((S, n + 1, n + 1), dtype=bool)
-    upper = ctx.upper()
-    out_bytes = ctx.out_bytes0()
+    valid = ctx.upper()
+    input_bytes = ctx.out_bytes0()
+    zero = ctx.zero_for(num_micro)
     row_cache: dict = {}
-    for s, st in enumerate(prep):
-        fly = _in_flight(schedule, s, S, num_micro)
+
+    def row(s: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
+        st = prep[s]
         if st.num_members == 1:
             shares = tuple((i, b, room, caps) for i, _, room, caps in st.kinds)
         else:
             shares = tuple((i, int(math.ceil(b * f - 1e-9)), room, caps) for i, f, room, caps in st.kinds)
-        zero = ctx.zero_for(num_micro)
-        sig = (shares, st.num_members, fly, recompute, zero)
+        sig = (shares, st.num_members, in_flight, recompute, zero)
         if sig not in row_cache:
-            state = ctx.state(st.num_members, zero)
-            t = np.zeros((n + 1, n + 1))
-            t_rc = np.zeros((n + 1, n + 1))
-            fits = upper.copy()
-            fits_rc = upper.copy() if recompute else np.zeros_like(upper)
-            for kid, k, room, caps in shares:
-                if k <= 0:
-                    continue
-                t = np.maximum(t, ctx.span_time(kid, k))
-                fits &= state + act * (k * fly) <= room
-                if recompute:
-                    t_rc = np.maximum(t_rc, ctx.span_time(kid, k, True))
-                    # per rank: its work factor of the states and one micro-batch's activations, and
-                    # the whole stage input (block i - 1's output) of every micro-batch in flight.
-                    held = (out_bytes * (k * fly))[:, None]
-                    for cap, factor in caps:
-                        fits_rc &= (state + act * k) * factor + held <= cap
-            use_rc = fits_rc & ~fits
-            row_cache[sig] = (np.where(fits, t, np.where(use_rc, t_rc, np.inf)), use_rc)
-        t_s, rc[s] = row_cache[sig]
-        if st.p2p is not None:
-            alpha, beta, links = st.p2p
-            t_s = t_s + (alpha + beta * math.ceil(b / links) * out_bytes)[None, :]
-        out[s] = t_s
-    return out, rc
+            loads = [MemberLoad(k, ctx.span_time(kid, k), ctx.span_time(kid, k, True) if recompute else None,
+                                room, caps) for kid, k, room, caps in shares]
+            row_cache[sig] = stage_cost_row(ctx.state(st.num_members, zero), act, input_bytes, valid, loads,
+                                            in_flight, recompute)
+        return row_cache[sig]
+
+    return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule, row)
 
 
-def _split_lower_bound(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int) -> float:
+def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int) -> float:
     """A lower bound of the split estimate ``sum_s t_s + (M - 1) max_s t_s`` of a grouping at M micro-
     batches, over every split, without the cost tensor. With a reference profile ``p`` (the first
     kind at 1 sample), stage s holding blocks of profile fraction x_s takes at least ``x_s * q_s``,
@@ -266,34 +225,3 @@ def _split_lower_bound(ctx: _Ctx, prep: Sequence[_StagePrep], num_micro: int) ->
         inv += 1.0 / q
         low = min(low, q)
     return (num_micro - 1) / inv + low
-
-
-# -- memory of a built candidate ------------------------------------------------------------------
-
-def _memory(ctx: _Ctx, stages: Sequence[Stage], schedule: str, zero_stage: int) -> dict[int, int]:
-    c = ctx.costs
-    out = {}
-    for s, st in enumerate(stages):
-        blocks = slice(st.block_start, st.block_stop)
-        f = 1.0 / len(st.groups)
-        p = float(c.params[blocks].sum())
-        state = (float(c.param_bytes[blocks].sum()) * (f if zero_stage >= 3 else 1.0)
-                 + p * (c.grad_bytes_per_param * (f if zero_stage >= 2 else 1.0)
-                        + c.optimizer_bytes_per_param * (f if zero_stage >= 1 else 1.0)))
-        act = float(c.act_bytes[blocks].sum())
-        fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
-        held = stage_input_bytes(c, st) if st.recompute else 0.0
-        for g, ranks in enumerate(st.groups):
-            shares = st.tp_shares[g] if st.tp_shares else (1,)
-            factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), ctx.rho)
-            x = max(st.micro_batches[g])
-            # Recompute: one micro-batch's activations (sharded like the work) and every in-flight
-            # micro-batch's stage input (whole on every rank); else every in-flight activation.
-            need = state + act * x * (1 if st.recompute else fly)
-            for r, k in zip(ranks, factors):
-                out[r] = int(math.ceil(need * k + held * x * fly))
-    return dict(sorted(out.items()))
-
-
-def _fits(ctx: _Ctx, memory: dict[int, int]) -> bool:
-    return all(v <= ctx.cap(r) for r, v in memory.items())

@@ -1,18 +1,20 @@
-"""The pipeline cost model: what a built pipeline plan (its ``Stage`` tuple) costs in time and memory.
+"""The pipeline cost model: what a pipeline of one-rank members costs, as the stage cost tensor of a
+grouping (``pipeline_cost_tensor``) and as a built plan (its ``Stage`` tuple) in time and memory.
 The search over groupings, splits and micro-batch counts lives in ``autopar.planner.pp``.
 
 Terms
-- context (``_Context``): the fixed inputs of one planning call: model costs, cluster, global batch,
-  ZeRO stage and the usable ``memory_fraction`` of each device.
+- context (``PipelineContext``): the fixed inputs of one planning call: model costs, cluster, global
+  batch, ZeRO stage and the usable ``memory_fraction`` of each device.
+- stage members: the data-parallel members of a stage (rank tuples; here of one rank each). A member's
+  samples of a micro-batch are proportional to its device's speed on the span's blocks (at the
+  micro-batch's even share), rounded up; its seconds are one forward and one backward call, each with
+  its type's ``ModelCosts.call_overhead``. ``pipeline_cost_tensor`` hands these member loads to
+  ``autopar.cost.stage.stage_cost_tensor``, the tensor the joint planner uses too.
 - stage durations: per-micro-batch forward and backward seconds of each stage's slowest member (each
   call with its type's ``ModelCosts.call_overhead``; a recompute stage's backward reruns the forward)
   and p2p seconds of each stage boundary, split over min(k, l) parallel links between stages of k and
   l members (``stage_durations``). Tensor-parallel members are priced by ``autopar.cost.tp``.
-- stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
-  ZeRO, ``_state_fractions``) + activations of the micro-batches in flight (``_in_flight``: GPipe
-  holds all M, 1F1B holds ``min(M, S - s)`` on stage s). A recompute stage keeps per micro-batch in
-  flight only its input (``stage_input_bytes``) plus, at its peak, one micro-batch's full activations
-  (``_memory_bytes``).
+- stage memory: ``autopar.cost.memory.stage_memory_bytes`` (every work factor 1 here).
 - prediction: ``simulate`` of the generated schedule with the stage durations, then each stage's
   gradient all-reduce over its members starting when the stage finishes (a tied parameter held by
   several stages: when they all have, over their ranks), then each rank's optimizer step
@@ -28,21 +30,28 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from autopar.config import SCHEDULES
 from autopar.cost.comm import allgather_time_s, allreduce_time_s, p2p_time_s
-from autopar.ir.costs import ModelCosts
+from autopar.cost.memory import stage_input_bytes, usable_bytes
+from autopar.cost.stage import MemberLoad, StageLink, micro_sizes, p2p_alpha_beta, span_sums, stage_cost_row, \
+    stage_cost_tensor
+from autopar.ir.costs import ModelCosts, sharded_state_bytes
 from autopar.ir.plan import Plan, Stage
 from autopar.ir.schedule import Timeline, make_schedule, simulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["stage_durations", "stage_input_bytes", "plan_timeline", "stage_optimizer_s"]
+__all__ = ["PipelineContext", "pipeline_cost_tensor", "stage_durations", "stage_input_bytes", "plan_timeline",
+           "stage_optimizer_s"]
 
 
-# -- planning context and shared memory terms --------------------------------------------------------
+# -- planning context and the stage cost tensor -----------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class _Context:
+class PipelineContext:
+    """The fixed inputs of one pipeline planning call (see the module docstring)."""
+
     costs: ModelCosts
     cluster: "Cluster"
     global_batch: int
@@ -53,16 +62,54 @@ class _Context:
         return self.cluster.devices[rank].spec.name
 
     def cap_bytes(self, rank: int) -> float:
-        return self.cluster.devices[rank].spec.memory_bytes * self.memory_fraction
+        return usable_bytes(self.cluster.devices[rank].spec, self.memory_fraction)
 
 
-def _state_fractions(zero_stage: int, num_members: int) -> tuple[float, float, float]:
-    f = 1.0 / num_members
-    return (f if zero_stage >= 3 else 1.0), (f if zero_stage >= 2 else 1.0), (f if zero_stage >= 1 else 1.0)
+def pipeline_cost_tensor(ctx: PipelineContext, stages: Sequence[Sequence[tuple[int, ...]]], num_micro: int,
+                         schedule: str, recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``autopar.cost.stage.stage_cost_tensor`` of a grouping's ``stages`` (members: one-rank tuples)
+    at ``num_micro`` micro-batches, with the member loads of the module docstring. ``recompute``:
+    whether entries that do not fit keeping every activation may recompute them."""
+    c = ctx.costs
+    n = c.num_blocks
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
+    params, wbytes, act = span_sums(c.params), span_sums(c.param_bytes), span_sums(c.act_bytes)
+    input_bytes = np.concatenate([[0.0], c.out_bytes])
+    valid = (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) > 0
+    links = [StageLink(*p2p_alpha_beta(ctx.cluster, st[0][0], nxt[0][0]), min(len(st), len(nxt)))
+             for st, nxt in zip(stages, stages[1:])] + [None]
 
+    def row(s: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
+        members = stages[s]
+        nm = len(members)
+        by_type: dict[str, list[int]] = {}
+        for m in members:
+            by_type.setdefault(ctx.type_of(m[0]), []).append(m[0])
+        state = sharded_state_bytes(wbytes, params, c.grad_bytes_per_param, c.optimizer_bytes_per_param,
+                                    ctx.zero_stage, 1.0 / nm)
+        # Each member's share of a micro-batch is proportional to its speed on the blocks (as the
+        # planner builds stages); the largest-remainder rounding never exceeds the ceiling used here.
+        ref = max(b / nm, 1.0)
+        speed = {t: 1.0 / span_sums(c.fwd_time(t, ref) + c.bwd_time(t, ref)) for t in by_type}
+        total = sum(len(rs) * speed[t] for t, rs in by_type.items())
+        loads = []
+        for t, rs in by_type.items():
+            share = np.full((n + 1, n + 1), float(b)) if nm == 1 else np.ceil(b * speed[t] / total - 1e-9)
+            share = np.where(valid, share, 0.0)
+            time_t = np.zeros((n + 1, n + 1))
+            time_rc = np.zeros((n + 1, n + 1))
+            for k in np.unique(share[valid]):
+                if k > 0:
+                    fwd_k = span_sums(c.fwd_time(t, int(k))) + c.call_overhead(t)
+                    bwd_k = span_sums(c.bwd_time(t, int(k))) + c.call_overhead(t)
+                    time_t = np.where(share == k, fwd_k + bwd_k, time_t)
+                    time_rc = np.where(share == k, 2 * fwd_k + bwd_k, time_rc)
+            cap = min(ctx.cap_bytes(r) for r in rs)
+            loads.append(MemberLoad(share, time_t, time_rc, cap, ((cap, 1.0),)))
+        return stage_cost_row(state, act, input_bytes, valid, loads, in_flight, recompute)
 
-def _in_flight(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
-    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return stage_cost_tensor(c, links, num_micro, b, schedule, row)
 
 
 # -- exact stage durations, memory and the simulated prediction -------------------------------------
@@ -117,13 +164,6 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     return fwd, bwd, comm
 
 
-def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
-    """Bytes per sample of a stage's input activations: the output of the block before it (0 for the
-    first stage, whose input is the graph input). A recompute stage keeps only these per micro-batch
-    in flight."""
-    return float(costs.out_bytes[stage.block_start - 1]) if stage.block_start > 0 else 0.0
-
-
 def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None) -> float:
     if len(stage.groups) < 2:
         return 0.0
@@ -144,7 +184,7 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     M = plan.num_micro_batches
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
     fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
-    name = plan.schedule if plan.schedule in ("gpipe", "1f1b") else "1f1b"
+    name = plan.schedule if plan.schedule in SCHEDULES and plan.schedule != "auto" else "1f1b"
     timeline = simulate(make_schedule(name, len(stages), M), fwd, bwd, comm)
     return timeline, _finish_s(plan, costs, cluster, timeline.stage_end_s, rho)[0]
 
@@ -207,24 +247,3 @@ def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[
                                       float(costs.param_bytes[st.block_start:st.block_stop].sum()))
         tail.append(ready[s] + opt[s] + gather)
     return float(max(tail)), float(max(opt, default=0.0))
-
-
-def _memory_bytes(ctx: _Context, stages: Sequence[Stage], schedule: str) -> dict[int, int]:
-    c = ctx.costs
-    out = {}
-    for s, st in enumerate(stages):
-        blocks = slice(st.block_start, st.block_stop)
-        nm = len(st.groups)
-        fw, fg, fo = _state_fractions(ctx.zero_stage, nm)
-        p = float(c.params[blocks].sum())
-        state = float(c.param_bytes[blocks].sum()) * fw + p * (c.grad_bytes_per_param * fg
-                                                               + c.optimizer_bytes_per_param * fo)
-        act = float(c.act_bytes[blocks].sum())
-        fly = _in_flight(schedule, s, len(stages), len(st.micro_batches[0]))
-        held = stage_input_bytes(c, st) if st.recompute else 0.0
-        for g, members in enumerate(st.groups):
-            x = max(st.micro_batches[g])
-            need = state + (act * x + held * x * fly if st.recompute else act * x * fly)
-            for r in members:
-                out[r] = int(math.ceil(need))
-    return dict(sorted(out.items()))

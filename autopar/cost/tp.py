@@ -11,6 +11,8 @@ Terms
 - TP communication: Megatron-style, ``TP_ALLREDUCES_PER_BLOCK`` all-reduces per block per micro-step
   (2 in forward, 2 in backward), each of the block's output (``out_bytes`` per sample x samples) over
   the group's ring (``autopar.cost.comm.allreduce_time_s``). Every block counts as a transformer layer.
+- member (``Member``): one data-parallel participant of a pipeline stage: a TP group (its ranks, head
+  shares, kind and node; a single rank when its degree is 1), as the joint planner lays them out.
 - group time of a block: the slowest rank's share of it (ranks synchronise at every all-reduce, so the
   maximum is taken block by block) plus its all-reduces.
 """
@@ -36,7 +38,7 @@ __all__ = [
     "DEFAULT_REPLICATED_FRACTION", "TP_ALLREDUCES_PER_BLOCK", "DEFAULT_NUM_UNITS", "TpGroup",
     "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "allreduce_alpha_beta",
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
-    "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s",
+    "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -163,6 +165,20 @@ class GroupKind:
     shares: tuple[int, ...]
     alpha_s: float            # all-reduce latency term over the group
     beta_s_per_byte: float    # all-reduce seconds per byte of the buffer
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One data-parallel participant of a stage: a TP group (a single rank when its degree is 1)."""
+
+    ranks: tuple[int, ...]
+    shares: tuple[int, ...]
+    kind: GroupKind
+    node: int
+
+    @property
+    def type_name(self) -> str:
+        return self.kind.types[0]
 
 
 def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) -> GroupKind:

@@ -8,8 +8,11 @@ linearly from the last two samples (time grows at least linearly with the batch 
 busy). The tables come from ``autopar.cost.profile`` (measurement, roofline transfer, kernel timings) or,
 in solver tests, from ``ModelCosts.synthetic``.
 
-Memory terms (bytes): weights ``param_bytes``; gradients the same size; optimizer state
-``optimizer_bytes_per_param`` per parameter (AdamW keeps two fp32 moments: 8; SGD with momentum: 4).
+Memory terms (bytes): weights ``param_bytes``; gradients ``grad_bytes_per_param`` per parameter;
+optimizer state ``optimizer_bytes_per_param`` per parameter (AdamW keeps two fp32 moments: 8; SGD with
+momentum: 4). Their sum is a block's *state*; under ZeRO a rank keeps ``shard_fraction`` of the
+optimizer state (stage >= 1), of the gradients (>= 2) and of the weights (3): ``sharded_state_bytes``,
+the one formula every planner, bound and report uses.
 
 Time terms besides the block tables, per device type (a type missing from a dict costs 0 there):
 - ``optimizer_s_per_param``: seconds of ``optimizer.step()`` per parameter a rank steps (its shard
@@ -29,10 +32,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes"]
 
 # Optimizer state per parameter, fp32.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
+
+
+def sharded_state_bytes(weight_bytes, num_params, grad_bytes_per_param: float, optimizer_bytes_per_param: float,
+                        zero_stage: int, shard_fraction):
+    """Weights + gradients + optimizer state a rank keeps under ``zero_stage`` (see the module
+    docstring): ``weight_bytes`` and ``num_params`` of the blocks it holds (floats, or arrays of the
+    same shape: the sum is taken elementwise), ``shard_fraction`` the part of a sharded term it keeps."""
+    f = shard_fraction
+    return (weight_bytes * (f if zero_stage >= 3 else 1.0)
+            + num_params * (grad_bytes_per_param * (f if zero_stage >= 2 else 1.0)
+                            + optimizer_bytes_per_param * (f if zero_stage >= 1 else 1.0)))
 
 
 @dataclass(eq=False)
@@ -118,21 +132,11 @@ class ModelCosts:
         return float(self.call_overhead_s.get(device_type, 0.0))
 
     def state_bytes(self, blocks: slice = slice(None), zero_stage: int = 0, shard_fraction: float = 1.0) -> float:
-        """Weights + gradients + optimizer state of a block range, under a ZeRO stage.
-
-        ``shard_fraction`` is the part of the sharded state this device keeps (1/N for even shards).
-        """
-        p = float(self.params[blocks].sum())
-        w = float(self.param_bytes[blocks].sum())
-        g = p * self.grad_bytes_per_param
-        o = p * self.optimizer_bytes_per_param
-        if zero_stage >= 1:
-            o *= shard_fraction
-        if zero_stage >= 2:
-            g *= shard_fraction
-        if zero_stage >= 3:
-            w *= shard_fraction
-        return w + g + o
+        """Weights + gradients + optimizer state of a block range, under a ZeRO stage
+        (``sharded_state_bytes``; ``shard_fraction``: the part this device keeps, 1/N for even shards)."""
+        return float(sharded_state_bytes(float(self.param_bytes[blocks].sum()), float(self.params[blocks].sum()),
+                                         self.grad_bytes_per_param, self.optimizer_bytes_per_param,
+                                         zero_stage, shard_fraction))
 
     @classmethod
     def synthetic(

@@ -18,6 +18,8 @@ Terms
   F(s, m) and B(s+1, m) plus the transfer across boundary s. In an explicit schedule, F(s, m) needs
   RECV_F(s, m), which needs SEND_F(s-1, m) (issued after F(s-1, m)) plus the transfer; sends are
   asynchronous (take no worker time), a receive blocks its worker until the data has arrived.
+- in flight (``in_flight_micro_batches``): the micro-batches whose activations stage s holds at its
+  peak: GPipe all M (every forward runs before the first backward), 1F1B ``min(M, S - s)``.
 - timeline: the simulated execution: per stage the (action, start_s, end_s) of every action, the step
   time (makespan), the busy (compute) seconds per stage, and the bubble fraction
   ``1 - sum(busy_s) / (num_stages * step_time_s)``.
@@ -37,9 +39,11 @@ from autopar.errors import AutoparError
 
 __all__ = [
     "Action", "ActionKind", "PipelineSchedule", "ScheduleError", "Timeline",
-    "gpipe", "one_f_one_b", "make_schedule", "with_comm", "simulate", "dry_run", "plot_timeline",
+    "PIPELINE_SCHEDULES", "gpipe", "one_f_one_b", "make_schedule",
+    "in_flight_micro_batches", "with_comm", "simulate", "dry_run", "plot_timeline",
 ]
 
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")   # the generators of ``make_schedule``
 ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 _COMPUTE = ("F", "B")
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -162,6 +166,12 @@ def make_schedule(name: str, num_stages: int, num_micro: int) -> PipelineSchedul
     if name not in generators:
         raise ScheduleError(f"schedule: unknown {name!r}; choose one of {sorted(generators)}")
     return generators[name](num_stages, num_micro)
+
+
+def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
+    """Micro-batches whose activations ``stage`` of ``num_stages`` holds at its peak under ``schedule``
+    (see the module docstring)."""
+    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
 
 
 def with_comm(schedule: PipelineSchedule) -> PipelineSchedule:

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from autopar.ir.costs import ModelCosts
+from autopar.config import MEMORY_FRACTION
+from autopar.cost.memory import usable_bytes
 from autopar.errors import PlanError
+from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,7 +66,7 @@ def _with_memory(cluster: "Cluster", factor: float) -> "Cluster":
 
 def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
                               num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
-                              schedule: str = "auto", memory_fraction: float = 0.9,
+                              schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
                               replicated_fraction: float | None = None, use_cache: bool = True,
                               details: dict | None = None, recompute: bool = False) -> float:
     """Sum over device types of ``plan_auto``'s samples/s on that type alone on the whole global batch.
@@ -103,7 +105,7 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
     return total
 
 
-def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory_fraction: float = 0.9) -> float:
+def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory_fraction: float = MEMORY_FRACTION) -> float:
     """Sum over devices of their best samples/s on the whole model (see the module docstring)."""
     lightest = float(np.min(costs.act_bytes)) if costs.num_blocks else 0.0
     per_type: dict[str, float] = {}
@@ -111,7 +113,7 @@ def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory
     for d in cluster.devices:
         t = d.spec.name
         if t not in per_type:
-            room = d.spec.memory_bytes * memory_fraction
+            room = usable_bytes(d.spec, memory_fraction)
             cap = _MAX_MICRO if lightest <= 0 else int(min(_MAX_MICRO, room // lightest))
             best = 0.0
             if cap >= 1:
@@ -127,7 +129,7 @@ def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory
 
 def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
                     num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
-                    schedule: str = "auto", memory_fraction: float = 0.9,
+                    schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
                     replicated_fraction: float | None = None, use_cache: bool = True,
                     recompute: bool = False) -> Plan:
     """A copy of ``plan`` with the upper bound, the compute bound and efficiency = samples_per_s /

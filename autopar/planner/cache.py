@@ -1,6 +1,7 @@
 """The on-disk plan cache of the joint planner: plans keyed by a hash of the cost tables, the cluster
-signature, the planner arguments and the planner's own source (every module of the ``autopar``
-package, so that a changed planner never returns a plan the old one made), under
+signature, the planner arguments (``PlanConfig.key`` and the rest) and the planner's own source (every
+module of the ``autopar`` package, so that a changed planner or cost model never returns a plan the
+old one made), under
 ``$AUTOPAR_CACHE_DIR/plans`` (default ``~/.cache/autopar/plans``)."""
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ def cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _source_digest() -> str:
-    """A hash of the ``autopar`` package's top-level modules (the planners, cost models and bounds)."""
+    """A hash of every module of the ``autopar`` package (the planners, cost models and bounds among them)."""
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode())
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
 
 def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
+    """The key of a plan made from ``costs`` on ``cluster`` with the planner arguments ``args``."""
     h = hashlib.sha256()
     h.update(f"v{_CACHE_VERSION}".encode())
     h.update(_source_digest().encode())

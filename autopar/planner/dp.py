@@ -9,7 +9,8 @@ Terms
   the micro-batch size, a monotone PCHIP interpolant of the cost tables (``micro_step_curve``);
   under ZeRO-3 each micro-step also pays the gathers it needs (``ZeroComm.per_micro_step_s``).
 - max micro-batch: the largest micro-batch a rank holds in ``memory_fraction`` of its memory next to
-  its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``).
+  its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``; the rank memory is
+  ``autopar.cost.memory.rank_memory``, re-exported here).
 - ZeRO communication, per step, among the plan's ranks (``autopar.cost.comm``, flat or hierarchical rings):
   ZeRO-0 all-reduce of the gradients after the last micro-step; ZeRO-1 the same, then an all-gather
   of the updated parameters; ZeRO-2, on every micro-step, a reduce-scatter of the gradients (they are
@@ -34,6 +35,8 @@ Strategies: ``"dp"`` chooses shares and micro-batches that minimise the step tim
 ``B mod N`` one more) in micro-batches of one size, the least max micro-batch over ranks;
 ``"proportional-dp"`` (Whale-style) gives shares proportional to ``peak_flops_bf16`` (largest
 remainder rounding) in micro-batches capped by each rank's memory.
+
+Upper bound, compute bound and efficiency are ``autopar.planner.bounds``'; ``plan_dp`` leaves them 0.
 """
 
 from __future__ import annotations
@@ -47,30 +50,27 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
+from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, ZERO_STAGES, PlanConfig
 from autopar.cost import comm
-from autopar.planner.allocate import allocate, balanced_split
-from autopar.ir.costs import ModelCosts
+from autopar.cost.memory import (  # re-exported: the data-parallel planner's memory model
+    DEFAULT_WORKSPACE_BYTES, RankMemory, activation_bytes_per_sample, check_zero_stage, max_micro_batch,
+    rank_memory,
+)
 from autopar.errors import PlanError
+from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.planner.allocate import allocate, balanced_split
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
-    from autopar.cluster.devices import DeviceSpec
 
 __all__ = [
     "DpStrategy", "DP_STRATEGIES", "ZERO_STAGES", "DEFAULT_WORKSPACE_BYTES", "ZeroComm", "RankMemory",
     "zero_comm", "micro_step_curve", "activation_bytes_per_sample", "rank_memory", "max_micro_batch",
-    "plan_dp", "with_bounds", "dp_upper_bound", "optimizer_step_s",
+    "plan_dp", "optimizer_step_s",
 ]
 
 DpStrategy = Literal["dp", "uniform-dp", "proportional-dp"]
-DP_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp")
-ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
-# Kept free on every device besides states and activations: CUDA context, library workspaces,
-# collective buffers. memory_fraction leaves room for fragmentation on top of it.
-DEFAULT_WORKSPACE_BYTES = 256 * 2**20
-# Upper limit of a max micro-batch when activations cost (almost) nothing.
-_MICRO_LIMIT = 1 << 20
 
 
 # -- communication -----------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
               link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> ZeroComm:
     """The collectives of ``zero_stage`` over ``ranks`` (see the module docstring); ``algorithm`` as in
     ``autopar.cost.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks)."""
-    _check_zero_stage(zero_stage)
+    check_zero_stage(zero_stage)
     ranks = tuple(ranks)
     n = len(ranks)
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
@@ -121,7 +121,7 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     compute call (``ModelCosts.call_overhead``). ``comm_cost`` adds its per-micro-step collectives
     (non-zero under ZeRO-2 and 3). ``recompute``: the backward re-runs the forward (one more forward).
     """
-    _check_zero_stage(zero_stage)
+    check_zero_stage(zero_stage)
     if device_type not in costs.fwd_table:
         raise PlanError(f"device_type: no cost table for {device_type!r} "
                         f"(the costs cover {list(costs.device_types)})")
@@ -139,67 +139,6 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     return PchipInterpolator(x, y, extrapolate=True)
 
 
-@dataclass(frozen=True, slots=True)
-class RankMemory:
-    """Memory of one rank under a ZeRO stage, bytes."""
-
-    usable_bytes: float        # memory_fraction * device memory
-    state_bytes: float         # weights + gradients + optimizer state kept (sharded per the stage)
-    gathered_bytes: float      # ZeRO-3: the largest block's full weights while gathered
-    workspace_bytes: float
-    act_bytes_per_sample: float
-
-    @property
-    def fixed_bytes(self) -> float:
-        return self.state_bytes + self.gathered_bytes + self.workspace_bytes
-
-    def peak_bytes(self, micro_batch: int) -> int:
-        return int(math.ceil(self.fixed_bytes + self.act_bytes_per_sample * micro_batch))
-
-    @property
-    def max_micro(self) -> int:
-        room = self.usable_bytes - self.fixed_bytes
-        if room < self.act_bytes_per_sample or room < 0:
-            return 0
-        if self.act_bytes_per_sample <= 0:
-            return _MICRO_LIMIT
-        return min(_MICRO_LIMIT, int(room // self.act_bytes_per_sample))
-
-
-def activation_bytes_per_sample(costs: ModelCosts, recompute: bool = False) -> float:
-    """Activation bytes a micro-step holds per sample: every block's saved activations, or with
-    ``recompute`` (block by block, as ``runtime.dp`` does) every block's input plus the largest
-    block's activations while it is recomputed."""
-    if not recompute or not costs.num_blocks:
-        return float(costs.act_bytes.sum())
-    return float(costs.out_bytes[:-1].sum() + costs.act_bytes.max())
-
-
-def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shards: int,
-                memory_fraction: float = 0.9, *,
-                workspace_bytes: float = DEFAULT_WORKSPACE_BYTES, recompute: bool = False) -> RankMemory:
-    _check_zero_stage(zero_stage)
-    if not (isinstance(num_shards, int) and num_shards >= 1):
-        raise ValueError(f"num_shards: {num_shards!r} must be an integer >= 1")
-    if not 0 < memory_fraction <= 1:
-        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
-    gathered = float(costs.param_bytes.max()) if zero_stage == 3 and costs.num_blocks else 0.0
-    return RankMemory(
-        usable_bytes=memory_fraction * spec.memory_bytes,
-        state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
-        gathered_bytes=gathered, workspace_bytes=float(workspace_bytes),
-        act_bytes_per_sample=activation_bytes_per_sample(costs, recompute),
-    )
-
-
-def max_micro_batch(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shards: int,
-                    memory_fraction: float = 0.9, *,
-                    workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> int:
-    """The largest micro-batch that fits on ``spec`` next to its ZeRO state; 0 when 1 sample does not."""
-    return rank_memory(costs, spec, zero_stage, num_shards, memory_fraction,
-                       workspace_bytes=workspace_bytes).max_micro
-
-
 # -- planning -----------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _Candidate:
@@ -214,11 +153,6 @@ class _Candidate:
     note: str = ""
     optimizer_s: float = 0.0
     recompute: bool = False
-
-
-def _check_zero_stage(zero_stage) -> None:
-    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-        raise PlanError(f"zero_stage: {zero_stage!r} must be one of {ZERO_STAGES} or 'auto'")
 
 
 def _check_ranks(cluster: "Cluster", ranks) -> tuple[int, ...]:
@@ -433,30 +367,9 @@ def _lockstep_allocations(fns, caps, global_batch: int):
         yield [sum(m) for m in micro], micro
 
 
-def _compute_bound(costs, cluster, ranks, global_batch, memory_fraction, workspace_bytes) -> float:
-    """Sum over ranks of the best samples/s each reaches alone: its best micro-batch, no communication."""
-    total = 0.0
-    cache: dict[str, float] = {}
-    for r in ranks:
-        spec = cluster.devices[r].spec
-        if spec.name not in cache:
-            cap = max(max_micro_batch(costs, spec, z, len(ranks), memory_fraction,
-                                      workspace_bytes=workspace_bytes) for z in ZERO_STAGES)
-            cap = min(cap, global_batch)
-            if cap == 0:
-                cache[spec.name] = 0.0
-            else:
-                curve = micro_step_curve(costs, spec.name, max_batch=cap)
-                b = np.arange(1, cap + 1, dtype=float)
-                t = curve(b)
-                cache[spec.name] = float(np.max(np.where(t > 0, b / np.maximum(t, 1e-300), 0.0)))
-        total += cache[spec.name]
-    return total
-
-
 def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strategy: DpStrategy = "dp",
             zero_stage: int | Literal["auto"] = "auto", dp_batch: Mapping[int, int] | None = None,
-            ranks: Sequence[int] | None = None, memory_fraction: float = 0.9,
+            ranks: Sequence[int] | None = None, memory_fraction: float = MEMORY_FRACTION,
             workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
             link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto",
             recompute: bool = False) -> Plan:
@@ -465,8 +378,8 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     ``zero_stage="auto"`` tries every stage and keeps the fastest that fits (fewest bytes moved on a
     tie); ``Plan.notes`` lists each stage's predicted step time or why it does not fit.
     ``dp_batch`` pins some ranks' shares (strategy "dp" only); the others take the rest.
-    ``ranks`` restricts the plan to a subset of the cluster. Upper bound and efficiency are left at
-    0: see ``with_bounds`` and ``dp_upper_bound``. ``recompute`` (strategy "dp" only; the baselines
+    ``ranks`` restricts the plan to a subset of the cluster. Upper bound, compute bound and
+    efficiency are left at 0: ``autopar.planner.bounds.with_all_bounds`` sets them. ``recompute`` (strategy "dp" only; the baselines
     keep their activations) also tries every ZeRO stage recomputing activations block by block
     (``Stage.recompute``: memory of ``activation_bytes_per_sample``, one more forward per micro-step);
     keeping wins ties.
@@ -476,8 +389,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
         raise PlanError(f"global_batch: {global_batch!r} must be an integer >= 1")
     global_batch = int(global_batch)
-    if not 0 < memory_fraction <= 1:
-        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
+    PlanConfig(memory_fraction=memory_fraction)   # the choice's one check
     ranks = _check_ranks(cluster, ranks)
     pinned = {}
     if dp_batch is not None:
@@ -492,7 +404,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     if zero_stage == "auto":
         stages = ZERO_STAGES
     else:
-        _check_zero_stage(zero_stage)
+        check_zero_stage(zero_stage)
         stages = (int(zero_stage),)
 
     variants = [(z, False) for z in stages]
@@ -533,32 +445,8 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     predicted = Predicted(
         step_time_s=best.step_time_s, samples_per_s=global_batch / best.step_time_s,
         memory_bytes=dict(best.memory_bytes),
-        compute_bound_samples_per_s=_compute_bound(costs, cluster, ranks, global_batch,
-                                                   memory_fraction, workspace_bytes),
         breakdown={"compute_s": best.compute_s, "comm_s": best.comm_s, "optimizer_s": best.optimizer_s},
     )
     return Plan(strategy=strategy, global_batch_size=global_batch, zero_stage=best.zero_stage,
                 schedule="none", stages=(stage,), predicted=predicted,
                 block_names=tuple(costs.block_names), notes=tuple(notes))
-
-
-def with_bounds(plan: Plan, upper_bound_samples_per_s: float) -> Plan:
-    """A copy of ``plan`` with the upper bound and ``efficiency = samples_per_s / upper bound`` set."""
-    ub = float(upper_bound_samples_per_s)
-    eff = plan.predicted.samples_per_s / ub if ub > 0 else 0.0
-    return replace(plan, predicted=replace(plan.predicted, upper_bound_samples_per_s=ub, efficiency=eff))
-
-
-def dp_upper_bound(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
-                   memory_fraction: float = 0.9, workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
-                   link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> float:
-    """Sum over device types of the "dp" throughput on that type's ranks alone (0 where it cannot fit)."""
-    total = 0.0
-    for type_ranks in cluster.device_types().values():
-        try:
-            plan = plan_dp(costs, cluster, global_batch, ranks=type_ranks, memory_fraction=memory_fraction,
-                           workspace_bytes=workspace_bytes, link=link, algorithm=algorithm)
-        except PlanError:
-            continue
-        total += plan.predicted.samples_per_s
-    return total

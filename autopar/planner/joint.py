@@ -1,7 +1,7 @@
 """The joint planner (``strategy="auto"``): pipeline stages x tensor-parallel groups x data-parallel
 members with uneven batch shares x ZeRO stage x micro-batches, searched together.
 This module searches; ``autopar.cost.joint`` prices a grouping (the stage cost tensor, its lower
-bound) and a built candidate's memory.
+bound), ``autopar.cost.memory`` a built candidate's memory.
 
 Terms
 - TP layout: how every node's devices are cut into tensor-parallel groups: a degree per device type
@@ -16,7 +16,7 @@ Terms
 - member kind: the device types, shares and all-reduce link of a member (``tp_cost.GroupKind``);
   members of one kind share every cost (identical blocks already share one row of the cost tables).
 - candidate: a (layout, grouping, micro-batch count). Its stage cost tensor (TP-aware times, memory
-  per rank, p2p transfers; see ``_cost_tensor``) goes to ``pp_planner.split_blocks``, the exact split
+  per rank, p2p transfers; see ``autopar.cost.joint.joint_cost_tensor``) goes to ``pp_planner.split_blocks``, the exact split
   DP; the best candidates by the split estimate are built and predicted by the schedule simulator
   (``pp_planner.plan_timeline``, which prices TP members through ``autopar.cost.tp``).
 - ZeRO inside a pipeline stage shards states over the stage's members. ZeRO-1 moves the same bytes
@@ -28,7 +28,7 @@ Terms
   reports the least stage the chosen plan fits with. ZeRO-3 is only offered by pure data
   parallelism, whose planner models its per-micro-step gathers.
 - search: every (grouping, micro-batch count) gets a cheap lower bound of its split estimate
-  (``_split_lower_bound``) and they are visited best-first; the search stops once the bound exceeds
+  (``autopar.cost.joint.split_lower_bound``) and they are visited best-first; the search stops once the bound exceeds
   the best estimate found (x ``_ESTIMATE_SLACK``, so near-ties still reach the simulator), and the
   split DP's own bottleneck bound (M x least bottleneck) prunes again after the cost tensor. Layouts
   whose load-balance bound (batch / summed member speed) cannot beat the best single strategy are
@@ -59,21 +59,21 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, PP_STRATEGIES, PlanConfig
 from autopar.cost import tp as tp_cost
-from autopar.ir.costs import ModelCosts
-from autopar.planner.dp import plan_dp
+from autopar.cost.joint import JointContext, joint_cost_tensor, prepare_stages, split_lower_bound
+from autopar.cost.memory import check_zero_stage, fits_memory, stage_memory_bytes
 from autopar.errors import PlanError
-from autopar.cost.joint import (  # the cost model; _Ctx and _memory stay importable from here (tests)
-    _Ctx, _cost_tensor, _fits, _memory, _prepare, _split_lower_bound,
-)
+from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.schedule import PIPELINE_SCHEDULES
+from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
+from autopar.planner.dp import plan_dp
+from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
 from autopar.planner.pp import (
-    StageGrouping, _dp_min_max, member_shares, micro_candidates, micro_sizes, plan_pipeline, plan_timeline,
+    StageGrouping, member_shares, micro_candidates, micro_sizes, min_bottleneck, plan_pipeline, plan_timeline,
     split_blocks,
 )
-
-from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
-from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -83,7 +83,7 @@ __all__ = [
     "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_dir", "cache_key",
 ]
 
-SINGLE_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp", "pp", "uniform-pp", "tp")
+SINGLE_STRATEGIES: tuple[str, ...] = DP_STRATEGIES + PP_STRATEGIES + ("tp",)
 _SHORTLIST = 8          # candidates per layout (by split estimate) that the simulator ranks
 _ESTIMATE_SLACK = 1.1   # a split estimate this much above the best prediction is not simulated
 _TIE = 1e-3             # relative step-time difference below which 1F1B wins (less memory)
@@ -91,7 +91,7 @@ _TIE = 1e-3             # relative step-time difference below which 1F1B wins (l
 
 # -- building and predicting a candidate --------------------------------------------------------------
 
-def _build(ctx: _Ctx, stages: Sequence[Sequence[Member]], sizes: Sequence[int], num_micro: int,
+def _build(ctx: JointContext, stages: Sequence[Sequence[Member]], sizes: Sequence[int], num_micro: int,
            recompute: Sequence[bool] = ()) -> tuple[Stage, ...]:
     micro = micro_sizes(ctx.global_batch, num_micro)
     tp = any(len(m.ranks) > 1 for st in stages for m in st)
@@ -111,7 +111,7 @@ def _build(ctx: _Ctx, stages: Sequence[Sequence[Member]], sizes: Sequence[int], 
     return tuple(out)
 
 
-def _make_plan(ctx: _Ctx, strategy: str, schedule: str, stages, step_s: float, memory: dict,
+def _make_plan(ctx: JointContext, strategy: str, schedule: str, stages, step_s: float, memory: dict,
                breakdown: dict, notes=(), zero_stage: int | None = None) -> Plan:
     sps = ctx.global_batch / step_s if step_s > 0 else 0.0
     return Plan(strategy=strategy, global_batch_size=ctx.global_batch,
@@ -128,16 +128,17 @@ class _Scored:
     label: str
 
 
-def _predict(ctx: _Ctx, stages: tuple[Stage, ...], schedules: Sequence[str], label: str,
+def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[str], label: str,
              zero_choices: Sequence[int]) -> list[_Scored]:
     out = []
     top = ctx.zero_for(len(stages[0].micro_batches[0]))   # ZeRO-2 only at one micro-batch
     zero_choices = [z for z in zero_choices if z <= top]
     for name in schedules:
-        zero = next((z for z in zero_choices if _fits(ctx, _memory(ctx, stages, name, z))), None)
+        zero = next((z for z in zero_choices if fits_memory(
+            ctx.cluster, stage_memory_bytes(ctx.costs, stages, name, z, ctx.rho), ctx.memory_fraction)), None)
         if zero is None:
             continue
-        memory = _memory(ctx, stages, name, zero)
+        memory = stage_memory_bytes(ctx.costs, stages, name, zero, ctx.rho)
         probe = _make_plan(ctx, "auto", name, stages, 1.0, memory, {"tp_replicated_fraction": ctx.rho})
         timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster)
         breakdown = {
@@ -158,9 +159,9 @@ class _GroupingState:
     feasible: bool | None = None
 
 
-def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: int | None, deadline,
+def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num_micro: int | None, deadline,
             best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...], tuple[bool, ...]]], int]:
-    """Best-first over every (grouping, micro-batch count): sorted by ``_split_lower_bound``, each
+    """Best-first over every (grouping, micro-batch count): sorted by ``split_lower_bound``, each
     solved by the exact split DP unless its bound (or the tensor's bottleneck bound M x floor)
     exceeds the best estimate found x ``_ESTIMATE_SLACK``. A grouping that cannot hold the model at
     its largest count (the least activation memory once 1F1B is full) is not tried at any count >= S.
@@ -174,15 +175,15 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
                   micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
         largest.append(counts[-1])
         for M in counts:
-            items.append((_split_lower_bound(ctx, entry.prep, M), e, M))
+            items.append((split_lower_bound(ctx, entry.prep, M), e, M))
     items.sort()
     best_est = best_s
     found = []
     solved = 0
 
     def solve(entry, M):
-        cost, rc = _cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
-        floor = _dp_min_max(cost)
+        cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
+        floor = min_bottleneck(cost)
         if not math.isfinite(floor):
             return "infeasible"
         if M * floor > best_est * _ESTIMATE_SLACK:
@@ -220,7 +221,7 @@ def _search(ctx: _Ctx, entries: list[_GroupingState], schedule: str, num_micro: 
     return found, solved
 
 
-def _entries(ctx: _Ctx, cluster, layouts, groupings, best_s: float) -> list[_GroupingState]:
+def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> list[_GroupingState]:
     n = ctx.costs.num_blocks
     entries: list[_GroupingState] = []
     for lay in layouts:
@@ -234,12 +235,12 @@ def _entries(ctx: _Ctx, cluster, layouts, groupings, best_s: float) -> list[_Gro
             if gr.num_stages > n or any(g not in ctx.members for st in gr.stages for g in st):
                 continue
             stages = [[ctx.members[g] for g in st] for st in gr.stages]
-            entries.append(_GroupingState(lay, gr, _prepare(ctx, stages)))
+            entries.append(_GroupingState(lay, gr, prepare_stages(ctx, stages)))
     return entries
 
 
 def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
-                        num_heads: int | None = None, zero_stage: int = 2, memory_fraction: float = 0.9,
+                        num_heads: int | None = None, zero_stage: int = 2, memory_fraction: float = MEMORY_FRACTION,
                         replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
                         degrees: Sequence[int] = TP_DEGREES,
                         recompute: bool = False) -> tuple[float, str, int, tuple[int, ...]] | None:
@@ -248,7 +249,7 @@ def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int
     B = _check_batch(global_batch)
     layouts = member_layouts(costs, cluster, num_heads=num_heads, degrees=degrees,
                              replicated_fraction=replicated_fraction)
-    ctx = _Ctx(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {}, recompute)
+    ctx = JointContext(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, None, math.inf)
     found, _ = _search(ctx, entries, "1f1b", None, None, math.inf)
     if not found:
@@ -259,7 +260,7 @@ def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int
 
 def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
                 zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto",
-                memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+                memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
                 replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
                 degrees: Sequence[int] = TP_DEGREES, layouts: Sequence[MemberLayout] | None = None,
                 groupings: Sequence[StageGrouping] | None = None, num_micro: int | None = None,
@@ -269,18 +270,18 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
     reached elsewhere (pruning); ``deadline`` a ``time.perf_counter()`` to stop at; ``shortlist``:
     how many candidates (best split estimates) the simulator predicts; ``recompute=True`` lets a stage
-    whose in-flight activations do not fit recompute them (see ``_cost_tensor``)."""
+    whose in-flight activations do not fit recompute them (see ``joint_cost_tensor``)."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     zero_choices, z_search = _zero_choices(zero_stage)
     if z_search is None:
         return []
-    schedules = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    schedules = PIPELINE_SCHEDULES if schedule == "auto" else (schedule,)
     split_schedule = "1f1b" if schedule == "auto" else schedule
     if layouts is None:
         layouts = member_layouts(costs, cluster, ranks, num_heads=num_heads, degrees=degrees,
                                  replicated_fraction=replicated_fraction)
-    ctx = _Ctx(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {}, recompute)
+    ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
     found, _ = _search(ctx, entries, split_schedule, num_micro, deadline, best_s)
     scored: list[_Scored] = []
@@ -306,8 +307,7 @@ def _zero_choices(zero_stage) -> tuple[tuple[int, ...], int | None]:
     """(ZeRO stages to report, in preference order; the stage whose memory the search assumes)."""
     if zero_stage == "auto":
         return (0, 1, 2), 2
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
-        raise PlanError(f"zero_stage: {zero_stage!r} must be one of 0, 1, 2, 3 or 'auto'")
+    check_zero_stage(zero_stage)
     if zero_stage == 3:
         return (), None
     return (int(zero_stage),), int(zero_stage)
@@ -322,7 +322,7 @@ def _check_batch(global_batch) -> int:
 # -- single-dimension strategies ----------------------------------------------------------------------
 
 def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
-            memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+            memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
             replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False) -> Plan:
     """Heterogeneous tensor parallelism: one TP group of every rank (uneven head shares, exact
     min-max), one stage, the micro-batch count that fits and is fastest."""
@@ -350,16 +350,16 @@ def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_hea
 
 def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, strategy: str, *,
                   num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
-                  schedule: str = "auto", memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
+                  schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False,
                   pp_layers: Sequence[int] | None = None) -> Plan:
     """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
     (``recompute``: whether pipeline stages and the ``dp`` strategy may recompute activations; the
     uniform baselines never do; ``pp_layers`` pins the blocks per stage of "pp" and "uniform-pp")."""
-    if strategy in ("dp", "uniform-dp", "proportional-dp"):
+    if strategy in DP_STRATEGIES:
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
                        memory_fraction=memory_fraction, recompute=recompute)
-    if strategy in ("pp", "uniform-pp"):
+    if strategy in PP_STRATEGIES:
         # uniform-pp has one device per stage: a ZeRO stage would shard over one member, no change.
         zs = ((0,) if strategy == "uniform-pp" else (0, 1)) if zero_stage == "auto" else (zero_stage,)
         best, err = None, None
@@ -385,7 +385,7 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
 # -- the joint planner ----------------------------------------------------------------------------------
 
 def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
-              zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto", memory_fraction: float = 0.9,
+              zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
               time_budget_s: float | None = None, ranks: Sequence[int] | None = None,
               replicated_fraction: float | None = None, degrees: Sequence[int] = TP_DEGREES,
               use_cache: bool = True, recompute: bool = False) -> Plan:
@@ -400,24 +400,16 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     ``autopar.planner.bounds``.
     Raises ``PlanError`` when nothing fits."""
     B = _check_batch(global_batch)
-    if schedule not in ("auto", "gpipe", "1f1b"):
-        raise PlanError(f"schedule: {schedule!r} is not one of 'auto', 'gpipe', '1f1b'")
-    if not 0 < memory_fraction <= 1:
-        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
-    if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer))
-                                  or num_heads < 1):
-        raise PlanError(f"num_heads: {num_heads!r} must be an integer >= 1")
-    _zero_choices(zero_stage)
+    config = PlanConfig(zero_stage=zero_stage, schedule=schedule, recompute=recompute,
+                        memory_fraction=memory_fraction, num_heads=num_heads,
+                        replicated_fraction=replicated_fraction)   # the arguments' one check
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(sorted(int(r) for r in ranks))
     missing = sorted({cluster.devices[r].spec.name for r in ranks} - set(costs.fwd_table))
     if missing:
         raise PlanError(f"costs: no time table for device type(s) {missing} (tables for {list(costs.fwd_table)})")
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else float(replicated_fraction)
-    args = {"global_batch": B, "num_heads": num_heads, "zero_stage": zero_stage, "schedule": schedule,
-            "memory_fraction": memory_fraction, "time_budget_s": time_budget_s, "ranks": list(ranks),
-            "replicated_fraction": rho, "degrees": list(degrees)}
-    if recompute:
-        args["recompute"] = True    # (absent when off: keys of the default stay as they were)
+    args = {"config": config.with_(replicated_fraction=rho).key(), "global_batch": B,
+            "time_budget_s": time_budget_s, "ranks": list(ranks), "degrees": list(degrees)}
     key = cache_key(costs, cluster, args) if use_cache else None
     if key is not None:
         hit = cache_read(key)

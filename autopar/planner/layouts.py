@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 
 from autopar.cost import tp as tp_cost
+from autopar.cost.tp import Member   # re-exported: the layouts are made of them
 from autopar.ir.costs import ModelCosts
 from autopar.planner.pp import StageGrouping
 
@@ -27,21 +28,9 @@ TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 # -- members and layouts -----------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
-class Member:
-    """One data-parallel participant of a stage: a TP group (a single rank when its degree is 1)."""
-
-    ranks: tuple[int, ...]
-    shares: tuple[int, ...]
-    kind: tp_cost.GroupKind
-    node: int
-
-    @property
-    def type_name(self) -> str:
-        return self.kind.types[0]
-
-
-@dataclass(frozen=True, slots=True)
 class MemberLayout:
+    """A TP layout: its name, the degree per device type it uses and its members."""
+
     name: str
     degrees: tuple[tuple[str, int], ...]
     members: tuple[Member, ...]

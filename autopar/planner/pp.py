@@ -1,7 +1,8 @@
 """Heterogeneous pipeline planning (HETHUB-style): stage device groupings, an uneven block split by
 dynamic programming, a micro-batch count search, and a final prediction from the schedule simulator.
-This module searches; ``autopar.cost.pipeline`` prices a built plan (stage durations, memory, the
-simulated prediction) and its names are re-exported here.
+This module searches; ``autopar.cost.pipeline`` prices a grouping (its stage cost tensor) and a built
+plan (stage durations, the simulated prediction), ``autopar.cost.memory`` its memory; the names the
+tests and callers know are re-exported here. Upper and compute bounds are ``autopar.planner.bounds``'.
 
 Terms
 - grouping: an ordered list of pipeline stages, each a tuple of *members* (data-parallel participants
@@ -20,7 +21,8 @@ Terms
 - activation recomputation (``Stage.recompute``; ``plan_pipeline(recompute=True)``): the stage keeps
   per micro-batch in flight only its input (``stage_input_bytes``) plus, at its peak, one micro-batch's
   full activations, and its backward reruns the forward (backward + forward seconds, one more call).
-  The split DP offers it exactly where keeping every activation does not fit (``_stage_costs``).
+  The split DP offers it exactly where keeping every activation does not fit
+  (``autopar.cost.pipeline.pipeline_cost_tensor``).
 - prediction: ``plan_timeline`` (``autopar.cost.pipeline``) of each shortlisted candidate: the simulated
   schedule, then gradient all-reduces, optimizer steps and ZeRO gathers. Its breakdown's
   ``allreduce_s`` is everything after the schedule (all-reduces and optimizer).
@@ -30,30 +32,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from autopar.cost.comm import p2p_time_s
-from autopar.ir.costs import ModelCosts
-from autopar.errors import PlanError
-from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.config import MEMORY_FRACTION, PlanConfig, ScheduleChoice
+from autopar.cost.memory import check_zero_stage, stage_memory_bytes
 from autopar.cost.pipeline import (  # the cost model's public names stay importable from here (``__all__``)
-    _Context, _in_flight, _memory_bytes, _state_fractions, plan_timeline, stage_durations, stage_input_bytes,
-    stage_optimizer_s,
+    PipelineContext, pipeline_cost_tensor, plan_timeline, stage_durations, stage_input_bytes, stage_optimizer_s,
 )
-from autopar.ir.schedule import Timeline
+from autopar.cost.stage import micro_sizes
+from autopar.errors import PlanError
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.schedule import PIPELINE_SCHEDULES, Timeline
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = [
     "StageGrouping", "stage_groupings", "micro_sizes", "micro_candidates", "member_shares",
-    "split_objective", "split_blocks", "plan_pipeline", "plan_timeline", "stage_durations",
-    "pp_upper_bound", "save_plan_timeline", "stage_optimizer_s", "stage_input_bytes",
+    "split_objective", "split_blocks", "min_bottleneck", "plan_pipeline", "plan_timeline", "stage_durations",
+    "save_plan_timeline", "stage_optimizer_s", "stage_input_bytes", "PipelineContext", "pipeline_cost_tensor",
 ]
-
-ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
 _GiB = float(1 << 30)
 _TOP_K = 6            # candidates (by classic estimate) that the simulator ranks
 _TIE = 1e-3           # relative step-time difference below which plans count as equally fast
@@ -117,12 +118,6 @@ def _chunk_grouping(ranks: Sequence[int], num_stages: int) -> StageGrouping:
 
 # -- small pure helpers ------------------------------------------------------------------------------
 
-def micro_sizes(batch: int, num_micro: int) -> tuple[int, ...]:
-    """``num_micro`` sizes summing to ``batch`` that differ by at most 1, the larger first."""
-    q, r = divmod(batch, num_micro)
-    return (q + 1,) * r + (q,) * (num_micro - r)
-
-
 def micro_candidates(batch: int, num_stages: int, max_members: int = 0) -> tuple[int, ...]:
     """Micro-batch counts to try: 1..16, then a geometric ladder, S multiples and divisors of the batch
     up to max(4S, 64, batch / max_members); never more than the batch. ``max_members``: the most
@@ -181,7 +176,7 @@ def _dp_min_sum(cost: np.ndarray) -> tuple[float, list[int] | None]:
     return float(best[-1]), bounds[::-1]
 
 
-def _dp_min_max(cost: np.ndarray) -> float:
+def min_bottleneck(cost: np.ndarray) -> float:
     """Min over splits of max_s cost[s, i_s, i_{s+1}]: the smallest possible bottleneck."""
     S, n1, _ = cost.shape
     best = np.full(n1, np.inf)
@@ -203,7 +198,7 @@ def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, .
     if n1 != n1b or S < 1 or n1 - 1 < S:
         return None
     cost[:, np.tril_indices(n1)[0], np.tril_indices(n1)[1]] = np.inf
-    floor = _dp_min_max(cost)
+    floor = min_bottleneck(cost)
     if not np.isfinite(floor):
         return None
     best_value, best_bounds = math.inf, None
@@ -224,90 +219,9 @@ def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, .
     return sizes, float(best_value)
 
 
-# -- cost tensors for one grouping and micro-batch count --------------------------------------------
-
-def _p2p_alpha_beta(cluster, src: int, dst: int) -> tuple[float, float]:
-    alpha = p2p_time_s(cluster, src, dst, 0.0)
-    return alpha, (p2p_time_s(cluster, src, dst, 1e9) - alpha) / 1e9
-
-
-def _stage_cost_tensor(ctx: _Context, grouping: StageGrouping, num_micro: int, schedule: str) -> np.ndarray:
-    """[s, i, j] = t_s on blocks [i, j) at the largest micro-batch, inf where it does not fit (every
-    activation kept)."""
-    return _stage_costs(ctx, grouping, num_micro, schedule, recompute=False)[0]
-
-
-def _stage_costs(ctx: _Context, grouping: StageGrouping, num_micro: int, schedule: str,
-                 recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(``_stage_cost_tensor``, [s, i, j] = whether that entry recomputes its activations). With
-    ``recompute`` an entry that does not fit keeping every activation in flight tries activation
-    recomputation: per micro-batch in flight only the stage input (the output of block i - 1, 0 for
-    i = 0) plus one micro-batch's full activations, for one more forward (and call) in the backward.
-    Keeping is never slower, so the per-stage choice is exact for the split DP."""
-    c = ctx.costs
-    n = c.num_blocks
-    S = grouping.num_stages
-    b = micro_sizes(ctx.global_batch, num_micro)[0]
-    pre = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    span = lambda p: p[None, :] - p[:, None]               # noqa: E731  [i, j] = p[j] - p[i]
-    params, wbytes, act = span(pre(c.params)), span(pre(c.param_bytes)), span(pre(c.act_bytes))
-    held = np.concatenate([[0.0], c.out_bytes])[:, None]      # [i] = stage input bytes per sample
-    out = np.full((S, n + 1, n + 1), np.inf)
-    rc = np.zeros((S, n + 1, n + 1), dtype=bool)
-    valid = (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for s, members in enumerate(grouping.stages):
-            nm = len(members)
-            by_type: dict[str, list[int]] = {}
-            for m in members:
-                by_type.setdefault(ctx.type_of(m[0]), []).append(m[0])
-            fw, fg, fo = _state_fractions(ctx.zero_stage, nm)
-            state = wbytes * fw + params * (c.grad_bytes_per_param * fg + c.optimizer_bytes_per_param * fo)
-            fly = _in_flight(schedule, s, S, num_micro)
-            # Each member's share of a micro-batch is proportional to its speed on the blocks (as in
-            # _build_stages); the largest-remainder rounding never exceeds the ceiling used here.
-            ref = max(b / nm, 1.0)
-            speed = {t: 1.0 / span(pre(c.fwd_time(t, ref) + c.bwd_time(t, ref))) for t in by_type}
-            total = sum(len(rs) * speed[t] for t, rs in by_type.items())
-            t_stage = np.zeros((n + 1, n + 1))
-            t_rc = np.zeros((n + 1, n + 1))
-            fits = valid.copy()
-            fits_rc = valid.copy() if recompute else np.zeros_like(valid)
-            for t, rs in by_type.items():
-                share = np.full((n + 1, n + 1), float(b)) if nm == 1 else np.ceil(b * speed[t] / total - 1e-9)
-                share = np.where(valid, share, 0.0)
-                time_t = np.zeros((n + 1, n + 1))
-                time_rc = np.zeros((n + 1, n + 1))
-                for k in np.unique(share[valid]):
-                    if k > 0:
-                        fwd_k = span(pre(c.fwd_time(t, int(k)))) + c.call_overhead(t)
-                        bwd_k = span(pre(c.bwd_time(t, int(k)))) + c.call_overhead(t)
-                        time_t = np.where(share == k, fwd_k + bwd_k, time_t)
-                        time_rc = np.where(share == k, 2 * fwd_k + bwd_k, time_rc)
-                t_stage = np.maximum(t_stage, time_t)
-                t_rc = np.maximum(t_rc, time_rc)
-                cap = min(ctx.cap_bytes(r) for r in rs)
-                fits &= state + act * share * fly <= cap
-                if recompute:
-                    fits_rc &= state + act * share + held * share * fly <= cap
-            use_rc = fits_rc & ~fits
-            rc[s] = use_rc
-            t_stage = np.where(use_rc, t_rc, t_stage)
-            fits = fits | use_rc
-            t_s = np.where(fits, t_stage, np.inf)
-            if s < S - 1:
-                nxt = grouping.stages[s + 1]
-                alpha, beta = _p2p_alpha_beta(ctx.cluster, members[0][0], nxt[0][0])
-                per_link = math.ceil(b / min(nm, len(nxt)))
-                t_s = t_s + (alpha + beta * per_link * np.concatenate([[0.0], c.out_bytes]))[None, :]
-            t_s[np.tril_indices(n + 1)] = np.inf
-            out[s] = np.where(np.isfinite(t_s), t_s, np.inf)
-    return out, rc
-
-
 # -- stages of a candidate ---------------------------------------------------------------------------
 
-def _build_stages(ctx: _Context, grouping: StageGrouping, sizes: Sequence[int], num_micro: int,
+def _build_stages(ctx: PipelineContext, grouping: StageGrouping, sizes: Sequence[int], num_micro: int,
                   recompute: Sequence[bool] = ()) -> tuple[Stage, ...]:
     c = ctx.costs
     micro = micro_sizes(ctx.global_batch, num_micro)
@@ -353,16 +267,12 @@ def _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, ze
                 memory_fraction, ranks) -> tuple[int, ...]:
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
         raise PlanError(f"global_batch: {global_batch!r}, need an integer >= 1")
-    if schedule not in ("auto", "gpipe", "1f1b"):
-        raise PlanError(f"schedule: {schedule!r} is not one of 'auto', 'gpipe', '1f1b'")
-    if zero_stage not in (0, 1, 2, 3):
-        raise PlanError(f"zero_stage: {zero_stage!r} is not one of 0, 1, 2, 3")
+    PlanConfig(schedule=schedule, memory_fraction=memory_fraction)   # the choices' one check
+    check_zero_stage(zero_stage)
     if zero_stage >= 2:
         raise PlanError(f"zero_stage: {zero_stage} shards gradients, which a pipeline stage would then reduce "
                         f"after every micro-batch; pipelines take ZeRO 0 or 1 (data parallelism, strategy "
                         f"'dp', takes 2 and 3)")
-    if not 0 < memory_fraction <= 1:
-        raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
     if num_micro is not None and not (isinstance(num_micro, (int, np.integer)) and 1 <= num_micro <= global_batch):
         raise PlanError(f"num_micro: {num_micro!r}, need an integer in 1..global_batch ({global_batch})")
     ranks = tuple(range(len(cluster.devices))) if ranks is None else tuple(int(r) for r in ranks)
@@ -385,7 +295,7 @@ def _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, ze
     return ranks
 
 
-def _no_fit_error(ctx: _Context, ranks: Sequence[int], tried: int) -> PlanError:
+def _no_fit_error(ctx: PipelineContext, ranks: Sequence[int], tried: int) -> PlanError:
     c = ctx.costs
     state = c.state_bytes(slice(None), ctx.zero_stage)
     act = float(c.act_bytes.sum())
@@ -404,19 +314,19 @@ def _no_fit_error(ctx: _Context, ranks: Sequence[int], tried: int) -> PlanError:
 
 def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, schedule: ScheduleChoice = "auto",
                   pp_layers: Sequence[int] | None = None, num_micro: int | None = None, zero_stage: int = 0,
-                  uniform: bool = False, memory_fraction: float = 0.9, ranks: Sequence[int] | None = None,
-                  bounds: bool = False, recompute: bool = False) -> Plan:
+                  uniform: bool = False, memory_fraction: float = MEMORY_FRACTION,
+                  ranks: Sequence[int] | None = None, recompute: bool = False) -> Plan:
     """The fastest heterogeneous pipeline plan (see the module docstring), or with ``uniform=True`` the
     Megatron-style baseline (equal blocks per stage, one device per stage in rank order).
 
     ``pp_layers`` pins blocks per stage; ``num_micro`` pins the micro-batch count; ``ranks`` restricts
-    the devices; ``bounds=True`` also fills the upper bound and efficiency from ``pp_upper_bound``
-    (left at 0 by default, as ``plan_dp`` does, for the joint planner to set); ``recompute``: whether
-    a stage whose in-flight activations do not fit may recompute them (``_stage_costs``; never for
-    the uniform baseline). Raises ``PlanError`` on bad arguments or when nothing fits."""
+    the devices; ``recompute``: whether a stage whose in-flight activations do not fit may recompute
+    them (``pipeline_cost_tensor``; never for the uniform baseline). Upper bound, compute bound and
+    efficiency are left at 0: ``autopar.planner.bounds.with_all_bounds`` sets them.
+    Raises ``PlanError`` on bad arguments or when nothing fits."""
     ranks = _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
                         memory_fraction, ranks)
-    ctx = _Context(costs, cluster, int(global_batch), zero_stage, memory_fraction)
+    ctx = PipelineContext(costs, cluster, int(global_batch), zero_stage, memory_fraction)
     n = costs.num_blocks
     pinned = tuple(int(x) for x in pp_layers) if pp_layers is not None else None
 
@@ -444,7 +354,7 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
         for M in counts:
             tried += 1
             # The uniform (Megatron-style) baseline keeps every activation, as it did.
-            cost, rc = _stage_costs(ctx, grouping, M, dp_schedule, recompute=recompute and not uniform)
+            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=recompute and not uniform)
             if pinned is not None:
                 sizes, value = pinned, None
                 b = np.concatenate([[0], np.cumsum(pinned)])
@@ -470,7 +380,7 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     shortlist.sort(key=lambda c: c.estimate_s)
 
     scored: list[_Scored] = []
-    names = ("gpipe", "1f1b") if schedule == "auto" else (schedule,)
+    names = PIPELINE_SCHEDULES if schedule == "auto" else (schedule,)
     for cand in shortlist:
         # The simulation costs O(stages x micro-batches); the classic estimate leaves out the gradient
         # all-reduce and the optimizer, so one well above a simulated step cannot win.
@@ -478,7 +388,7 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
             continue
         stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro, cand.recompute)
         for name in names:
-            mem = _memory_bytes(ctx, stages, name)
+            mem = stage_memory_bytes(costs, stages, name, ctx.zero_stage)
             if any(v > ctx.cap_bytes(r) for r, v in mem.items()):
                 continue
             probe = _make_plan(ctx, "pp", name, stages, 0.0, {}, mem, ())
@@ -506,13 +416,9 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
         "num_stages": float(len(best.stages)),
         "max_busy_s": max(best.timeline.busy_s),
     }
-    upper = 0.0
-    if bounds:
-        upper = pp_upper_bound(costs, cluster, ctx.global_batch, schedule=schedule, zero_stage=zero_stage,
-                               memory_fraction=memory_fraction, ranks=ranks)
     strategy = "uniform-pp" if uniform else "pp"
     return _make_plan(ctx, strategy, best.schedule, best.stages, best.step_time_s, breakdown,
-                      best.memory_bytes, tuple(notes), upper=upper, compute=_compute_bound(ctx, best, ranks))
+                      best.memory_bytes, tuple(notes))
 
 
 def _describe(x: _Scored) -> str:
@@ -522,32 +428,6 @@ def _describe(x: _Scored) -> str:
             f"layers={list(x.candidate.sizes)} members={members}{f' recompute={rc}' if rc else ''}: "
             f"{x.step_time_s:.4g} s "
             f"(estimate {x.candidate.estimate_s:.4g} s, bubble {x.timeline.bubble_fraction:.1%})")
-
-
-def _compute_bound(ctx: _Context, best: _Scored, ranks: Sequence[int]) -> float:
-    """Every device running the whole model at the plan's micro-batch size, no bubbles or traffic."""
-    b = float(micro_sizes(ctx.global_batch, best.candidate.num_micro)[0])
-    return float(sum(b / ctx.costs.step_time(ctx.type_of(r), b) for r in ranks))
-
-
-def pp_upper_bound(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
-                   schedule: ScheduleChoice = "auto", zero_stage: int = 0, memory_fraction: float = 0.9,
-                   ranks: Sequence[int] | None = None) -> float:
-    """Sum over device types of the samples/s ``plan_pipeline`` reaches on that type's devices alone
-    (a type that cannot hold the model alone adds 0)."""
-    ranks = tuple(range(len(cluster.devices))) if ranks is None else tuple(ranks)
-    by_type: dict[str, list[int]] = {}
-    for r in ranks:
-        by_type.setdefault(cluster.devices[r].spec.name, []).append(r)
-    total = 0.0
-    for sub in by_type.values():
-        try:
-            p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=zero_stage,
-                              memory_fraction=memory_fraction, ranks=sub)
-        except PlanError:
-            continue
-        total += p.predicted.samples_per_s
-    return total
 
 
 def save_plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", path) -> Timeline:
@@ -567,12 +447,11 @@ def save_plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", path) 
     return timeline
 
 
-def _make_plan(ctx: _Context, strategy: str, schedule: str, stages, step_s: float, breakdown: dict,
-               memory: dict, notes: tuple, upper: float = 0.0, compute: float = 0.0) -> Plan:
+def _make_plan(ctx: PipelineContext, strategy: str, schedule: str, stages, step_s: float, breakdown: dict,
+               memory: dict, notes: tuple) -> Plan:
     sps = ctx.global_batch / step_s if step_s > 0 else 0.0
     predicted = Predicted(step_time_s=step_s, samples_per_s=sps, memory_bytes=dict(memory),
-                          upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute,
-                          efficiency=sps / upper if upper > 0 else 0.0, breakdown=dict(breakdown))
+                          breakdown=dict(breakdown))
     return Plan(strategy=strategy, global_batch_size=ctx.global_batch, zero_stage=ctx.zero_stage,
                 schedule=schedule, stages=tuple(stages), predicted=predicted,
                 block_names=tuple(ctx.costs.block_names), notes=notes)

@@ -1,0 +1,65 @@
+"""The planner's one entry point: a ``PlanConfig`` and prepared cost tables in, a ``Plan`` with its
+bounds out. ``autopar.api`` builds the config from the user's arguments and calls ``plan_with_config``.
+
+Terms
+- resolved strategy: ``PlanConfig.resolved_strategy`` (``auto`` with pinned batch shares is ``dp``,
+  with pinned layers ``pp``); it picks the planner: ``autopar.planner.dp`` for the data-parallel
+  strategies, ``autopar.planner.joint.plan_strategy`` for ``pp``/``uniform-pp``/``tp``, the joint
+  search ``plan_auto`` for ``auto``.
+- bounds: ``autopar.planner.bounds.with_all_bounds``, the one definition of the upper bound, the
+  compute bound and the efficiency every plan the user sees carries.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from autopar.config import DP_STRATEGIES, PP_STRATEGIES, PlanConfig
+from autopar.errors import PlanError
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Plan
+from autopar.planner.bounds import with_all_bounds
+from autopar.planner.dp import plan_dp
+from autopar.planner.joint import plan_auto, plan_strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster.model import Cluster
+
+__all__ = ["plan_with_config"]
+
+
+def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig, *,
+                     timings: dict | None = None) -> Plan:
+    """Run the planner of ``config.resolved_strategy`` on ``costs`` and attach the bounds.
+
+    ``timings``, when given, receives the wall seconds of the planner (``plan_s``) and of the bounds
+    (``bounds_s``: the planner run again on each device type alone). Raises ``PlanError`` naming the
+    argument when the global batch or the cluster cannot be planned, or when nothing fits."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch_size: {global_batch!r} is not a positive integer")
+    if len(cluster) < 1:
+        raise PlanError("cluster: has no devices")
+    if not isinstance(config, PlanConfig):
+        raise PlanError(f"config: {config!r} is not a PlanConfig")
+    start = time.perf_counter()
+    strategy = config.resolved_strategy
+    tp_kw: dict = dict(num_heads=config.num_heads)
+    if config.replicated_fraction is not None:
+        tp_kw["replicated_fraction"] = config.replicated_fraction
+    common = dict(zero_stage=config.zero_stage, recompute=config.recompute, memory_fraction=config.memory_fraction)
+    if strategy in DP_STRATEGIES:
+        p = plan_dp(costs, cluster, global_batch, strategy=strategy, dp_batch=config.dp_batch_map, **common)
+    elif strategy in PP_STRATEGIES:
+        p = plan_strategy(costs, cluster, global_batch, strategy, schedule=config.schedule,
+                          pp_layers=config.pp_layers, **common)
+    elif strategy == "tp":
+        p = plan_strategy(costs, cluster, global_batch, "tp", schedule=config.schedule, **common, **tp_kw)
+    else:
+        p = plan_auto(costs, cluster, global_batch, schedule=config.schedule, **common, **tp_kw)
+    planned = time.perf_counter()
+    p = with_all_bounds(p, costs, cluster, global_batch, schedule=config.schedule, recompute=config.recompute,
+                        memory_fraction=config.memory_fraction, **tp_kw)
+    if timings is not None:
+        timings.update(plan_s=planned - start, bounds_s=time.perf_counter() - planned)
+    return p
