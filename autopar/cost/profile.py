@@ -7,7 +7,7 @@ Three sources, in order of preference (``ModelCosts.sources`` records which one 
    forward and backward (warm-up, repeats, min or median); results are cached on disk keyed by block
    signature, micro-batch, device name and dtype.
 2. **emulated**: an emulated CPU device (``emulate: cpu, speed: s``) costs the CPU measurement divided
-   by ``s`` and multiplied by the run's emulation time scale (``emulate.emulation_time_scale``), which
+   by ``s`` and multiplied by the run's emulation time scale (``autopar.cluster.emulation.emulation_time_scale``), which
    the runtime's clocks use too. This is emulation: the figures say so wherever they are printed.
 3. **roofline** transfer for device types not at hand: per block and op class (matmul, attention,
    memory-bound), ``max(FLOPs / peak, bytes / bandwidth)`` divided by a per-class efficiency, plus a
@@ -23,17 +23,17 @@ memory is halved when every device of the cluster is a GPU); CPU and emulated de
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from autopar.cluster.emulation import emulation_time_scale
+from autopar.cost.measure_cache import cache_dir, load_json, measure_cache_path, save_json, tile_batch
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
+from autopar.passes.meta import BLOCK, COST
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
            "measure_blocks", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
@@ -64,11 +64,6 @@ class Efficiency:
 DEFAULT_GPU_EFFICIENCY = Efficiency(matmul=1 / 0.6, attention=1 / 0.45, memory=1 / 0.75, weights=1 / 0.75,
                                     op_overhead_s=4e-6, matmul_call_s=0.0)
 _NEUTRAL = np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("AUTOPAR_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "autopar"
 
 
 # -- roofline ------------------------------------------------------------------------------------
@@ -119,17 +114,6 @@ def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
 
 
 # -- measurement ---------------------------------------------------------------------------------
-def _tile_batch(inputs: tuple, b: int) -> tuple:
-    out = []
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            idx = torch.arange(b, device=t.device) % t.shape[0]
-            out.append(t[idx])
-        else:
-            out.append(t)
-    return tuple(out)
-
-
 def _time(fn, repeats: int, sync, stat: str = "median", setup=None) -> float:
     """Time ``fn(setup())`` (``setup`` untimed, e.g. the forward whose backward is timed)."""
     setup = setup or (lambda: None)
@@ -163,9 +147,9 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     n = len(analysis.blocks)
-    cache_file = cache_dir() / "measure.json"
-    cache = _load_json(cache_file) if use_cache else {}
-    split = split_module(gm, model, lambda node: node.meta["autopar.block"], keep_original_order=True)
+    cache_file = measure_cache_path()
+    cache = load_json(cache_file) if use_cache else {}
+    split = split_module(gm, model, lambda node: node.meta[BLOCK], keep_original_order=True)
     subs = {int(name.split("_")[1]): mod for name, mod in split.named_children() if name.startswith("submod_")}
     rep: dict[str, int] = {}
     for s in analysis.stats:
@@ -180,7 +164,7 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
                 lambda m, args, i=i: captured_inputs.__setitem__(i, tuple(
                     a.detach() if isinstance(a, torch.Tensor) else a for a in args))) for i in todo if i in subs]
             with torch.no_grad():
-                split(*_tile_batch(example_inputs, b))
+                split(*tile_batch(example_inputs, b))
             for h in hooks:
                 h.remove()
         for i in todo:
@@ -215,7 +199,7 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
                 res[:, s.index] = cache[k]
         out[b] = res
     if use_cache:
-        _save_json(cache_file, cache)
+        save_json(cache_file, cache)
     return out
 
 
@@ -225,23 +209,6 @@ def threads() -> int:
 
 def _key(h: str, b: int, dev: str, nthreads: int) -> str:
     return f"{h}|b{b}|{dev}|t{nthreads}|fp32"
-
-
-def _load_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_json(path: Path, data: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home: measurements are just not cached
 
 
 # -- the cost tables -----------------------------------------------------------------------------
@@ -288,11 +255,11 @@ def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=
         if kf is None:
             continue
         found = True
-        covered = [nodes[x] for x in m.node_names if x in nodes and "autopar.cost" in nodes[x].meta]
-        block = covered[-1].meta["autopar.block"] if covered else None
+        covered = [nodes[x] for x in m.node_names if x in nodes and COST in nodes[x].meta]
+        block = covered[-1].meta[BLOCK] if covered else None
         if block is None:
             continue
-        act = sum(n.meta["autopar.cost"].act_bytes for n in covered) * 0.5  # bf16 on GPUs
+        act = sum(n.meta[COST].act_bytes for n in covered) * 0.5  # bf16 on GPUs
         roof = act / spec.mem_bandwidth_Bps * eff.memory + len(covered) * eff.op_overhead_s
         out[0, block] += kf - roof
         out[1, block] += (kb if kb is not None else 2 * kf) - 2 * roof
@@ -318,7 +285,6 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     need_cpu = any(cluster.spec_of(t).is_emulated or cluster.spec_of(t).vendor == "cpu" for t in types)
     if measure and need_cpu and not on_meta:
         measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
-    from autopar.runtime.emulate import emulation_time_scale
 
     emu_scale = emulation_time_scale(len(cluster))
     for t in types:

@@ -12,13 +12,13 @@ Terms
   weights, at ``OPTIMIZER_BANDWIDTH_EFFICIENCY`` of ``mem_bandwidth_Bps``.
 - compute call: the work a rank runs between two waits, one stage's forward or backward of one
   micro-batch in a pipeline, one micro-step in data parallelism. An emulated device's clock sleeps
-  after every call (``autopar.runtime.emulate``), and a call that starts after a sleep costs more CPU
+  after every call (``autopar.runtime.emulate``, with the factor of ``autopar.cluster.emulation``), and a call that starts after a sleep costs more CPU
   than the same call run back to back, as the block tables were timed (cold caches, re-scheduling):
   ``measure_call_overhead`` times the whole captured graph's forward call and backward call at a small
   micro-batch, hot and after a sleep, and keeps the mean difference (``ModelCosts.call_overhead_s``,
   scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
 
-Measurements are cached with the block timings (``autopar.cost.profile.cache_dir()/measure.json``).
+Measurements are cached with the block timings (``autopar.cost.measure_cache.measure_cache_path()``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import time
 import numpy as np
 import torch
 
+from autopar.cluster.emulation import emulation_time_scale
+from autopar.cost.measure_cache import load_json, measure_cache_path, save_json, tile_batch
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
 __all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "optimizer_roofline_s_per_param",
@@ -52,10 +54,8 @@ def _make_optimizer(kind: str, params):
 
 
 def _cache():
-    from autopar.cost import profile
-
-    path = profile.cache_dir() / "measure.json"
-    return path, profile._load_json(path), profile._save_json
+    path = measure_cache_path()
+    return path, load_json(path), save_json
 
 
 def _threads() -> int:
@@ -109,7 +109,6 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     """CPU seconds a compute call costs beyond its hot time when it starts after a ``gap_s`` sleep (see
     the module docstring), at least 0. Cached per graph (its blocks' signatures) and CPU thread count.
     Runs forward and backward on the captured graph, so it leaves the model's ``.grad`` cleared."""
-    from autopar.cost.profile import _tile_batch
     from autopar.passes.split import flat_inputs
 
     sig = hashlib.sha1("/".join(s.struct_hash for s in analysis.stats).encode()).hexdigest()[:16]
@@ -117,7 +116,7 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
         gm = analysis.captured.gm
-        flat = flat_inputs(gm, _tile_batch(tuple(example_inputs), micro_batch))
+        flat = flat_inputs(gm, tile_batch(tuple(example_inputs), micro_batch))
         held: list = []
 
         def fwd():
@@ -158,7 +157,6 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
     overhead is measured too, else it is 0); a model without real weights has its optimizer timed on
     the flat buffer."""
-    from autopar.runtime.emulate import emulation_time_scale
 
     types = cluster.device_types()
     specs = {t: cluster.spec_of(t) for t in types}

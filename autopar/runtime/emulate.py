@@ -22,16 +22,21 @@ Terms
   ``num_blocks``; ``stats()`` returns them as a frozen ``ClockStats`` for reporting.
 
 Blocks may nest; only the outermost block measures and sleeps.
+
+``emulation_time_scale`` and ``oversubscription`` live in ``autopar.cluster.emulation`` (the cost model
+uses the same factor) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from autopar.cluster.emulation import emulation_time_scale, oversubscription
+from autopar.errors import ClusterError
 
 __all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale", "oversubscription"]
 
@@ -52,10 +57,10 @@ class EmulatedClock:
                  wall_time: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep):
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf:
-            raise ValueError(f"EmulatedClock.speed: must be a finite number > 0, got {speed!r}")
+            raise ClusterError(f"EmulatedClock.speed: must be a finite number > 0, got {speed!r}")
         if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) \
                 or not 0 < time_scale < math.inf:
-            raise ValueError(f"EmulatedClock.time_scale: must be a finite number > 0, got {time_scale!r}")
+            raise ClusterError(f"EmulatedClock.time_scale: must be a finite number > 0, got {time_scale!r}")
         self.speed = float(speed)
         self.time_scale = float(time_scale)
         self._cpu_time, self._wall_time, self._sleep = cpu_time, wall_time, sleep
@@ -123,22 +128,3 @@ def clock_for(device, time_scale: float = 1.0) -> EmulatedClock | NullClock:
     if getattr(spec, "emulate", None) and (float(spec.speed) != 1.0 or time_scale != 1.0):
         return EmulatedClock(spec.speed, time_scale=time_scale)
     return NullClock()
-
-
-def emulation_time_scale(num_ranks: int, num_cores: int | None = None) -> float:
-    """The ``time_scale`` of a run's emulated devices: twice the oversubscription, so the ranks' CPU
-    demand (sum of speed / scale) stays well under the cores and speed ratios survive some contention.
-    The cost model (``autopar.cost.profile``) prices emulated devices with the same factor, so predicted and
-    measured step times are in the same units."""
-    return 2.0 * oversubscription(num_ranks, num_cores)
-
-
-def oversubscription(num_ranks: int, num_cores: int | None = None) -> float:
-    """``max(1, num_ranks / num_cores)``: the ``time_scale`` that keeps emulated speed ratios right when
-    ``num_ranks`` CPU processes share ``num_cores`` cores (default: the cores this process may use)."""
-    if num_cores is None:
-        try:
-            num_cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            num_cores = os.cpu_count() or 1
-    return max(1.0, num_ranks / max(1, num_cores))
