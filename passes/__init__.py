@@ -1,3 +1,7 @@
 """torch.fx graph passes: capture, analysis (shapes, FLOPs, bytes, memory, per-device time), block
-grouping, and lowering. Each pass is a plain function over an ``fx.GraphModule``; import the
-submodule you need (``passes.capture``, ``passes.analysis``, ``passes.blocks``...)."""
+grouping, and the passes lowering applies (stage split, tensor-parallel rewrite, kernel substitution).
+Each pass is a plain function over an ``fx.GraphModule``; import the submodule you need
+(``passes.capture``, ``passes.analysis``, ``passes.blocks``...). The metadata keys they write are
+named in ``passes.meta``."""
+
+__all__: list[str] = []

@@ -27,6 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
+
 __all__ = ["TensorInfo", "NodeCost", "annotate_pass", "OP_CLASSES"]
 
 OP_CLASSES = ("matmul", "attention", "memory")
@@ -213,14 +215,14 @@ class _Analyzer(fx.Interpreter):
             out = super().run_node(n)
             self._annotate_value(n, out)
             if n.op == "placeholder":
-                n.meta["autopar.cost"] = NodeCost("memory", 0, 0, 0, 0, 0, (), _out_bytes(out), 0)
+                n.meta[COST] = NodeCost("memory", 0, 0, 0, 0, 0, (), _out_bytes(out), 0)
             return out
         if n.op == "get_attr":
             out = super().run_node(n)
             self._annotate_value(n, out)
             pb = _out_bytes(out)
-            n.meta["autopar.cost"] = NodeCost("memory", 0, 0, 0, 0, 0, (), 0, 0)
-            n.meta["autopar.attr_bytes"] = pb
+            n.meta[COST] = NodeCost("memory", 0, 0, 0, 0, 0, (), 0, 0)
+            n.meta[ATTR_BYTES] = pb
             return out
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         try:
@@ -242,9 +244,9 @@ class _Analyzer(fx.Interpreter):
         act_in = 0.0
         for a in in_nodes:
             if a.op == "get_attr":
-                param_read += a.meta.get("autopar.attr_bytes", 0)
+                param_read += a.meta.get(ATTR_BYTES, 0)
             else:
-                ti = a.meta.get("autopar.tensor")
+                ti = a.meta.get(TENSOR)
                 act_in += ti.nbytes if ti is not None else 0
         if n.op == "call_module":
             mod = self.module.get_submodule(n.target)
@@ -275,7 +277,7 @@ class _Analyzer(fx.Interpreter):
                 if src.op != "get_attr":
                     saved_nodes.append(src.name)
         self._annotate_value(n, out)
-        n.meta["autopar.cost"] = NodeCost(
+        n.meta[COST] = NodeCost(
             op_class=_classify(name, float(self._cache[sig][0])), fwd_flops=fwd, bwd_flops=bwd,
             act_bytes=act_in + out_b_moved, param_bytes_read=param_read, saved_bytes=float(saved_bytes),
             saved_input_nodes=tuple(saved_nodes), out_bytes=float(out_b), num_ops=num_ops,
@@ -286,7 +288,7 @@ class _Analyzer(fx.Interpreter):
     def _annotate_value(self, n: fx.Node, out: Any) -> None:
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor):
-                n.meta["autopar.tensor"] = TensorInfo(tuple(int(s) for s in o.shape), o.dtype)
+                n.meta[TENSOR] = TensorInfo(tuple(int(s) for s in o.shape), o.dtype)
                 return
 
 

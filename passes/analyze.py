@@ -14,7 +14,7 @@ from torch import nn
 
 from autopar.passes.analysis import annotate_pass
 from autopar.passes.blocks import Block, BlockStats, assign_blocks_pass, block_stats
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import CaptureError, Captured, capture
 
 __all__ = ["Analysis", "analyze"]
 
@@ -51,7 +51,7 @@ def _batch_size(example_inputs: tuple) -> int:
     for t in example_inputs:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return int(t.shape[0])
-    raise ValueError("example_inputs: need at least one tensor with a batch dimension (dim 0)")
+    raise CaptureError("example_inputs: need at least one tensor with a batch dimension (dim 0)")
 
 
 def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto") -> Analysis:

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.capture import module_path
+from autopar.passes.meta import BLOCK, COST, TENSOR
 
 __all__ = ["Block", "BlockStats", "assign_blocks_pass", "block_stats"]
 
@@ -90,7 +91,7 @@ def _struct_hash(gm: fx.GraphModule, nodes: list[fx.Node], prefix: str) -> str:
         if isinstance(a, fx.Node):
             if a in local:
                 return f"%{local[a]}"
-            ti = a.meta.get("autopar.tensor")
+            ti = a.meta.get(TENSOR)
             return f"ext{tuple(ti.shape) if ti else ''}"
         if isinstance(a, (list, tuple)):
             return type(a)(ref(x) for x in a)
@@ -110,7 +111,7 @@ def _struct_hash(gm: fx.GraphModule, nodes: list[fx.Node], prefix: str) -> str:
             target = ("attr", tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
         else:
             target = str(n.target)
-        ti = n.meta.get("autopar.tensor")
+        ti = n.meta.get(TENSOR)
         items.append((n.op, target, ref(n.args), ref(n.kwargs), (tuple(ti.shape), str(ti.dtype)) if ti else None))
     return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
 
@@ -172,7 +173,7 @@ def assign_blocks_pass(gm: fx.GraphModule) -> tuple[Block, ...]:
     members: dict[int, list[fx.Node]] = defaultdict(list)
     for n in nodes:
         i = index[name_of[n]]
-        n.meta["autopar.block"] = i
+        n.meta[BLOCK] = i
         members[i].append(n)
     blocks = []
     for b, i in index.items():
@@ -200,36 +201,36 @@ def block_stats(gm: fx.GraphModule, blocks: tuple[Block, ...]) -> tuple[tuple[Bl
     param_of: dict[int, torch.Tensor] = {}
     for n in nodes:
         for p in _node_params(gm, n):
-            owner.setdefault(id(p), n.meta["autopar.block"])
-            users_of[id(p)].add(n.meta["autopar.block"])
+            owner.setdefault(id(p), n.meta[BLOCK])
+            users_of[id(p)].add(n.meta[BLOCK])
             if n.op == "get_attr":  # a parameter read once and used by several blocks
-                users_of[id(p)].update(u.meta["autopar.block"] for u in n.users)
+                users_of[id(p)].update(u.meta[BLOCK] for u in n.users)
             param_of[id(p)] = p
     tied = tuple(sorted({tuple(sorted(u)) for u in users_of.values() if len(u) > 1}))
     # Bytes crossing a cut after block i: values made at or before i, used after i (not parameters).
     last_use: dict[fx.Node, int] = {}
     for n in nodes:
         for a in n.all_input_nodes:
-            last_use[a] = max(last_use.get(a, -1), n.meta["autopar.block"])
+            last_use[a] = max(last_use.get(a, -1), n.meta[BLOCK])
     cut = [0.0] * len(blocks)
     for v, last in last_use.items():
         if v.op == "get_attr":
             continue
-        ti = v.meta.get("autopar.tensor")
+        ti = v.meta.get(TENSOR)
         if ti is None:
             continue
-        for i in range(v.meta["autopar.block"], last):
+        for i in range(v.meta[BLOCK], last):
             cut[i] += ti.nbytes
     stats = []
     for b in blocks:
         mine = [by_name[x] for x in b.node_names]
-        costs = [n.meta["autopar.cost"] for n in mine if "autopar.cost" in n.meta]
+        costs = [n.meta[COST] for n in mine if COST in n.meta]
         params = [p for pid, p in param_of.items() if owner[pid] == b.index]
         # Saved activations: intermediates of each op plus each graph value saved by any op, once.
         saved_vals = {name for c in costs for name in c.saved_input_nodes}
         saved = sum(c.saved_bytes for c in costs)
         for name in saved_vals:
-            ti = by_name[name].meta.get("autopar.tensor")
+            ti = by_name[name].meta.get(TENSOR)
             saved += ti.nbytes if ti else 0
         fl: dict[str, float] = defaultdict(float)
         bf: dict[str, float] = defaultdict(float)

@@ -21,10 +21,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autopar.errors import AutoparError
+
 __all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss"]
 
 
-class CaptureError(ValueError):
+class CaptureError(AutoparError):
     """Neither torch.fx nor torch.export could capture the model."""
 
 
@@ -129,4 +131,4 @@ def output_to_loss(output: Any) -> torch.Tensor:
         return output.loss
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise ValueError(f"loss_fn=None but the model output ({type(output).__name__}) carries no loss")
+    raise CaptureError(f"loss_fn=None but the model output ({type(output).__name__}) carries no loss")

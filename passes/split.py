@@ -36,10 +36,13 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from autopar.errors import AutoparError
+from autopar.passes.meta import BLOCK, TENSOR
+
 __all__ = ["SplitError", "StageProgram", "split_stages", "flat_inputs", "run_stages", "batched_values"]
 
 
-class SplitError(ValueError):
+class SplitError(AutoparError):
     """The graph cannot be split as asked (bad block ranges, a value flowing backwards, a crossing value
     that is not a tensor of rows)."""
 
@@ -77,7 +80,7 @@ class StageProgram:
 
 def _block_of(n: fx.Node) -> int:
     try:
-        return int(n.meta["autopar.block"])
+        return int(n.meta[BLOCK])
     except KeyError:
         raise SplitError(f"node {n.format_node()} has no 'autopar.block' annotation; run "
                          f"passes.analyze.analyze (or passes.blocks.assign_blocks_pass) first") from None
@@ -86,7 +89,7 @@ def _block_of(n: fx.Node) -> int:
 def _is_tensor_valued(n: fx.Node) -> bool:
     if "val" in n.meta:
         return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(n.meta["val"]))
-    return "autopar.tensor" in n.meta or "tensor_meta" in n.meta
+    return TENSOR in n.meta or "tensor_meta" in n.meta
 
 
 def _check_ranges(block_ranges, num_blocks: int) -> list[tuple[int, int]]:
@@ -111,7 +114,7 @@ def split_stages(gm: fx.GraphModule, block_ranges: Sequence[tuple[int, int]]) ->
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
     blocked = [n for n in nodes if n.op not in ("placeholder", "output")]
-    num_blocks = max((int(n.meta["autopar.block"]) for n in nodes if "autopar.block" in n.meta),
+    num_blocks = max((int(n.meta[BLOCK]) for n in nodes if BLOCK in n.meta),
                      default=max((_block_of(n) for n in blocked), default=0)) + 1
     ranges = _check_ranges(block_ranges, num_blocks)
     S = len(ranges)

@@ -43,18 +43,26 @@ import copy
 import math
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.passes.tp_match import TPPair, _attr, _Lin, _linear, find_tp_pairs
+from autopar.errors import AutoparError
+from autopar.passes.meta import BLOCK, COST, TP_LAYOUT
+from autopar.passes.tp_match import LinearUse, TPPair, attr_value, find_tp_pairs, linear_use
 
 __all__ = ["TPPair", "ParamShard", "TPLayout", "CopyToGroup", "ReduceFromGroup", "find_tp_pairs",
-           "unit_ranges", "tp_rewrite", "assemble_full", "TP_META_KEY"]
+           "unit_ranges", "tp_rewrite", "assemble_full", "TP_META_KEY", "TPRewriteError", "AllReduce",
+           "bind_all_reduce", "load_shards"]
 
-TP_META_KEY = "autopar.tp"
+TP_META_KEY = TP_LAYOUT   # gm.meta key of the TPLayout (passes.meta.TP_LAYOUT)
+
+
+class TPRewriteError(AutoparError):
+    """``tp_rewrite`` / ``unit_ranges`` were given shares or a rank index they cannot use (names the
+    argument)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,26 +108,32 @@ def assemble_full(shard: ParamShard, pieces: list[torch.Tensor]) -> torch.Tensor
 # Communication: Megatron's f and g
 
 
+# ``all_reduce``: a function that sums a tensor in place over the member's group, bound by the engine
+# that runs the module (``bind_all_reduce``); None: no communication (a group of one, or a module run
+# on its own, e.g. to compare one member's output).
+AllReduce = Callable[[torch.Tensor], None]
+
+
 class _CopyToGroupFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, all_reduce):
+        ctx.all_reduce = all_reduce
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        if dist.is_initialized():
-            dist.all_reduce(grad, group=ctx.group)
+        if ctx.all_reduce is not None:
+            ctx.all_reduce(grad)
         return grad, None
 
 
 class _ReduceFromGroupFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, all_reduce):
         x = x.contiguous().clone()
-        if dist.is_initialized():
-            dist.all_reduce(x, group=group)
+        if all_reduce is not None:
+            all_reduce(x)
         return x
 
     @staticmethod
@@ -128,25 +142,43 @@ class _ReduceFromGroupFn(torch.autograd.Function):
 
 
 class CopyToGroup(nn.Module):
-    """f: identity forward, all-reduce (sum) of the gradient over ``group`` backward."""
+    """f: identity forward, all-reduce (sum) of the gradient over the group backward."""
 
-    def __init__(self, group=None):
+    def __init__(self, all_reduce: AllReduce | None = None):
         super().__init__()
-        self.group = group
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CopyToGroupFn.apply(x, self.group)
+        return _CopyToGroupFn.apply(x, self.all_reduce)
 
 
 class ReduceFromGroup(nn.Module):
-    """g: all-reduce (sum) over ``group`` forward, identity backward."""
+    """g: all-reduce (sum) over the group forward, identity backward."""
 
-    def __init__(self, group=None):
+    def __init__(self, all_reduce: AllReduce | None = None):
         super().__init__()
-        self.group = group
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromGroupFn.apply(x, self.group)
+        return _ReduceFromGroupFn.apply(x, self.all_reduce)
+
+
+def bind_all_reduce(local_gm: fx.GraphModule, all_reduce: AllReduce | None) -> None:
+    """Make every f / g of a ``tp_rewrite`` result sum over the group with ``all_reduce``."""
+    for m in local_gm.modules():
+        if isinstance(m, (CopyToGroup, ReduceFromGroup)):
+            m.all_reduce = all_reduce
+
+
+def load_shards(local_gm: fx.GraphModule, source_gm: fx.GraphModule) -> None:
+    """Copy each sharded parameter of a ``tp_rewrite`` result from the full parameter of ``source_gm``
+    it was cut from (e.g. after the full weights were made equal on every rank)."""
+    layout = local_gm.meta[TP_LAYOUT]
+    with torch.no_grad():
+        for s in layout.params:
+            full = source_gm.get_parameter(s.source)
+            local_gm.get_parameter(s.local).copy_(
+                torch.cat([full.narrow(s.dim, a, b - a) for a, b in s.ranges[layout.rank_index]], dim=s.dim))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,7 +193,7 @@ def unit_ranges(num_units: int, shares: tuple[int, ...], granularity: int = 1) -
     the earlier member.
     """
     if not shares or any(s < 0 for s in shares) or sum(shares) <= 0:
-        raise ValueError(f"shares: need non-negative counts with a positive sum, got {shares!r}")
+        raise TPRewriteError(f"shares: need non-negative counts with a positive sum, got {shares!r}")
     if num_units == sum(shares):
         counts = list(shares)
     else:
@@ -211,7 +243,7 @@ def _empty_linear(in_features: int, out_features: int, bias: bool, like: torch.T
                                     device=like.device, dtype=like.dtype)
 
 
-def _install_linear(new: fx.GraphModule, node: fx.Node, lin: _Lin, prefix: str, weight: torch.Tensor,
+def _install_linear(new: fx.GraphModule, node: fx.Node, lin: LinearUse, prefix: str, weight: torch.Tensor,
                     bias: torch.Tensor | None, like: torch.Tensor) -> tuple[str, ...]:
     """Make ``node`` of ``new`` use the local ``weight`` / ``bias`` (copies); the names they live under."""
     rg = like.requires_grad
@@ -258,18 +290,19 @@ def _drop_unread_attrs(new: fx.GraphModule, gm: fx.GraphModule) -> None:
             delattr(owner, field_name)
 
 
-def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, group=None,
-               granularity: int = 8, pairs: list[TPPair] | None = None) -> fx.GraphModule:
+def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
+               all_reduce: AllReduce | None = None, granularity: int = 8,
+               pairs: list[TPPair] | None = None) -> fx.GraphModule:
     """The module that member ``rank_index`` of a tensor-parallel group with ``shares`` runs.
 
     A new GraphModule: sharded Linears are new modules holding slices (copies) of the weights; every
-    other module and parameter is shared with ``gm`` (replicated). f / g all-reduce over ``group``
-    (None: the default group; no communication when torch.distributed is not initialised).
+    other module and parameter is shared with ``gm`` (replicated). f / g sum over the group with
+    ``all_reduce`` (None: no communication until ``bind_all_reduce`` binds one).
     ``result.meta["autopar.tp"]`` is the ``TPLayout``. ``gm`` is left unchanged.
     """
     shares = tuple(int(s) for s in shares)
     if not 0 <= rank_index < len(shares):
-        raise ValueError(f"rank_index: {rank_index} is not a member of a group of {len(shares)}")
+        raise TPRewriteError(f"rank_index: {rank_index} is not a member of a group of {len(shares)}")
     if pairs is None:
         pairs = find_tp_pairs(gm) if len(shares) > 1 else []
     graph = copy.deepcopy(gm.graph)
@@ -292,10 +325,10 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
         # columns: rows of each part
         width = pair.part_features
         for j, (cname, parts) in enumerate(zip(pair.column_nodes, pair.parts)):
-            lin = _linear(gm, orig[cname])
+            lin = linear_use(gm, orig[cname])
             runs = tuple(tuple((p * width + a * uf, p * width + b * uf) for p in range(parts)) for a, b in ranges)
-            w = _attr(gm, lin.weight)
-            bias = _attr(gm, lin.bias) if lin.bias else None
+            w = attr_value(gm, lin.weight)
+            bias = attr_value(gm, lin.bias) if lin.bias else None
             local_w = torch.cat([w.detach()[a:b] for a, b in runs[rank_index]])
             local_b = torch.cat([bias.detach()[a:b] for a, b in runs[rank_index]]) if bias is not None else None
             names = _install_linear(new, nodes[cname], lin, f"_tp{k}_c{j}", local_w, local_b, like=w)
@@ -303,25 +336,25 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
             if bias is not None:
                 shards.append(ParamShard(names[1], lin.bias, tuple(bias.shape), 0, runs))
         # row: input columns; bias added once after the reduce
-        lin = _linear(gm, orig[pair.row_node])
+        lin = linear_use(gm, orig[pair.row_node])
         runs = tuple(((a * uf, b * uf),) for a, b in ranges)
         a, b = runs[rank_index][0]
-        w = _attr(gm, lin.weight)
+        w = attr_value(gm, lin.weight)
         names = _install_linear(new, nodes[pair.row_node], lin, f"_tp{k}_r", w.detach()[:, a:b], None, like=w)
         shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 1, runs))
         row = nodes[pair.row_node]
         users = list(row.users)
-        new.add_submodule(f"_tp_g{k}", ReduceFromGroup(group))
+        new.add_submodule(f"_tp_g{k}", ReduceFromGroup(all_reduce))
         with graph.inserting_after(row):
             out = graph.call_module(f"_tp_g{k}", (row,))
-        out.meta = {key: v for key, v in row.meta.items() if key != "autopar.cost"}
+        out.meta = {key: v for key, v in row.meta.items() if key != COST}
         if lin.bias is not None:
             if lin.module is not None:
                 bias_name = f"_tp{k}_r_bias"
-                new.register_parameter(bias_name, _attr(gm, lin.bias))   # replicated: gm's Parameter
+                new.register_parameter(bias_name, attr_value(gm, lin.bias))   # replicated: gm's Parameter
                 with graph.inserting_after(out):
                     battr = graph.get_attr(bias_name)
-                battr.meta = {"autopar.block": row.meta["autopar.block"]} if "autopar.block" in row.meta else {}
+                battr.meta = {BLOCK: row.meta[BLOCK]} if BLOCK in row.meta else {}
             else:
                 battr = row.args[2]                       # the bias read, kept (replicated)
                 row.args = row.args[:2]
@@ -334,12 +367,12 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *, 
         # f on the columns' input
         x = nodes[pair.input_node]
         first = nodes[pair.column_nodes[0]]
-        new.add_submodule(f"_tp_f{k}", CopyToGroup(group))
+        new.add_submodule(f"_tp_f{k}", CopyToGroup(all_reduce))
         with graph.inserting_before(first):
             f = graph.call_module(f"_tp_f{k}", (x,))
-        f.meta = {key: v for key, v in x.meta.items() if key != "autopar.cost"}
-        if "autopar.block" in first.meta:
-            f.meta["autopar.block"] = first.meta["autopar.block"]
+        f.meta = {key: v for key, v in x.meta.items() if key != COST}
+        if BLOCK in first.meta:
+            f.meta[BLOCK] = first.meta[BLOCK]
         for cname in pair.column_nodes:
             nodes[cname].replace_input_with(x, f)
     graph.lint()

@@ -15,7 +15,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TPPair", "find_tp_pairs"]
+from autopar.passes.meta import TENSOR
+
+__all__ = ["TPPair", "LinearUse", "find_tp_pairs", "linear_use", "attr_value"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,7 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Lin:
+class LinearUse:
     """A Linear in the graph: an ``nn.Linear`` module call or ``F.linear`` / ``aten.linear`` on
     parameters read with ``get_attr``."""
     weight: str           # qualified name of the weight
@@ -128,7 +130,7 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     """The output shape the analysis recorded for a node (None: not a tensor / unknown)."""
     if not isinstance(node, fx.Node):
         return None
-    info = node.meta.get("autopar.tensor")
+    info = node.meta.get(TENSOR)
     if info is not None:
         return tuple(int(s) for s in info.shape)
     val = node.meta.get("val")
@@ -140,12 +142,14 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin | None:
+def linear_use(gm: fx.GraphModule, node: fx.Node) -> LinearUse | None:
+    """The ``LinearUse`` that ``node`` is (a plain ``nn.Linear`` call with one input, or ``F.linear`` /
+    ``aten.linear`` on a 2-D ``get_attr`` weight), or None when it is anything else."""
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
             return None
-        return _Lin(f"{node.target}.weight", f"{node.target}.bias" if mod.bias is not None else None,
+        return LinearUse(f"{node.target}.weight", f"{node.target}.bias" if mod.bias is not None else None,
                     mod.in_features, mod.out_features, str(node.target))
     if node.op == "call_function" and node.target in _LINEAR_FUNCS and not node.kwargs \
             and 2 <= len(node.args) <= 3:
@@ -154,10 +158,10 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> _Lin | None:
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and (b is None or (isinstance(b, fx.Node)
                                                                                   and b.op == "get_attr"))):
             return None
-        weight = _attr(gm, w.target)
+        weight = attr_value(gm, w.target)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return None
-        return _Lin(str(w.target), str(b.target) if b is not None else None, weight.shape[1], weight.shape[0], None)
+        return LinearUse(str(w.target), str(b.target) if b is not None else None, weight.shape[1], weight.shape[0], None)
     return None
 
 
@@ -166,7 +170,7 @@ def _is_probe(gm: fx.GraphModule, node: fx.Node) -> bool:
     return _kind(gm, node) == "probe"
 
 
-def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, _Lin]):
+def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, LinearUse]):
     """Nodes reachable from ``seed`` without passing a Linear; (nodes, terminal Linear nodes) or None
     when the flow reaches the output or enters a Linear other than as its input."""
     seen, terms, todo = {seed}, set(), [seed]
@@ -477,11 +481,11 @@ def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node
         region=tuple(n.name for n in order), literals=tuple(m.literals))
 
 
-def _lin_name(lin: _Lin) -> str:
+def _lin_name(lin: LinearUse) -> str:
     return lin.module if lin.module is not None else lin.weight.rpartition(".")[0]
 
 
-def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, _Lin]) -> set[fx.Node]:
+def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, LinearUse]) -> set[fx.Node]:
     """Linear nodes whose parameters no other node reads (a module called once, a weight read once)."""
     count: dict[int, int] = {}
     for node in gm.graph.nodes:
@@ -489,17 +493,19 @@ def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, _Lin]) -> set[f
             for p in gm.get_submodule(node.target).parameters():
                 count[id(p)] = count.get(id(p), 0) + 1
         elif node.op == "get_attr":
-            t = _attr(gm, node.target)
+            t = attr_value(gm, node.target)
             count[id(t)] = count.get(id(t), 0) + len(node.users)
     out = set()
     for n, lin in linears.items():
         names = [lin.weight] + ([lin.bias] if lin.bias else [])
-        if all(count.get(id(_attr(gm, name)), 0) == 1 for name in names):
+        if all(count.get(id(attr_value(gm, name)), 0) == 1 for name in names):
             out.add(n)
     return out
 
 
-def _attr(gm: fx.GraphModule, target: str):
+def attr_value(gm: fx.GraphModule, target: str):
+    """The object at the dotted ``target`` of ``gm`` (a ``get_attr`` target: parameter, buffer, module);
+    raises ``AttributeError`` when a part is missing."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -512,7 +518,7 @@ def find_tp_pairs(gm: fx.GraphModule) -> list[TPPair]:
     Needs output shapes on the nodes (``passes.analysis.annotate_pass``, or ``meta["val"]`` /
     ``meta["tensor_meta"]``); nodes without them are never part of a pair. Pure: ``gm`` is unchanged.
     """
-    linears = {n: mod for n in gm.graph.nodes if (mod := _linear(gm, n)) is not None}
+    linears = {n: mod for n in gm.graph.nodes if (mod := linear_use(gm, n)) is not None}
     usable = _params_used_once(gm, linears)
     closures = {}
     for n in linears:

@@ -29,6 +29,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.passes.meta import TENSOR
+
 __all__ = ["KernelMatch", "find_kernel_patterns", "substitute_kernels", "kernel_shapes"]
 
 aten = torch.ops.aten
@@ -145,7 +147,7 @@ def _arg(node: fx.Node, pos: int, name: str, default=None):
 def _shape(node, gm: fx.GraphModule) -> tuple[int, ...] | None:
     if not isinstance(node, fx.Node):
         return None
-    info = node.meta.get("autopar.tensor")  # written by passes.analysis
+    info = node.meta.get(TENSOR)  # written by passes.analysis
     if info is not None:
         return tuple(int(s) for s in info.shape)
     meta = node.meta.get("tensor_meta")

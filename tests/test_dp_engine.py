@@ -24,6 +24,7 @@ from torch.testing._internal.common_utils import run_tests
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.runtime.dp import DataParallelEngine, DataParallelError, FlatLayout, shard_bounds
 from autopar.runtime.emulate import NullClock
+from autopar.lowering import RankProgram, lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
 
@@ -56,7 +57,7 @@ def make_engine(name, micro, zero_stage, optimizer, rank, world_size, zero_share
     return cls(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
         rank=rank, world_size=world_size, device=torch.device("cpu"), clock=clock or NullClock()),
-        **engine_kwargs)
+        lower(plan, gm, rank, params=[p for p in model.parameters() if p.requires_grad]), **engine_kwargs)
 
 
 def train(engine, name, steps=STEPS):
@@ -260,25 +261,26 @@ def test_plan_errors_name_the_field():
     def inputs(plan):
         return EngineInputs(gm=gm, model=model, plan=plan, loss_fn=loss_fn,
                             optimizer_factory=optimizer_factory("sgd"), rank=0, world_size=2,
-                            device=torch.device("cpu"), clock=NullClock())
+                            device=torch.device("cpu"), clock=NullClock()), \
+            RankProgram(plan=plan, rank=0, kind="dp", gm=gm)    # nothing lowered: the checks come first
 
     two_stages = Plan(strategy="pp", global_batch_size=4, zero_stage=0, schedule="gpipe",
                       stages=(Stage(0, 1, ((0,),), ((4,),)), Stage(1, 2, ((1,),), ((4,),))),
                       predicted=Predicted(0.0, 0.0, {}))
     with pytest.raises(DataParallelError, match="plan.stages"):
-        DataParallelEngine(inputs(two_stages))
+        DataParallelEngine(*inputs(two_stages))
     tp = Plan(strategy="tp", global_batch_size=4, zero_stage=0, schedule="none",
               stages=(Stage(0, 1, ((0, 1),), ((4,),)),), predicted=Predicted(0.0, 0.0, {}))
     with pytest.raises(DataParallelError, match="groups"):
-        DataParallelEngine(inputs(tp))
+        DataParallelEngine(*inputs(tp))
     bad_sum = dp_plan(((2,), (2,)), 0)
     object.__setattr__(bad_sum, "global_batch_size", 5)
     with pytest.raises(DataParallelError, match="global_batch_size"):
-        DataParallelEngine(inputs(bad_sum))
+        DataParallelEngine(*inputs(bad_sum))
     with pytest.raises(DataParallelError, match="zero_stage"):
-        DataParallelEngine(inputs(dp_plan(((2,), (2,)), 4)))
+        DataParallelEngine(*inputs(dp_plan(((2,), (2,)), 4)))
     with pytest.raises(DataParallelError, match="zero_shares"):
-        DataParallelEngine(inputs(dp_plan(((2,), (2,)), 1, zero_shares=(1.0,))))
+        DataParallelEngine(*inputs(dp_plan(((2,), (2,)), 1, zero_shares=(1.0,))))
 
 
 # -- one real multi-process run on the emulated demo cluster ------------------------------------------
@@ -293,6 +295,7 @@ def _launch_rank(rank: int, micro, zero_stage: int, zero_shares):
     return {"state": engine.state_dict(), "losses": losses, "compute_s": engine.clock.stats().compute_s}
 
 
+@pytest.mark.launch
 def test_launch_zero3_on_the_emulated_demo_cluster_returns_exact_state_dicts():
     import autopar
     from autopar.cluster.model import builtin

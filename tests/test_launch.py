@@ -98,6 +98,7 @@ def _hang_rank_0(rank: int):
 
 # --- real launches ---------------------------------------------------------------------------------
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_launch_returns_values_by_rank_and_all_reduce_works_two_launches_at_once():
     clusters = [_slow_cluster(3), _slow_cluster(2, speed=0.25)]
@@ -125,6 +126,7 @@ def test_launch_returns_values_by_rank_and_all_reduce_works_two_launches_at_once
             assert r["pair"][0] == rank and torch.equal(r["pair"][1][0], r["sum"])
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_a_rank_raising_mid_loop_stops_every_rank_and_names_it():
     before = _children()
@@ -138,6 +140,7 @@ def test_a_rank_raising_mid_loop_stops_every_rank_and_names_it():
     assert _new_children(before) == {}
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_a_hung_rank_makes_peers_time_out_and_is_named():
     before = _children()
@@ -156,6 +159,7 @@ def _on_device(rank: int):
     return {"device": str(ctx.device), "t": t, "backend": ctx.backend}
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(180)
 def test_gpu_ranks_get_cuda_devices_and_results_come_back_on_cpu():
@@ -181,6 +185,7 @@ def _start(targets):
     return procs
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_monitor_names_a_rank_killed_by_a_signal_and_kills_the_rest():
     procs = _start([(time.sleep, (60,)), (time.sleep, (0,)), (time.sleep, (60,))])
@@ -198,6 +203,7 @@ def test_monitor_names_a_rank_killed_by_a_signal_and_kills_the_rest():
     assert not any(p.is_alive() for p in procs)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_monitor_enforces_the_overall_timeout():
     procs = _start([(time.sleep, (60,)), (time.sleep, (0,)), (time.sleep, (60,))])

@@ -30,6 +30,7 @@ from autopar.errors import PlanError
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.runtime.communicator import Communicator
 from autopar.runtime.emulate import NullClock
+from autopar.lowering import lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.pipeline import PipelineEngine, Transfer, primary_sender, row_layout, transfers
 from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run
@@ -208,7 +209,7 @@ def _engine(name, plan, optimizer, rank, world_size, comm=None, perturb=False):
     return PipelineEngine(EngineInputs(
         gm=analysis.captured.gm, model=model, plan=plan, loss_fn=loss_fn,
         optimizer_factory=optimizer_factory(optimizer), rank=rank, world_size=world_size,
-        device=torch.device("cpu"), clock=NullClock()), comm=comm)
+        device=torch.device("cpu"), clock=NullClock()), lower(plan, analysis.captured.gm, rank), comm=comm)
 
 
 def _irecv_probe(rank: int) -> dict:
@@ -278,6 +279,7 @@ def _cluster(n=3):
                                                     "memory_GB": 4}, "count": n}]})
 
 
+@pytest.mark.launch
 def test_launch_gpt_tiny_pipelines_match_one_device():
     import autopar
 
@@ -295,6 +297,7 @@ def test_launch_gpt_tiny_pipelines_match_one_device():
     assert results[2]["idle-rank-2"]["opt_numel"] == 0       # the idle rank holds no optimizer
 
 
+@pytest.mark.launch
 def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device():
     import autopar
 
@@ -322,6 +325,7 @@ def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device(
     assert [r["tp-last"]["num_shards"] > 0 for r in results] == [False, True, True]
 
 
+@pytest.mark.launch
 def test_launch_export_graph_and_forced_bridge_match_one_device():
     import autopar
 

@@ -87,6 +87,7 @@ DROP_RUNS = [("drop-pp", "droptoy", DROP_PP), ("drop-pp-rc", "droptoy", _recompu
 def _build(name, plan, rank):
     from autopar.models import build
     from autopar.runtime.emulate import NullClock
+    from autopar.lowering import lower
     from autopar.runtime.engine import EngineInputs, select_engine
     from oracle import optimizer_factory
     from autopar.passes.analyze import analyze
@@ -102,7 +103,8 @@ def _build(name, plan, rank):
     gm = analyze(model, example).captured.gm
     return select_engine(plan)(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory("sgd"),
-        rank=rank, world_size=3, device=torch.device("cpu"), clock=NullClock()))
+        rank=rank, world_size=3, device=torch.device("cpu"), clock=NullClock()),
+        lower(plan, gm, rank, params=[p for p in model.parameters() if p.requires_grad]))
 
 
 def _run(rank: int, runs):
@@ -128,6 +130,7 @@ def _run(rank: int, runs):
     return out
 
 
+@pytest.mark.launch
 def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
     import autopar
 
@@ -170,6 +173,7 @@ def test_launch_recomputing_stages_match_one_device_and_save_no_activations():
 def test_data_parallel_recompute_needs_the_block_graph():
     from autopar.runtime.dp import DataParallelEngine, DataParallelError
     from autopar.runtime.emulate import NullClock
+    from autopar.lowering import RankProgram
     from autopar.runtime.engine import EngineInputs
     from oracle import optimizer_factory
 
@@ -178,4 +182,4 @@ def test_data_parallel_recompute_needs_the_block_graph():
                           optimizer_factory=optimizer_factory("sgd"), rank=0, world_size=1,
                           device=torch.device("cpu"), clock=NullClock())
     with pytest.raises(DataParallelError, match=r"Stage\.recompute"):
-        DataParallelEngine(inputs)
+        DataParallelEngine(inputs, RankProgram(plan=plan, rank=0, kind="dp", gm=None))

@@ -24,6 +24,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.runtime.emulate import NullClock
+from autopar.lowering import lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.tp import TensorParallelEngine, gather_full_params, shard_stage_module, tp_layout
 from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
@@ -52,7 +53,8 @@ def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size, clo
     assert select_engine(plan) is TensorParallelEngine
     return TensorParallelEngine(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
-        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=clock or NullClock()))
+        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=clock or NullClock()),
+        lower(plan, gm, rank))
 
 
 def train_and_check(engine, name, optimizer, steps=STEPS):
@@ -331,6 +333,7 @@ def _launch_rank(rank: int):
     return {"state": engine.state_dict(), "losses": losses, "heads": heads}
 
 
+@pytest.mark.launch
 def test_launch_llama_tiny_heads_2_1_1_over_gloo():
     import autopar
     from autopar.cluster.model import builtin

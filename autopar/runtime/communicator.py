@@ -20,6 +20,13 @@ Terms
 
 Every rank must create groups (``new_group``, ``prepare_pairs``) with the same arguments in the same
 order, as ``torch.distributed.new_group`` requires.
+
+Process-group collectives: the module-level functions below (``pg_all_reduce``, ``pg_broadcast``,
+``pg_all_gather``, ``pg_all_gather_into``, ``pg_reduce_scatter_into``, ``pg_broadcast_objects``,
+``pg_barrier``, ``pg_new_group``, ``pg_ranks``) run one collective on a plain ``torch.distributed``
+process group (``None``: the default group), on the tensors as they are: no flattening, no staging.
+Engines whose ranks share one backend (data parallel, tensor parallel) use them; this module is the
+only one in autopar that calls ``torch.distributed`` collectives.
 """
 
 from __future__ import annotations
@@ -31,9 +38,21 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["CommGroup", "CommStats", "Communicator", "PendingRecv"]
+from autopar.errors import AutoparError
+
+__all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
+           "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
+           "pg_broadcast_objects", "pg_barrier", "pg_new_group", "pg_ranks", "pg_is_initialized", "ReduceOp"]
 
 _HOST = "gloo"   # the backend of the bridge
+
+
+ReduceOp = dist.ReduceOp   # SUM, MAX, ... for the ``op`` of the all-reduces
+
+
+class CommunicatorError(AutoparError):
+    """A communicator or group was asked for ranks, backends or peers it does not have (names the
+    argument)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,13 +95,13 @@ class Communicator:
                  backend_impl: Mapping[str, str | None] | None = None, force_bridge: bool = False,
                  default_group: Any = None):
         if len(rank_backends) != world_size:
-            raise ValueError(f"Communicator.rank_backends: need one per rank ({world_size}), "
+            raise CommunicatorError(f"Communicator.rank_backends: need one per rank ({world_size}), "
                              f"got {len(rank_backends)}")
         bad = sorted({b for b in rank_backends if b not in ("nccl", "gloo")})
         if bad:
-            raise ValueError(f"Communicator.rank_backends: unknown backend(s) {bad}; use 'nccl' or 'gloo'")
+            raise CommunicatorError(f"Communicator.rank_backends: unknown backend(s) {bad}; use 'nccl' or 'gloo'")
         if not 0 <= rank < world_size:
-            raise ValueError(f"Communicator.rank: {rank} is outside [0, {world_size})")
+            raise CommunicatorError(f"Communicator.rank: {rank} is outside [0, {world_size})")
         self.rank = rank
         self.world_size = world_size
         self.rank_backends = tuple(rank_backends)
@@ -103,6 +122,20 @@ class Communicator:
             ctx = context()
         backends = [d.spec.backend for d in ctx.cluster.devices]
         return cls(ctx.rank, ctx.world_size, backends, ctx.device, **kwargs)
+
+    @classmethod
+    def for_engine(cls, rank: int, world_size: int, device: torch.device, group: Any = None) -> "Communicator":
+        """An engine's communicator: native backends from the launched cluster when it matches
+        ``world_size``, otherwise every rank on the backend of ``group`` (the default group)."""
+        from autopar.runtime.launch import context, is_initialized
+
+        if is_initialized():
+            ctx = context()
+            backends = [d.spec.backend for d in ctx.cluster.devices]
+            if len(backends) == world_size:
+                return cls(rank, world_size, backends, device, default_group=group)
+        backend = "nccl" if dist.get_backend(group) == "nccl" else "gloo"
+        return cls(rank, world_size, [backend] * world_size, device, default_group=group)
 
     # -- groups -------------------------------------------------------------------------------------
     def _default_backend(self) -> str:
@@ -130,7 +163,7 @@ class Communicator:
         """A group over ``ranks``; collective: every rank calls it, in the same order."""
         ranks = tuple(sorted(set(int(r) for r in ranks)))
         if not ranks or ranks[0] < 0 or ranks[-1] >= self.world_size:
-            raise ValueError(f"Communicator.new_group: ranks {ranks} must be within [0, {self.world_size})")
+            raise CommunicatorError(f"Communicator.new_group: ranks {ranks} must be within [0, {self.world_size})")
         backend, bridged = self._kind(ranks)
         pg = None
         if len(ranks) > 1:
@@ -157,7 +190,7 @@ class Communicator:
         if key not in self._pairs:
             backend, bridged = self._kind(key)
             if self._impl(backend) != self._default_backend():
-                raise ValueError(f"Communicator: no group for the pair {key}; call prepare_pairs on every "
+                raise CommunicatorError(f"Communicator: no group for the pair {key}; call prepare_pairs on every "
                                  f"rank first")
             self._pairs[key] = CommGroup(key, backend, bridged, self.default_group)
         return self._pairs[key]
@@ -209,7 +242,7 @@ class Communicator:
         if self.rank not in group.ranks or len(group.ranks) < 2 or not tensors:
             return
         if src not in group.ranks:
-            raise ValueError(f"Communicator.broadcast: src={src} is not in {group}")
+            raise CommunicatorError(f"Communicator.broadcast: src={src} is not in {group}")
         for ts in _by_dtype(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in ts])
             wire, staged = self._to_wire(flat, group)
@@ -315,3 +348,62 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return list(groups.values())
+
+
+# -- collectives on a plain process group ---------------------------------------------------------
+def pg_is_initialized() -> bool:
+    """Whether this process has joined a ``torch.distributed`` default group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def pg_new_group(ranks: Sequence[int]) -> Any:
+    """A new process group over ``ranks`` on the default backend (collective: every rank of the default
+    group calls it, in the same order, as ``torch.distributed.new_group`` requires)."""
+    return dist.new_group(list(ranks))
+
+
+def pg_ranks(group: Any = None) -> list[int]:
+    """The global ranks of ``group`` (None: every rank of the default group), in group order."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def pg_all_reduce(tensor: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM) -> None:
+    """Reduce ``tensor`` in place over ``group`` (default: every rank)."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def pg_broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
+    """Broadcast ``tensor`` in place from global rank ``src`` over ``group``."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def pg_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``tensor`` into ``outputs`` (one tensor per rank of ``group``, in group order)."""
+    dist.all_gather(outputs, tensor, group=group)
+
+
+def pg_all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``tensor`` (all of one size) concatenated in group order into the flat ``output``."""
+    # torch >= 2.10 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, tensor, group=group)
+
+
+def pg_reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                           op=dist.ReduceOp.SUM) -> None:
+    """The sum over ranks of ``tensor`` (laid out position by position, ``output.numel()`` elements per
+    position), this rank's position's piece into ``output``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, tensor, op=op, group=group)
+
+
+def pg_broadcast_objects(objects: list, src: int = 0, group: Any = None) -> None:
+    """Broadcast the picklable ``objects`` (a list, replaced in place on the other ranks) from ``src``."""
+    dist.broadcast_object_list(objects, src=src, group=group)
+
+
+def pg_barrier(group: Any = None) -> None:
+    """Block until every rank of ``group`` has reached this call."""
+    dist.barrier(group=group)

@@ -2,9 +2,10 @@
 layout, runs a step (micro-steps, gradient collectives, optimizer step) and reports the state.
 
 Modules: ``autopar.runtime.dp_flat`` (flat buffers, shards, their collectives and the sharded
-optimizer), ``autopar.runtime.dp_zero3`` (ZeRO-3 gathering and freeing units in place) and
-``autopar.runtime.dp_units`` (which parameters form a ZeRO-3 unit, and the graph hooks). This module
-re-exports their public names.
+optimizer) and ``autopar.runtime.dp_zero3`` (ZeRO-3 gathering and freeing units in place). Which
+parameters form a ZeRO-3 unit, the graph with the units' hooks, and the per-block programs of
+recomputation come lowered in the ``RankProgram`` (``autopar.lowering``). This module re-exports the
+public names of its two helpers.
 
 Terms
 - member: one rank of the plan's single stage (``plan.stages[0].groups`` are 1-tuples). Member ``g``
@@ -19,7 +20,7 @@ Terms
 - unit, flat buffer, shard: trainable parameters flattened into 1-D buffers laid out by
   ``FlatLayout`` and split into one contiguous shard per position (``autopar.runtime.dp_flat``).
   ZeRO 0-2 use one unit holding every trainable parameter; ZeRO-3 uses one unit per block plus a
-  root unit (``autopar.runtime.dp_units``), or one unit with ``zero3_granularity="micro_step"``.
+  root unit (``autopar.lowering.zero3_units``), or one unit with ``zero3_granularity="micro_step"``.
 - micro loss weight: micro-batch ``m`` of size ``n_m`` contributes ``loss_m * n_m / B`` (``B`` the
   global batch size) to the backward pass, so gradients summed over all ranks and micro-batches are
   the gradient of the global-batch mean loss, exactly as on one device.
@@ -46,9 +47,9 @@ is stepped with a zero gradient under ZeRO >= 1 (weight decay and momentum still
 torch's optimizers skip parameters whose ``.grad`` is None.
 
 Recomputation: with ``plan.stages[0].recompute`` each micro-step runs the captured graph block by
-block (``passes.split`` cut at every block), each block under a non-reentrant
+block (``RankProgram.blocks``, the graph cut at every block), each block under a non-reentrant
 ``torch.utils.checkpoint``: only the values between blocks stay saved and backward re-runs one block
-at a time (inside the micro-step's compute block). It needs ``EngineInputs.gm`` with block
+at a time (inside the micro-step's compute block). It needs the captured graph with block
 annotations; ZeRO-3 then gathers per micro-step (``zero3_granularity`` reports ``"micro_step"``), as
 re-running forward code in backward needs. Buffers updated in forward (BatchNorm's running
 statistics) are updated again by the recomputation.
@@ -69,28 +70,30 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.dp_flat import (
     ELEMENTWISE_OPTIMIZERS, DataParallelError, FlatBuffersMixin, FlatLayout, shard_bounds,
 )
-from autopar.runtime.dp_units import param_units
+from autopar.lowering.program import RankProgram
+from autopar.lowering.zero3_units import ParamUnits
+from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows
+from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_broadcast, pg_ranks
 from autopar.runtime.dp_zero3 import Zero3Granularity, Zero3Mixin
-from autopar.runtime.engine import (
-    EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows,
-)
 
 __all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
            "Zero3Granularity"]
 
 
-def _num_blocks(gm: Any) -> int:
-    """The number of blocks annotated on a captured graph (0: none, or not a graph)."""
-    if not isinstance(gm, torch.fx.GraphModule):
-        return 0
-    return max((int(n.meta["autopar.block"]) + 1 for n in gm.graph.nodes if "autopar.block" in n.meta),
-               default=0)
+def _units_over(units: ParamUnits, lowered: tuple, trainable: list[nn.Parameter]) -> ParamUnits:
+    """``units`` (indices into the parameters they were lowered over) as indices into ``trainable``;
+    trainable parameters the graph never reads join the root unit, as lowering over ``trainable``
+    itself would put them."""
+    index = {id(p): i for i, p in enumerate(trainable)}
+    members = [tuple(index[id(lowered[i])] for i in unit if id(lowered[i]) in index) for unit in units.units]
+    seen = {i for unit in members for i in unit}
+    members[0] = tuple(sorted(set(members[0]) | (set(range(len(trainable))) - seen)))
+    return ParamUnits(units=tuple(members), blocks=units.blocks, spans=units.spans)
 
 
 def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
@@ -101,14 +104,16 @@ def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
 class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
     """Runs a single-stage (data-parallel) plan with its ZeRO stage on one rank; see the module
     docstring. Build it on every rank of the process group with the same ``EngineInputs`` (but
-    ``rank``, ``device`` and ``clock``). ``zero3_granularity`` (ZeRO-3 only): ``"block"`` gathers
-    block by block where the graph carries block annotations, ``"micro_step"`` gathers everything
-    per micro-step."""
+    ``rank``, ``device`` and ``clock``) and this rank's ``program`` (``autopar.lowering.lower``).
+    ``zero3_granularity`` (ZeRO-3 only): ``"block"`` gathers block by block where the program carries
+    ZeRO-3 units, ``"micro_step"`` gathers everything per micro-step."""
 
-    def __init__(self, inputs: EngineInputs, *, zero3_granularity: Zero3Granularity = "block"):
+    def __init__(self, inputs: EngineInputs, program: RankProgram, *,
+                 zero3_granularity: Zero3Granularity = "block"):
         if zero3_granularity not in ("block", "micro_step"):
             raise DataParallelError(f"zero3_granularity: must be 'block' or 'micro_step', got {zero3_granularity!r}")
         self.inputs = inputs
+        self.program = program
         plan = inputs.plan
         self.plan = plan
         self.zero_stage = int(plan.zero_stage)
@@ -143,7 +148,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             shares[group_ranks.index(r)] = float(stage.zero_shares[g]) if stage.zero_shares else 1.0
 
         self.model = inputs.model.to(self.device)
-        self.gm = inputs.gm.to(self.device) if inputs.gm is not None else self.model
+        self.gm = program.gm.to(self.device) if program.gm is not None else self.model
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not trainable:
             raise DataParallelError("model: has no trainable parameters")
@@ -152,14 +157,16 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             raise DataParallelError(f"model: trainable parameters must share one floating dtype, got {dtypes}")
         self.dtype = next(iter(dtypes))
         self.recompute = bool(getattr(stage, "recompute", False))
-        self._block_programs = self._split_blocks() if self.recompute else None
+        self._block_programs = list(program.blocks) if self.recompute else None
+        for prog in self._block_programs or ():
+            prog.gm.to(self.device)
 
         probe = inputs.optimizer_factory(trainable)
         group_of = self._group_of(probe, trainable)
         units = None
         if self.zero_stage == 3 and zero3_granularity == "block" and not self.recompute \
-                and isinstance(self.gm, torch.fx.GraphModule):   # recomputation re-runs forward: micro_step
-            units = param_units(self.gm, trainable)
+                and program.zero3_units is not None:   # recomputation re-runs forward: micro_step
+            units = _units_over(program.zero3_units, program.zero3_params, trainable)
         self.zero3_granularity: Zero3Granularity | None = \
             None if self.zero_stage != 3 else ("block" if units is not None else "micro_step")
         unit_members = units.units if units is not None else (tuple(range(len(trainable))),)
@@ -193,7 +200,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         flats = []
         for u in range(len(self.units)):
             flat = self._flatten_params(u)
-            dist.broadcast(flat, src=self._src_rank, group=self.group)
+            pg_broadcast(flat, src=self._src_rank, group=self.group)
             self._unflatten_into_params(u, flat)
             flats.append(flat)
 
@@ -238,16 +245,9 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                                     f"({len(stage.groups)}), got {len(stage.zero_shares)}")
         if max(len(m) for m in stage.micro_batches) == 0:
             raise DataParallelError("plan.stages[0].micro_batches: no member has a micro-batch")
-        if getattr(stage, "recompute", False) and not _num_blocks(self.inputs.gm):
+        if getattr(stage, "recompute", False) and not self.program.blocks:
             raise DataParallelError("plan.stages[0].recompute: activation recomputation (Stage.recompute) "
                                     "needs the captured graph with block annotations (EngineInputs.gm)")
-
-    def _split_blocks(self) -> list:
-        """``Stage.recompute``: the captured graph cut into one program per block (recomputed one by
-        one in backward)."""
-        from autopar.passes.split import split_stages
-
-        return split_stages(self.gm, [(b, b + 1) for b in range(_num_blocks(self.gm))])
 
     def _forward(self, local: list) -> Any:
         """The model output on one micro-batch; with ``recompute`` block by block, each block under a
@@ -258,7 +258,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
 
         from autopar.passes.split import flat_inputs
 
-        flat = flat_inputs(self.gm, local)
+        flat = flat_inputs(self.program.gm, local)
         received: Any = ()
         for prog in self._block_programs:
             # tensors positional: checkpoint stashes the RNG state and autocast of their device
@@ -268,9 +268,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         return received
 
     def _group_ranks(self) -> list[int]:
-        if self.group is None:
-            return list(range(dist.get_world_size()))
-        return list(dist.get_process_group_ranks(self.group))
+        return pg_ranks(self.group)
 
     # -- the step --------------------------------------------------------------------------------
     def _take(self, x: Any, rows: slice) -> Any:
@@ -337,7 +335,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             for u, layout in enumerate(self.units):
                 flat_grad = self._flatten_grads(u)
                 params = self._unit(u)[1]
-                dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=self.group)
+                pg_all_reduce(flat_grad, group=self.group)
                 if self.zero_stage == 0:
                     for p, o, n in zip(params, layout.offsets, layout.numels):
                         p.grad = flat_grad[o:o + n].view_as(p)
@@ -347,7 +345,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                     lo, hi = layout.shard(self._position)
                     shard_grads[u] = flat_grad[lo:hi]
                 del flat_grad
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.group)
+        pg_all_reduce(loss_sum, group=self.group)
 
         for sp, u, (a, b) in self._shard_params:
             lo = self.units[u].shard(self._position)[0]
@@ -378,7 +376,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                 counters.append(m.num_batches_tracked)
         if floats:
             flat = torch.cat([t.detach().reshape(-1).double() for t in floats]) * weight
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            pg_all_reduce(flat, group=self.group)
             o = 0
             with torch.no_grad():
                 for t in floats:
@@ -386,7 +384,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                     o += t.numel()
         if counters:
             flat = torch.stack([c.detach().reshape(()) for c in counters])
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+            pg_all_reduce(flat, group=self.group, op=ReduceOp.MAX)
             with torch.no_grad():
                 for c, v in zip(counters, flat):
                     c.copy_(v)

@@ -32,8 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.runtime.communicator import pg_all_gather_into, pg_reduce_scatter_into
 
 __all__ = ["DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS", "FlatBuffersMixin"]
 
@@ -45,18 +47,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 )
 
 
-def _all_gather_single(output, input, group=None):
-    # torch >= 2.10 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group)
-
-
-def _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group)
-
-
-class DataParallelError(ValueError):
+class DataParallelError(AutoparError):
     """The plan, the model or the optimizer cannot run on the data-parallel engine."""
 
 
@@ -226,7 +217,7 @@ class FlatBuffersMixin:
         """Unit ``u``'s full flat parameters gathered from every position's shard (into ``out``)."""
         layout = self.units[u]
         padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
-        _all_gather_single(padded, self._my_shard_values(u), group=self.group)
+        pg_all_gather_into(padded, self._my_shard_values(u), group=self.group)
         return self._unpadded(u, padded, out)
 
     def _reduce_scatter_grad(self, u: int, flat_grad: torch.Tensor) -> torch.Tensor:
@@ -235,6 +226,6 @@ class FlatBuffersMixin:
         all-reduce + slice fallback."""
         layout = self.units[u]
         out = torch.empty(layout.max_shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
-        _reduce_scatter_single(out, self._padded(u, flat_grad), op=dist.ReduceOp.SUM, group=self.group)
+        pg_reduce_scatter_into(out, self._padded(u, flat_grad), group=self.group)
         lo, hi = layout.shard(self._position)
         return out[:hi - lo]

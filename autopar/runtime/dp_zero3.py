@@ -7,8 +7,8 @@ shard) as in ``autopar.runtime.dp_flat``; a round is one micro-step slot that ev
 without a micro-step in it contribute zero gradients). Each round:
 
 - ``"block"`` granularity (the default when the graph carries block annotations): the root unit
-  is gathered for the whole micro-step; hooks inserted into a copy of the captured graph
-  (``autopar.runtime.dp_units.insert_unit_hooks``) gather each block's unit right before its first
+  is gathered for the whole micro-step; hooks that lowering inserted into a copy of the captured graph
+  (``RankProgram.zero3_gm``, ``autopar.lowering.zero3_units.insert_unit_hooks``), bound here, gather each block's unit right before its first
   use in forward and free it right after its last use. In backward, a saved-tensor hook gathers a
   unit again when autograd first needs one of its parameters, always in the fixed reverse order (a
   request for unit ``u`` also gathers the units after ``u`` that backward has not reached), and a
@@ -32,31 +32,20 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
-from autopar.runtime.dp_units import insert_unit_hooks
+from autopar.lowering.zero3_units import POST_HOOK, PRE_HOOK
 
 __all__ = ["Zero3Granularity", "Zero3Mixin"]
 
 Zero3Granularity = Literal["block", "micro_step"]
 
 
-class _UnitHook(nn.Module):
-    """Called from the hooked graph with a unit index: gathers or frees that unit."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self._fn = fn
-
-    def forward(self, unit: int) -> None:
-        self._fn(unit)
-
-
 class Zero3Mixin:
     """The ZeRO-3 half of ``DataParallelEngine``: gathering and freeing units in place, and one round.
     Uses the engine's flat buffers (``FlatBuffersMixin``: ``units``, ``_unit``, ``_all_gather_flat``,
     ``_flatten_grads``, ``_reduce_scatter_grad``), its ``_unit_params``, ``_shapes``, ``gm``, ``zero3_granularity``, and
-    its micro-step (``_micro_step``, ``_segment``, ``_segment_begin``, ``_segment_end``)."""
+    its micro-step (``_micro_step``, ``_segment``, ``_segment_begin``, ``_segment_end``) and its lowered
+    ``program`` (``zero3_gm``)."""
 
     def _setup_zero3(self, units) -> None:
         self._full = [torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
@@ -74,8 +63,10 @@ class Zero3Mixin:
         for u in range(len(self.units)):
             self._free(u)
         if units is not None:
-            self.gm = insert_unit_hooks(self.gm, units, _UnitHook(self._forward_gather),
-                                        _UnitHook(self._free))
+            hooked = self.program.zero3_gm.to(self.device)
+            hooked.get_submodule(PRE_HOOK).bind(self._forward_gather)
+            hooked.get_submodule(POST_HOOK).bind(self._free)
+            self.gm = hooked
             for u in range(1, len(self.units)):
                 for p in self._unit(u)[1]:
                     p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u))

@@ -1,7 +1,7 @@
-"""Execution engines: what runs a ``Plan`` on one rank under ``torch.distributed``.
+"""Execution engines: what runs a ``Plan`` on one rank under ``torch.distributed``, and which one.
 
 An engine is built on every rank from the same ``EngineInputs`` (only ``rank``, ``device`` and
-``clock`` differ) and exposes two calls:
+``clock`` differ) and this rank's lowered program (``autopar.lowering.lower``), and exposes two calls:
 
 - ``step(inputs, targets) -> float``: one optimizer step on the *global* batch (every rank is given
   the whole global batch and takes its own share, ``share_slices``); returns the global mean loss,
@@ -13,108 +13,39 @@ Exactness: after any number of steps the state equals the same optimizer steppin
 over the whole global batch (gradients are weighted by each micro-batch's sample count over the
 global batch size, so the sum over ranks is the global-batch mean gradient).
 
-``select_engine(plan)`` picks the engine class for a plan.
+``select_engine(plan)`` picks the engine class for a plan (by ``autopar.lowering.engine_kind``);
+``build_engine(inputs, program)`` builds it. The shared pieces (``EngineInputs``, the batch helpers)
+live in ``autopar.runtime.base`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
-
-import torch
-import torch.fx as fx
-from torch import nn
-
 from autopar.ir.plan import Plan
+from autopar.lowering.program import RankProgram, engine_kind
+from autopar.runtime.base import (
+    Engine, EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows,
+)
+from autopar.runtime.dp import DataParallelEngine
+from autopar.runtime.pipeline import PipelineEngine
+from autopar.runtime.tp import TensorParallelEngine
 
-__all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "compute_loss",
-           "take_rows", "global_batch_inputs"]
+__all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "build_engine",
+           "compute_loss", "take_rows", "global_batch_inputs"]
 
-
-@dataclass(frozen=True)
-class EngineInputs:
-    gm: fx.GraphModule        # captured graph; node.meta["autopar.block"] = block index (passes.blocks)
-    model: nn.Module          # the user's model; gm shares its parameters
-    plan: Plan
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None  # None: the output carries the loss
-    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-    rank: int
-    world_size: int
-    device: torch.device
-    clock: Any                # autopar.runtime.emulate.EmulatedClock or NullClock: `with clock.compute():`
-    group: Any = None         # process group of the plan's ranks (None: the default group)
-
-
-class Engine(Protocol):
-    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float: ...
-
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
-
-
-def share_slices(plan: Plan, stage: int = 0) -> list[slice]:
-    """Rows of the global batch each member of ``stage`` owns, member by member (for single-stage
-    plans: each rank's share of the step)."""
-    out, start = [], 0
-    for g in range(len(plan.stages[stage].groups)):
-        n = plan.stages[stage].member_batch(g)
-        out.append(slice(start, start + n))
-        start += n
-    return out
-
-
-def micro_slices(sizes: tuple[int, ...], offset: int = 0) -> list[slice]:
-    """Consecutive slices of the given sizes starting at ``offset`` (sizes of 0 give empty slices)."""
-    out, start = [], offset
-    for n in sizes:
-        out.append(slice(start, start + n))
-        start += n
-    return out
-
-
-def global_batch_inputs(inputs: Any, global_batch: int, error: type[ValueError] = ValueError) -> tuple:
-    """``inputs`` as a tuple, checked to hold the whole global batch (dim 0) as every rank is given."""
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    inputs = tuple(inputs)
-    sizes = {int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if global_batch not in sizes:
-        raise error(f"inputs: every rank must be given the whole global batch of plan.global_batch_size="
-                    f"{global_batch} samples (dim 0), got batch sizes {sorted(sizes)}")
-    return inputs
-
-
-def take_rows(x: Any, rows: slice, global_batch: int, device: torch.device) -> Any:
-    """This rank's rows of a global-batch tensor (batch dim 0 of size ``global_batch``), on ``device``;
-    other tensors are moved whole, non-tensors pass through. Call it outside ``clock.compute()``."""
-    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == global_batch:
-        return x[rows].to(device, non_blocking=True)
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    return x
-
-
-def compute_loss(output: Any, targets: torch.Tensor | None, loss_fn) -> torch.Tensor:
-    """The micro-batch mean loss from a model output (``loss_fn`` or the output's own loss)."""
-    if loss_fn is not None:
-        return loss_fn(output, targets)
-    from autopar.passes.capture import output_to_loss
-
-    return output_to_loss(output)
+_ENGINES = {"dp": DataParallelEngine, "tp": TensorParallelEngine, "pipeline": PipelineEngine}
 
 
 def select_engine(plan: Plan):
     """The engine class that runs ``plan``: one stage without tensor parallelism: data parallel; one
     tensor-parallel stage: the TP engine, or the pipeline engine (one stage) when it recomputes
     activations; several stages: the pipeline engine."""
-    tp = any(len(g) > 1 for s in plan.stages for g in s.groups)
-    if tp and len(plan.stages) == 1 and not plan.stages[0].recompute:
-        from autopar.runtime.tp import TensorParallelEngine
+    return _ENGINES[engine_kind(plan)]
 
-        return TensorParallelEngine
-    if len(plan.stages) == 1 and not tp:
-        from autopar.runtime.dp import DataParallelEngine
 
-        return DataParallelEngine
-    from autopar.runtime.pipeline import PipelineEngine
-
-    return PipelineEngine
+def build_engine(inputs: EngineInputs, program: RankProgram, **options) -> Engine:
+    """The engine of ``inputs.plan`` running ``program`` on this rank. ``options`` go to the engine
+    that takes them (``zero3_granularity``: the data-parallel engine); other engines ignore them."""
+    cls = select_engine(inputs.plan)
+    if cls is not DataParallelEngine:
+        options = {}
+    return cls(inputs, program, **options)

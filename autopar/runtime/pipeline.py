@@ -1,8 +1,9 @@
 """The pipeline engine: runs a multi-stage ``Plan`` (HETHUB-style heterogeneous pipelines) on one rank.
 
 Terms
-- stage program: the part of the captured graph a stage runs (``passes.split.split_stages``); every
-  rank builds all of them (the same split everywhere) and runs its own stage's.
+- stage program: the part of the captured graph a stage runs (``passes.split.split_stages``, lowered
+  into ``RankProgram.stages``); every rank holds all of them (the same split everywhere) and runs its
+  own stage's.
 - rows: micro-batch ``m`` is the contiguous run of global-batch rows after micro-batches ``0..m-1``;
   inside it, member ``g`` of a stage owns ``stage.micro_batches[g][m]`` rows, in member order
   (``row_layout``). Every stage must cut the same micro-batch totals.
@@ -40,7 +41,8 @@ Terms
   plan's first rank's weights (one broadcast, as DDP does).
 
 - tensor-parallel member: a member of several ranks (``Stage.tp_shares`` gives their head shares). Each
-  of its ranks runs its shard of the stage program (``autopar.runtime.tp.shard_stage_module``) on the
+  of its ranks runs its shard of the stage program (``RankProgram.local_stage``, lowered by
+  ``passes.tp.tp_rewrite``; the engine reloads its shards from the broadcast weights) on the
   member's rows; the member's activations and gradients are replicated over its ranks, so its TP
   index 0 sends for it, to every rank of the peer member. Gradient groups then sum full-size
   gradients: shards at their places, replicated parameters from TP index 0 only.
@@ -62,124 +64,38 @@ step (ZeRO-1 by parameter, as torch's ZeroRedundancyOptimizer: exact for any per
 from __future__ import annotations
 
 import time
-
-import dataclasses
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from autopar.errors import PlanError
-from autopar.ir.plan import Plan
-from autopar.runtime.communicator import Communicator
-from autopar.runtime.engine import EngineInputs, compute_loss
 from autopar.ir.schedule import make_schedule, with_comm
-from autopar.passes.split import batched_values, flat_inputs, split_stages
+from autopar.lowering.program import RankProgram
+from autopar.passes.split import batched_values, flat_inputs
+from autopar.passes.tp import load_shards
+from autopar.runtime.base import EngineInputs, compute_loss
+from autopar.runtime.communicator import Communicator
+from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
+from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout
 
-__all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]
+__all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
 _TAG_MICRO = 8192     # tag = (2 * micro + direction) * _TAG_MICRO + message index
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """Rows ``[start, stop)`` of one micro-batch that member ``sender`` of a stage sends to member
-    ``receiver`` of the next stage."""
-
-    sender: int
-    receiver: int
-    start: int
-    stop: int
-
-
-def row_layout(plan: Plan) -> list[list[list[tuple[int, int]]]]:
-    """``[stage][member][micro] -> (start, stop)`` global-batch rows; raises ``PlanError`` when the
-    stages disagree on the micro-batch sizes or they do not add up to the global batch."""
-    M = plan.num_micro_batches
-    totals = None
-    for s, stage in enumerate(plan.stages):
-        sizes = [sum(mb[m] if m < len(mb) else 0 for mb in stage.micro_batches) for m in range(M)]
-        if totals is None:
-            totals = sizes
-        elif sizes != totals:
-            raise PlanError(f"plan.stages[{s}].micro_batches: micro-batch sizes {sizes} differ from stage "
-                            f"0's {totals}; every stage must cut the same micro-batches")
-    if sum(totals) != plan.global_batch_size:
-        raise PlanError(f"plan: micro-batches add up to {sum(totals)} samples but global_batch_size is "
-                        f"{plan.global_batch_size}")
-    starts = [sum(totals[:m]) for m in range(M)]
-    out = []
-    for stage in plan.stages:
-        rows = [[None] * M for _ in stage.groups]
-        for m in range(M):
-            at = starts[m]
-            for g, mb in enumerate(stage.micro_batches):
-                n = mb[m] if m < len(mb) else 0
-                rows[g][m] = (at, at + n)
-                at += n
-        out.append(rows)
-    return out
-
-
-def transfers(layout, stage: int, micro: int) -> list[Transfer]:
-    """The transfers of micro-batch ``micro`` from stage ``stage`` to ``stage + 1``, in (sender,
-    receiver) order; empty overlaps are left out."""
-    out = []
-    for g, rows_g in enumerate(layout[stage]):
-        a, b = rows_g[micro]
-        for h, rows_h in enumerate(layout[stage + 1]):
-            c, d = rows_h[micro]
-            lo, hi = max(a, c), min(b, d)
-            if lo < hi:
-                out.append(Transfer(g, h, lo, hi))
-    return out
-
-
-def primary_sender(layout, stage: int, micro: int, receiver: int) -> int | None:
-    """The member of ``stage`` that holds the first row of ``receiver`` (of stage + 1) in ``micro``."""
-    c, d = layout[stage + 1][receiver][micro]
-    if c >= d:
-        return None
-    for g, rows_g in enumerate(layout[stage]):
-        a, b = rows_g[micro]
-        if a <= c < b:
-            return g
-    return None
-
-
-def _check_plan(plan: Plan, world_size: int) -> None:
-    for s, stage in enumerate(plan.stages):
-        if stage.tp_shares and (len(stage.tp_shares) != len(stage.groups) or any(
-                len(sh) != len(m) or any(x < 0 for x in sh) or sum(sh) <= 0
-                for sh, m in zip(stage.tp_shares, stage.groups))):
-            raise PlanError(f"plan.stages[{s}].tp_shares={stage.tp_shares}: need one non-negative share per "
-                            f"rank of each member {stage.groups}, with a positive sum per member")
-        if any(not m for m in stage.groups):
-            raise PlanError(f"plan.stages[{s}].groups={stage.groups}: a member needs at least one rank")
-    ranks = [r for st in plan.stages for r in st.ranks]
-    if len(set(ranks)) != len(ranks):
-        raise PlanError(f"plan: a rank appears in more than one stage member ({ranks})")
-    if any(not 0 <= r < world_size for r in ranks):
-        raise PlanError(f"plan: ranks {sorted(ranks)} must be within [0, {world_size})")
-
-
-def _tp_shares(plan: Plan, stage: int, member: int) -> tuple[int, ...]:
-    st = plan.stages[stage]
-    return tuple(int(x) for x in st.tp_shares[member]) if st.tp_shares else (1,) * len(st.groups[member])
-
-
 class PipelineEngine:
-    """Executes a pipeline ``Plan`` on this rank (see the module docstring)."""
+    """Executes a pipeline ``Plan`` on this rank (see the module docstring): this rank's ``program``
+    (``autopar.lowering.lower``) holds every stage's program and, on a tensor-parallel member, the
+    rank's shard of its own."""
 
-    def __init__(self, inputs: EngineInputs, *, comm: Communicator | None = None):
+    def __init__(self, inputs: EngineInputs, program: RankProgram, *, comm: Communicator | None = None):
         plan = inputs.plan
-        _check_plan(plan, inputs.world_size)
+        check_pipeline_plan(plan, inputs.world_size)
         self.inputs = inputs
+        self.rank_program = program
         self.plan = plan
         self.rank = inputs.rank
         self.device = torch.device(inputs.device)
@@ -194,11 +110,12 @@ class PipelineEngine:
         self.layout = row_layout(plan)
         self.schedule = with_comm(make_schedule(plan.schedule if plan.schedule != "none" else "gpipe",
                                                 self.num_stages, self.num_micro))
-        self.programs = split_stages(inputs.gm, [(st.block_start, st.block_stop) for st in plan.stages])
+        self.programs = list(program.stages)
         self.program = self.programs[self.stage] if self.stage is not None else None
         if self.program is not None:
             self.program.gm.to(self.device)
-        self.comm = comm if comm is not None else _default_comm(inputs)
+        self.comm = comm if comm is not None else Communicator.for_engine(inputs.rank, inputs.world_size,
+                                                                          inputs.device, inputs.group)
 
         # Parameters and buffers: which stages use each (by identity; every rank split the same way).
         users: dict[int, list[int]] = {}
@@ -250,11 +167,10 @@ class PipelineEngine:
         # A tensor-parallel member runs its shard of the stage (after the broadcast: shards are copies).
         self._shards: dict[int, tuple[Any, torch.nn.Parameter]] = {}   # id(source param) -> (ParamShard, local)
         if self.stage is not None and len(plan.stages[self.stage].groups[self.member]) > 1:
-            from autopar.runtime.tp import shard_stage_module, tp_layout
-
-            local = shard_stage_module(self.program.gm, _tp_shares(plan, self.stage, self.member),
-                                       self.tp_index, self.tp_group.pg)
-            self.program = dataclasses.replace(self.program, gm=local)
+            local = program.local_stage.gm.to(self.device)
+            load_shards(local, self.program.gm)         # cut again from the broadcast weights
+            bind_tp_group(local, self.tp_group.pg)
+            self.program = program.local_stage
             for shard in tp_layout(local).params:
                 source = self.programs[self.stage].gm.get_parameter(shard.source)
                 self._shards[id(source)] = (shard, local.get_parameter(shard.local))
@@ -283,13 +199,13 @@ class PipelineEngine:
         if not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
         B = self.plan.global_batch_size
-        flat = flat_inputs(self.inputs.gm, inputs)
+        flat = flat_inputs(self.rank_program.gm, inputs)
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
                 raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
         if self._batched is None and self.stage is not None:
             names = sorted({n for p in self.programs for n in p.sent})
-            self._batched = batched_values(self.inputs.gm, flat, names, device=self.device) if names else {}
+            self._batched = batched_values(self.rank_program.gm, flat, names, device=self.device) if names else {}
 
         self._signature = _signature(flat)
         self._known = self._signature in self._signatures
@@ -619,8 +535,6 @@ class PipelineEngine:
         each tensor is broadcast from its owner stage's first member (a collective: every rank calls
         it). Tensor-parallel members first gather their shards into the full parameters."""
         if self._shards:   # (idle ranks have none)
-            from autopar.runtime.tp import gather_full_params
-
             full = gather_full_params(self.program.gm, self.tp_group.pg)
             with torch.no_grad():
                 for name, t in full.items():
@@ -645,17 +559,3 @@ def _rows(t, rows: slice, device: torch.device):
     if isinstance(t, torch.Tensor):
         return (t[rows] if t.dim() > 0 else t).to(device)
     return t
-
-
-def _default_comm(inputs: EngineInputs) -> Communicator:
-    from autopar.runtime.launch import context, is_initialized
-
-    if is_initialized():
-        ctx = context()
-        backends = [d.spec.backend for d in ctx.cluster.devices]
-        if len(backends) == inputs.world_size:
-            return Communicator(inputs.rank, inputs.world_size, backends, inputs.device,
-                                default_group=inputs.group)
-    backend = "nccl" if dist.get_backend(inputs.group) == "nccl" else "gloo"
-    return Communicator(inputs.rank, inputs.world_size, [backend] * inputs.world_size, inputs.device,
-                        default_group=inputs.group)

@@ -27,8 +27,11 @@ The optimizer steps the local parameters (shards and replicas): exact for elemen
 as 0 (recorded in ``zero_stage_applied``). ``state_dict()`` gathers the shards (a collective inside
 each member) and returns the full state on every rank.
 
-For the pipeline engine: ``shard_stage_module`` (one stage's graph for one TP index),
-``gather_full_params`` and ``flat_full_grad`` are the per-stage pieces.
+The rewrite itself is lowered (``RankProgram.tp_module``, ``passes.tp.tp_rewrite``); the engine binds its
+f / g to the member's group (``bind_tp_group``) and reloads its shards once every rank holds the first
+rank's weights. For the pipeline engine: ``bind_tp_group``, ``gather_full_params`` and ``flat_full_grad``
+are the per-stage pieces; ``shard_stage_module`` rewrites and binds in one call (for a graph used on
+its own).
 
 Emulation: only compute (each micro-step's forward, loss and backward, and the optimizer step) runs
 inside ``clock.compute()``; the f / g all-reduces inside forward and backward block without CPU time.
@@ -36,24 +39,28 @@ inside ``clock.compute()``; the f / g all-reduces inside forward and backward bl
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autopar.runtime.engine import (
-    EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows,
+from autopar.errors import AutoparError
+from autopar.lowering.program import RankProgram
+from autopar.passes.meta import TP_LAYOUT
+from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, load_shards, tp_rewrite
+from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows
+from autopar.runtime.communicator import (
+    pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
-from autopar.passes.tp import TP_META_KEY, TPLayout, assemble_full, tp_rewrite
 
-__all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "tp_layout",
+__all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
            "gather_full_params", "flat_full_grad"]
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(AutoparError):
     """A plan the tensor-parallel engine cannot run (names the field)."""
 
 
@@ -61,18 +68,27 @@ class TensorParallelError(ValueError):
 # Per-stage pieces (also for the pipeline engine)
 
 
+def bind_tp_group(local_gm: fx.GraphModule, group=None) -> None:
+    """Make the f / g of a TP module (``passes.tp.tp_rewrite``) all-reduce over the process ``group``
+    (None: the default group); without torch.distributed they stay without communication."""
+    if pg_is_initialized():
+        bind_all_reduce(local_gm, functools.partial(pg_all_reduce, group=group))
+
+
 def shard_stage_module(stage_gm: fx.GraphModule, shares: tuple[int, ...], idx: int, group=None, *,
                        granularity: int = 8) -> fx.GraphModule:
     """The module TP index ``idx`` of a group with head ``shares`` runs for ``stage_gm`` (a captured
-    graph or one pipeline stage's graph, with shapes from ``passes.analysis``). f / g all-reduce over
+    graph or one pipeline stage's graph, with shapes from ``passes.analysis``), f / g bound to
     ``group``; ``tp_layout(result)`` lists the sharded parameters. Replicated parameters stay shared
-    with ``stage_gm``."""
-    return tp_rewrite(stage_gm, tuple(shares), idx, group=group, granularity=granularity)
+    with ``stage_gm``. (Engines get the rewrite lowered and only bind it: ``bind_tp_group``.)"""
+    local = tp_rewrite(stage_gm, tuple(shares), idx, granularity=granularity)
+    bind_tp_group(local, group)
+    return local
 
 
 def tp_layout(local_gm: fx.GraphModule) -> TPLayout:
-    """The ``TPLayout`` that ``shard_stage_module`` recorded on its result."""
-    layout = getattr(local_gm, "meta", {}).get(TP_META_KEY)
+    """The ``TPLayout`` that ``passes.tp.tp_rewrite`` recorded on its result."""
+    layout = getattr(local_gm, "meta", {}).get(TP_LAYOUT)
     if layout is None:
         raise TensorParallelError("local_gm: not a module made by shard_stage_module / tp_rewrite")
     return layout
@@ -95,7 +111,7 @@ def gather_full_params(local_gm: fx.GraphModule, group=None) -> dict[str, torch.
         padded[0] = layout.rank_index
         padded[1:1 + local.numel()] = local
         gathered = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(gathered, padded, group=group)
+        pg_all_gather(gathered, padded, group=group)
         flats = [None] * n
         for t in gathered:
             flats[int(t[0])] = t[1:]
@@ -144,10 +160,12 @@ def flat_full_grad(local_gm: fx.GraphModule, source_params: list[tuple[str, nn.P
 class TensorParallelEngine:
     """Runs a single-stage plan whose members are TP groups; see the module docstring. Build it on
     every rank of the process group with the same ``EngineInputs`` (but ``rank``, ``device``,
-    ``clock``). Every rank of the default group must build it (it creates sub-groups)."""
+    ``clock``) and this rank's ``program`` (``autopar.lowering.lower``). Every rank of the default group
+    must build it (it creates sub-groups)."""
 
-    def __init__(self, inputs: EngineInputs, *, granularity: int = 8):
+    def __init__(self, inputs: EngineInputs, program: RankProgram):
         self.inputs = inputs
+        self.program = program
         self.plan = plan = inputs.plan
         self.device = torch.device(inputs.device)
         self.clock = inputs.clock
@@ -162,8 +180,7 @@ class TensorParallelEngine:
                                       "(whose stages recompute with tensor-parallel members too)")
         self._members = stage.groups
         shares = self._shares()
-        group_ranks = (list(range(dist.get_world_size())) if self.group is None
-                       else list(dist.get_process_group_ranks(self.group)))
+        group_ranks = pg_ranks(self.group)
         outside = sorted(set(stage.ranks) - set(group_ranks))
         if outside or inputs.rank not in group_ranks:
             raise TensorParallelError(f"plan: ranks {outside or [inputs.rank]} are not in the process group "
@@ -183,31 +200,32 @@ class TensorParallelEngine:
         self.tp_group = None
         for m in self._members:
             if len(m) > 1:
-                pg = dist.new_group(list(m))
+                pg = pg_new_group(m)
                 if inputs.rank in m:
                     self.tp_group = pg
         self._equal = len(set(shares)) == 1
         self.dp_group = None
         if self._equal and len(self._members) > 1:
             for i in range(len(self._members[0])):
-                pg = dist.new_group([m[i] for m in self._members])
+                pg = pg_new_group([m[i] for m in self._members])
                 if i == self._tp_index:
                     self.dp_group = pg
 
         self.model = inputs.model.to(self.device)
-        source = inputs.gm.to(self.device) if inputs.gm is not None else None
-        if source is None:
+        source = program.gm.to(self.device) if program.gm is not None else None
+        if source is None or program.tp_module is None:
             raise TensorParallelError("gm: the tensor-parallel engine needs the captured graph")
         # Every rank starts from the first rank's weights (as DDP does).
         with torch.no_grad():
             for p in source.parameters():
-                dist.broadcast(p.data, src=self._src_rank, group=self.group)
+                pg_broadcast(p.data, src=self._src_rank, group=self.group)
         self._source_params = [(name, p) for name, p in source.named_parameters() if p.requires_grad]
-        if self._member is None:
-            self.gm = shard_stage_module(source, (1,), 0, None)     # idle: never runs, holds no shard
-        else:
-            self.gm = shard_stage_module(source, shares[self._member], self._tp_index, self.tp_group,
-                                         granularity=granularity)
+        # The lowered TP module (an idle rank's never runs and holds no shard): shards cut again from
+        # the broadcast weights, f / g over the member's group.
+        self.gm = program.tp_module.to(self.device)
+        load_shards(self.gm, source)
+        if self._member is not None:
+            bind_tp_group(self.gm, self.tp_group)
         self.layout = tp_layout(self.gm)
         # The full weights of sharded Linears are no longer needed on this rank: free them (as ZeRO-3
         # does; state_dict() rebuilds them from the shards).
@@ -274,7 +292,7 @@ class TensorParallelEngine:
                 loss_sum += self._micro_step(inputs, targets, rows).double()
         if self._tp_index != 0:
             loss_sum.zero_()      # each member's loss counts once
-        dist.all_reduce(loss_sum, group=self.group)
+        pg_all_reduce(loss_sum, group=self.group)
         if not self._equal:
             self._reduce_padded()
         elif self._member is not None:
@@ -288,7 +306,7 @@ class TensorParallelEngine:
         flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
                           for p in self._params])
         if self.dp_group is not None:
-            dist.all_reduce(flat, group=self.dp_group)
+            pg_all_reduce(flat, group=self.dp_group)
         offset = 0
         for p in self._params:
             p.grad = flat[offset:offset + p.numel()].view_as(p)
@@ -296,7 +314,7 @@ class TensorParallelEngine:
 
     def _reduce_padded(self) -> None:
         flat = flat_full_grad(self.gm, self._source_params, replicated_too=self._tp_index == 0)
-        dist.all_reduce(flat, group=self.group)
+        pg_all_reduce(flat, group=self.group)
         shards = {s.source: s for s in self.layout.params}
         offset = 0
         for source, p in self._source_params:
@@ -325,7 +343,7 @@ class TensorParallelEngine:
             floats = [k for k, t in state.items() if t.is_floating_point()]
             flat = torch.cat([state[k].reshape(-1).to(self.device) for k in floats]) if floats else None
             if flat is not None:
-                dist.broadcast(flat, src=self._src_rank, group=self.group)
+                pg_broadcast(flat, src=self._src_rank, group=self.group)
                 offset = 0
                 for k in floats:
                     n = state[k].numel()

@@ -11,6 +11,8 @@ Terms
   reads it, uses such a read's value, or belongs to the unit's block. The unit is gathered right before the span and freed
   right after it (``insert_unit_hooks``). A value derived from a parameter that escapes the span
   would find freed storage and fail loudly, not silently.
+- unit hook: the ``UnitHook`` module each inserted call runs; lowering inserts them unbound and the
+  data-parallel engine (``autopar.runtime.dp_zero3``) binds them to its gather and free.
 """
 
 from __future__ import annotations
@@ -21,10 +23,29 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["ParamUnits", "param_units", "insert_unit_hooks"]
+from autopar.passes.meta import BLOCK
 
-PRE_HOOK = "_autopar_gather_unit"
+__all__ = ["ParamUnits", "UnitHook", "param_units", "insert_unit_hooks", "PRE_HOOK", "POST_HOOK"]
+
+PRE_HOOK = "_autopar_gather_unit"   # submodule names of the inserted hooks
 POST_HOOK = "_autopar_free_unit"
+
+
+class UnitHook(nn.Module):
+    """Called from the hooked graph with a unit index; runs the function bound to it (``bind``). An
+    unbound hook raises: the engine must bind it before the graph runs."""
+
+    def __init__(self):
+        super().__init__()
+        self._fn = None
+
+    def bind(self, fn) -> None:
+        self._fn = fn
+
+    def forward(self, unit: int) -> None:
+        if self._fn is None:
+            raise RuntimeError("UnitHook: not bound; the data-parallel engine binds its gather / free")
+        self._fn(unit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +81,7 @@ def param_units(gm: fx.GraphModule, params: list[nn.Parameter]) -> ParamUnits | 
     """Group ``params`` into gather units (see the module docstring); None when the graph carries no
     block annotations (the caller then gathers everything per micro-step)."""
     nodes = list(gm.graph.nodes)
-    if not any("autopar.block" in n.meta for n in nodes):
+    if not any(BLOCK in n.meta for n in nodes):
         return None
     index = {id(p): i for i, p in enumerate(params)}
     blocks_of: dict[int, set] = {i: set() for i in range(len(params))}
@@ -72,7 +93,7 @@ def param_units(gm: fx.GraphModule, params: list[nn.Parameter]) -> ParamUnits | 
         if not read:
             continue
         users = [u for u in n.users] if n.op == "get_attr" else []
-        touched = {n.meta.get("autopar.block")} | {u.meta.get("autopar.block") for u in users}
+        touched = {n.meta.get(BLOCK)} | {u.meta.get(BLOCK) for u in users}
         end = max([k] + [pos[u] for u in users])
         start = min([pos[u] for u in users] or [k])     # a get_attr only fetches the reference
         for i in read:
@@ -88,7 +109,7 @@ def param_units(gm: fx.GraphModule, params: list[nn.Parameter]) -> ParamUnits | 
             root.append(i)
     block_last = {}
     for k, n in enumerate(nodes):
-        b = n.meta.get("autopar.block")
+        b = n.meta.get(BLOCK)
         if b is not None:
             block_last[b] = k
     ordered = sorted(by_block, key=lambda b: min(first[i] for i in by_block[b]))
@@ -98,10 +119,13 @@ def param_units(gm: fx.GraphModule, params: list[nn.Parameter]) -> ParamUnits | 
     return ParamUnits(units=tuple(units), blocks=(None, *ordered), spans=tuple(spans))
 
 
-def insert_unit_hooks(gm: fx.GraphModule, units: ParamUnits, gather: nn.Module,
-                      free: nn.Module) -> fx.GraphModule:
+def insert_unit_hooks(gm: fx.GraphModule, units: ParamUnits, gather: nn.Module | None = None,
+                      free: nn.Module | None = None) -> fx.GraphModule:
     """A copy of ``gm`` (sharing its parameters; ``gm`` is left as it is) that calls ``gather(u)``
-    right before unit ``u``'s use span and ``free(u)`` right after it, for every non-root unit."""
+    right before unit ``u``'s use span and ``free(u)`` right after it, for every non-root unit
+    (default: unbound ``UnitHook``s, at ``PRE_HOOK`` and ``POST_HOOK``)."""
+    gather = UnitHook() if gather is None else gather
+    free = UnitHook() if free is None else free
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.add_submodule(PRE_HOOK, gather)
     new.add_submodule(POST_HOOK, free)

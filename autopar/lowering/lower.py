@@ -1,0 +1,89 @@
+"""Lowering: a plan and the captured graph give one rank its ``RankProgram``.
+
+The passes, in order (each a function over fx graphs from ``autopar.passes``):
+
+1. kernel substitution (``passes.triton_patterns.substitute_kernels``) when ``use_triton``;
+2. for a ``"pipeline"`` plan: the stage split (``passes.split.split_stages``) at the stages' block
+   ranges, then, on a tensor-parallel member, the TP rewrite of this rank's stage
+   (``passes.tp.tp_rewrite``);
+3. for a ``"tp"`` plan: the TP rewrite of the whole graph for this rank (an idle rank gets the
+   one-rank rewrite: it never runs and holds no shard);
+4. for a ``"dp"`` plan: with ``Stage.recompute`` the split at every block (the engine recomputes block
+   by block); at ZeRO-3 without recomputation, the gather units and the graph with their hooks
+   (``autopar.lowering.zero3_units``).
+
+Lowering does no communication and needs no process group: the engine binds the TP all-reduces and
+the ZeRO-3 hooks, and makes the weights equal on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from autopar.ir.plan import Plan
+from autopar.lowering.program import RankProgram, engine_kind, rank_position
+from autopar.lowering.zero3_units import insert_unit_hooks, param_units
+from autopar.passes.meta import BLOCK
+from autopar.passes.split import split_stages
+from autopar.passes.tp import tp_rewrite
+
+__all__ = ["lower", "num_blocks", "tp_shares_of"]
+
+
+def num_blocks(gm) -> int:
+    """The number of blocks annotated on a captured graph (0: none, or not a graph)."""
+    if not isinstance(gm, fx.GraphModule):
+        return 0
+    return max((int(n.meta[BLOCK]) + 1 for n in gm.graph.nodes if BLOCK in n.meta), default=0)
+
+
+def tp_shares_of(plan: Plan, stage: int, member: int) -> tuple[int, ...]:
+    """The head shares of the ranks of ``member`` of ``stage`` (even when the plan gives none)."""
+    st = plan.stages[stage]
+    return tuple(int(x) for x in st.tp_shares[member]) if st.tp_shares else (1,) * len(st.groups[member])
+
+
+def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool = False,
+          tp_granularity: int = 8, params: Sequence[nn.Parameter] | None = None) -> RankProgram:
+    """This rank's program for ``plan`` (see the module docstring). ``gm``: the captured graph with
+    block annotations (``passes.analyze``); ``tp_granularity``: MLP features per TP granule of a
+    ``"tp"`` plan; ``params``: the trainable parameters ZeRO-3 units index (default: ``gm``'s)."""
+    if gm is not None and use_triton:
+        from autopar.passes.triton_patterns import substitute_kernels
+
+        gm = substitute_kernels(gm)
+    kind = engine_kind(plan)
+    stage, member, tp_index = rank_position(plan, rank)
+    common = dict(plan=plan, rank=rank, kind=kind, gm=gm, stage=stage, member=member, tp_index=tp_index)
+    if kind == "pipeline":
+        stages = tuple(split_stages(gm, [(st.block_start, st.block_stop) for st in plan.stages]))
+        local = stages[stage] if stage is not None else None
+        if local is not None and len(plan.stages[stage].groups[member]) > 1:
+            import dataclasses
+
+            local = dataclasses.replace(local, gm=tp_rewrite(local.gm, tp_shares_of(plan, stage, member),
+                                                             tp_index))
+        return RankProgram(**common, stages=stages, local_stage=local)
+    if kind == "tp":
+        if gm is None:
+            return RankProgram(**common)
+        if member is None:
+            module = tp_rewrite(gm, (1,), 0)
+        else:
+            module = tp_rewrite(gm, tp_shares_of(plan, 0, member), tp_index, granularity=tp_granularity)
+        return RankProgram(**common, tp_module=module)
+    st = plan.stages[0]
+    if st.recompute:
+        n = num_blocks(gm)
+        blocks = tuple(split_stages(gm, [(b, b + 1) for b in range(n)])) if n else ()
+        return RankProgram(**common, blocks=blocks)
+    if plan.zero_stage == 3 and isinstance(gm, fx.GraphModule):
+        trainable = tuple(params) if params is not None else tuple(p for p in gm.parameters() if p.requires_grad)
+        units = param_units(gm, list(trainable))
+        if units is not None:
+            return RankProgram(**common, zero3_units=units, zero3_gm=insert_unit_hooks(gm, units),
+                               zero3_params=trainable)
+    return RankProgram(**common)
