@@ -26,6 +26,7 @@ TOKENS = 2 * 1024 * 1024
 def predicted() -> tuple[list, list]:
     from autopar.api import prepare, plan_from_costs
     from autopar.cluster.model import Cluster
+    from autopar.config import DP_STRATEGIES
     from autopar.models import build
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +38,7 @@ def predicted() -> tuple[list, list]:
             prep = prepare(case.model, cluster, case.example_inputs)
             gb = TOKENS // seq
             res = {}
-            for s in ("dp", "uniform-dp", "proportional-dp"):
+            for s in DP_STRATEGIES:
                 t0 = time.perf_counter()
                 try:
                     p = plan_from_costs(prep.costs, cluster, gb, strategy=s)

@@ -27,6 +27,7 @@ TWO = {"name": "pp-2", "nodes": [{"devices": [
 def predicted() -> tuple[list, list]:
     from autopar.api import prepare, plan_from_costs
     from autopar.cluster.model import Cluster
+    from autopar.config import PP_STRATEGIES
     from autopar.models import build
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +38,7 @@ def predicted() -> tuple[list, list]:
             cluster = Cluster.from_yaml(os.path.join(here, "clusters", f"{cname}.yaml"))
             prep = prepare(case.model, cluster, case.example_inputs)
             res = {}
-            for s in ("pp", "uniform-pp"):
+            for s in PP_STRATEGIES:
                 t0 = time.perf_counter()
                 try:
                     p = plan_from_costs(prep.costs, cluster, gb, strategy=s, replicated_fraction=prep.replicated_fraction)

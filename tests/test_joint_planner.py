@@ -272,6 +272,31 @@ def test_bounds_on_a_heterogeneous_cluster():
     assert plan.predicted.efficiency == pytest.approx(plan.predicted.samples_per_s / upper)
 
 
+
+def test_plan_with_config_dispatches_and_attaches_the_one_bounds():
+    """The planner's entry point runs the planner of the config's resolved strategy, then
+    ``with_all_bounds``: the same plan and figures as calling both by hand."""
+    from autopar.config import PlanConfig
+    from autopar.planner.dp import plan_dp
+    from autopar.planner.entry import plan_with_config
+
+    cluster = _cluster([["A100-80GB"] * 2, ["V100-16GB"] * 2])
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
+    timings = {}
+    got = plan_with_config(costs, cluster, 64, PlanConfig(strategy="dp", zero_stage=1), timings=timings)
+    want = with_all_bounds(plan_dp(costs, cluster, 64, zero_stage=1), costs, cluster, 64)
+    assert got.predicted == want.predicted and got.stages == want.stages and got.zero_stage == 1
+    assert set(timings) == {"plan_s", "bounds_s"}
+    auto = plan_with_config(costs, cluster, 64, PlanConfig())
+    assert auto.predicted == with_all_bounds(jp.plan_auto(costs, cluster, 64), costs, cluster, 64).predicted
+    pinned = plan_with_config(costs, cluster, 64, PlanConfig(pp_layers=(3, 3)))   # auto + pinned layers: pp
+    assert pinned.strategy == "pp" and [st.num_layers for st in pinned.stages] == [3, 3]
+    assert pinned.predicted.upper_bound_samples_per_s == auto.predicted.upper_bound_samples_per_s > 0
+    with pytest.raises(PlanError, match="global_batch_size"):
+        plan_with_config(costs, cluster, 0, PlanConfig())
+    with pytest.raises(PlanError, match="config"):
+        plan_with_config(costs, cluster, 64, {"strategy": "dp"})
+
 # -- cache ----------------------------------------------------------------------------------------------
 
 def test_plan_cache_hit_returns_an_equal_plan(monkeypatch, tmp_path):

@@ -42,7 +42,6 @@ Upper bound, compute bound and efficiency are ``autopar.planner.bounds``'; ``pla
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal

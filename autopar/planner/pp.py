@@ -354,7 +354,8 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
         for M in counts:
             tried += 1
             # The uniform (Megatron-style) baseline keeps every activation, as it did.
-            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=recompute and not uniform)
+            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule,
+                                            recompute=recompute and not uniform)
             if pinned is not None:
                 sizes, value = pinned, None
                 b = np.concatenate([[0], np.cumsum(pinned)])
