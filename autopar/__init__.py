@@ -1,16 +1,18 @@
 """autopar: a compiled-graph auto-parallelizer for training PyTorch models on heterogeneous clusters.
 
 Public surface (see shared/spec/api.md): ``Cluster``, ``plan``, ``compile``, ``launch``, ``init``,
-``Plan``, ``PlanConfig``, ``RunConfig``, ``models``, ``kernels``, ``passes``, and the errors ``ClusterError``, ``PlanError``, ``LaunchError``.
+``Plan``, ``PlanConfig``, ``RunConfig``, ``models``, ``kernels``, ``passes``, and the errors
+``AutoparError`` (the base, a ``ValueError``), ``ClusterError``, ``PlanError``, ``RuntimeInputError``,
+``LaunchError``.
 Submodules are imported lazily so ``import autopar`` stays cheap and does nothing at import time.
 """
 
 from importlib import import_module
 
-from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError
+from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError, RuntimeInputError
 
 __all__ = [
-    "AutoparError", "ClusterError", "PlanError", "LaunchError",
+    "AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError",
     "Cluster", "Plan", "PlanConfig", "RunConfig", "plan", "compile", "launch", "init", "models", "kernels",
     "passes",
 ]
@@ -36,3 +38,7 @@ def __getattr__(name: str):
         mod = import_module(module)
         return mod if attr is None else getattr(mod, attr)
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, get_args
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from autopar.errors import PlanError
+from autopar.config import DP_STRATEGIES, PP_STRATEGIES, STRATEGIES, PlanConfig, RunConfig, Zero3Granularity
+from autopar.errors import ClusterError, PlanError, RuntimeInputError
 from autopar.ir.plan import Plan
 
-if TYPE_CHECKING:
-    from autopar.runtime.dp_zero3 import Zero3Granularity
-
-__all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare"]
-
-STRATEGIES = ("auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp")
+__all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare", "plan_config", "plan_from_costs",
+           "model_num_heads"]
 
 
 @dataclass
@@ -55,24 +52,35 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1)
 
 
-def _check_args(cluster, global_batch_size, strategy, zero_stage, schedule) -> None:
+def _check_request(cluster, global_batch_size) -> None:
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
         raise PlanError(f"global_batch_size: {global_batch_size!r} is not a positive integer")
-    if not isinstance(strategy, Plan) and strategy not in STRATEGIES:
-        raise PlanError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)} or a Plan")
-    if zero_stage not in ("auto", 0, 1, 2, 3):
-        raise PlanError(f"zero_stage: {zero_stage!r} must be 'auto' or 0, 1, 2, 3")
-    if schedule not in ("auto", "gpipe", "1f1b"):
-        raise PlanError(f"schedule: {schedule!r} must be 'auto', 'gpipe' or '1f1b'")
     if len(cluster) < 1:
         raise PlanError("cluster: has no devices")
+
+
+def plan_config(config: PlanConfig | None = None, **options) -> PlanConfig:
+    """The one ``PlanConfig`` of a call: ``config`` as given, or built (and validated) from the loose
+    keywords ``options`` (strategy, zero_stage, schedule, pp_layers, dp_batch, recompute, ...). Giving
+    both ``config`` and a keyword that differs from its default is a ``PlanError``."""
+    if config is None:
+        return PlanConfig(**options)
+    if not isinstance(config, PlanConfig):
+        raise PlanError(f"config: {config!r} is not an autopar.PlanConfig")
+    defaults = PlanConfig()
+    clash = [k for k, v in options.items() if v != getattr(defaults, k)]
+    if clash:
+        raise PlanError(f"config: given together with {', '.join(clash)}; set those fields in the PlanConfig")
+    return config
 
 
 def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", zero_stage="auto",
                     schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
                     replicated_fraction: float | None = None, recompute: bool = False,
-                    timings: dict | None = None) -> Plan:
+                    timings: dict | None = None, config: PlanConfig | None = None) -> Plan:
     """Run the planner of ``strategy`` on prepared cost tables and attach the bounds.
+
+    The options are one ``PlanConfig``: ``config``, or the keywords (see ``plan_config``).
 
     ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
     one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
@@ -81,30 +89,28 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     default; the uniform baselines never do). ``timings``, when
     given, receives the wall seconds of the planner (``plan_s``) and of the bounds (``bounds_s``: the
     planner run again on each device type alone)."""
-    import time
+    start = time.perf_counter()
+    config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
+                         dp_batch=dp_batch, num_heads=num_heads, replicated_fraction=replicated_fraction,
+                         recompute=recompute)
+    _check_request(cluster, global_batch_size)
 
     from autopar.planner import dp as dp_planner
     from autopar.planner import joint as joint_planner
     from autopar.planner.bounds import with_all_bounds
 
-    start = time.perf_counter()
-
-    _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)
-    if strategy == "auto" and dp_batch is not None:
-        strategy = "dp"
-    elif strategy == "auto" and pp_layers is not None:
-        strategy = "pp"
-    if dp_batch is not None and strategy != "dp":
-        raise PlanError(f"dp_batch: pins data-parallel shares but strategy={strategy!r}; use strategy='dp'")
-    tp_kw = dict(num_heads=num_heads)
-    if replicated_fraction is not None:
-        tp_kw["replicated_fraction"] = replicated_fraction
-    if strategy in ("dp", "uniform-dp", "proportional-dp"):
-        if pp_layers is not None and len(pp_layers) > 1:
-            raise PlanError(f"pp_layers: {pp_layers} asks for a pipeline but strategy={strategy!r} has one stage")
+    # Until the planner takes a PlanConfig itself: its fields, as the planner functions expect them.
+    strategy, zero_stage, schedule, recompute = (config.resolved_strategy, config.zero_stage, config.schedule,
+                                                 config.recompute)
+    pp_layers = None if config.pp_layers is None else list(config.pp_layers)
+    dp_batch = config.dp_batch_map
+    tp_kw = dict(num_heads=config.num_heads)
+    if config.replicated_fraction is not None:
+        tp_kw["replicated_fraction"] = config.replicated_fraction
+    if strategy in DP_STRATEGIES:
         p = dp_planner.plan_dp(costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
                                dp_batch=dp_batch, recompute=recompute)
-    elif strategy in ("pp", "uniform-pp"):
+    elif strategy in PP_STRATEGIES:
         p = joint_planner.plan_strategy(costs, cluster, global_batch_size, strategy, zero_stage=zero_stage,
                                         schedule=schedule, recompute=recompute, pp_layers=pp_layers)
     elif strategy == "tp":
@@ -120,7 +126,9 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     return p
 
 
-def _num_heads(model: nn.Module) -> int | None:
+def model_num_heads(model: nn.Module) -> int | None:
+    """The attention heads of ``model`` (the first ``n_heads`` / ``num_heads`` / ``n_head`` attribute
+    of a submodule), which bounds its tensor-parallel degree; None when it has none."""
     for m in model.modules():
         for attr in ("n_heads", "num_heads", "n_head"):
             v = getattr(m, attr, None)
@@ -132,18 +140,26 @@ def _num_heads(model: nn.Module) -> int | None:
 def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
          strategy="auto", zero_stage="auto", schedule="auto", pp_layers=None, dp_batch=None,
          optimizer: str = "adamw", measure: bool | None = None, prepared: Prepared | None = None,
-         recompute: bool = False) -> Plan:
-    """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step."""
+         recompute: bool = False, config: PlanConfig | None = None) -> Plan:
+    """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step.
+
+    The planner's options are one ``PlanConfig``: ``config``, or the keywords strategy, zero_stage,
+    schedule, pp_layers, dp_batch and recompute; either way validated before the costly analysis.
+    ``strategy`` may also be a ``Plan``, returned as given once it fits the cluster and batch."""
     if isinstance(strategy, Plan):
         _check_plan(strategy, cluster, global_batch_size)
         return strategy
-    _check_args(cluster, global_batch_size, strategy, zero_stage, schedule)  # before the costly analysis
+    config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
+                         dp_batch=dp_batch, recompute=recompute)
+    _check_request(cluster, global_batch_size)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure)
-    return plan_from_costs(prepared.costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
-                           schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch, num_heads=_num_heads(model),
-                           replicated_fraction=prepared.replicated_fraction, recompute=recompute)
+    config = config.with_(  # facts of the model, unless the config states them
+        num_heads=config.num_heads if config.num_heads is not None else model_num_heads(model),
+        replicated_fraction=(config.replicated_fraction if config.replicated_fraction is not None
+                             else prepared.replicated_fraction))
+    return plan_from_costs(prepared.costs, cluster, global_batch_size, config=config)
 
 
 def _check_plan(p: Plan, cluster, global_batch_size: int) -> None:
@@ -168,7 +184,7 @@ class Compiled:
             inputs = (inputs,)
         n = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
         if n != self.plan.global_batch_size:
-            raise ValueError(f"step: the batch has {n} samples but the plan is for global_batch_size="
+            raise RuntimeInputError(f"step: the batch has {n} samples but the plan is for global_batch_size="
                              f"{self.plan.global_batch_size}")
         t0 = time.perf_counter()
         loss = self.engine.step(inputs, targets)
@@ -197,7 +213,8 @@ def _optimizer_kind(factory) -> str:
 def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
             optimizer: Callable | None = None, strategy="auto", zero_stage="auto", schedule="auto",
             pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
-            recompute: bool = False, zero3_granularity: Zero3Granularity = "block") -> Compiled:
+            recompute: bool = False, zero3_granularity: Zero3Granularity = "block",
+            config: PlanConfig | None = None, run: RunConfig | None = None) -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
 
@@ -206,39 +223,53 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     its use and frees them right after, where the captured graph carries block annotations and
     activations are not recomputed (otherwise it falls back to ``"micro_step"``); ``"micro_step"``
     gathers every parameter once per micro-step: fewer, larger collectives for a higher peak memory.
-    Both train to the same state (``autopar.runtime.dp_zero3``). Anything else raises ``PlanError``."""
+    Both train to the same state (``autopar.runtime.dp_zero3``). Anything else raises ``PlanError``.
+
+    The planner's options are one ``PlanConfig`` (``config``, or the keywords as for ``plan``); compile's
+    own (optimizer, use_triton, measure, zero3_granularity) one ``RunConfig`` (``run``, or the keywords).
+    Both are validated on every rank before any collective."""
     import torch.distributed as dist
 
     from importlib import import_module
 
-    from autopar.lowering import lower
-    from autopar.passes.analyze import analyze
     from autopar.runtime import emulate
-    from autopar.runtime.dp import Zero3Granularity
-    from autopar.runtime.engine import EngineInputs, build_engine
+    from autopar.runtime.dp import DataParallelEngine
+    from autopar.runtime.engine import EngineInputs, select_engine
+    from autopar.passes.analyze import analyze
 
-    if zero3_granularity not in get_args(Zero3Granularity):   # on every rank, before any collective
-        raise PlanError(f"zero3_granularity: {zero3_granularity!r} must be one of "
-                        f"{', '.join(repr(g) for g in get_args(Zero3Granularity))}")
+    # On every rank, before any collective: the options, validated once.
+    if run is None:
+        run = RunConfig(optimizer=optimizer, use_triton=use_triton, measure=measure,
+                        zero3_granularity=zero3_granularity)
+    elif not isinstance(run, RunConfig):
+        raise PlanError(f"run: {run!r} is not an autopar.RunConfig")
+    elif (optimizer, use_triton, measure, zero3_granularity) != (None, False, None, "block"):
+        raise PlanError("run: given together with optimizer/use_triton/measure/zero3_granularity keywords; "
+                        "set those fields in the RunConfig")
+    plan_options = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule,
+                               pp_layers=pp_layers, dp_batch=dp_batch, recompute=recompute) \
+        if not isinstance(strategy, Plan) else None
+    optimizer, use_triton, zero3_granularity = run.optimizer, run.use_triton, run.zero3_granularity
     _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
     optimizer = optimizer or _default_optimizer
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     if not _launch.is_initialized():
         if len(cluster) != 1:
-            raise ValueError(f"compile: the cluster has {len(cluster)} devices; call compile on every rank "
-                             "inside autopar.launch(fn, cluster) or after autopar.init(cluster) under torchrun")
+            raise ClusterError(f"cluster: has {len(cluster)} devices but no job is running; call compile on "
+                               "every rank inside autopar.launch(fn, cluster) or after autopar.init(cluster) "
+                               "under torchrun")
         _launch.init(cluster, rank=0, world_size=1, store=dist.HashStore())
     ctx = _launch.context()
     if len(cluster) != ctx.world_size:
-        raise ValueError(f"compile: the cluster has {len(cluster)} devices but {ctx.world_size} ranks are running")
+        raise ClusterError(f"cluster: has {len(cluster)} devices but {ctx.world_size} ranks are running")
     # Plan on rank 0 and broadcast it: measured timings differ between processes.
     payload = [None]
     if ctx.rank == 0:
         try:
-            p = plan(model, cluster, example_inputs, global_batch_size, loss_fn, strategy=strategy,
-                     zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers, dp_batch=dp_batch,
-                     optimizer=_optimizer_kind(optimizer), measure=measure, recompute=recompute)
+            p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
+                     optimizer=_optimizer_kind(optimizer), measure=run.measure,
+                     **({"strategy": strategy} if plan_options is None else {"config": plan_options}))
             payload = [p.to_json()]
         except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
             payload = [exc]
@@ -251,13 +282,16 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         model = model.to(ctx.device)
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
-    program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
-                    params=[p for p in model.parameters() if p.requires_grad])
+    if use_triton:
+        from autopar.passes.triton_patterns import substitute_kernels
+
+        gm = substitute_kernels(gm)
     clock = emulate.clock_for(cluster.devices[ctx.rank],
                               time_scale=emulate.emulation_time_scale(ctx.world_size)) \
         if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
-    engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
-                                       optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
-                                       device=ctx.device, clock=clock), program,
-                          zero3_granularity=zero3_granularity)
+    engine_cls = select_engine(the_plan)
+    options = {"zero3_granularity": zero3_granularity} if issubclass(engine_cls, DataParallelEngine) else {}
+    engine = engine_cls(EngineInputs(gm=gm, model=model, plan=the_plan, loss_fn=loss_fn,
+                                     optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
+                                     device=ctx.device, clock=clock), **options)
     return Compiled(plan=the_plan, engine=engine, rank=ctx.rank)

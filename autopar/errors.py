@@ -1,7 +1,16 @@
 """The user-facing error types of autopar. Each is a ``ValueError`` so callers can catch bad input
-uniformly; the message names the offending field and value and says what to change."""
+uniformly; the message starts with the offending field (``strategy: ...``, ``nodes[1].count: ...``),
+gives its value and says what to change.
 
-__all__ = ["AutoparError", "ClusterError", "PlanError", "LaunchError"]
+- ``ClusterError``: a cluster description, or a cluster that does not fit the running job;
+- ``PlanError``: planner options, or a request no plan satisfies;
+- ``RuntimeInputError``: what a compiled model is given at run time (``Compiled.step``);
+- ``LaunchError``: a rank failed or hung (also a ``RuntimeError``).
+
+The model zoo's ``ModelZooError`` (``autopar.models``) is an ``AutoparError`` too. ``kernels/`` imports
+nothing of autopar, so its ``KernelInputError`` is a plain ``ValueError``."""
+
+__all__ = ["AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError"]
 
 
 class AutoparError(ValueError):
@@ -14,6 +23,10 @@ class ClusterError(AutoparError):
 
 class PlanError(AutoparError):
     """No plan satisfies the request: what was needed and what was available."""
+
+
+class RuntimeInputError(AutoparError):
+    """What a compiled model was given at run time does not fit its plan (``Compiled.step``'s batch)."""
 
 
 class LaunchError(AutoparError, RuntimeError):

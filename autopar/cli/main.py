@@ -28,10 +28,6 @@ speed: figures from such runs are emulated, and planner figures are predictions 
 """
 
 
-class _Fail(Exception):
-    pass
-
-
 def _load_model(spec: str, device: str | None = None):
     from autopar.models import load
 
@@ -96,6 +92,15 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True):
     return case, prep
 
 
+def _block_counts(text: str, option: str) -> list[int]:
+    from autopar.errors import PlanError
+
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PlanError(f"{option}: {text!r} is not a comma-separated list of block counts, e.g. 8,4") from None
+
+
 # -- commands ------------------------------------------------------------------------------------
 def cmd_models(args) -> int:
     from autopar.models import load, names
@@ -144,15 +149,15 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from autopar.api import _num_heads, plan_from_costs
+    from autopar.api import model_num_heads, plan_from_costs
 
+    pp_layers = _block_counts(args.pp_layers, "--pp-layers") if args.pp_layers else None
     cluster = _load_cluster(args.cluster)
     case, prep = _prepare(args.model, cluster)
-    pp_layers = [int(x) for x in args.pp_layers.split(",")] if args.pp_layers else None
     timings: dict = {}
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
-                        pp_layers=pp_layers, num_heads=_num_heads(case.model),
+                        pp_layers=pp_layers, num_heads=model_num_heads(case.model),
                         replicated_fraction=prep.replicated_fraction, recompute=args.recompute, timings=timings)
     if args.json != "-":
         print(p.summary(cluster), end="")
@@ -202,9 +207,14 @@ def _print_run(results, cluster, baseline: str | None) -> dict:
 
 def cmd_train(args) -> int:
     from autopar.cli.trainer import RunSpec, run_comparison
+    from autopar.config import STRATEGIES
+    from autopar.errors import PlanError
 
     cluster = _load_cluster(args.cluster)
     strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
+    for s in strategies[1:]:   # before any process starts
+        if s not in STRATEGIES:
+            raise PlanError(f"--compare: {s!r} is not one of {', '.join(STRATEGIES)}")
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
                    steps=args.steps, strategies=strategies,
                    zero_stage=args.zero if args.zero == "auto" else int(args.zero),
@@ -252,10 +262,15 @@ def cmd_tune(args, rest: list[str]) -> int:
         gm = analyze(case.model, case.example_inputs).captured.gm  # nodes carry "autopar.tensor" shapes
         return kernel_shapes(find_kernel_patterns(gm))
 
-    return tune.main(rest, shapes_for_model=shapes_for_model)
+    from autopar.cluster.devices import match_preset
+
+    # The fraction of peak in the tuning table comes from the one preset table (kernels keeps none).
+    return tune.main(rest, shapes_for_model=shapes_for_model, peak_for=match_preset)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from autopar.config import SCHEDULES, STRATEGIES, ZERO_STAGES
+
     p = argparse.ArgumentParser(prog="autopar", description=_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -271,9 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--model", required=not train, help="zoo name or package.module:factory")
         q.add_argument("--cluster", required=not train, help="cluster YAML file or built-in name (demo)")
         q.add_argument("--global-batch", type=int, required=not train, help="samples per optimizer step")
-        q.add_argument("--strategy", default="auto",
-                       choices=["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"])
-        q.add_argument("--zero", default="auto", choices=["auto", "0", "1", "2", "3"], help="ZeRO stage")
+        q.add_argument("--strategy", default="auto", choices=list(STRATEGIES))
+        q.add_argument("--zero", default="auto", choices=["auto", *map(str, ZERO_STAGES)], help="ZeRO stage")
         q.add_argument("--recompute", action="store_true",
                        help="let pipeline stages and data parallelism recompute activations in backward "
                             "where that is faster or keeping them does not fit (one more forward)")
@@ -281,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("plan", help="plan a model on a cluster and show the predicted throughput")
     plan_args(q)
-    q.add_argument("--schedule", default="auto", choices=["auto", "gpipe", "1f1b"])
+    q.add_argument("--schedule", default="auto", choices=list(SCHEDULES))
     q.add_argument("--pp-layers", help="pin blocks per pipeline stage, e.g. 8,4")
     q.add_argument("--timeline", metavar="OUT.png", help="write the simulated per-rank Gantt chart")
 
@@ -319,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                "demo": cmd_demo}[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, _Fail) as exc:
+    except (ValueError, FileNotFoundError) as exc:   # AutoparError is a ValueError
         # One line: a launch failure's rank tracebacks were already printed by the ranks themselves.
         msg = " ".join(str(exc).split("Traceback of rank")[0].split())
         print(f"autopar {args.command}: error: {msg}", file=sys.stderr)

@@ -1,0 +1,152 @@
+"""Typed configuration: what a user asks of the planner (``PlanConfig``) and of ``compile`` alone
+(``RunConfig``). Each is a frozen dataclass validated once, in ``__post_init__``, with a
+``PlanError`` that names the field; everything below the public API takes these values instead of
+loose keyword arguments. ``PlanConfig`` is also the plan cache's key (``PlanConfig.key``).
+
+Terms
+- strategy: which planner runs (``STRATEGIES``; ``"auto"`` is the joint search over every dimension);
+- pins: dimensions the user fixed (``pp_layers``: blocks per pipeline stage; ``dp_batch``: samples per
+  rank); the planner searches the rest;
+- memory fraction: the part of each device's memory a plan may fill (``MEMORY_FRACTION`` unless set);
+  the rest is left to the allocator's fragmentation, workspaces and the framework.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal, get_args
+
+from autopar.errors import PlanError
+
+__all__ = [
+    "Strategy", "ZeroChoice", "ScheduleChoice", "Zero3Granularity", "STRATEGIES", "DP_STRATEGIES",
+    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "PlanConfig", "RunConfig",
+]
+
+Strategy = Literal["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"]
+ZeroChoice = Literal["auto", 0, 1, 2, 3]
+ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
+Zero3Granularity = Literal["block", "micro_step"]
+
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+DP_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp")
+PP_STRATEGIES: tuple[str, ...] = ("pp", "uniform-pp")
+SCHEDULES: tuple[str, ...] = get_args(ScheduleChoice)
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+
+MEMORY_FRACTION = 0.9   # of each device's memory a plan may fill (see the module docstring)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{name}: {value!r} is not a positive integer")
+    return value
+
+
+def _choice(value: Any, name: str, allowed: Sequence) -> None:
+    if isinstance(value, bool) or value not in allowed:
+        raise PlanError(f"{name}: {value!r} must be one of {', '.join(repr(a) for a in allowed)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanConfig:
+    """What the planner is asked for. ``num_heads`` and ``replicated_fraction`` are facts of the model
+    (attention heads, the part of a block tensor parallelism cannot shard) that ``autopar.plan`` fills
+    in from the analysis; None lets the planner use its defaults."""
+
+    strategy: Strategy = "auto"
+    zero_stage: ZeroChoice = "auto"
+    schedule: ScheduleChoice = "auto"
+    recompute: bool = False
+    memory_fraction: float = MEMORY_FRACTION
+    pp_layers: tuple[int, ...] | None = None
+    dp_batch: tuple[tuple[int, int], ...] | None = None   # ((rank, samples), ...), sorted by rank
+    num_heads: int | None = None
+    replicated_fraction: float | None = None
+
+    def __post_init__(self):
+        _choice(self.strategy, "strategy", STRATEGIES)
+        _choice(self.zero_stage, "zero_stage", ("auto",) + ZERO_STAGES)
+        _choice(self.schedule, "schedule", SCHEDULES)
+        if not isinstance(self.recompute, bool):
+            raise PlanError(f"recompute: {self.recompute!r} must be True or False")
+        mf = self.memory_fraction
+        if isinstance(mf, bool) or not isinstance(mf, (int, float)) or not (0 < mf <= 1) or math.isnan(mf):
+            raise PlanError(f"memory_fraction: {mf!r} must be a number in (0, 1]")
+        if self.pp_layers is not None:
+            if isinstance(self.pp_layers, (str, bytes)) or not isinstance(self.pp_layers, Sequence):
+                raise PlanError(f"pp_layers: {self.pp_layers!r} must be a list of positive block counts")
+            layers = tuple(self.pp_layers)
+            if not layers:
+                raise PlanError("pp_layers: is empty; give at least one stage's block count")
+            for i, n in enumerate(layers):
+                _positive_int(n, f"pp_layers[{i}]")
+            object.__setattr__(self, "pp_layers", layers)
+        if self.dp_batch is not None:
+            items = self.dp_batch.items() if isinstance(self.dp_batch, Mapping) else self.dp_batch
+            try:
+                pairs = tuple(sorted((r, n) for r, n in items))
+            except (TypeError, ValueError):
+                raise PlanError(f"dp_batch: {self.dp_batch!r} must map rank -> samples") from None
+            for r, n in pairs:
+                if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                    raise PlanError(f"dp_batch: rank {r!r} is not a rank number")
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                    raise PlanError(f"dp_batch[{r}]: {n!r} is not a sample count >= 0")
+            object.__setattr__(self, "dp_batch", pairs)
+        if self.num_heads is not None:
+            _positive_int(self.num_heads, "num_heads")
+        rf = self.replicated_fraction
+        if rf is not None and (isinstance(rf, bool) or not isinstance(rf, (int, float)) or not 0 <= rf <= 1):
+            raise PlanError(f"replicated_fraction: {rf!r} must be a number in [0, 1]")
+        if self.dp_batch is not None and self.strategy not in ("auto", "dp"):
+            raise PlanError(f"dp_batch: pins data-parallel shares but strategy={self.strategy!r}; "
+                            "use strategy='dp'")
+        if self.pp_layers is not None and len(self.pp_layers) > 1 and self.resolved_strategy in DP_STRATEGIES:
+            raise PlanError(f"pp_layers: {list(self.pp_layers)} asks for a pipeline but "
+                            f"strategy={self.resolved_strategy!r} has one stage")
+
+    @property
+    def dp_batch_map(self) -> dict[int, int] | None:
+        return None if self.dp_batch is None else dict(self.dp_batch)
+
+    @property
+    def resolved_strategy(self) -> str:
+        """The strategy that runs: ``auto`` with pinned batch shares is a data-parallel search, with
+        pinned layers a pipeline search (the pins fix the dimension)."""
+        if self.strategy == "auto" and self.dp_batch is not None:
+            return "dp"
+        if self.strategy == "auto" and self.pp_layers is not None:
+            return "pp"
+        return self.strategy
+
+    def with_(self, **changes) -> "PlanConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def key(self) -> dict:
+        """The fields as plain JSON-able data: the plan cache's key."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """What only ``compile`` needs beyond the plan: the optimizer factory (``params -> Optimizer``),
+    Triton kernel substitution, whether to measure block times on the local device, and ZeRO-3's
+    gathering granularity (``autopar.runtime.dp_zero3``)."""
+
+    optimizer: Callable | None = None
+    use_triton: bool = False
+    measure: bool | None = None
+    zero3_granularity: Zero3Granularity = "block"
+
+    def __post_init__(self):
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise PlanError(f"optimizer: {self.optimizer!r} must be a callable params -> torch.optim.Optimizer")
+        if not isinstance(self.use_triton, bool):
+            raise PlanError(f"use_triton: {self.use_triton!r} must be True or False")
+        if self.measure is not None and not isinstance(self.measure, bool):
+            raise PlanError(f"measure: {self.measure!r} must be True, False or None")
+        _choice(self.zero3_granularity, "zero3_granularity", get_args(Zero3Granularity))
