@@ -98,8 +98,11 @@ def test_plan_twice_and_the_plan_data():
     assert plan.predicted.samples_per_s <= plan.predicted.compute_bound_samples_per_s * (1 + 1e-9)
     assert all(s.ranks and s.num_layers >= 1 for s in plan.stages)
     assert autopar.Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(autopar.PlanError, match="plan: not a plan's JSON"):
+        autopar.Plan.from_json('{"strategy": "dp"}')
     text = plan.summary()
-    assert isinstance(text, str) and str(plan.predicted.samples_per_s)[:3] in text.replace(",", "")
+    assert f"upper bound {plan.predicted.upper_bound_samples_per_s:.2f} samples/s" in text
+    assert f"plan: strategy={plan.strategy}" in text
 
     # A Plan as the strategy is run as given; the same options as a PlanConfig give the same plan.
     assert autopar.plan(case.model, cluster, case.example_inputs, 16, strategy=plan) is plan

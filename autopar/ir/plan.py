@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from autopar.errors import PlanError
+
 __all__ = ["Stage", "Predicted", "Plan", "Schedule"]
 
 Schedule = Literal["none", "gpipe", "1f1b"]
@@ -39,9 +41,9 @@ class Stage:
 
     def __post_init__(self):
         if not 0 <= self.block_start < self.block_stop:
-            raise ValueError(f"Stage: block range [{self.block_start}, {self.block_stop}) is empty")
+            raise PlanError(f"Stage.block_stop: block range [{self.block_start}, {self.block_stop}) is empty")
         if len(self.micro_batches) != len(self.groups):
-            raise ValueError("Stage.micro_batches: need one list per member group")
+            raise PlanError("Stage.micro_batches: need one list per member group")
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -143,7 +145,17 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        """The plan of ``to_json``'s text; ``PlanError`` when the text is not one."""
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"plan: not a plan's JSON text ({exc})") from None
+        try:
+            return cls.from_dict(d)
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"plan: not a plan's JSON ({type(exc).__name__}: {exc})") from None
 
     # -- display -------------------------------------------------------------------------------
     def summary(self, cluster=None) -> str:
