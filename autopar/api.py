@@ -232,10 +232,10 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
     from importlib import import_module
 
-    from autopar.runtime import emulate
-    from autopar.runtime.dp import DataParallelEngine
-    from autopar.runtime.engine import EngineInputs, select_engine
+    from autopar.lowering import lower
     from autopar.passes.analyze import analyze
+    from autopar.runtime import emulate
+    from autopar.runtime.engine import EngineInputs, build_engine
 
     # On every rank, before any collective: the options, validated once.
     if run is None:
@@ -282,16 +282,13 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         model = model.to(ctx.device)
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
-    if use_triton:
-        from autopar.passes.triton_patterns import substitute_kernels
-
-        gm = substitute_kernels(gm)
+    program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
+                    params=[p for p in model.parameters() if p.requires_grad])
     clock = emulate.clock_for(cluster.devices[ctx.rank],
                               time_scale=emulate.emulation_time_scale(ctx.world_size)) \
         if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
-    engine_cls = select_engine(the_plan)
-    options = {"zero3_granularity": zero3_granularity} if issubclass(engine_cls, DataParallelEngine) else {}
-    engine = engine_cls(EngineInputs(gm=gm, model=model, plan=the_plan, loss_fn=loss_fn,
-                                     optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
-                                     device=ctx.device, clock=clock), **options)
+    engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
+                                       optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
+                                       device=ctx.device, clock=clock), program,
+                          zero3_granularity=zero3_granularity)
     return Compiled(plan=the_plan, engine=engine, rank=ctx.rank)
