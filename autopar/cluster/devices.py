@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from autopar.errors import ClusterError
+
 __all__ = [
     "DeviceSpec", "Vendor", "VENDORS", "PRESETS", "CPU_NOMINAL", "PCIE3_X16_Bps", "PCIE4_X16_Bps",
     "PCIE5_X16_Bps", "SHARED_MEMORY_Bps", "GiB", "preset", "preset_names", "match_preset", "emulated_spec",
@@ -58,20 +60,21 @@ class DeviceSpec:
     speed: float = 1.0            # emulated devices only: fraction of this CPU's speed
 
     def __post_init__(self):
-        # Programming errors only; user input is validated (with field paths) in autopar.cluster.model.
+        # A spec built in code; cluster files and dicts are validated (with field paths) in
+        # autopar.cluster.schema before they get here.
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"DeviceSpec.name: {self.name!r} must be a non-empty string")
+            raise ClusterError(f"DeviceSpec.name: {self.name!r} must be a non-empty string")
         if self.vendor not in VENDORS:
-            raise ValueError(f"DeviceSpec.vendor: {self.vendor!r} is not one of {VENDORS}")
+            raise ClusterError(f"DeviceSpec.vendor: {self.vendor!r} is not one of {VENDORS}")
         for field in ("peak_flops_bf16", "peak_flops_fp32", "memory_bytes", "mem_bandwidth_Bps",
                       "intra_bandwidth_Bps"):
             value = getattr(self, field)
             if not value > 0:
-                raise ValueError(f"DeviceSpec.{field}: {value!r} must be > 0 ({self.name})")
+                raise ClusterError(f"DeviceSpec.{field}: {value!r} must be > 0 ({self.name})")
         if self.emulate not in (None, "cpu"):
-            raise ValueError(f"DeviceSpec.emulate: {self.emulate!r} must be None or 'cpu'")
+            raise ClusterError(f"DeviceSpec.emulate: {self.emulate!r} must be None or 'cpu'")
         if not 0 < self.speed <= 1:
-            raise ValueError(f"DeviceSpec.speed: {self.speed!r} must be in (0, 1]")
+            raise ClusterError(f"DeviceSpec.speed: {self.speed!r} must be in (0, 1]")
 
     @property
     def is_emulated(self) -> bool:
