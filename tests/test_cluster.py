@@ -53,8 +53,24 @@ def test_datasheet_spot_checks():
 
 def test_cpu_spec_detect_reads_this_machine():
     s = cpu_spec_detect()
-    assert s.is_emulated and s.backend == "gloo" and s.vendor == "cpu" and s.speed == 1.0
+    assert not s.is_emulated and s.backend == "gloo" and s.vendor == "cpu" and s.speed == 1.0
     assert s.memory_bytes > 2**28
+
+
+def test_device_cpu_is_native_not_emulated():
+    # api.md: `device: cpu` is this machine's CPU at native speed, with no clock (as a GPU rank);
+    # `emulate: cpu` stays an emulated device with a clock.
+    from autopar.runtime.emulate import EmulatedClock, NullClock, clock_for
+
+    c = Cluster.from_dict({"nodes": [{"device": "cpu", "count": 1},
+                                     {"device": {"name": "slow", "emulate": "cpu", "speed": 0.5,
+                                                 "memory_GB": 2}, "count": 1}]})
+    native, slow = (d.spec for d in c.devices)
+    assert native is PRESETS["CPU"] and native.emulate is None and not native.is_emulated
+    assert native.backend == "gloo" and isinstance(clock_for(c.devices[0], time_scale=2.0), NullClock)
+    assert slow.is_emulated and isinstance(clock_for(c.devices[1], time_scale=2.0), EmulatedClock)
+    assert not c.is_emulated and Cluster.from_dict(c.to_dict()) == c
+    assert match_preset("Intel CPU", PRESETS["CPU"].memory_bytes) is None
 
 
 # -- scenario files ------------------------------------------------------------------------------
@@ -248,7 +264,8 @@ def test_detect_without_gpu_is_one_cpu_device(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     c = Cluster.detect()
-    assert len(c) == 1 and c.is_emulated and c.devices[0].spec.backend == "gloo"
+    assert len(c) == 1 and not c.is_emulated and c.devices[0].spec.backend == "gloo"
+    assert c.devices[0].spec.vendor == "cpu"
 
 
 def test_detect_with_gpus(monkeypatch):

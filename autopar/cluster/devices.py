@@ -12,6 +12,9 @@ Terms and units
 - emulated device: a CPU process that runs the model at ``speed`` times this machine's CPU speed (the
   runtime slows it down). Its peak figures are nominal (``CPU_NOMINAL`` scaled by ``speed``); the cost
   model measures emulated devices instead of trusting them.
+- native CPU device (the preset ``CPU``, ``device: cpu`` in a cluster file): this machine's CPU at its
+  own speed, not emulated. Its rank gets no clock (as a GPU rank does); the cost model measures its
+  time tables on this CPU, unscaled.
 
 Nothing here probes the machine at import; ``cpu_spec_detect()`` does, when called.
 """
@@ -56,7 +59,7 @@ class DeviceSpec:
     memory_bytes: int
     mem_bandwidth_Bps: float
     intra_bandwidth_Bps: float    # default device-to-device link inside a node
-    emulate: str | None = None    # "cpu" for an emulated device (a CPU process at `speed`)
+    emulate: str | None = None    # "cpu" for an emulated device (a CPU process at `speed`); None native
     speed: float = 1.0            # emulated devices only: fraction of this CPU's speed
 
     def __post_init__(self):
@@ -151,10 +154,10 @@ _PRESET_LIST: tuple[DeviceSpec, ...] = (
 # fmt: on
 
 # Nominal CPU, not a datasheet: a few cores of a current x86 server (AVX2/AVX-512 FMA, fp32; bf16 no
-# faster on most parts), ~20 GB/s memory bandwidth per process group. Emulated devices scale the peaks
-# by `speed`; the cost model measures them instead of trusting these figures.
-CPU_NOMINAL = DeviceSpec("CPU", "cpu", 0.2 * _T, 0.2 * _T, 16 * GiB, 20 * _G, SHARED_MEMORY_Bps,
-                         emulate="cpu", speed=1.0)
+# faster on most parts), ~20 GB/s memory bandwidth per process group. As a preset it is this machine's
+# CPU at native speed (not emulated); emulated devices (`emulated_spec`) scale the peaks by `speed`. The
+# cost model measures both on this CPU instead of trusting these figures.
+CPU_NOMINAL = DeviceSpec("CPU", "cpu", 0.2 * _T, 0.2 * _T, 16 * GiB, 20 * _G, SHARED_MEMORY_Bps)
 
 PRESETS: dict[str, DeviceSpec] = {spec.name: spec for spec in (*_PRESET_LIST, CPU_NOMINAL)}
 
@@ -190,7 +193,7 @@ def match_preset(device_name: str, memory_bytes: int) -> DeviceSpec | None:
     words = set(tokens) | {a + b for a, b in zip(tokens, tokens[1:])}
     best, best_key = None, None
     for spec in PRESETS.values():
-        if spec.is_emulated:
+        if spec.is_emulated or spec.vendor == "cpu":
             continue
         model = _words(spec.name.rsplit("-", 1)[0])
         if not all(w in words for w in model):
@@ -225,6 +228,6 @@ def _meminfo_total_bytes() -> int | None:
 
 
 def cpu_spec_detect() -> DeviceSpec:
-    """This machine's CPU as a full-speed emulated device: nominal peaks, real memory capacity."""
+    """This machine's CPU as a native (not emulated) device: nominal peaks, real memory capacity."""
     memory = _meminfo_total_bytes() or CPU_NOMINAL.memory_bytes
     return replace(CPU_NOMINAL, memory_bytes=int(memory))

@@ -128,7 +128,7 @@ class Cluster:
     @classmethod
     def detect(cls) -> "Cluster":
         """This machine: its CUDA/ROCm GPUs (matched to a preset where the name and memory fit), else
-        one CPU device (emulated at full speed)."""
+        one CPU device at native speed (not emulated)."""
         specs = detect_gpu_specs()
         name, groups = ("local-gpu", tuple((s, 1) for s in specs)) if specs else \
             ("local-cpu", ((cpu_spec_detect(), 1),))
@@ -259,7 +259,8 @@ class Cluster:
             s = self.spec_of(t)
             lines.append(f"  {t:<14} x{len(ranks):<4} {s.peak_flops_bf16 / 1e12:8.1f} TFLOP/s "
                          f"{s.memory_bytes / GiB:7.1f} GB  {s.mem_bandwidth_Bps / 1e9:7.0f} GB/s"
-                         + (f"  emulated at {s.speed:g}x" if s.is_emulated else ""))
+                         + (f"  emulated at {s.speed:g}x" if s.is_emulated
+                            else "  native CPU" if s.vendor == "cpu" else ""))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

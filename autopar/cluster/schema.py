@@ -15,6 +15,8 @@ Schema (YAML or dict; see shared/spec/api.md)::
       - device: {name: accel-a, tflops: 280, memory_GB: 64, mem_bandwidth_GBps: 1600}
         count: 8                    # custom; optional fp32_tflops, vendor, intra_bandwidth_GBps
       - device: {name: slow, emulate: cpu, speed: 0.5, memory_GB: 2}
+        count: 1                    # an emulated device: a CPU process at `speed` x this CPU
+      - device: cpu                 # the preset CPU: this machine's CPU at native speed, not emulated
         count: 1
       - devices:                    # extension: a node mixing several device types
           - {device: A100-80GB, count: 4}
