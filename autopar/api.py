@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autopar.config import DP_STRATEGIES, PP_STRATEGIES, STRATEGIES, PlanConfig, RunConfig, Zero3Granularity
+from autopar.config import STRATEGIES, PlanConfig, RunConfig, Zero3Granularity
 from autopar.errors import ClusterError, PlanError, RuntimeInputError
 from autopar.ir.plan import Plan
 
@@ -89,41 +89,12 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     default; the uniform baselines never do). ``timings``, when
     given, receives the wall seconds of the planner (``plan_s``) and of the bounds (``bounds_s``: the
     planner run again on each device type alone)."""
-    start = time.perf_counter()
     config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
                          dp_batch=dp_batch, num_heads=num_heads, replicated_fraction=replicated_fraction,
                          recompute=recompute)
-    _check_request(cluster, global_batch_size)
+    from autopar.planner.entry import plan_with_config   # validates the batch and the cluster
 
-    from autopar.planner import dp as dp_planner
-    from autopar.planner import joint as joint_planner
-    from autopar.planner.bounds import with_all_bounds
-
-    # Until the planner takes a PlanConfig itself: its fields, as the planner functions expect them.
-    strategy, zero_stage, schedule, recompute = (config.resolved_strategy, config.zero_stage, config.schedule,
-                                                 config.recompute)
-    pp_layers = None if config.pp_layers is None else list(config.pp_layers)
-    dp_batch = config.dp_batch_map
-    tp_kw = dict(num_heads=config.num_heads)
-    if config.replicated_fraction is not None:
-        tp_kw["replicated_fraction"] = config.replicated_fraction
-    if strategy in DP_STRATEGIES:
-        p = dp_planner.plan_dp(costs, cluster, global_batch_size, strategy=strategy, zero_stage=zero_stage,
-                               dp_batch=dp_batch, recompute=recompute)
-    elif strategy in PP_STRATEGIES:
-        p = joint_planner.plan_strategy(costs, cluster, global_batch_size, strategy, zero_stage=zero_stage,
-                                        schedule=schedule, recompute=recompute, pp_layers=pp_layers)
-    elif strategy == "tp":
-        p = joint_planner.plan_strategy(costs, cluster, global_batch_size, "tp", zero_stage=zero_stage,
-                                        schedule=schedule, recompute=recompute, **tp_kw)
-    else:
-        p = joint_planner.plan_auto(costs, cluster, global_batch_size, zero_stage=zero_stage, schedule=schedule,
-                                    recompute=recompute, **tp_kw)
-    planned = time.perf_counter()
-    p = with_all_bounds(p, costs, cluster, global_batch_size, schedule=schedule, recompute=recompute, **tp_kw)
-    if timings is not None:
-        timings.update(plan_s=planned - start, bounds_s=time.perf_counter() - planned)
-    return p
+    return plan_with_config(costs, cluster, global_batch_size, config, timings=timings)
 
 
 def model_num_heads(model: nn.Module) -> int | None:
