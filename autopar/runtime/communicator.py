@@ -25,6 +25,8 @@ Process-group collectives: the module-level functions below (``pg_all_reduce``, 
 ``pg_all_gather``, ``pg_all_gather_into``, ``pg_reduce_scatter_into``, ``pg_broadcast_objects``,
 ``pg_barrier``, ``pg_new_group``, ``pg_ranks``) run one collective on a plain ``torch.distributed``
 process group (``None``: the default group), on the tensors as they are: no flattening, no staging.
+On a group of one rank they issue no collective (a reduction or broadcast is the identity, a gather or
+scatter a local copy), so a one-device plan pays for no communication.
 Engines whose ranks share one backend (data parallel, tensor parallel) use them; this module is the
 only one in autopar that calls ``torch.distributed`` collectives.
 """
@@ -42,7 +44,8 @@ from autopar.errors import AutoparError
 
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
-           "pg_broadcast_objects", "pg_barrier", "pg_new_group", "pg_ranks", "pg_is_initialized", "ReduceOp"]
+           "pg_broadcast_objects", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
+           "ReduceOp"]
 
 _HOST = "gloo"   # the backend of the bridge
 
@@ -369,23 +372,41 @@ def pg_ranks(group: Any = None) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def _alone(group: Any) -> bool:
+    """Whether this rank is the only rank of ``group`` (a rank outside a group is not alone in it)."""
+    return dist.get_world_size(group) == 1
+
+
+def pg_group_size(group: Any = None) -> int:
+    """The number of ranks of ``group`` (None: the default group)."""
+    return dist.get_world_size(group)
+
+
 def pg_all_reduce(tensor: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM) -> None:
-    """Reduce ``tensor`` in place over ``group`` (default: every rank)."""
-    dist.all_reduce(tensor, op=op, group=group)
+    """Reduce ``tensor`` in place over ``group`` (default: every rank); nothing on a group of one."""
+    if not _alone(group):
+        dist.all_reduce(tensor, op=op, group=group)
 
 
 def pg_broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
-    """Broadcast ``tensor`` in place from global rank ``src`` over ``group``."""
-    dist.broadcast(tensor, src=src, group=group)
+    """Broadcast ``tensor`` in place from global rank ``src`` over ``group``; nothing on a group of one."""
+    if not _alone(group):
+        dist.broadcast(tensor, src=src, group=group)
 
 
 def pg_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's ``tensor`` into ``outputs`` (one tensor per rank of ``group``, in group order)."""
-    dist.all_gather(outputs, tensor, group=group)
+    if not _alone(group):
+        dist.all_gather(outputs, tensor, group=group)
+    else:
+        outputs[0].copy_(tensor)
 
 
 def pg_all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's ``tensor`` (all of one size) concatenated in group order into the flat ``output``."""
+    if _alone(group):
+        output.copy_(tensor.reshape(output.shape))
+        return
     # torch >= 2.10 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output, tensor, group=group)
@@ -395,15 +416,21 @@ def pg_reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: An
                            op=dist.ReduceOp.SUM) -> None:
     """The sum over ranks of ``tensor`` (laid out position by position, ``output.numel()`` elements per
     position), this rank's position's piece into ``output``."""
+    if _alone(group):
+        output.copy_(tensor.reshape(output.shape))
+        return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(output, tensor, op=op, group=group)
 
 
 def pg_broadcast_objects(objects: list, src: int = 0, group: Any = None) -> None:
-    """Broadcast the picklable ``objects`` (a list, replaced in place on the other ranks) from ``src``."""
-    dist.broadcast_object_list(objects, src=src, group=group)
+    """Broadcast the picklable ``objects`` (a list, replaced in place on the other ranks) from ``src``;
+    nothing on a group of one."""
+    if not _alone(group):
+        dist.broadcast_object_list(objects, src=src, group=group)
 
 
 def pg_barrier(group: Any = None) -> None:
-    """Block until every rank of ``group`` has reached this call."""
-    dist.barrier(group=group)
+    """Block until every rank of ``group`` has reached this call (at once on a group of one)."""
+    if not _alone(group):
+        dist.barrier(group=group)

@@ -40,6 +40,17 @@ ZeRO stages (per step, after the member's micro-steps)
   micro-step (``"micro_step"``) and freed again, each round (``autopar.runtime.dp_zero3``).
   ``state_dict()`` is a collective (it gathers).
 
+Buffers (allocated once, reused every step): under ZeRO 0 and 1 each unit's flat gradient is one
+buffer and every parameter's ``.grad`` is a view of it, so backward accumulates straight into the
+flat buffer (as DDP's ``gradient_as_bucket_view``): no flattening copy, no per-step allocation. The
+shard's gradient sum (ZeRO 2 and 3) and the shard values sent by the all-gathers are kept too.
+
+One rank alone (a process group of one, ZeRO 0-2): nothing needs reducing or sharding, so the engine
+runs the plain loop: the user's optimizer over the model's own parameters and gradients, no flat
+buffer and no collective (a ZeRO stage 1 or 2 there has nothing to shard). Unlike sharded ZeRO >= 1
+it then skips parameters without a gradient, as torch's optimizers do. ZeRO-3 keeps its units even
+alone (its collectives are local copies there).
+
 Exactness: sharded optimizer states are exact only for elementwise optimizers
 (``ELEMENTWISE_OPTIMIZERS``; see ``autopar.runtime.dp_flat``); others raise ``DataParallelError``
 under ZeRO >= 1 (ZeRO-0 runs any optimizer). A trainable parameter that gets no gradient on any rank
@@ -134,6 +145,8 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         if inputs.rank not in group_ranks:
             raise DataParallelError(f"rank: {inputs.rank} is not in the process group {group_ranks}")
         self._position = group_ranks.index(inputs.rank)
+        # Alone in the group: no collective, no flat buffer, the user's optimizer (module docstring).
+        self._solo = len(group_ranks) == 1 and self.zero_stage < 3
         self._src_rank = self._members[0]
         if inputs.rank in self._members:
             member = self._members.index(inputs.rank)
@@ -196,9 +209,9 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         self._bn = [m for m in self.model.modules()
                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
-        # Every rank starts from the first member's weights (as DDP does).
+        # Every rank starts from the first member's weights (as DDP does); alone, it has them.
         flats = []
-        for u in range(len(self.units)):
+        for u in range(len(self.units) if not self._solo else 0):
             flat = self._flatten_params(u)
             pg_broadcast(flat, src=self._src_rank, group=self.group)
             self._unflatten_into_params(u, flat)
@@ -206,12 +219,14 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
 
         # (flat shard Parameter, unit, [start, stop) in the unit's flat buffer)
         self._shard_params: tuple[tuple[nn.Parameter, int, tuple[int, int]], ...] = ()
-        if self.zero_stage == 0:
+        if self.zero_stage >= 1:
+            self._check_elementwise(probe)
+        if self.zero_stage == 0 or self._solo:
             self.optimizer = probe
         else:
-            self._check_elementwise(probe)
             self.optimizer, self._shard_params = self._sharded_optimizer(probe, flats)
         del flats
+        self._setup_buffers()
         if self.zero_stage == 3:
             self._setup_zero3(units)
 
@@ -283,7 +298,8 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         try:
             out = self._forward(local)
             loss = compute_loss(out, target, self.loss_fn)
-            weighted = loss * (n / self.plan.global_batch_size)
+            B = self.plan.global_batch_size
+            weighted = loss if n == B else loss * (n / B)    # x * 1.0 == x: skip the multiply
             weighted.backward()
         finally:
             self._segment_end()
@@ -305,11 +321,17 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
     def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
         """One optimizer step on the global batch; returns the global mean loss (same on every rank)."""
         inputs = self._check_batch(inputs, targets)
+        if self._solo:
+            return self._solo_step(inputs, targets)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self._params:
-            p.grad = None
-        shard_grads = [torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
-                       for lo, hi in (layout.shard(self._position) for layout in self.units)]
+        if self._grad_flats is not None:             # ZeRO 0/1: .grad are views of the flat buffers
+            self._bind_grad_views()
+        else:
+            for p in self._params:
+                p.grad = None
+        shard_grads = self._shard_grads
+        for g in shard_grads or ():
+            g.zero_()
         if self.zero_stage == 3:
             for r in range(self._rounds):
                 self._zero3_round(inputs, targets, self._micro[r] if r < len(self._micro) else None,
@@ -332,33 +354,45 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             for rows in self._micro:
                 if rows.stop > rows.start:
                     loss_sum += self._micro_step(inputs, targets, rows).double()
+            # Backward accumulated into the flat buffers (the .grad views): reduce them in place.
             for u, layout in enumerate(self.units):
-                flat_grad = self._flatten_grads(u)
-                params = self._unit(u)[1]
-                pg_all_reduce(flat_grad, group=self.group)
-                if self.zero_stage == 0:
-                    for p, o, n in zip(params, layout.offsets, layout.numels):
-                        p.grad = flat_grad[o:o + n].view_as(p)
-                else:
-                    for p in params:
-                        p.grad = None
-                    lo, hi = layout.shard(self._position)
-                    shard_grads[u] = flat_grad[lo:hi]
-                del flat_grad
+                pg_all_reduce(self._grad_flats[u], group=self.group)
         pg_all_reduce(loss_sum, group=self.group)
 
         for sp, u, (a, b) in self._shard_params:
-            lo = self.units[u].shard(self._position)[0]
-            sp.grad = shard_grads[u][a - lo:b - lo].clone()
-        del shard_grads
+            layout = self.units[u]
+            lo = layout.shard(self._position)[0]
+            if self.zero_stage == 1:                  # this rank's shard of the reduced flat gradient
+                sp.grad = self._grad_flats[u][a:b]
+            else:
+                sp.grad = shard_grads[u][a - lo:b - lo]
         with self.clock.compute():
             self.optimizer.step()
         for sp, _, _ in self._shard_params:
             sp.grad = None
         if self.zero_stage in (1, 2):
             for u in range(len(self.units)):
-                self._unflatten_into_params(u, self._all_gather_flat(u))
+                if self.zero_stage == 1:              # the flat gradient is spent: gather into it
+                    for p in self._unit(u)[1]:
+                        p.grad = None
+                    full = self._all_gather_flat(u, out=self._grad_flats[u])
+                else:
+                    full = self._all_gather_flat(u)
+                self._unflatten_into_params(u, full)
         self._sync_batchnorm()
+        return float(loss_sum)
+
+    def _solo_step(self, inputs: tuple, targets: Any) -> float:
+        """The step of a rank alone in its group (ZeRO 0-2): the plain loop, nothing reduced."""
+        for p in self._params:
+            p.grad = None
+        loss_sum = None
+        for rows in self._micro:
+            if rows.stop > rows.start:
+                loss = self._micro_step(inputs, targets, rows).double()
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+        with self.clock.compute():
+            self.optimizer.step()
         return float(loss_sum)
 
     def _sync_batchnorm(self) -> None:

@@ -14,6 +14,12 @@ Terms
   every shard travels padded to the largest shard (``FlatLayout.padded_numel``).
 - shard Parameter: under ZeRO >= 1 each rank steps one flat leaf Parameter per (unit, optimizer
   parameter group) that intersects its shard, so the optimizer state is shard-sized.
+- kept buffers (``_setup_buffers``, allocated once): ZeRO 0/1 keep each unit's flat gradient, with
+  every parameter's ``.grad`` a view of it (``_bind_grad_views``); ZeRO 2/3 keep the shard's gradient
+  sum; ZeRO >= 1 keeps the padded shard values it sends in all-gathers. ZeRO 2/3 still flatten each
+  round's gradient into a fresh buffer, which they free at once (they hold no full gradient).
+  When every shard has the same size the padded layout is the flat layout itself, and no padding
+  copy is made.
 
 Exactness: sharded optimizer states are exact only for elementwise optimizers (SGD with or without
 momentum, Adam, AdamW, ...: the update of each element depends only on that element and step-level
@@ -158,6 +164,34 @@ class FlatBuffersMixin:
         return type(probe)(groups, **defaults), tuple(shard_params)
 
     # -- flat buffers ----------------------------------------------------------------------------
+    def _setup_buffers(self) -> None:
+        """The buffers kept across steps (module docstring); none for a rank alone (``_solo``)."""
+        self._grad_flats: list[torch.Tensor] | None = None
+        self._grad_views: list[tuple[torch.Tensor, ...]] | None = None
+        self._shard_grads: list[torch.Tensor] | None = None
+        self._shard_out: list[torch.Tensor] | None = None
+        if getattr(self, "_solo", False):
+            return
+        new = dict(dtype=self.dtype, device=self.device)
+        if self.zero_stage in (0, 1):
+            self._grad_flats = [torch.zeros(layout.total_numel, **new) for layout in self.units]
+            self._grad_views = [tuple(flat[o:o + n].view(p.shape) for p, o, n in
+                                      zip(self._unit(u)[1], self.units[u].offsets, self.units[u].numels))
+                                for u, flat in enumerate(self._grad_flats)]
+        else:
+            self._shard_grads = [torch.zeros(hi - lo, **new)
+                                 for lo, hi in (layout.shard(self._position) for layout in self.units)]
+        if self.zero_stage >= 1:
+            self._shard_out = [torch.zeros(layout.max_shard_numel, **new) for layout in self.units]
+
+    def _bind_grad_views(self) -> None:
+        """Zero the kept flat gradients and make every parameter's ``.grad`` its view into them, so
+        backward accumulates in place (``0 + g == g``: exact)."""
+        for u, flat in enumerate(self._grad_flats):
+            flat.zero_()
+            for p, view in zip(self._unit(u)[1], self._grad_views[u]):
+                p.grad = view
+
     def _unit(self, u: int):
         """(layout, parameters) of unit ``u``."""
         return self.units[u], [self._params[i] for i in self._unit_params[u]]
@@ -170,10 +204,12 @@ class FlatBuffersMixin:
 
     def _flatten_grads(self, u: int) -> torch.Tensor:
         layout, params = self._unit(u)
-        flat = torch.zeros(layout.total_numel, dtype=self.dtype, device=self.device)
+        flat = torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
         for p, o, n in zip(params, layout.offsets, layout.numels):
             if p.grad is not None:
                 flat[o:o + n].copy_(p.grad.reshape(-1))
+            else:
+                flat[o:o + n].zero_()
         return flat
 
     def _unflatten_into_params(self, u: int, flat: torch.Tensor) -> None:
@@ -185,6 +221,8 @@ class FlatBuffersMixin:
     def _padded(self, u: int, flat: torch.Tensor) -> torch.Tensor:
         """Unit ``u``'s ``flat`` laid out position by position, each shard padded to the largest."""
         layout = self.units[u]
+        if layout.padded_numel == layout.total_numel:      # even shards: already laid out
+            return flat
         m = layout.max_shard_numel
         out = torch.zeros(layout.padded_numel, dtype=flat.dtype, device=flat.device)
         for p in range(layout.num_shards):
@@ -205,7 +243,7 @@ class FlatBuffersMixin:
     def _my_shard_values(self, u: int) -> torch.Tensor:
         """This rank's shard of unit ``u``'s flat parameters, from the shard Parameters (padded)."""
         layout = self.units[u]
-        out = torch.zeros(layout.max_shard_numel, dtype=self.dtype, device=self.device)
+        out = self._shard_out[u]        # kept: the padding past this shard stays zero
         lo, _ = layout.shard(self._position)
         for sp, su, (a, b) in self._shard_params:
             if su == u:
@@ -216,6 +254,11 @@ class FlatBuffersMixin:
     def _all_gather_flat(self, u: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Unit ``u``'s full flat parameters gathered from every position's shard (into ``out``)."""
         layout = self.units[u]
+        if layout.padded_numel == layout.total_numel:      # even shards: gather straight into out
+            if out is None:
+                out = torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
+            pg_all_gather_into(out, self._my_shard_values(u), group=self.group)
+            return out
         padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         pg_all_gather_into(padded, self._my_shard_values(u), group=self.group)
         return self._unpadded(u, padded, out)
