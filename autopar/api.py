@@ -206,6 +206,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     from autopar.lowering import lower
     from autopar.passes.analyze import analyze
     from autopar.runtime import emulate
+    from autopar.runtime.communicator import pg_broadcast_objects
     from autopar.runtime.engine import EngineInputs, build_engine
 
     # On every rank, before any collective: the options, validated once.
@@ -245,7 +246,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
             payload = [exc]
     if ctx.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
+        pg_broadcast_objects(payload, src=0)
     if isinstance(payload[0], BaseException):
         raise payload[0]
     the_plan = Plan.from_json(payload[0])

@@ -49,11 +49,10 @@ class StrategyResult:
 
 def train_worker(rank: int, spec: RunSpec) -> list[dict]:
     """Runs on every rank: for each strategy, compile, train ``steps`` steps, record loss and time."""
-    import torch.distributed as dist
-
     import autopar
     from autopar.cluster.model import Cluster
     from autopar.models import build, load
+    from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_barrier
 
     cluster = Cluster.from_dict(spec.cluster_dict)
     out = []
@@ -66,11 +65,11 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
         losses, times = [], []
         for step in range(spec.steps + spec.warmup_steps):
             inputs, targets = case.batch(spec.global_batch, seed=step)
-            dist.barrier()
+            pg_barrier()
             t0 = time.perf_counter()
             loss = compiled.step(inputs, targets)
             dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            pg_all_reduce(dt, op=ReduceOp.MAX)
             if step >= spec.warmup_steps:
                 losses.append(float(loss))
                 times.append(float(dt))

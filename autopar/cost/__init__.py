@@ -4,8 +4,11 @@
 - ``profile``, ``step``, ``probe``: the per-block time tables (measured, emulated, roofline) and the
   optimizer / per-call terms, read as ``autopar.ir.ModelCosts``;
 - ``tp``: tensor-parallel members (work factors, all-reduces);
-- ``pipeline``, ``joint``: stage durations, stage memory and the stage cost tensor that every planner
-  and the bounds share.
+- ``memory``: the one stage-memory-per-rank formula and the data-parallel rank memory;
+- ``stage``: the one stage cost tensor both the pipeline and the joint planner split with;
+- ``pipeline``, ``joint``: what a built pipeline costs (stage durations, the simulated step) and the
+  joint planner's member loads, both over ``stage`` and ``memory``;
+- ``measure_cache``: the on-disk cache of measured tables.
 
 Nothing here imports the planner or the runtime.
 """
