@@ -42,6 +42,7 @@ def test_compile_trains_like_one_device():
     assert losses[1] < losses[0] + 1.0
 
 
+@pytest.mark.slow   # about 50 s: the Triton interpreter runs every kernel on CPU
 def test_use_triton_trains_to_the_same_state():
     from autopar.passes import triton_patterns
 

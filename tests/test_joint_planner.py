@@ -328,6 +328,7 @@ def llama_140b_analysis():
     return case, analyze(case.model, case.example_inputs)
 
 
+@pytest.mark.slow   # about 18 s each: the full 768-device search and its bounds
 @pytest.mark.parametrize("tables", ["profile", "arithmetic"])
 def test_hethub_768_llama_140b_efficiency(tables, request):
     cluster = Cluster.from_yaml("benchmarks/clusters/hethub-768.yaml")

@@ -160,6 +160,7 @@ def _on_device(rank: int):
 
 
 @pytest.mark.launch
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(180)
 def test_gpu_ranks_get_cuda_devices_and_results_come_back_on_cpu():

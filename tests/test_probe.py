@@ -26,6 +26,7 @@ def test_other_errors_propagate():
     assert not is_oom(ValueError("x"))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU to run out of its memory")
 def test_probe_on_a_real_gpu():
     free, _ = torch.cuda.mem_get_info()
