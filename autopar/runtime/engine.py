@@ -1,17 +1,6 @@
 """Execution engines: what runs a ``Plan`` on one rank under ``torch.distributed``, and which one.
 
-An engine is built on every rank from the same ``EngineInputs`` (only ``rank``, ``device`` and
-``clock`` differ) and this rank's lowered program (``autopar.lowering.lower``), and exposes two calls:
-
-- ``step(inputs, targets) -> float``: one optimizer step on the *global* batch (every rank is given
-  the whole global batch and takes its own share, ``share_slices``); returns the global mean loss,
-  identical on every rank.
-- ``state_dict() -> dict[str, Tensor]``: the full, unsharded model state on every rank, with the keys
-  of the user's ``model.state_dict()``.
-
-Exactness: after any number of steps the state equals the same optimizer stepping on one device
-over the whole global batch (gradients are weighted by each micro-batch's sample count over the
-global batch size, so the sum over ranks is the global-batch mean gradient).
+What an engine is, its two calls and why it is exact: ``autopar.runtime.base``.
 
 ``select_engine(plan)`` picks the engine class for a plan (by ``autopar.lowering.engine_kind``);
 ``build_engine(inputs, program)`` builds it. The shared pieces (``EngineInputs``, the batch helpers)
