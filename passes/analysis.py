@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.passes.capture import align_inputs
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
 
 __all__ = ["TensorInfo", "NodeCost", "annotate_pass", "OP_CLASSES"]
@@ -235,8 +236,9 @@ class _Analyzer(fx.Interpreter):
                     fwd, bwd, saved_bytes, saved_idx, num_ops, out = self._fwd_bwd(n, args, kwargs)
                     self._cache[sig] = (fwd, bwd, saved_bytes, saved_idx, num_ops)
         except Exception as exc:
-            raise type(exc)(f"while analysing node {n.format_node()}: {exc}") from exc if _reraisable(exc) \
-                else RuntimeError(f"while analysing node {n.format_node()}: {exc}")
+            # Keep the type where it takes a message alone (some torch errors take other arguments).
+            msg = f"while analysing node {n.format_node()}: {exc}"
+            raise (type(exc)(msg) if _reraisable(exc) else RuntimeError(msg)) from exc
         name = _target_name(n, self.module)
         flat_in = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         in_nodes = [a for a in n.all_input_nodes]
@@ -340,7 +342,7 @@ def annotate_pass(gm: fx.GraphModule, example_inputs: tuple, *, with_backward: b
     """Annotate every node of ``gm`` in place (see the module docstring) and return it."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
-                           tuple(example_inputs))
+                           align_inputs(gm, tuple(example_inputs)))
     with torch.no_grad() if not with_backward else torch.enable_grad():
         _Analyzer(gm, fake_mode, with_backward).run(*fake_inputs)
     return gm

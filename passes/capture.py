@@ -23,7 +23,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 
-__all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss"]
+__all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss", "align_inputs"]
 
 
 class CaptureError(AutoparError):
@@ -71,8 +71,21 @@ def _user_line(exc: BaseException) -> str:
     return "(no frame outside torch)"
 
 
+def align_inputs(model: nn.Module, example_inputs: tuple) -> tuple:
+    """``example_inputs`` as capture and analysis use them with ``model``: when every parameter and
+    buffer of ``model`` is on ``meta`` (a model too large to build), tensor inputs are moved to ``meta``
+    too (shapes and dtypes only), so users may pass the ordinary CPU inputs they would train on.
+    Otherwise (including a model with no tensors, or only partly on ``meta``) they are returned as given."""
+    tensors = [t for t in model.parameters()] + [t for t in model.buffers()]
+    if not tensors or not all(t.is_meta for t in tensors):
+        return tuple(example_inputs)
+    return tuple(t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t for t in example_inputs)
+
+
 def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, bool]:
     from torch.export import Dim
+
+    example_inputs = align_inputs(model, example_inputs)
 
     dyn = tuple({0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in example_inputs)
     try:
