@@ -185,7 +185,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             optimizer: Callable | None = None, strategy="auto", zero_stage="auto", schedule="auto",
             pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
             recompute: bool = False, zero3_granularity: Zero3Granularity = "block",
-            config: PlanConfig | None = None, run: RunConfig | None = None) -> Compiled:
+            config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
+            init="reset_parameters", weights=None) -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
 
@@ -198,12 +199,23 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
     The planner's options are one ``PlanConfig`` (``config``, or the keywords as for ``plan``); compile's
     own (optimizer, use_triton, measure, zero3_granularity) one ``RunConfig`` (``run``, or the keywords).
-    Both are validated on every rank before any collective."""
+    Both are validated on every rank before any collective.
+
+    A ``model`` on ``meta`` (api.md, "Models larger than one device") is planned on meta (ordinary CPU
+    example inputs are fine) and each rank materialises only the tensors its program holds (a pipeline
+    rank its stage's; data- and tensor-parallel ranks the whole model, sharded afterwards), each
+    owner module initialised by ``init`` (``"reset_parameters"`` or a callable ``init(module)``) under a
+    generator seeded from ``seed`` and its qualified name, or read from ``weights`` (a safetensors file
+    or a directory of shards; each rank reads only its tensors): the weights of
+    ``autopar.materialize(model, seed=seed, init=init, weights=weights)`` on one device, with no
+    broadcast to make them equal (``autopar.lowering.materialize``). ``weights`` needs a meta model."""
     import torch.distributed as dist
 
     from importlib import import_module
 
     from autopar.lowering import lower
+    from autopar.lowering import materialize as mat
+    from autopar.lowering.weights import open_weights
     from autopar.passes.analyze import analyze
     from autopar.runtime import emulate
     from autopar.runtime.communicator import pg_broadcast_objects
@@ -222,6 +234,12 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                                pp_layers=pp_layers, dp_batch=dp_batch, recompute=recompute) \
         if not isinstance(strategy, Plan) else None
     optimizer, use_triton, zero3_granularity = run.optimizer, run.use_triton, run.zero3_granularity
+    on_meta = mat.has_meta_tensors(model)
+    mat.check_init(init)
+    if weights is not None and not on_meta:
+        raise PlanError("weights: given for a model that is not on meta; build the model under "
+                        "torch.device('meta') so that no rank allocates weights it then overwrites")
+    weights = open_weights(weights)     # reads the headers only: a bad path fails on every rank, early
     _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
     optimizer = optimizer or _default_optimizer
     if not isinstance(example_inputs, tuple):
@@ -250,10 +268,14 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     if isinstance(payload[0], BaseException):
         raise payload[0]
     the_plan = Plan.from_json(payload[0])
-    if ctx.device.type != "cpu":
+    if ctx.device.type != "cpu" and not on_meta:
         model = model.to(ctx.device)
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
+    if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
+        mat.materialize_tensors(model, mat.rank_tensors(the_plan, gm, ctx.rank, model), seed=seed, init=init,
+                                device=ctx.device, weights=weights, roots=(gm,))
+        mat.mark_deterministic(model)
     program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
                     params=[p for p in model.parameters() if p.requires_grad])
     clock = emulate.clock_for(cluster.devices[ctx.rank],

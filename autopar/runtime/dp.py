@@ -86,6 +86,7 @@ from torch import nn
 from autopar.runtime.dp_flat import (
     ELEMENTWISE_OPTIMIZERS, DataParallelError, FlatBuffersMixin, FlatLayout, shard_bounds,
 )
+from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
 from autopar.lowering.zero3_units import ParamUnits
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows
@@ -209,12 +210,15 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         self._bn = [m for m in self.model.modules()
                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
-        # Every rank starts from the first member's weights (as DDP does); alone, it has them.
+        # Every rank starts from the first member's weights (as DDP does); alone, it has them, and a
+        # model compile materialised deterministically has them already on every rank.
         flats = []
+        equal = is_deterministic(inputs.model)
         for u in range(len(self.units) if not self._solo else 0):
             flat = self._flatten_params(u)
-            pg_broadcast(flat, src=self._src_rank, group=self.group)
-            self._unflatten_into_params(u, flat)
+            if not equal:
+                pg_broadcast(flat, src=self._src_rank, group=self.group)
+                self._unflatten_into_params(u, flat)
             flats.append(flat)
 
         # (flat shard Parameter, unit, [start, stop) in the unit's flat buffer)

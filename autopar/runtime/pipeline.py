@@ -71,6 +71,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from autopar.ir.schedule import make_schedule, with_comm
+from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
 from autopar.passes.split import batched_values, flat_inputs
 from autopar.passes.tp import load_shards
@@ -162,7 +163,10 @@ class PipelineEngine:
 
         # Every rank starts from the first rank's weights (as DDP does): members of a stage and the
         # copies of a tied parameter must agree even if the model was built without a common seed.
-        self.comm.broadcast([tensors[i] for i in order], src=plan.stages[0].groups[0][0])
+        # A model compile materialised deterministically agrees already, and a rank holds only its
+        # stage's tensors (the others stay on meta): no broadcast.
+        if not is_deterministic(inputs.model):
+            self.comm.broadcast([tensors[i] for i in order], src=plan.stages[0].groups[0][0])
 
         # A tensor-parallel member runs its shard of the stage (after the broadcast: shards are copies).
         self._shards: dict[int, tuple[Any, torch.nn.Parameter]] = {}   # id(source param) -> (ParamShard, local)
@@ -539,12 +543,19 @@ class PipelineEngine:
             with torch.no_grad():
                 for name, t in full.items():
                     self.programs[self.stage].gm.get_parameter(name).copy_(t)
+        received: dict[int, torch.Tensor] = {}   # tensors this rank does not hold (still on meta)
         for s, stage in enumerate(self.plan.stages):
-            owned = [self._tensors[i] for i in self._order if self._owner[i] == s]
+            owned = []
+            for i in self._order:
+                if self._owner[i] == s:
+                    t = self._tensors[i]
+                    if t.is_meta:
+                        t = received[i] = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                    owned.append(t)
             self.comm.broadcast(owned, src=stage.groups[0][0])
         out = OrderedDict()
-        for k, v in self.inputs.model.state_dict().items():
-            out[k] = v.detach().to("cpu").clone()
+        for k, v in self.inputs.model.state_dict(keep_vars=True).items():
+            out[k] = received.get(id(v), v).detach().to("cpu").clone()
         return out
 
 

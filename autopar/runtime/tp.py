@@ -48,6 +48,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
 from autopar.passes.meta import TP_LAYOUT
 from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, load_shards, tp_rewrite
@@ -215,9 +216,10 @@ class TensorParallelEngine:
         source = program.gm.to(self.device) if program.gm is not None else None
         if source is None or program.tp_module is None:
             raise TensorParallelError("gm: the tensor-parallel engine needs the captured graph")
-        # Every rank starts from the first rank's weights (as DDP does).
+        # Every rank starts from the first rank's weights (as DDP does), unless compile materialised
+        # the model deterministically: then every rank has them already.
         with torch.no_grad():
-            for p in source.parameters():
+            for p in source.parameters() if not is_deterministic(inputs.model) else ():
                 pg_broadcast(p.data, src=self._src_rank, group=self.group)
         self._source_params = [(name, p) for name, p in source.named_parameters() if p.requires_grad]
         # The lowered TP module (an idle rank's never runs and holds no shard): shards cut again from
