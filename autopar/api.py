@@ -144,26 +144,54 @@ def _check_plan(p: Plan, cluster, global_batch_size: int) -> None:
 # -- compile -------------------------------------------------------------------------------------
 @dataclass
 class Compiled:
-    """A model compiled for one rank of a cluster: ``step`` trains on a global batch."""
+    """A model compiled for one rank of a cluster: ``step`` trains on a global batch, or on this rank's
+    rows of it as ``dataloader`` yields them."""
     plan: Plan
     engine: Any
     rank: int
     step_times_s: list[float] = field(default_factory=list)
 
-    def step(self, inputs, targets=None) -> float:
-        if not isinstance(inputs, tuple):
-            inputs = (inputs,)
-        n = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
-        if n != self.plan.global_batch_size:
-            raise RuntimeInputError(f"step: the batch has {n} samples but the plan is for global_batch_size="
-                             f"{self.plan.global_batch_size}")
+    def step(self, inputs, targets=None, *, local: bool = False) -> float:
+        """One optimizer step (forward, backward, optimizer); returns the global mean loss, the same on
+        every rank. ``inputs`` (a tensor, or a tuple with one tensor per model input) and ``targets``
+        hold the whole global batch on every rank; with ``local=True`` only this rank's rows, as
+        ``dataloader`` yields them (None where the rank needs no inputs or no targets). Both train
+        to the same state."""
+        if not local:
+            if not isinstance(inputs, tuple):
+                inputs = (inputs,)
+            n = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
+            if n != self.plan.global_batch_size:
+                raise RuntimeInputError(f"step: the batch has {n} samples but the plan is for global_batch_size="
+                                        f"{self.plan.global_batch_size}; pass local=True for this rank's rows")
         t0 = time.perf_counter()
-        loss = self.engine.step(inputs, targets)
+        loss = self.engine.step(inputs, targets, local=True) if local else self.engine.step(inputs, targets)
         self.step_times_s.append(time.perf_counter() - t0)
         return loss
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.engine.state_dict()
+
+    def dataloader(self, dataset, seed: int = 0, **loader_kwargs: Any):
+        """A ``torch.utils.data.DataLoader`` over this rank's rows of each global batch, for
+        ``step(inputs, targets, local=True)``.
+
+        ``dataset`` is map-style (``len`` and ``dataset[i]``); item ``i`` is ``(inputs, target)``:
+        ``inputs`` a tensor or a tuple of tensors (one per model input, one sample, no batch dim),
+        ``target`` the sample's target; items are collated by ``default_collate`` (stacked along a
+        new dim 0). The global batches are a shuffle of the dataset's indices seeded by ``seed`` and
+        the epoch, cut into runs of ``plan.global_batch_size`` (a shorter last run is dropped); the
+        loader yields ``(inputs tuple | None, targets | None)`` per global batch and calls
+        ``dataset[i]`` only for the rows this rank computes on (``engine.local_rows``): ranks that need
+        no inputs (middle pipeline stages) or no targets get None, and a rank that needs neither loads
+        nothing. ``state_dict()`` / ``load_state_dict()`` hold its position (epoch, batch): a loader
+        restored from it yields the same following batches. ``loader_kwargs`` go to the DataLoader
+        (``num_workers``, ``pin_memory``, ``collate_fn``...), but not the batching ones the plan
+        decides (see ``autopar.runtime.data.rank_dataloader``)."""
+        from autopar.runtime.data import rank_dataloader
+
+        return rank_dataloader(dataset, self.engine.local_rows, self.plan.global_batch_size, seed,
+                               **loader_kwargs)
 
 
 def _default_optimizer(params):

@@ -3,9 +3,11 @@
 An engine is built on every rank from the same ``EngineInputs`` (only ``rank``, ``device`` and
 ``clock`` differ) and exposes two calls:
 
-- ``step(inputs, targets) -> float``: one optimizer step on the *global* batch (every rank is given
-  the whole global batch and takes its own share, ``share_slices``); returns the global mean loss,
-  identical on every rank.
+- ``step(inputs, targets, local=False) -> float``: one optimizer step on the *global* batch (every
+  rank is given the whole global batch and takes its own share, ``share_slices``); returns the
+  global mean loss, identical on every rank. With ``local=True`` the rank is given only the rows
+  it needs, ``engine.local_rows`` (``autopar.runtime.data.rank_rows``), as
+  ``autopar.runtime.data.RankDataLoader`` yields them, and trains to the same state.
 - ``state_dict() -> dict[str, Tensor]``: the full, unsharded model state on every rank, with the keys
   of the user's ``model.state_dict()``.
 
@@ -47,7 +49,9 @@ class EngineInputs:
 
 
 class Engine(Protocol):
-    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float: ...
+    local_rows: Any           # autopar.runtime.data.RankRows: what a local=True step is given
+
+    def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 

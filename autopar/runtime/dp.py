@@ -89,8 +89,9 @@ from autopar.runtime.dp_flat import (
 from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
 from autopar.lowering.zero3_units import ParamUnits
-from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows
+from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_broadcast, pg_ranks
+from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.dp_zero3 import Zero3Granularity, Zero3Mixin
 
 __all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
@@ -156,6 +157,9 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         else:                                         # an idle rank: no samples, no shard
             self._share, self._micro = slice(0, 0), []
         self._rounds = max(len(m) for m in stage.micro_batches)
+        # The rows a local=True step is given (autopar.runtime.data), and how this step's tensors hold them.
+        self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None)
+        self._rows = StepRows(plan.global_batch_size)
         # Shares by position (zero_shares are given per member, in member order; idle ranks get 0).
         shares = [0.0] * len(group_ranks)
         for g, r in enumerate(self._members):
@@ -291,7 +295,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
 
     # -- the step --------------------------------------------------------------------------------
     def _take(self, x: Any, rows: slice) -> Any:
-        return take_rows(x, rows, self.plan.global_batch_size, self.device)
+        return self._rows.take(x, rows, self.device)
 
     def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; returns its weighted loss (detached)."""
@@ -319,12 +323,18 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         if segment is not None:
             segment.__exit__(None, None, None)
 
-    def _check_batch(self, inputs: tuple, targets: Any) -> tuple:
-        return global_batch_inputs(inputs, self.plan.global_batch_size, DataParallelError)
+    def _check_batch(self, inputs: tuple, targets: Any, local: bool = False) -> tuple:
+        """The step's inputs as a tuple, checked; sets how they hold the global batch (``_rows``)."""
+        if not local:
+            self._rows = StepRows(self.plan.global_batch_size)
+            return global_batch_inputs(inputs, self.plan.global_batch_size, DataParallelError)
+        self._rows = StepRows(self.local_rows.num_inputs, self.local_rows.inputs)
+        return local_inputs(inputs, self.local_rows.num_inputs, DataParallelError)
 
-    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
-        """One optimizer step on the global batch; returns the global mean loss (same on every rank)."""
-        inputs = self._check_batch(inputs, targets)
+    def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float:
+        """One optimizer step on the global batch (``local``: on this rank's rows of it, as
+        ``self.local_rows`` says); returns the global mean loss (same on every rank)."""
+        inputs = self._check_batch(inputs, targets, local)
         if self._solo:
             return self._solo_step(inputs, targets)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

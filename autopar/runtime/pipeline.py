@@ -15,7 +15,8 @@ Terms
   one tensor per value. Gradients travel back along the same transfers without a header (the sender
   knows their shapes). Tags keep the streams of different micro-batches and directions apart.
 - input signature: the dtypes and shapes of the step's flat graph inputs (every rank holds the whole
-  global batch, so every rank computes the same one). The shapes of the values a stage receives
+  global batch, so every rank computes the same one; with ``local=True`` every rank takes the
+  example's, ``data.stand_in_inputs``, and ranks given inputs check theirs are like it). The shapes of the values a stage receives
   depend only on it and on the rows of the transfer, so headers travel only in the first step of a
   signature; the receivers keep what they said (``value meta``) and in later steps know every shape.
 - pre-posted receive: on gloo point-to-point pairs of CPU tensors, a receiver whose shapes are known
@@ -77,6 +78,7 @@ from autopar.passes.split import batched_values, flat_inputs
 from autopar.passes.tp import load_shards
 from autopar.runtime.base import EngineInputs, compute_loss
 from autopar.runtime.communicator import Communicator
+from autopar.runtime.data import StepRows, check_like, local_inputs, rank_rows, stand_in_inputs
 from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
 from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout
 
@@ -197,21 +199,30 @@ class PipelineEngine:
         self._known = False                      # this step's signature is in _signatures
         self._posted_f: dict[int, list] = {}     # micro -> pre-posted forward receives
         self._posted_b: dict[int, list] = {}     # micro -> pre-posted gradient receives
+        # local=True: the rows this rank is given (inputs where its stage reads graph inputs, targets
+        # on the last stage) and stand-ins for the inputs it is not given (autopar.runtime.data).
+        self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None,
+                                    input_stages={p.index for p in self.programs if p.graph_inputs})
+        self._reads = self.program is not None and bool(self.program.graph_inputs)
 
     # -- one step -----------------------------------------------------------------------------------
-    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
-        if not isinstance(inputs, (tuple, list)):
-            inputs = (inputs,)
+    def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float:
+        """One optimizer step on the global batch (``local``: on this rank's rows of it, as
+        ``self.local_rows`` says: ranks that read no inputs or compute no loss are given None)."""
         B = self.plan.global_batch_size
-        flat = flat_inputs(self.rank_program.gm, inputs)
-        for i, t in enumerate(flat):
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
-                raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
+        if local:
+            flat, in_rows, tgt_rows = self._local_step_inputs(inputs, targets)
+        else:
+            flat = flat_inputs(self.rank_program.gm, inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+            for i, t in enumerate(flat):
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
+                    raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
+            in_rows = tgt_rows = StepRows(B)
         if self._batched is None and self.stage is not None:
             names = sorted({n for p in self.programs for n in p.sent})
             self._batched = batched_values(self.rank_program.gm, flat, names, device=self.device) if names else {}
 
-        self._signature = _signature(flat)
+        self._signature = _signature(flat if not local else stand_in_inputs(self.rank_program.gm, B))
         self._known = self._signature in self._signatures
         if self.stage is not None and self.stage > 0 and self._known:
             for m in range(self.num_micro):
@@ -232,8 +243,8 @@ class PipelineEngine:
                 st["received"], st["pieces"] = self._recv_forward(m)
             elif kind == "F":
                 rows = slice(a, b)
-                local = [_rows(t, rows, self.device) for t in flat]
-                tgt = _rows(targets, rows, self.device) if self.program.is_last else None
+                local = [in_rows.take(t, rows, self.device) for t in flat] if self._reads else [None] * len(flat)
+                tgt = tgt_rows.take(targets, rows, self.device) if self.program.is_last else None
                 received = st.get("received", ())
                 with self.clock.compute():
                     args = ((b - a) / B, len(local), len(received), *local, *received, tgt)
@@ -293,6 +304,20 @@ class PipelineEngine:
                 self.comm.broadcast(ps, src=self.plan.stages[self.stage].groups[j][0], group=group)
         self.comm.all_reduce([loss_sum])
         return float(loss_sum)
+
+    def _local_step_inputs(self, inputs, targets) -> tuple[list, StepRows, StepRows]:
+        """A local=True step's flat inputs (stand-ins where this rank is given none: they give the
+        input signature and the batched values) and how its inputs and targets hold the global batch."""
+        rows, gm = self.local_rows, self.rank_program.gm
+        stand_ins = stand_in_inputs(gm, self.plan.global_batch_size)
+        flat = stand_ins
+        if rows.num_inputs:
+            flat = flat_inputs(gm, local_inputs(inputs, rows.num_inputs, ValueError))
+            check_like(flat, stand_ins, rows.num_inputs, ValueError)
+        if rows.num_targets and (not isinstance(targets, torch.Tensor) or targets.shape[0] != rows.num_targets):
+            raise ValueError(f"targets: with local=True this rank is given its own {rows.num_targets} rows "
+                             f"of targets, got {None if targets is None else tuple(targets.shape)}")
+        return flat, StepRows(rows.num_inputs, rows.inputs), StepRows(rows.num_targets, rows.targets)
 
     def _forward(self, weight: float, num_local: int, num_received: int, *values: Any) -> Any:
         """The stage program on one micro-batch (``values``: the local flat inputs, the received
@@ -564,9 +589,3 @@ def _signature(flat) -> tuple:
     return tuple((t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
                  for t in flat)
 
-
-def _rows(t, rows: slice, device: torch.device):
-    """This member's rows of a global-batch tensor, on its device (non-tensors as they are)."""
-    if isinstance(t, torch.Tensor):
-        return (t[rows] if t.dim() > 0 else t).to(device)
-    return t

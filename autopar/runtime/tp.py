@@ -52,10 +52,11 @@ from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
 from autopar.passes.meta import TP_LAYOUT
 from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, load_shards, tp_rewrite
-from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices, take_rows
+from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
+from autopar.runtime.data import StepRows, local_inputs, rank_rows
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
            "gather_full_params", "flat_full_grad"]
@@ -196,6 +197,10 @@ class TensorParallelEngine:
         else:
             self._share = share_slices(plan)[self._member]
             self._micro = micro_slices(stage.micro_batches[self._member], self._share.start)
+        # The rows a local=True step is given (the same on every rank of a member), and how this
+        # step's tensors hold them.
+        self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None)
+        self._rows = StepRows(plan.global_batch_size)
 
         # Sub-groups: every rank creates every group, in the same order.
         self.tp_group = None
@@ -272,7 +277,7 @@ class TensorParallelEngine:
 
     # -- stepping ------------------------------------------------------------------------------
     def _take(self, x: Any, rows: slice) -> Any:
-        return take_rows(x, rows, self.plan.global_batch_size, self.device)
+        return self._rows.take(x, rows, self.device)
 
     def _micro_step(self, inputs: tuple, targets: Any, rows: slice) -> torch.Tensor:
         n = rows.stop - rows.start
@@ -283,9 +288,15 @@ class TensorParallelEngine:
             weighted.backward()
         return weighted.detach()
 
-    def step(self, inputs: tuple, targets: torch.Tensor | None) -> float:
-        """One optimizer step on the global batch; returns the global mean loss (same on every rank)."""
-        inputs = global_batch_inputs(inputs, self.plan.global_batch_size, TensorParallelError)
+    def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float:
+        """One optimizer step on the global batch (``local``: on this rank's rows of it, as
+        ``self.local_rows`` says); returns the global mean loss (same on every rank)."""
+        if local:
+            self._rows = StepRows(self.local_rows.num_inputs, self.local_rows.inputs)
+            inputs = local_inputs(inputs, self.local_rows.num_inputs, TensorParallelError)
+        else:
+            self._rows = StepRows(self.plan.global_batch_size)
+            inputs = global_batch_inputs(inputs, self.plan.global_batch_size, TensorParallelError)
         for p in self._params:
             p.grad = None
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
