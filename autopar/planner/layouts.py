@@ -6,7 +6,6 @@ cluster; see ``autopar.planner.joint`` for the search over them."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ from autopar.planner.pp import StageGrouping
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["TP_DEGREES", "Member", "MemberLayout", "member_layouts", "member_groupings"]
+__all__ = ["TP_DEGREES", "Member", "MemberLayout", "member_layouts", "member_groupings", "stage_counts"]
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 
@@ -92,6 +91,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# Stage counts tried besides the divisors of a member count, where no count already tried is within
+# ``near``x: every count up to 8, then about 1.25x apart. A count that does not divide the members is
+# tried both ways (``_cuts``).
+_LADDER: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96,
+                            112, 128, 160, 192, 224, 256)
+_NEAR_ONE_TYPE = 1.2    # one device type: its stage counts alone
+_NEAR_PRODUCT = 1.5     # one count per type, tried in every combination: fewer each
+
+
+def stage_counts(num_members: int, max_stages: int, near: float = _NEAR_ONE_TYPE) -> list[int]:
+    """Stage counts to cut ``num_members`` members into: its divisors, and the ``_LADDER`` counts that
+    no count already chosen is within ``near``x of, at most ``max_stages`` and ``num_members``.
+    Divisors alone would leave a prime count (89 nodes) only 1 and itself."""
+    top = min(num_members, max_stages)
+    out = {d for d in _divisors(num_members) if d <= top}
+    for s in _LADDER:
+        if s <= top and not any(s / near < d < s * near for d in out):
+            out.add(s)
+    return sorted(out)
+
+
 def _cut(items: Sequence, parts: int) -> list[tuple]:
     q, r = divmod(len(items), parts)
     out, i = [], 0
@@ -102,11 +122,22 @@ def _cut(items: Sequence, parts: int) -> list[tuple]:
     return out
 
 
+def _cuts(items: Sequence, parts: int) -> list[tuple[str, list[tuple]]]:
+    """The ways to cut ``items`` into ``parts`` stages: near-equal runs (sizes q and q + 1), and, when
+    ``parts`` does not divide them, also ``parts`` equal runs of q with the last ``len % parts``
+    members idle (suffix ``-idle``): equal stages can beat using every device."""
+    out = [("", _cut(items, parts))]
+    q, r = divmod(len(items), parts)
+    if r and q:
+        out.append(("-idle", _cut(items[:q * parts], parts)))
+    return out
+
+
 def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
                      speed: dict | None = None) -> list[StageGrouping]:
     """Candidate stage groupings of a layout's members (see the module docstring), at most
     ``max_stages`` stages each, duplicates removed. ``speed``: member kind -> samples/s (type-major
-    balance; equal when None)."""
+    balance; equal when None). Members a grouping leaves out are idle."""
     members = layout.members
     out: list[StageGrouping] = []
     seen: set = set()
@@ -129,26 +160,30 @@ def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
     v = {t: sum((speed or {}).get(m.kind, 1.0) for m in ms) for t, ms in by_type.items()}
     lists = list(by_type.values())
     counts = [len(x) for x in lists]
-    # Lockstep: S identical stages, each a slice of every type.
-    common = [d for d in _divisors(math.gcd(*counts)) if d <= max_stages]
-    for S in common:
-        slices = [_cut(x, S) for x in lists]
-        add(f"lockstep-{S}", [sum((sl[s] for sl in slices), ()) for s in range(S)])
+    # Lockstep: S stages, each a slice of every type (identical stages when S divides every count,
+    # or with each type's remainder idle).
+    for S in stage_counts(min(counts), max_stages, _NEAR_PRODUCT):
+        uneven = [_cut(x, S) for x in lists]
+        add(f"lockstep-{S}", [sum((sl[s] for sl in uneven), ()) for s in range(S)])
+        if any(c % S for c in counts):
+            even = [_cut(x[:len(x) // S * S], S) for x in lists]
+            add(f"lockstep-{S}-idle", [sum((sl[s] for sl in even), ()) for s in range(S)])
     # Type-major: each type's members cut into S_t stages of similar speed across types.
     if len(lists) > 1:
         names = list(by_type)
-        options = [[d for d in _divisors(c) if d <= max_stages] for c in counts]
+        options = [stage_counts(c, max_stages, _NEAR_PRODUCT) for c in counts]
         for combo in itertools.product(*options):
             if sum(combo) > max_stages:
                 continue
             per_stage = [v[t] / s for t, s in zip(names, combo)]
             if max(per_stage) > 3.0 * min(per_stage):
                 continue
-            stages = [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)]
-            add("type-major-" + "+".join(map(str, combo)), stages)
+            name = "type-major-" + "+".join(map(str, combo))
+            add(name, [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)])
+            if any(len(x) % S_t for x, S_t in zip(lists, combo)):
+                add(name + "-idle", [st for x, S_t in zip(lists, combo) for st in _cuts(x, S_t)[-1][1]])
     else:
-        for S in _divisors(counts[0]):
-            add(f"chunks-{S}", _cut(lists[0], S))
+        for S in stage_counts(counts[0], max_stages):
+            for suffix, stages in _cuts(lists[0], S):
+                add(f"chunks-{S}{suffix}", stages)
     return out
-
-
