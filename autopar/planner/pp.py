@@ -30,6 +30,7 @@ Terms
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -59,6 +60,8 @@ _GiB = float(1 << 30)
 _TOP_K = 6            # candidates (by classic estimate) that the simulator ranks
 _TIE = 1e-3           # relative step-time difference below which plans count as equally fast
 _ESTIMATE_SLACK = 1.1  # a shortlisted estimate this much above the best simulated step is not simulated
+_EXHAUSTIVE_SPLITS = 64  # a stage count with at most this many splits has every split simulated
+_CLIMB_ROUNDS = 8     # rounds of one-block boundary moves elsewhere
 
 
 # -- groupings ---------------------------------------------------------------------------------------
@@ -345,56 +348,31 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
             groupings = [g for g in groupings if g.num_stages == len(pinned)] or [_chunk_grouping(ranks, len(pinned))]
 
     dp_schedule = "1f1b" if schedule == "auto" else schedule
-    candidates: list[_Candidate] = []
-    tried = 0
+    tensors = []          # (grouping, M, cost tensor, recompute flags) of every (grouping, count)
     for grouping in groupings:
         S = grouping.num_stages
         counts = ((num_micro,) if num_micro is not None else
                   micro_candidates(ctx.global_batch, S, grouping.max_members))
         for M in counts:
-            tried += 1
             # The uniform (Megatron-style) baseline keeps every activation, as it did.
             cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule,
                                             recompute=recompute and not uniform)
-            if pinned is not None:
-                sizes, value = pinned, None
-                b = np.concatenate([[0], np.cumsum(pinned)])
-                times = [cost[s, b[s], b[s + 1]] for s in range(S)]
-                if all(np.isfinite(times)):
-                    value = split_objective(times, M)
-            else:
-                found = split_blocks(cost, M)
-                sizes, value = (found[0], found[1]) if found is not None else (None, None)
-            if value is not None:
-                b = np.concatenate([[0], np.cumsum(sizes)])
-                flags = tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S))
-                candidates.append(_Candidate(value, grouping, tuple(sizes), M, flags))
-    if not candidates:
-        raise _no_fit_error(ctx, ranks, tried)
-
-    candidates.sort(key=lambda c: c.estimate_s)
-    shortlist = candidates[:_TOP_K]
-    best_per_grouping = {}
-    for c in candidates:
-        best_per_grouping.setdefault(c.grouping.name, c)
-    shortlist += [c for c in best_per_grouping.values() if c not in shortlist]
-    shortlist.sort(key=lambda c: c.estimate_s)
-
-    scored: list[_Scored] = []
+            tensors.append((grouping, M, cost, rc))
+    tried = len(tensors)
     names = PIPELINE_SCHEDULES if schedule == "auto" else (schedule,)
-    for cand in shortlist:
-        # The simulation costs O(stages x micro-batches); the classic estimate leaves out the gradient
-        # all-reduce and the optimizer, so one well above a simulated step cannot win.
-        if scored and cand.estimate_s > min(x.step_time_s for x in scored) * _ESTIMATE_SLACK:
-            continue
-        stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro, cand.recompute)
-        for name in names:
-            mem = stage_memory_bytes(costs, stages, name, ctx.zero_stage)
-            if any(v > ctx.cap_bytes(r) for r, v in mem.items()):
-                continue
-            probe = _make_plan(ctx, "pp", name, stages, 0.0, {}, mem, ())
-            timeline, step = plan_timeline(probe, costs, cluster)
-            scored.append(_Scored(step, cand, name, stages, timeline, mem))
+    sims: dict = {}
+    if pinned is not None:
+        scored = _score(ctx, _shortlist(_split_candidates(tensors, pinned)), names, sims, prune=True)
+    else:
+        candidates = []
+        for grouping, M, cost, rc in tensors:
+            found = split_blocks(cost, M)
+            if found is not None:
+                candidates.append(_candidate(grouping, M, cost, rc, found[0], found[1]))
+        scored = _score(ctx, _shortlist(candidates), names, sims, prune=True)
+        scored = _best_split(ctx, tensors, names, sims, scored, n)
+        scored = list({(x.candidate.grouping.stages, x.candidate.sizes, x.candidate.num_micro, x.schedule): x
+                       for x in scored}.values())
     if not scored:
         raise _no_fit_error(ctx, ranks, tried)
     # Near-ties with the fastest (within _TIE) go to 1F1B, which holds less activation memory.
@@ -420,6 +398,107 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     strategy = "uniform-pp" if uniform else "pp"
     return _make_plan(ctx, strategy, best.schedule, best.stages, best.step_time_s, breakdown,
                       best.memory_bytes, tuple(notes))
+
+
+
+# -- candidates and their simulated prediction --------------------------------------------------------
+
+def _candidate(grouping, M, cost, rc, sizes, value) -> _Candidate:
+    b = np.concatenate([[0], np.cumsum(sizes)])
+    flags = tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(len(sizes)))
+    return _Candidate(float(value), grouping, tuple(int(x) for x in sizes), M, flags)
+
+
+def _split_candidates(tensors, sizes: Sequence[int]) -> list[_Candidate]:
+    """The candidates of one pinned split: every (grouping of that many stages, count) where it fits."""
+    out = []
+    b = np.concatenate([[0], np.cumsum(sizes)])
+    for grouping, M, cost, rc in tensors:
+        if grouping.num_stages != len(sizes):
+            continue
+        times = [cost[s, b[s], b[s + 1]] for s in range(len(sizes))]
+        if all(np.isfinite(times)):
+            out.append(_candidate(grouping, M, cost, rc, sizes, split_objective(times, M)))
+    return out
+
+
+def _shortlist(candidates: list[_Candidate]) -> list[_Candidate]:
+    """The ``_TOP_K`` best by estimate and the best of every grouping, best estimate first."""
+    candidates = sorted(candidates, key=lambda c: c.estimate_s)
+    out = candidates[:_TOP_K]
+    best_per_grouping = {}
+    for c in candidates:
+        best_per_grouping.setdefault(c.grouping.name, c)
+    out += [c for c in best_per_grouping.values() if c not in out]
+    return sorted(out, key=lambda c: c.estimate_s)
+
+
+def _score(ctx: PipelineContext, shortlist: list[_Candidate], names, sims: dict, prune: bool) -> list[_Scored]:
+    """The simulated prediction of each shortlisted candidate under each schedule that fits in memory
+    (``sims`` caches them by candidate). ``prune``: skip an estimate ``_ESTIMATE_SLACK`` above the
+    best simulated step (the estimate leaves out the all-reduce and the optimizer, so one well
+    above cannot win; it is no bound, so the exact split search simulates without it)."""
+    scored: list[_Scored] = []
+    for cand in shortlist:
+        if prune and scored and cand.estimate_s > min(x.step_time_s for x in scored) * _ESTIMATE_SLACK:
+            continue
+        key = (cand.grouping.stages, cand.sizes, cand.num_micro)
+        if key not in sims:
+            got = []
+            stages = _build_stages(ctx, cand.grouping, cand.sizes, cand.num_micro, cand.recompute)
+            for name in names:
+                mem = stage_memory_bytes(ctx.costs, stages, name, ctx.zero_stage)
+                if any(v > ctx.cap_bytes(r) for r, v in mem.items()):
+                    continue
+                probe = _make_plan(ctx, "pp", name, stages, 0.0, {}, mem, ())
+                timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster)
+                got.append(_Scored(step, cand, name, stages, timeline, mem))
+            sims[key] = got
+        scored += sims[key]
+    return scored
+
+
+def _compositions(n: int, parts: int):
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        b = (0, *cuts, n)
+        yield tuple(b[i + 1] - b[i] for i in range(parts))
+
+
+def _best_split(ctx: PipelineContext, tensors, names, sims: dict, scored: list[_Scored], n: int) -> list[_Scored]:
+    """Make the chosen split the best under the simulated prediction, not only under the split DP's
+    estimate (which prices a stage's forward and backward as one and each transfer once, and so can
+    pick a 13/1 split the simulator prices slower than 12/2). Where a stage count has at most
+    ``_EXHAUSTIVE_SPLITS`` splits, every split is evaluated as a pinned split would be (its shortlist
+    simulated whole), so the search equals the brute force over pinned splits; elsewhere the best
+    plan's boundaries are moved one block at a time while the prediction improves."""
+    by_stages = sorted({g.num_stages for g, _, _, _ in tensors})
+    out = list(scored)
+    for S in by_stages:
+        if math.comb(n - 1, S - 1) <= _EXHAUSTIVE_SPLITS:
+            for sizes in _compositions(n, S):
+                out += _score(ctx, _shortlist(_split_candidates(tensors, sizes)), names, sims, prune=False)
+    for _ in range(_CLIMB_ROUNDS):
+        if not out:
+            break
+        best = min(out, key=lambda x: x.step_time_s)
+        sizes = best.candidate.sizes
+        if math.comb(n - 1, len(sizes) - 1) <= _EXHAUSTIVE_SPLITS:
+            break
+        improved = False
+        for i in range(len(sizes) - 1):
+            for d in (-1, 1):
+                moved = list(sizes)
+                moved[i] += d
+                moved[i + 1] -= d
+                if min(moved) < 1:
+                    continue
+                got = _score(ctx, _shortlist(_split_candidates(tensors, moved)), names, sims, prune=True)
+                if got and min(x.step_time_s for x in got) < best.step_time_s * (1 - 1e-9):
+                    improved = True
+                out += got
+        if not improved:
+            break
+    return out
 
 
 def _describe(x: _Scored) -> str:
