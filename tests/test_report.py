@@ -17,7 +17,37 @@ def test_alike_members_are_one_row_and_others_stay_apart():
     above = dataclasses.replace(plan, predicted=dataclasses.replace(
         plan.predicted, upper_bound_samples_per_s=25.0, efficiency=27.0 / 25.0))
     text = above.summary(cl)
-    assert "efficiency 108.0%" in text and "pools memory" in text
+    assert "efficiency vs upper bound 108.0%" in text and "pools memory" in text
+    assert "MFU" not in text             # no figures against the limit: none printed
+
+
+def test_summary_leads_with_mfu_and_compute_efficiency():
+    """The figures against the physical limit come first, each saying what it is measured against."""
+    cl = Cluster.homogeneous("A100-80GB", count=2, per_node=2)
+    stage = Stage(0, 4, ((0,), (1,)), ((4,), (4,)))
+    pred = Predicted(step_time_s=1.0, samples_per_s=8.0, memory_bytes={0: 1, 1: 1}, upper_bound_samples_per_s=10.0,
+                     compute_bound_samples_per_s=16.0, efficiency=0.8, compute_efficiency=0.5, mfu=0.25,
+                     homogeneous_mfu=0.3)
+    plan = Plan(strategy="dp", global_batch_size=8, zero_stage=0, schedule="none", stages=(stage,), predicted=pred)
+    lines = plan.summary(cl).splitlines()
+    assert lines[0].startswith("MFU 25.0% (model FLOP/s over the cluster's summed peak)")
+    assert "homogeneous MFU 30.0%" in lines[0]
+    assert lines[1].startswith("efficiency vs compute bound 50.0% (no communication, no bubbles")
+    text = "\n".join(lines)
+    assert text.index("efficiency vs upper bound 80.0%") > text.index("pred. memory")
+
+
+def test_old_plan_json_without_the_new_figures_loads():
+    cl_plan = Plan(strategy="dp", global_batch_size=8, zero_stage=0, schedule="none",
+                   stages=(Stage(0, 4, ((0,),), ((8,),)),),
+                   predicted=Predicted(step_time_s=1.0, samples_per_s=8.0, memory_bytes={0: 1}, mfu=0.4,
+                                       homogeneous_mfu=0.5, compute_efficiency=0.6))
+    assert Plan.from_json(cl_plan.to_json()) == cl_plan
+    d = cl_plan.to_dict()
+    for k in ("mfu", "homogeneous_mfu", "compute_efficiency"):
+        del d["predicted"][k]
+    old = Plan.from_dict(d)
+    assert (old.predicted.mfu, old.predicted.homogeneous_mfu, old.predicted.compute_efficiency) == (0.0, 0.0, 0.0)
 
 
 def test_engine_selection_by_plan_shape():

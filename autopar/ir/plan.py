@@ -70,6 +70,12 @@ class Predicted:
     compute_bound_samples_per_s: float = 0.0
     efficiency: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
+    # Figures against the physical limit (``autopar.planner.bounds``; 0.0 where not computed, as in
+    # plans saved before they existed): model FLOP/s over the cluster's peak, the same on a homogeneous
+    # cluster of the fastest type with the same peak, and samples_per_s / compute bound.
+    mfu: float = 0.0
+    homogeneous_mfu: float = 0.0
+    compute_efficiency: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

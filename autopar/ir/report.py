@@ -76,19 +76,25 @@ def plan_table(plan, cluster=None) -> str:
             t.add_row(str(s), blocks, who + tp_txt, dev, str(sum(mbs)) + (" each" if len(groups) > 1 else ""),
                       mb_txt, fmt_bytes(mem))
     p = plan.predicted
-    lines = [f"predicted step {fmt_time(p.step_time_s)}, {p.samples_per_s:.2f} samples/s (cost model"
-             f"{'; emulated devices' if cluster is not None and cluster.is_emulated else ''})"]
+    emu = "; emulated devices" if cluster is not None and cluster.is_emulated else ""
+    head = []
+    if p.mfu or p.compute_bound_samples_per_s:
+        head.append(f"MFU {p.mfu:.1%} (model FLOP/s over the cluster's summed peak)"
+                    + (f"; homogeneous MFU {p.homogeneous_mfu:.1%} (the planner on the fastest type alone, "
+                       f"same summed peak)" if p.homogeneous_mfu else ""))
+        head.append(f"efficiency vs compute bound {p.compute_efficiency:.1%} (no communication, no bubbles: "
+                    f"{p.compute_bound_samples_per_s:.4g} samples/s)")
+    lines = [f"predicted step {fmt_time(p.step_time_s)}, {p.samples_per_s:.2f} samples/s (cost model{emu})"]
     if p.upper_bound_samples_per_s:
-        lines.append(f"upper bound {p.upper_bound_samples_per_s:.2f} samples/s, efficiency {p.efficiency:.1%}"
-                     + (f"; compute bound {p.compute_bound_samples_per_s:.2f} samples/s"
-                        if p.compute_bound_samples_per_s else ""))
+        lines.append(f"efficiency vs upper bound {p.efficiency:.1%} (each device type alone on the whole batch, "
+                     f"summed: {p.upper_bound_samples_per_s:.4g} samples/s)")
         if p.efficiency > 1.0005:
             lines.append("  (above the bound, the sum of each device type alone: the mixed plan pools memory "
                          "that no type has alone)")
     if plan.notes:
         lines.append("why this plan:")
         lines.extend(f"  {n}" for n in plan.notes)
-    return render(t) + "\n".join(lines) + "\n"
+    return "\n".join(head + [""] if head else []) + render(t) + "\n".join(lines) + "\n"
 
 
 def analysis_table(analysis, costs, batch: int) -> str:

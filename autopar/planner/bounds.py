@@ -38,7 +38,8 @@ from autopar.ir.plan import Plan
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds"]
+__all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds",
+           "peak_flops_s", "model_flops_per_sample", "mfu", "homogeneous_cluster", "homogeneous_mfu"]
 
 _MAX_MICRO = 4096   # micro-batch sizes tried for the compute bound (the tables grow linearly beyond)
 
@@ -127,13 +128,67 @@ def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory
     return total
 
 
+def peak_flops_s(spec) -> float:
+    """The peak FLOP/s of the precision the cost model prices ``spec`` at (see the module docstring)."""
+    return float(spec.peak_flops_fp32 if spec.is_emulated or spec.vendor == "cpu" else spec.peak_flops_bf16)
+
+
+def model_flops_per_sample(costs: ModelCosts) -> float:
+    """Forward + backward FLOPs of one sample without recomputation (see the module docstring)."""
+    return 3.0 * float(np.sum(costs.fwd_flops))
+
+
+def mfu(costs: ModelCosts, cluster: "Cluster", samples_per_s: float) -> float:
+    """Model FLOPs utilisation of ``samples_per_s`` on ``cluster`` (see the module docstring)."""
+    peak = sum(peak_flops_s(d.spec) for d in cluster.devices)
+    return samples_per_s * model_flops_per_sample(costs) / peak if peak > 0 else 0.0
+
+
+def homogeneous_cluster(cluster: "Cluster") -> "Cluster":
+    """Whole nodes of the cluster's fastest type with the same summed peak (see the module docstring)."""
+    types = cluster.device_types()
+    fastest = max(types, key=lambda t: (peak_flops_s(cluster.spec_of(t)), -list(types).index(t)))
+    spec = cluster.spec_of(fastest)
+    per_node: dict[int, int] = {}
+    for r in types[fastest]:
+        per_node[cluster.devices[r].node] = per_node.get(cluster.devices[r].node, 0) + 1
+    size = max(per_node.values())
+    total = sum(peak_flops_s(d.spec) for d in cluster.devices)
+    nodes = max(1, int(round(total / (peak_flops_s(spec) * size))))
+    from autopar.cluster.model import Cluster as _Cluster   # local: the planner takes clusters as given
+
+    out = _Cluster.homogeneous(spec, nodes * size, size, name=f"{cluster.name}[homogeneous {fastest}]",
+                               network_bandwidth_Bps=cluster.network_bandwidth_Bps,
+                               network_latency_s=cluster.network_latency_s)
+    intra = cluster.node_intra_Bps[next(iter(per_node))]
+    return replace(out, node_intra_Bps=(intra,) * out.num_nodes) if intra is not None else out
+
+
+def homogeneous_mfu(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, details: dict | None = None,
+                    **plan_kw) -> float:
+    """The MFU ``plan_auto`` reaches on ``homogeneous_cluster(cluster)`` (0.0 when nothing fits there);
+    ``plan_kw``: the planner arguments of the plan it is compared with. ``details``, when given,
+    receives the cluster and the plan (None when nothing fits)."""
+    from autopar.planner.joint import plan_auto   # local: the planner imports nothing from here
+
+    homo = homogeneous_cluster(cluster)
+    try:
+        plan = plan_auto(costs, homo, global_batch, **plan_kw)
+    except PlanError:
+        plan = None
+    if details is not None:
+        details.update(cluster=homo, plan=plan)
+    return mfu(costs, homo, plan.predicted.samples_per_s) if plan is not None else 0.0
+
+
 def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
                     num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                     schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
                     replicated_fraction: float | None = None, use_cache: bool = True,
                     recompute: bool = False) -> Plan:
-    """A copy of ``plan`` with the upper bound, the compute bound and efficiency = samples_per_s /
-    upper bound set (the planner arguments should be the ones the plan was made with)."""
+    """A copy of ``plan`` with the upper bound, the compute bound, efficiency = samples_per_s / upper
+    bound, compute efficiency, MFU and homogeneous MFU set (the planner arguments should be the ones
+    the plan was made with)."""
     batch = plan.global_batch_size if global_batch is None else int(global_batch)
     details: dict = {}
     upper = upper_bound_samples_per_s(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
@@ -141,8 +196,18 @@ def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_ba
                                       replicated_fraction=replicated_fraction, use_cache=use_cache,
                                       recompute=recompute, details=details)
     compute = compute_bound_samples_per_s(costs, cluster, memory_fraction=memory_fraction)
-    eff = plan.predicted.samples_per_s / upper if upper > 0 else 0.0
+    sps = plan.predicted.samples_per_s
+    eff = sps / upper if upper > 0 else 0.0
+    homo: dict = {}
+    homo_mfu = homogeneous_mfu(costs, cluster, batch, details=homo, num_heads=num_heads, zero_stage=zero_stage,
+                               schedule=schedule, memory_fraction=memory_fraction,
+                               replicated_fraction=replicated_fraction, use_cache=use_cache, recompute=recompute)
     notes = plan.notes
+    hp = homo["plan"]
+    notes = notes + (f"homogeneous MFU against {len(homo['cluster'])} x {homo['cluster'].devices[0].spec.name} "
+                     f"(same summed peak, whole nodes): "
+                     + (f"{hp.predicted.samples_per_s:.4g} samples/s ({_chosen(hp)})" if hp is not None
+                        else "no plan fits there"),)
     if len(details) > 1:
         parts = []
         for t, (_, sps, alone, factor) in details.items():
@@ -150,8 +215,10 @@ def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_ba
                 _chosen(alone) + (f"; memory relaxed x{factor}: it cannot hold the model alone" if factor > 1 else "")
             parts.append(f"{t} alone {sps:.4g} samples/s ({how})")
         notes = notes + ("upper bound = " + " + ".join(parts),)
-    return replace(plan, notes=notes, predicted=replace(plan.predicted, upper_bound_samples_per_s=upper,
-                                                         compute_bound_samples_per_s=compute, efficiency=eff))
+    return replace(plan, notes=notes, predicted=replace(
+        plan.predicted, upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute, efficiency=eff,
+        compute_efficiency=sps / compute if compute > 0 else 0.0, mfu=mfu(costs, cluster, sps),
+        homogeneous_mfu=homo_mfu))
 
 
 def _chosen(plan: Plan) -> str:
