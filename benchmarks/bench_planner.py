@@ -33,7 +33,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autopar.planner.bounds import compute_bound_samples_per_s, upper_bound_samples_per_s  # noqa: E402
+from autopar.planner.bounds import (  # noqa: E402
+    compute_bound_samples_per_s, homogeneous_mfu, mfu, upper_bound_samples_per_s,
+)
 from autopar.cluster.model import Cluster  # noqa: E402
 from autopar.ir.costs import ModelCosts  # noqa: E402
 from autopar.errors import PlanError  # noqa: E402
@@ -141,7 +143,12 @@ def scenario(cluster_name: str, cluster: Cluster, model: str, costs: ModelCosts,
                                        "speedup_of_auto": auto.predicted.samples_per_s / p.predicted.samples_per_s}
     (upper, bound_s) = _timed(lambda: upper_bound_samples_per_s(costs, cluster, B, num_heads=heads, use_cache=False), 1)
     compute = compute_bound_samples_per_s(costs, cluster)
-    row.update(upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute, bounds_s=bound_s,
+    homo: dict = {}
+    row["mfu"] = mfu(costs, cluster, auto.predicted.samples_per_s)
+    row["homogeneous_mfu"], homo_s = _timed(lambda: homogeneous_mfu(costs, cluster, B, details=homo, num_heads=heads,
+                                                                    use_cache=False), 1)
+    row["homogeneous_cluster"] = f"{len(homo['cluster'])} x {homo['cluster'].devices[0].spec.name}"
+    row.update(upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute, bounds_s=bound_s + homo_s,
                efficiency=auto.predicted.samples_per_s / upper if upper else None,
                compute_efficiency=auto.predicted.samples_per_s / compute if compute else None,
                tokens_per_s=auto.predicted.samples_per_s * _seq(model))
@@ -219,12 +226,17 @@ def markdown(result: dict) -> str:
     lines = ["# Planner benchmark (predicted by the cost model)", "",
              f"Machine: {result['machine']['platform']}, {result['machine']['cpus']} CPUs; torch "
              f"{result['machine']['torch']}; commit {result['machine']['commit']}.", "",
-             "| cluster | model | batch | auto samples/s | eff. vs upper | eff. vs compute | "
+             "MFU: model FLOP/s (forward + backward, no recomputation) over the cluster's summed peak (bf16 "
+             "for accelerators, fp32 for CPUs: the precision the cost model prices). homog. MFU: the planner on "
+             "whole nodes of the fastest type alone with the same summed peak. eff. vs compute: samples/s over "
+             "the compute bound (no communication, no bubbles). eff. vs upper: over the sum of each device type "
+             "alone on the whole batch.", "",
+             "| cluster | model | batch | MFU | homog. MFU | eff. vs compute | eff. vs upper | auto samples/s | "
              + " | ".join(f"x {s}" for s in SINGLE_STRATEGIES) + " | plan s | chosen |",
-             "|" + "---|" * (8 + len(SINGLE_STRATEGIES))]
+             "|" + "---|" * (10 + len(SINGLE_STRATEGIES))]
     for r in result["scenarios"]:
         if "error" in r:
-            lines.append(f"| {r['cluster']} | {r['model']} | {r['global_batch']} | does not fit | | | "
+            lines.append(f"| {r['cluster']} | {r['model']} | {r['global_batch']} | does not fit | | | | | "
                          + " | ".join("" for _ in SINGLE_STRATEGIES) + " | | |")
             continue
         a = r["strategies"]["auto"]
@@ -235,8 +247,9 @@ def markdown(result: dict) -> str:
         eff = f"{r['efficiency']:.1%}" if r.get("efficiency") else "-"
         ceff = f"{r['compute_efficiency']:.1%}" if r.get("compute_efficiency") else "-"
         chosen = a["chosen"][len("chosen: "):].split(": ")[0]
-        lines.append(f"| {r['cluster']} | {r['model']} | {r['global_batch']} | {a['samples_per_s']:.4g} | {eff} | "
-                     f"{ceff} | " + " | ".join(sp) + f" | {a['plan_s']:.2f} | {chosen} |")
+        hm = f"{r['homogeneous_mfu']:.1%}" if r.get("homogeneous_mfu") else "-"
+        lines.append(f"| {r['cluster']} | {r['model']} | {r['global_batch']} | {r['mfu']:.1%} | {hm} | {ceff} | "
+                     f"{eff} | {a['samples_per_s']:.4g} | " + " | ".join(sp) + f" | {a['plan_s']:.2f} | {chosen} |")
     lines += ["", "x S: speedup of auto over strategy S (- : S does not fit or does not apply).", "",
               "## Planning time scaling", "", "| devices | blocks | plan s |", "|---|---|---|"]
     for x in result["scaling"]["devices"] + result["scaling"]["blocks"]:
@@ -279,6 +292,8 @@ def main(argv=None) -> int:
             row = scenario(name, cluster, model, tables[name], MODELS[model], 1 if big else args.repeats)
             a = row["strategies"].get("auto", {})
             print(f"  {name:<18} {model:<11} auto {a.get('samples_per_s', float('nan')):10.4g} samples/s "
+                  f"MFU {row.get('mfu') or float('nan'):.3f} homog. {row.get('homogeneous_mfu') or float('nan'):.3f} "
+                  f"vs compute {row.get('compute_efficiency') or float('nan'):.3f} "
                   f"eff {row.get('efficiency') or float('nan'):.3f} plan {a.get('plan_s', float('nan')):.2f} s",
                   flush=True)
             rows.append(row)
