@@ -60,8 +60,9 @@ _GiB = float(1 << 30)
 _TOP_K = 6            # candidates (by classic estimate) that the simulator ranks
 _TIE = 1e-3           # relative step-time difference below which plans count as equally fast
 _ESTIMATE_SLACK = 1.1  # a shortlisted estimate this much above the best simulated step is not simulated
-_EXHAUSTIVE_SPLITS = 64  # a stage count with at most this many splits has every split simulated
-_CLIMB_ROUNDS = 8     # rounds of one-block boundary moves elsewhere
+_EXHAUSTIVE_SPLITS = 24  # a stage count with at most this many splits has every split simulated
+_CLIMB_ROUNDS = 2     # rounds of one-block boundary moves elsewhere
+_CLIMB_SLACK = 1.03   # ... simulated where their estimate is at most this much above the start's
 
 
 # -- groupings ---------------------------------------------------------------------------------------
@@ -468,38 +469,46 @@ def _best_split(ctx: PipelineContext, tensors, names, sims: dict, scored: list[_
     """Make the chosen split the best under the simulated prediction, not only under the split DP's
     estimate (which prices a stage's forward and backward as one and each transfer once, and so can
     pick a 13/1 split the simulator prices slower than 12/2). Where a stage count has at most
-    ``_EXHAUSTIVE_SPLITS`` splits, every split is evaluated as a pinned split would be (its shortlist
-    simulated whole), so the search equals the brute force over pinned splits; elsewhere the best
-    plan's boundaries are moved one block at a time while the prediction improves."""
-    by_stages = sorted({g.num_stages for g, _, _, _ in tensors})
+    ``_EXHAUSTIVE_SPLITS`` splits, every split is evaluated exactly as a pinned split is (the same
+    shortlist and pruning), so the search equals the brute force over pinned splits; elsewhere the
+    best plan's boundaries move one block at a time (at its grouping, micro-batch count and schedule)
+    while the prediction improves."""
     out = list(scored)
-    for S in by_stages:
+    for S in sorted({g.num_stages for g, _, _, _ in tensors}):
         if math.comb(n - 1, S - 1) <= _EXHAUSTIVE_SPLITS:
             for sizes in _compositions(n, S):
-                out += _score(ctx, _shortlist(_split_candidates(tensors, sizes)), names, sims, prune=False)
+                out += _score(ctx, _shortlist(_split_candidates(tensors, sizes)), names, sims, prune=True)
+    if not out:
+        return out
+    best = min(out, key=lambda x: x.step_time_s)
+    if math.comb(n - 1, len(best.candidate.sizes) - 1) <= _EXHAUSTIVE_SPLITS:
+        return out
+    cand = best.candidate
+    grouping, M, cost, rc = next(x for x in tensors if x[0] == cand.grouping and x[1] == cand.num_micro)
+    climb: dict = {}      # the moves' predictions (at the best plan's schedule only)
     for _ in range(_CLIMB_ROUNDS):
-        if not out:
-            break
-        best = min(out, key=lambda x: x.step_time_s)
-        sizes = best.candidate.sizes
-        if math.comb(n - 1, len(sizes) - 1) <= _EXHAUSTIVE_SPLITS:
-            break
-        improved = False
+        sizes, improved = best.candidate.sizes, False
         for i in range(len(sizes) - 1):
             for d in (-1, 1):
                 moved = list(sizes)
                 moved[i] += d
                 moved[i + 1] -= d
-                if min(moved) < 1:
+                b = np.concatenate([[0], np.cumsum(moved)])
+                times = [cost[s, b[s], b[s + 1]] for s in range(len(moved))]
+                if min(moved) < 1 or not all(np.isfinite(times)):
                     continue
-                got = _score(ctx, _shortlist(_split_candidates(tensors, moved)), names, sims, prune=True)
-                if got and min(x.step_time_s for x in got) < best.step_time_s * (1 - 1e-9):
-                    improved = True
+                estimate = split_objective(times, M)
+                if estimate > cand.estimate_s * _CLIMB_SLACK:
+                    continue
+                got = _score(ctx, [_candidate(grouping, M, cost, rc, moved, estimate)],
+                             (best.schedule,), climb, prune=False)
                 out += got
+                for x in got:
+                    if x.step_time_s < best.step_time_s * (1 - 1e-9):
+                        best, improved = x, True
         if not improved:
             break
     return out
-
 
 def _describe(x: _Scored) -> str:
     members = "/".join(str(len(st.groups)) for st in x.stages)
