@@ -10,9 +10,12 @@ Terms
   head shares are the exact min-max of ``autopar.cost.tp.best_shares``. The groups are the *members*.
 - grouping: the members arranged into pipeline stages (``pp_planner.StageGrouping`` with TP groups as
   members). Families, all in rank order inside a type: per member, per node, per type, *type-major*
-  (each type's members cut into S_t equal stages, types one after another, S_t chosen so that stages
-  of different types are of similar speed) and *lockstep* (every type's members cut into S equal
-  slices, stage s = slice s of every type: S identical stages).
+  (each type's members cut into S_t stages, types one after another, S_t chosen so that stages
+  of different types are of similar speed) and *lockstep* (every type's members cut into S
+  slices, stage s = slice s of every type). Stage counts are not only divisors of the member count
+  (``layouts.stage_counts``: a prime count of nodes must plan too); a count that does not divide the
+  members cuts them into runs of q and q + 1, and also into equal runs of q with the rest *idle*
+  (grouping name ``...-idle``): equal stages may beat using every device.
 - member kind: the device types, shares and all-reduce link of a member (``tp_cost.GroupKind``);
   members of one kind share every cost (identical blocks already share one row of the cost tables).
 - candidate: a (layout, grouping, micro-batch count). Its stage cost tensor (TP-aware times, memory

@@ -14,7 +14,11 @@ Terms
 - stage time ``t_s``: forward + backward seconds of stage s on one (largest) micro-batch: its slowest
   member (two compute calls, each with ``ModelCosts.call_overhead``), plus the p2p send of its output to the next stage (split over min(k, l) parallel links
   between stages of k and l members).
-- classic estimate: ``sum_s t_s + (M - 1) * max_s t_s``; the split minimises it (``split_blocks``).
+- classic estimate: ``sum_s t_s + (M - 1) * max_s t_s``; the split DP minimises it (``split_blocks``).
+  It is no bound of the simulated prediction (it prices a stage's forward and backward as one unit),
+  so the search does not stop at its split: a stage count with few splits has every split evaluated
+  as a pinned split would be, so that the chosen split is the best the prediction knows; larger ones
+  move the best plan's boundaries block by block while the prediction improves (``_best_split``).
 - stage memory: weights + gradients + optimizer state of its blocks (sharded over its members under
   ZeRO) + activations of the micro-batches in flight: GPipe holds all M, 1F1B holds ``min(M, S - s)``
   on stage s. It must fit in ``memory_fraction`` of each member's device memory.
