@@ -245,6 +245,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     from autopar.lowering import materialize as mat
     from autopar.lowering.weights import open_weights
     from autopar.passes.analyze import analyze
+    from autopar.passes.capture import retarget_device
     from autopar.runtime import emulate
     from autopar.runtime.communicator import pg_broadcast_objects
     from autopar.runtime.engine import EngineInputs, build_engine
@@ -301,6 +302,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
     if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
+        retarget_device(gm, "meta", ctx.device)     # an exported graph baked the meta inputs' device in
         mat.materialize_tensors(model, mat.rank_tensors(the_plan, gm, ctx.rank, model), seed=seed, init=init,
                                 device=ctx.device, weights=weights, roots=(gm,))
         mat.mark_deterministic(model)

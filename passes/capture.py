@@ -23,7 +23,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 
-__all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss", "align_inputs"]
+__all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss", "align_inputs", "retarget_device"]
 
 
 class CaptureError(AutoparError):
@@ -80,6 +80,37 @@ def align_inputs(model: nn.Module, example_inputs: tuple) -> tuple:
     if not tensors or not all(t.is_meta for t in tensors):
         return tuple(example_inputs)
     return tuple(t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t for t in example_inputs)
+
+
+def retarget_device(gm: fx.GraphModule, src: str | torch.device, dst: str | torch.device) -> int:
+    """Replace the device ``src`` by ``dst`` in every node's arguments, in place; returns how many.
+
+    A graph torch.export captured from a ``meta`` model (``align_inputs``) has the device of its inputs
+    baked into factory calls and metadata asserts (``arange(..., device=meta)``,
+    ``_assert_tensor_metadata(..., device=meta)``); once the model's tensors are materialised on
+    ``dst`` the graph must create and check its tensors there. fx-traced graphs read devices from
+    tensors at run time and have none to replace."""
+    src, dst = torch.device(src), torch.device(dst)
+    count = 0
+
+    def fix(a):
+        nonlocal count
+        if isinstance(a, torch.device) and a == src:
+            count += 1
+            return dst
+        return a
+
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            node.args = fx.node.map_aggregate(node.args, fix)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+            device = node.kwargs.get("device")     # a device given as a string (device="meta")
+            if isinstance(device, str) and torch.device(device) == src:
+                node.kwargs = {**node.kwargs, "device": dst}
+                count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, bool]:

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
@@ -241,6 +242,18 @@ class _DimRecorder(fx.Interpreter):
         return out
 
 
+class _Interpreting(nn.Module):
+    """Runs an interpreter over ``gm`` (a submodule, so ``functional_call`` can swap its tensors)."""
+
+    def __init__(self, gm: fx.GraphModule, interpreter: fx.Interpreter):
+        super().__init__()
+        self.gm = gm
+        self._interpreter = interpreter
+
+    def forward(self, *args):
+        return self._interpreter.run(*args)
+
+
 def batched_values(gm: fx.GraphModule, flat: Sequence[Any], names: Sequence[str],
                    sizes: tuple[int, int] = (2, 3), device: torch.device | None = None) -> dict[str, bool]:
     """Whether each named value has the batch as dim 0: ``gm`` runs on fake inputs shaped like ``flat``
@@ -250,15 +263,25 @@ def batched_values(gm: fx.GraphModule, flat: Sequence[Any], names: Sequence[str]
 
     wanted = set(names)
     shapes = []
+    held = [t for t in list(gm.parameters()) + list(gm.buffers()) if not t.is_meta]
+    run_device = device or (held[0].device if held else None)
     for b in sizes:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fake = [torch.empty((b,) + tuple(t.shape[1:]), dtype=t.dtype, device=device or t.device)
                     if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in flat]
+            # A rank that materialised only its stage holds the others' tensors on meta: fake stand-ins
+            # on the run device, so the whole graph runs on one device (no memory either way).
+            stand_ins = {f"gm.{k}": torch.empty(t.shape, dtype=t.dtype, device=run_device)
+                         for k, t in list(gm.named_parameters(remove_duplicate=False))
+                         + list(gm.named_buffers(remove_duplicate=False)) if t.is_meta and run_device is not None}
         rec = _DimRecorder(gm, wanted)
         try:
             with mode, torch.no_grad():
-                rec.run(*fake)
+                if stand_ins:
+                    torch.func.functional_call(_Interpreting(gm, rec), stand_ins, tuple(fake))
+                else:
+                    rec.run(*fake)
         except Exception as exc:  # noqa: BLE001 - any failure here means the batch size is baked in
             raise SplitError(f"the captured graph does not run at batch size {b} ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:200]}); micro-batches differ in size, so capture "
