@@ -3,7 +3,8 @@ device"): ``autopar.materialize`` is deterministic per qualified name; the rule 
 ``reset_parameters``; the zoo; planning a meta model with ordinary CPU example inputs; ``compile`` of a
 meta model on one device and ``weights=`` (safetensors file and shard directory) against the oracle
 (``autopar.materialize`` + one device); and one real 2-process pipeline run where each rank holds only
-its stage's parameters and the state equals the oracle, from init and from ``weights=``."""
+its stage's parameters and the state equals the oracle, from init and from ``weights=`` (and, in the
+same launch, tensor- and data-parallel plans from meta, which skip their weight broadcast)."""
 
 from __future__ import annotations
 
@@ -231,12 +232,22 @@ def _two_stage_plan() -> Plan:
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
+def _one_stage_plan(tp: bool) -> Plan:
+    """Both ranks in one stage: one tensor-parallel member of two (2:2 heads), or two ZeRO-1 members."""
+    stage = Stage(0, 6, groups=((0, 1),), micro_batches=((2, 2),), tp_shares=((2, 2),)) if tp else \
+        Stage(0, 6, groups=((0,), (1,)), micro_batches=((1, 1), (1, 1)))
+    return Plan(strategy="tp" if tp else "dp", global_batch_size=GB, zero_stage=0 if tp else 1, schedule="none",
+                stages=(stage,), predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
+
+
 def _pipeline_rank(rank: int, weights_path: str) -> dict:
     out = {}
-    for key, weights in (("init", None), ("weights", WeightSource(weights_path))):
+    for key, weights, plan in (("init", None, _two_stage_plan()),
+                               ("weights", WeightSource(weights_path), _two_stage_plan()),
+                               ("tp", None, _one_stage_plan(tp=True)), ("dp", None, _one_stage_plan(tp=False))):
         meta, cpu = _meta(), autopar.models.build("gpt-tiny", device="cpu")
         compiled = autopar.compile(meta.model, _pp_cluster(), cpu.example_inputs, GB, meta.loss_fn,
-                                   optimizer=optimizer_factory("sgd"), strategy=_two_stage_plan(), seed=3,
+                                   optimizer=optimizer_factory("sgd"), strategy=plan, seed=3,
                                    weights=weights)
         held = sum(p.numel() for p in meta.model.parameters() if not p.is_meta)
         losses = [compiled.step(i, t) for i, t in batches("gpt-tiny", GB, STEPS)]
@@ -263,6 +274,14 @@ def test_launch_pipeline_from_meta_holds_only_its_stage_and_matches_the_oracle(t
         # every parameter is held somewhere; only the tied embedding / LM head is held twice
         assert sum(held) == full + initial["wte.weight"].numel(), (held, full)
         for r in results:
+            assert_state_close(r[key]["state"], ref, RTOL["sgd"])
+            assert r[key]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    # tensor- and data-parallel plans materialise the whole model on each rank, with no broadcast (the
+    # TP engine then frees the full weights of its sharded Linears, keeping only its shards)
+    ref, ref_losses = oracle_run("gpt-tiny", 3)
+    for key in ("tp", "dp"):
+        for r in results:
+            assert r[key]["held"] == full if key == "dp" else r[key]["held"] < full
             assert_state_close(r[key]["state"], ref, RTOL["sgd"])
             assert r[key]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     reads = [set(r["weights"]["reads"]) for r in results]
