@@ -25,7 +25,7 @@ import torch.distributed as dist
 from autopar.cluster.model import Cluster
 from autopar.errors import LaunchError
 from autopar.runtime import emulate
-from autopar.runtime.emulate import ClockStats, EmulatedClock, NullClock, clock_for
+from autopar.runtime.emulate import ClockStats, CpuShare, EmulatedClock, NullClock, clock_for, cpu_shares
 from autopar.runtime.launch import (context, default_backend, init, is_initialized, launch, shutdown,
                                     subgroup_backend)
 
@@ -75,6 +75,8 @@ def _happy(rank: int, scale: float):
     return {"rank": ctx.rank, "world_size": ctx.world_size, "sum": t, "state": model.state_dict(),
             "view": big[:2] * 1, "speed": ctx.speed, "device": str(ctx.device),
             "backend": ctx.backend, "threads": torch.get_num_threads(), "env_rank": os.environ["RANK"],
+            "interop_threads": torch.get_num_interop_threads(), "affinity": sorted(os.sched_getaffinity(0)),
+            "oversubscription": emulate.oversubscription(ctx.world_size),
             "pair": (rank, [t.clone()])}
 
 
@@ -122,7 +124,12 @@ def test_launch_returns_values_by_rank_and_all_reduce_works_two_launches_at_once
             assert r["view"].shape == (2,) and not r["view"].requires_grad
             assert r["view"].untyped_storage().nbytes() == 2 * 4      # a clone, not the 1000-float base
             assert r["speed"] == speed and r["device"] == "cpu" and r["backend"] == "gloo"
-            assert r["threads"] == max(1, launch_mod._num_cpus() // n)
+            share = cpu_shares(cluster)[rank]
+            assert r["threads"] == share.num_threads == 1          # emulated: one thread, its clock's
+            assert r["interop_threads"] == 1
+            assert r["affinity"] == list(share.cores)
+            # the time scale counts the cores the launch shared out, not the one this rank is pinned to
+            assert r["oversubscription"] == emulate.oversubscription(n, len(os.sched_getaffinity(0)))
             assert r["pair"][0] == rank and torch.equal(r["pair"][1][0], r["sum"])
 
 
@@ -336,7 +343,43 @@ def test_emulated_clock_sleeps_to_cpu_time_over_speed_with_fake_timers():
             ft.cpu += 0.5
             ft.wall += 3.0      # slower than 0.5 / 0.25 already: no sleep
     assert ft.sleeps == [2.5]
-    assert clock.stats() == ClockStats(speed=0.25, compute_s=1.5, slept_s=2.5, num_blocks=2)
+    assert clock.stats() == ClockStats(speed=0.25, compute_s=1.5, slept_s=2.5, num_blocks=2, overrun_s=1.0,
+                                       num_overruns=1)
+    with clock.compute():       # the 1 s it ran behind is repaid: sleeps 4.0 - 1.0 - 1.0
+        ft.cpu += 1.0
+        ft.wall += 1.0
+    assert ft.sleeps == [2.5, 2.0]
+    assert clock.stats().num_overruns == 1 and clock.stats().slept_s == 4.5
+
+
+def test_emulated_clock_repays_oversleep_and_bounds_the_debt_a_block_leaves():
+    ft = _FakeTime()
+
+    def late_sleep(s):          # the scheduler wakes the rank 0.1 s late
+        ft.sleep(s + 0.1)
+
+    clock = EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=late_sleep)
+    walls = []
+    for _ in range(3):
+        start = ft.wall
+        with clock.compute():
+            ft.cpu += 1.0
+            ft.wall += 1.0
+        walls.append(ft.wall - start)
+    assert ft.sleeps == pytest.approx([1.1, 1.0, 1.0])      # each sleep is shortened by the last one's lateness
+    assert sum(walls) == pytest.approx(3 * 2.0 + 0.1)       # only the last 0.1 s is still owed
+    assert clock.stats().slept_s == pytest.approx(3.1) and clock.stats().num_overruns == 0
+    stall = EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep)
+    with stall.compute():       # 10 s stalled in a 2 s block: at most 2 s is carried as debt
+        ft.cpu += 1.0
+        ft.wall += 10.0
+    n = len(ft.sleeps)
+    for _ in range(3):
+        with stall.compute():
+            ft.cpu += 1.0
+            ft.wall += 1.0
+    assert ft.sleeps[n:] == pytest.approx([1.0])            # two blocks repay 1 s each, the third sleeps in full
+    assert stall.stats().overrun_s == pytest.approx(8.0) and stall.stats().num_overruns == 1
 
 
 def test_emulated_clock_busy_loop_at_quarter_speed_takes_four_times_its_cpu_time():
@@ -369,7 +412,7 @@ def test_clock_for_devices():
         with pytest.raises(ValueError, match="speed"):
             EmulatedClock(bad)
     assert emulate.__all__ == ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale",
-                               "oversubscription"]
+                               "oversubscription", "CpuShare", "cpu_shares", "apply_cpu_share"]
 
 
 def test_time_scale_keeps_speed_ratios_when_ranks_outnumber_cores():
@@ -390,6 +433,25 @@ def test_time_scale_keeps_speed_ratios_when_ranks_outnumber_cores():
     assert isinstance(scaled, EmulatedClock) and scaled.time_scale == 1.5
     with pytest.raises(ValueError, match="time_scale"):
         EmulatedClock(0.5, time_scale=0)
+
+
+def test_cpu_shares_pin_emulated_ranks_to_one_thread_and_balance_their_speeds_over_the_cores():
+    demo = Cluster.from_dict({"nodes": [
+        {"device": {"name": n, "emulate": "cpu", "speed": sp, "memory_GB": 2}, "count": 1}
+        for n, sp in (("quarter", 0.25), ("full", 1.0), ("half", 0.5))]})
+    # more ranks than cores: the 1.0 rank alone, the 0.5 and 0.25 ranks together
+    assert cpu_shares(demo, [4, 7]) == (CpuShare((7,), 1), CpuShare((4,), 1), CpuShare((7,), 1))
+    # enough cores: disjoint blocks, still one thread (the clock measures the calling thread)
+    assert cpu_shares(demo, range(7)) == (CpuShare((0, 1), 1), CpuShare((2, 3), 1), CpuShare((4, 5), 1))
+    from autopar.cluster.devices import cpu_spec_detect
+
+    native = Cluster.homogeneous(cpu_spec_detect(), count=2)
+    assert [s.num_threads for s in cpu_shares(native, range(4))] == [2, 2]   # native: a thread per core
+    gpus = Cluster.homogeneous("A100-80GB", count=2)
+    assert cpu_shares(gpus, [0, 1]) == (None, None)
+    assert all(s.num_interop_threads == 1 for s in cpu_shares(demo, [0, 1]))
+    with pytest.raises(ValueError, match="cores"):
+        cpu_shares(demo, [])
 
 
 def test_emulation_time_scale_leaves_headroom():

@@ -8,6 +8,24 @@ Terms
 - emulation time scale: twice the oversubscription. Every emulated device's target time is
   ``cpu_time / speed * time_scale``, so the ranks' CPU demand (sum of speed / scale) stays well under
   the cores and the speed *ratios* between devices survive some contention.
+- CPU share (``CpuShare``, ``cpu_shares``): which cores a CPU rank launched on this machine may run on
+  (its affinity) and how many torch threads it uses. The rule (``docs/architecture.md``, "Emulation"):
+  - every CPU rank runs one inter-op thread;
+  - an *emulated* rank runs one intra-op thread, because its clock measures the CPU time of the calling
+    thread (``time.thread_time``): work done by other threads would be missed, and a second thread
+    would only compete with the neighbours for the same cores;
+  - a native CPU rank (not emulated, no clock) runs as many intra-op threads as it gets cores;
+  - with at most as many CPU ranks as cores, each rank gets its own disjoint block of
+    ``num_cores // num_ranks`` cores;
+  - with more ranks than cores, each rank is pinned to one core, heaviest first onto the least loaded
+    core, a rank weighing its compute demand: ``speed`` for an emulated rank (it sleeps the rest of the
+    time), 1 for a native one. The demo's 1.0/0.5/0.25 ranks on 2 cores: the 1.0 rank alone on one core,
+    the two slower ones on the other.
+  GPU ranks get no share (``None``): nothing is changed for them.
+- machine cores (``machine_cores``): the cores the ranks of this machine share, which the
+  oversubscription counts. A rank pinned to one core would see one core in its own affinity, so the
+  launch records the count it shared out in the environment variable ``AUTOPAR_NUM_CORES`` of every
+  rank (``autopar.runtime.emulate.apply_cpu_share``); without it, the cores this process may use.
 
 Pure functions of their arguments; only the default core count reads this process's CPU affinity.
 """
@@ -15,8 +33,61 @@ Pure functions of their arguments; only the default core count reads this proces
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["emulation_time_scale", "oversubscription"]
+__all__ = ["CpuShare", "cpu_shares", "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
+           "NUM_CORES_ENV"]
+
+NUM_CORES_ENV = "AUTOPAR_NUM_CORES"
+
+
+@dataclass(frozen=True, slots=True)
+class CpuShare:
+    """How one CPU rank shares this machine's cores (see the module docstring)."""
+    cores: tuple[int, ...]        # its CPU affinity (``os.sched_setaffinity``)
+    num_threads: int              # torch intra-op threads (``torch.set_num_threads``)
+    num_interop_threads: int = 1  # torch inter-op threads (``torch.set_num_interop_threads``)
+
+
+def cpu_shares(cluster, cores: Sequence[int] | None = None) -> tuple[CpuShare | None, ...]:
+    """The ``CpuShare`` of every rank of ``cluster`` when all its ranks run on this machine over
+    ``cores`` (default: the cores this process may use); ``None`` for GPU ranks."""
+    cores = sorted(allowed_cores() if cores is None else cores)
+    if not cores:
+        raise ValueError("cpu_shares: cores is empty")
+    specs = [d.spec for d in cluster.devices]
+    cpu_ranks = [r for r, s in enumerate(specs) if s.backend != "nccl"]
+    shares: list[CpuShare | None] = [None] * len(specs)
+    if len(cpu_ranks) <= len(cores):
+        per = len(cores) // max(1, len(cpu_ranks))
+        for i, r in enumerate(cpu_ranks):
+            block = tuple(cores[i * per:(i + 1) * per])
+            shares[r] = CpuShare(block, 1 if specs[r].is_emulated else len(block))
+        return tuple(shares)
+    load = {c: 0.0 for c in cores}
+    demand = {r: float(specs[r].speed) if specs[r].is_emulated else 1.0 for r in cpu_ranks}
+    for r in sorted(cpu_ranks, key=lambda r: (-demand[r], r)):
+        core = min(cores, key=lambda c: (load[c], c))
+        load[core] += demand[r]
+        shares[r] = CpuShare((core,), 1)
+    return tuple(shares)
+
+
+def machine_cores() -> int:
+    """The number of cores this machine's ranks share (see the module docstring)."""
+    value = os.environ.get(NUM_CORES_ENV, "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return len(allowed_cores())
+
+
+def allowed_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity), sorted."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
 
 
 def emulation_time_scale(num_ranks: int, num_cores: int | None = None) -> float:
@@ -29,8 +100,5 @@ def oversubscription(num_ranks: int, num_cores: int | None = None) -> float:
     """``max(1, num_ranks / num_cores)``: the ``time_scale`` that keeps emulated speed ratios right when
     ``num_ranks`` CPU processes share ``num_cores`` cores (default: the cores this process may use)."""
     if num_cores is None:
-        try:
-            num_cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            num_cores = os.cpu_count() or 1
+        num_cores = machine_cores()
     return max(1.0, num_ranks / max(1, num_cores))

@@ -5,40 +5,54 @@ devices that the cluster marks as emulated (``DeviceSpec.emulate == "cpu"``); GP
 at their native speed, get a ``NullClock`` that does nothing.
 
 Terms
-- speed: the fraction of this CPU's speed an emulated device runs at (0.5 = half as fast).
+- speed: the fraction of this CPU's speed an emulated device runs at (0.5 = half as fast). "This CPU"
+  is one core running one torch thread: an emulated rank runs single-threaded (see CPU share).
 - compute block: code wrapped in ``with clock.compute():``. Its CPU time (``time.thread_time``, the
-  CPU time of the calling thread) measures the work it did; CPU time rather than wall time so that
-  contention between ranks sharing few cores does not inflate the estimate. After the block the clock
-  sleeps so that the block's wall time becomes ``cpu_time / speed``:
-  ``sleep max(0, cpu_time / speed - wall_elapsed)``. If contention already made the block slower than
-  that, it does not sleep. Communication (blocked waiting, no CPU) is therefore never slowed down;
-  wrap only the compute.
-- time scale: an optional common factor on every emulated device's target,
-  ``cpu_time / speed * time_scale``. When more ranks than cores share this machine, even a speed-1.0
-  rank runs slower than the CPU; ``time_scale = num_ranks / num_cores`` (``oversubscription``)
-  slows every device alike so that the *ratios* between speeds stay right. It only applies to an
-  ``EmulatedClock``; ``clock_for`` gives one to every emulated device when ``time_scale > 1``.
-- totals: ``compute_s`` (CPU time measured in blocks), ``slept_s`` (time added by sleeping),
-  ``num_blocks``; ``stats()`` returns them as a frozen ``ClockStats`` for reporting.
+  CPU time of the calling thread) measures the work it did. Thread CPU time, not process CPU time:
+  the process also holds gloo's and autograd's threads, whose CPU time is not the block's work; and
+  not wall time, which grows with every neighbour that shares the core. It is exact only because the
+  rank computes on the calling thread alone (one intra-op thread); with more, it would miss the
+  other threads' share. The block's target wall time is ``cpu_time / speed * time_scale``; after the
+  block the clock sleeps ``target - wall_elapsed - debt``.
+- debt: how far the clock is behind its targets, carried to the next block. A sleep that oversleeps
+  (the scheduler wakes the rank late), or a block that overran its target because neighbours took
+  the core, leaves debt; the next block sleeps that much less. The emulated wall time of a run of
+  blocks is therefore the sum of their targets, whatever the neighbours did, as long as later
+  blocks sleep enough to repay it. A block adds at most its own target to the debt, so a rank that
+  really stalled inside a compute block (it should not: communication stays outside) is not hidden. Communication (blocked waiting, no CPU) is never slowed down; wrap only the compute.
+- time scale: a common factor on every emulated device's target (``emulation_time_scale``: twice
+  ``num_ranks / num_cores`` when ranks outnumber cores, else 2). It slows every device alike so that
+  the ranks' CPU demand stays well under the cores and the *ratios* between speeds stay right; the
+  cost model prices emulated devices with the same factor.
+- CPU share (``CpuShare``, decided by ``autopar.cluster.emulation.cpu_shares``, applied by
+  ``apply_cpu_share`` in every CPU rank ``launch`` starts): the cores a rank may run on and its torch
+  thread counts. Emulated ranks: one intra-op and one inter-op thread, pinned to one core (more ranks
+  than cores: heaviest first onto the least loaded core, weighing a rank by its speed) or a block of
+  cores of their own. Native CPU ranks: a block of cores and as many threads.
+- totals: ``compute_s`` (CPU time measured in blocks), ``slept_s`` (time spent sleeping, measured),
+  ``overrun_s`` and ``num_overruns`` (wall time of blocks beyond their own target, and how many such
+  blocks: contention the time scale did not absorb), ``num_blocks``; ``stats()`` returns them as a frozen ``ClockStats`` for reporting.
 
 Blocks may nest; only the outermost block measures and sleeps.
 
-``emulation_time_scale`` and ``oversubscription`` live in ``autopar.cluster.emulation`` (the cost model
-uses the same factor) and are re-exported here.
+``emulation_time_scale``, ``oversubscription``, ``CpuShare`` and ``cpu_shares`` live in
+``autopar.cluster.emulation`` (the cost model uses the same factor) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from autopar.cluster.emulation import emulation_time_scale, oversubscription
+from autopar.cluster.emulation import NUM_CORES_ENV, CpuShare, cpu_shares, emulation_time_scale, oversubscription
 from autopar.errors import ClusterError
 
-__all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale", "oversubscription"]
+__all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale", "oversubscription",
+           "CpuShare", "cpu_shares", "apply_cpu_share"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,8 @@ class ClockStats:
     compute_s: float          # CPU time measured inside compute blocks
     slept_s: float            # time the clock added by sleeping
     num_blocks: int
+    overrun_s: float = 0.0    # wall time beyond target (contention, late wake-ups), carried as debt
+    num_overruns: int = 0     # blocks that ended behind their target
 
 
 class EmulatedClock:
@@ -67,6 +83,9 @@ class EmulatedClock:
         self.compute_s = 0.0
         self.slept_s = 0.0
         self.num_blocks = 0
+        self.overrun_s = 0.0
+        self.num_overruns = 0
+        self._debt_s = 0.0
         self._depth = 0
 
     @contextmanager
@@ -85,20 +104,30 @@ class EmulatedClock:
         finally:
             self._depth = 0
             cpu_s = max(0.0, self._cpu_time() - cpu0)
+            target_s = cpu_s / self.speed * self.time_scale
             wall_s = self._wall_time() - wall0
-            sleep_s = max(0.0, cpu_s / self.speed * self.time_scale - wall_s)
+            sleep_s = target_s - wall_s - self._debt_s
+            slept_s = 0.0
             if sleep_s > 0:
+                t0 = self._wall_time()
                 self._sleep(sleep_s)
+                slept_s = self._wall_time() - t0
+            behind_s = slept_s - sleep_s        # > 0: overslept, or still behind with nothing to sleep
+            self._debt_s = min(max(0.0, behind_s), self._debt_s + target_s)
+            if wall_s > target_s:
+                self.overrun_s += wall_s - target_s
+                self.num_overruns += 1
             self.compute_s += cpu_s
-            self.slept_s += sleep_s
+            self.slept_s += slept_s
             self.num_blocks += 1
 
     def stats(self) -> ClockStats:
-        return ClockStats(self.speed, self.compute_s, self.slept_s, self.num_blocks)
+        return ClockStats(self.speed, self.compute_s, self.slept_s, self.num_blocks, self.overrun_s,
+                          self.num_overruns)
 
     def __repr__(self) -> str:
         return (f"EmulatedClock(speed={self.speed}, time_scale={self.time_scale}, compute_s={self.compute_s:.3f}, "
-                f"slept_s={self.slept_s:.3f}, num_blocks={self.num_blocks})")
+                f"slept_s={self.slept_s:.3f}, overrun_s={self.overrun_s:.3f}, num_blocks={self.num_blocks})")
 
 
 class NullClock:
@@ -128,3 +157,32 @@ def clock_for(device, time_scale: float = 1.0) -> EmulatedClock | NullClock:
     if getattr(spec, "emulate", None) and (float(spec.speed) != 1.0 or time_scale != 1.0):
         return EmulatedClock(spec.speed, time_scale=time_scale)
     return NullClock()
+
+
+def apply_cpu_share(share: CpuShare | None, num_cores: int) -> None:
+    """Give this process (every thread it has now, and those it starts later) ``share``'s cores and
+    torch thread counts, and record ``num_cores``, the cores shared out among the ranks, in
+    ``AUTOPAR_NUM_CORES`` for the time scale (``autopar.cluster.emulation.machine_cores``); ``None`` (a
+    GPU rank) changes nothing but that. Call it first thing in a rank, before torch starts its thread
+    pools: the inter-op count can only be set once, and is left as it is if torch refuses."""
+    os.environ[NUM_CORES_ENV] = str(int(num_cores))
+    if share is None:
+        return
+    import torch
+
+    cores = set(share.cores)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (AttributeError, OSError):   # no affinity on this platform, or the thread ended
+            pass
+    torch.set_num_threads(share.num_threads)
+    if torch.get_num_interop_threads() != share.num_interop_threads:
+        try:
+            torch.set_num_interop_threads(share.num_interop_threads)
+        except RuntimeError:                 # the inter-op pool already started
+            pass

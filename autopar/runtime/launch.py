@@ -20,6 +20,10 @@ Terms
   ``os._exit``) is named as well. Errors raised inside a collective because a peer died or timed out
   are *secondary*: they do not hide the rank that caused them.
 
+Every CPU rank ``launch`` starts first takes its CPU share (``autopar.cluster.emulation.cpu_shares``:
+its cores and torch thread counts; an emulated rank computes on one thread, pinned), before anything
+else runs in it.
+
 Each rank runs in its own process group (``setpgrp``) so that killing it also kills anything it
 started (data-loader workers); nothing is left behind.
 """
@@ -47,6 +51,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.errors import LaunchError
+from autopar.cluster.emulation import allowed_cores
+from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 
 __all__ = [
     "RankContext", "launch", "init", "shutdown", "context", "is_initialized",
@@ -406,8 +412,9 @@ def _worker(fn, cluster, rank, args, port, workdir, step_timeout_s, env, parent_
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # every rank is on this machine
     try:
-        if cluster.devices[rank].spec.backend != "nccl":
-            torch.set_num_threads(max(1, _num_cpus() // len(cluster)))
+        # Cores and torch threads of this rank: autopar.cluster.emulation.cpu_shares (the rule).
+        cores = allowed_cores()
+        apply_cpu_share(cpu_shares(cluster, cores)[rank], len(cores))
         store = dist.TCPStore(_HOST, port, None, False, timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))
         init(cluster, rank=rank, world_size=len(cluster), store=store, step_timeout_s=step_timeout_s)
         result = _to_cpu(fn(rank, *args))
@@ -454,13 +461,6 @@ def _report(workdir: Path, rank: int, exc: BaseException) -> None:
     tmp = workdir / f"rank{rank}.error.tmp"
     tmp.write_text(json.dumps(report))
     os.replace(tmp, workdir / f"rank{rank}.error.json")
-
-
-def _num_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _to_cpu(obj):
