@@ -69,3 +69,24 @@ def test_bad_cluster_field_names_the_field(capsys, tmp_path):
     assert main(["plan", "--model", "gpt-tiny", "--cluster", str(bad), "--global-batch", "8"]) == 2
     err = capsys.readouterr().err
     assert "count" in err and "-2" in err
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_train_compare_reports_measured_steps_after_warmup_with_spread(capsys, tmp_path):
+    out = tmp_path / "run.json"
+    assert main(["train", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "12", "--steps", "2",
+                 "--warmup", "1", "--compare", "uniform-dp", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1 warm-up + 2 measured steps, strategies interleaved" in text
+    assert text.count("warm-up steps, excluded:") == 2 and "median (IQR" in text
+    assert "median over 2 paired steps" in text and "emulated clocks: rank 0 x1" in text
+    summary = json.loads(out.read_text())
+    for s in ("auto", "uniform-dp"):
+        r = summary[s]
+        assert len(r["step_times_s"]) == 2 and len(r["warmup_times_s"]) == 1 and len(r["losses"]) == 2
+        assert r["step_time_s"]["num"] == 2 and r["step_time_s"]["min"] <= r["step_time_s"]["median"]
+        assert [c["speed"] for c in r["clocks"]] == [1.0, 0.5, 0.25]
+        assert all(c["num_blocks"] > 0 for c in r["clocks"])          # only the measured steps' blocks
+    assert summary["auto"]["losses"] == pytest.approx(summary["uniform-dp"]["losses"], rel=1e-4)
+    assert set(summary["speedup"]["spread"]) == {"median", "q1", "q3", "min", "max", "num"}

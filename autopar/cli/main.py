@@ -178,7 +178,16 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _ms(sp) -> str:
+    """A step-time ``Spread`` in ms: the median, the IQR and the range."""
+    return (f"{sp.median * 1e3:.1f} ms median (IQR {sp.q1 * 1e3:.1f}-{sp.q3 * 1e3:.1f}, "
+            f"range {sp.min * 1e3:.1f}-{sp.max * 1e3:.1f})")
+
+
 def _print_run(results, cluster, baseline: str | None) -> dict:
+    """Print and return (for --json) every strategy's measured steps and the speedup of the first over
+    ``baseline``: medians with their spread, over the measured steps only (``autopar.cli.trainer``)."""
+    from autopar.cli.trainer import paired_speedup
     from autopar.ir.plan import Plan
 
     emu = " (emulated devices)" if cluster.is_emulated else ""
@@ -186,22 +195,43 @@ def _print_run(results, cluster, baseline: str | None) -> dict:
     for r in results:
         p = Plan.from_json(r.plan_json)
         gb = p.global_batch_size
-        meas = r.measured_step_s
+        sp = r.step_spread
+        meas = sp.median
+        ratio = sp.scaled(1 / r.predicted_step_s)
         print(f"\n== strategy {r.strategy}: {p.strategy}, ZeRO-{p.zero_stage}, rank batch {p.rank_batch}")
+        if r.warmup_times_s:
+            print(f"  warm-up steps, excluded: {', '.join(f'{t * 1e3:.1f}' for t in r.warmup_times_s)} ms")
         for i, (loss, t) in enumerate(zip(r.losses, r.step_times_s)):
             print(f"  step {i + 1:3d}  loss {loss:.4f}  {t * 1e3:8.1f} ms")
-        print(f"  measured{emu}: {gb / meas:.2f} samples/s ({meas * 1e3:.1f} ms/step, median); "
-              f"predicted {gb / r.predicted_step_s:.2f} samples/s; measured/predicted step time "
-              f"{meas / r.predicted_step_s:.2f}")
-        summary[r.strategy] = dict(measured_samples_per_s=gb / meas, predicted_samples_per_s=gb / r.predicted_step_s,
-                                   measured_over_predicted=meas / r.predicted_step_s, losses=list(r.losses))
+        print(f"  measured{emu} over {sp.num} steps: {_ms(sp)}, {gb / meas:.2f} samples/s")
+        print(f"  predicted {r.predicted_step_s * 1e3:.1f} ms, {gb / r.predicted_step_s:.2f} samples/s; "
+              f"measured/predicted step time {ratio.median:.2f} (IQR {ratio.q1:.2f}-{ratio.q3:.2f})")
+        clocks = [c for c in r.clock_stats if c is not None and c.speed is not None]
+        if clocks:
+            print("  emulated clocks: " + "; ".join(
+                f"rank {i} x{c.speed:g}: {c.compute_s * 1e3:.0f} ms CPU, {c.slept_s * 1e3:.0f} ms slept, "
+                f"{c.num_overruns}/{c.num_blocks} blocks overran (+{c.overrun_s * 1e3:.0f} ms)"
+                for i, c in enumerate(r.clock_stats) if c is not None and c.speed is not None))
+        summary[r.strategy] = dict(
+            measured_samples_per_s=gb / meas, predicted_samples_per_s=gb / r.predicted_step_s,
+            measured_over_predicted=ratio.median, measured_over_predicted_spread=ratio.as_dict(),
+            step_time_s=sp.as_dict(), predicted_step_s=r.predicted_step_s, step_times_s=list(r.step_times_s),
+            warmup_times_s=list(r.warmup_times_s), losses=list(r.losses),
+            clocks=[None if c is None else dict(speed=c.speed, compute_s=c.compute_s, slept_s=c.slept_s,
+                                                num_blocks=c.num_blocks, overrun_s=c.overrun_s,
+                                                num_overruns=c.num_overruns) for c in r.clock_stats])
     if baseline and baseline in summary and len(summary) > 1:
-        first = results[0].strategy
-        sp = summary[first]["measured_samples_per_s"] / summary[baseline]["measured_samples_per_s"]
-        pr = summary[first]["predicted_samples_per_s"] / summary[baseline]["predicted_samples_per_s"]
-        print(f"\nspeedup of {first} over {baseline}, measured in the same run{emu}: {sp:.2f}x "
-              f"(predicted {pr:.2f}x)")
-        summary["speedup"] = dict(measured=sp, predicted=pr)
+        first = next(r for r in results if r.strategy != baseline)
+        base = next(r for r in results if r.strategy == baseline)
+        paired = paired_speedup(first.step_times_s, base.step_times_s)
+        of_medians = base.measured_step_s / first.measured_step_s
+        pr = base.predicted_step_s / first.predicted_step_s
+        print(f"\nspeedup of {first.strategy} over {baseline}, measured in the same run{emu}: "
+              f"{paired.median:.2f}x, median over {paired.num} paired steps (IQR {paired.q1:.2f}-{paired.q3:.2f}x, "
+              f"range {paired.min:.2f}-{paired.max:.2f}x; ratio of the median step times {of_medians:.2f}x); "
+              f"predicted {pr:.2f}x")
+        summary["speedup"] = dict(measured=paired.median, spread=paired.as_dict(), of_medians=of_medians,
+                                  predicted=pr, strategy=first.strategy, baseline=baseline)
     return summary
 
 
@@ -216,11 +246,12 @@ def cmd_train(args) -> int:
         if s not in STRATEGIES:
             raise PlanError(f"--compare: {s!r} is not one of {', '.join(STRATEGIES)}")
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
-                   steps=args.steps, strategies=strategies,
+                   steps=args.steps, strategies=strategies, warmup_steps=args.warmup,
                    zero_stage=args.zero if args.zero == "auto" else int(args.zero),
                    recompute=getattr(args, "recompute", False))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
-          f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.steps} steps")
+          f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
+          f"+ {args.steps} measured steps" + (", strategies interleaved step by step" if len(strategies) > 1 else ""))
     results = run_comparison(spec, cluster)
     from autopar.ir.plan import Plan
 
@@ -301,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="really train on this machine (emulated devices are CPU processes)")
     plan_args(t)
-    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--steps", type=int, default=5, help="measured steps per strategy, after the warm-up")
+    t.add_argument("--warmup", type=int, default=2, help="warm-up steps per strategy, excluded from the figures")
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
     t.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last step of a pipeline run, as measured")
 
@@ -309,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help="default gpt-tiny")
     d.add_argument("--cluster", default=None, help="default the built-in demo cluster")
     d.add_argument("--global-batch", type=int, default=96)
-    d.add_argument("--steps", type=int, default=6)
+    d.add_argument("--steps", type=int, default=12, help="measured steps per strategy, after the warm-up")
+    d.add_argument("--warmup", type=int, default=3, help="warm-up steps per strategy, excluded from the figures")
     d.add_argument("--json", metavar="OUT")
 
     sub.add_parser("tune", help="Triton kernel tuning runs on the local GPU (autopar tune --help)", add_help=False)

@@ -1,8 +1,22 @@
 """Real training runs on this machine: the worker that ``autopar train`` and ``autopar demo`` launch on
-every rank, comparing strategies side by side in ONE run (the same processes, one after the other).
+every rank, comparing strategies side by side in ONE run (the same processes, their steps interleaved).
 
 On a CPU-only machine the devices are *emulated* (CPU processes slowed to their speed); every figure
 this module reports from such a run says so.
+
+Terms
+- warm-up steps: the first ``warmup_steps`` steps of every strategy (allocations, first-call costs,
+  caches); they train like the others but are kept apart (``warmup_times_s``) and never enter a figure.
+- measured steps: the next ``steps`` steps. A step's time is its wall time on the slowest rank (every
+  rank starts it after a barrier).
+- interleaving: every strategy is compiled first, then step ``i`` of every strategy runs before step
+  ``i + 1`` of any, the order reversed on every other step (A B, B A, ...). A neighbour that loads the
+  machine for a while then slows every strategy alike, and step ``i`` of two strategies form a *pair*.
+- spread (``Spread``): median, quartiles and range of a set of values, over the measured steps.
+- speedup of A over B: per pair, B's step time over A's; reported as the median over pairs with its
+  spread (``paired_speedup``).
+- clock totals: per rank, the emulated clock's totals over the measured steps (``ClockStats`` fields:
+  CPU time, sleep, and blocks that overran their target because of contention).
 """
 
 from __future__ import annotations
@@ -13,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RunSpec", "StrategyResult", "train_worker", "run_comparison", "measured_timeline"]
+__all__ = ["RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
+           "measured_timeline"]
 
 
 @dataclass(frozen=True)
@@ -21,60 +36,131 @@ class RunSpec:
     model: str                  # zoo name or package.module:factory
     cluster_dict: dict
     global_batch: int
-    steps: int
+    steps: int                  # measured steps per strategy, after the warm-up steps
     strategies: tuple[str, ...]
     lr: float = 1e-3
-    warmup_steps: int = 1
+    warmup_steps: int = 2
     seed: int = 0
     zero_stage: object = "auto"
     model_overrides: tuple[tuple[str, object], ...] = ()   # zoo config fields, e.g. (("num_layers", 10),)
     schedule: str = "auto"
     recompute: bool = False
 
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"RunSpec.steps: must be >= 1, got {self.steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"RunSpec.warmup_steps: must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """Median, quartiles and range of ``num`` values (see the module docstring)."""
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    num: int
+
+    def as_dict(self) -> dict:
+        return dict(median=self.median, q1=self.q1, q3=self.q3, min=self.min, max=self.max, num=self.num)
+
+    def scaled(self, factor: float) -> "Spread":
+        return Spread(self.median * factor, self.q1 * factor, self.q3 * factor, self.min * factor,
+                      self.max * factor, self.num)
+
+
+def spread(values) -> Spread:
+    """The ``Spread`` of ``values`` (at least one); quartiles by the inclusive method."""
+    vs = sorted(float(v) for v in values)
+    if not vs:
+        raise ValueError("spread: no values")
+    q1, _, q3 = statistics.quantiles(vs, n=4, method="inclusive") if len(vs) > 1 else (vs[0],) * 3
+    return Spread(statistics.median(vs), q1, q3, vs[0], vs[-1], len(vs))
+
+
+def paired_speedup(fast_times_s, base_times_s) -> Spread:
+    """The spread of ``base / fast`` over paired steps (same index; the shorter list decides)."""
+    pairs = list(zip(fast_times_s, base_times_s))
+    return spread(b / f for f, b in pairs)
+
 
 @dataclass(frozen=True)
 class StrategyResult:
     strategy: str
     plan_json: str
-    losses: tuple[float, ...]
-    step_times_s: tuple[float, ...]     # measured wall time of each step (max over ranks)
+    losses: tuple[float, ...]           # of the measured steps
+    step_times_s: tuple[float, ...]     # wall time of each measured step (max over ranks)
     predicted_step_s: float
     traces: tuple = ()                  # per rank: the pipeline engine's action trace of the last step
+    warmup_times_s: tuple[float, ...] = ()   # the warm-up steps, excluded from every figure
+    clock_stats: tuple = ()             # per rank: emulate.ClockStats totals over the measured steps
+
+    @property
+    def step_spread(self) -> Spread:
+        return spread(self.step_times_s)
 
     @property
     def measured_step_s(self) -> float:
-        timed = self.step_times_s[1:] if len(self.step_times_s) > 1 else self.step_times_s
-        return statistics.median(timed)
+        return self.step_spread.median
+
+
+def _clock(compiled):
+    from autopar.runtime.emulate import NullClock
+
+    return getattr(compiled.engine, "clock", None) or NullClock()
+
+
+def _clock_delta(after, before):
+    from autopar.runtime.emulate import ClockStats
+
+    return ClockStats(after.speed, after.compute_s - before.compute_s, after.slept_s - before.slept_s,
+                      after.num_blocks - before.num_blocks, after.overrun_s - before.overrun_s,
+                      after.num_overruns - before.num_overruns)
 
 
 def train_worker(rank: int, spec: RunSpec) -> list[dict]:
-    """Runs on every rank: for each strategy, compile, train ``steps`` steps, record loss and time."""
+    """Runs on every rank: compile every strategy, then train them interleaved (module docstring),
+    ``warmup_steps + steps`` steps each, recording loss, time and clock totals."""
     import autopar
     from autopar.cluster.model import Cluster
     from autopar.models import build, load
     from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_barrier
 
     cluster = Cluster.from_dict(spec.cluster_dict)
-    out = []
+    runs = []
     for strategy in spec.strategies:
         case = build(spec.model, device="cpu", seed=spec.seed, **dict(spec.model_overrides)) \
             if spec.model_overrides else load(spec.model, device="cpu", seed=spec.seed)
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), strategy=strategy,
                                    zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute)
-        losses, times = [], []
-        for step in range(spec.steps + spec.warmup_steps):
-            inputs, targets = case.batch(spec.global_batch, seed=step)
+        runs.append(dict(strategy=strategy, case=case, compiled=compiled, losses=[], times=[], warmup=[],
+                         clock0=None))
+    for step in range(spec.warmup_steps + spec.steps):
+        for run in (runs if step % 2 == 0 else runs[::-1]):
+            compiled = run["compiled"]
+            inputs, targets = run["case"].batch(spec.global_batch, seed=step)
+            if step == spec.warmup_steps:
+                run["clock0"] = _clock(compiled).stats()
             pg_barrier()
             t0 = time.perf_counter()
             loss = compiled.step(inputs, targets)
             dt = torch.tensor([time.perf_counter() - t0])
             pg_all_reduce(dt, op=ReduceOp.MAX)
             if step >= spec.warmup_steps:
-                losses.append(float(loss))
-                times.append(float(dt))
-        out.append(dict(strategy=strategy, plan_json=compiled.plan.to_json(), losses=tuple(losses),
-                        step_times_s=tuple(times), predicted_step_s=compiled.plan.predicted.step_time_s,
+                run["losses"].append(float(loss))
+                run["times"].append(float(dt))
+            else:
+                run["warmup"].append(float(dt))
+    out = []
+    for run in runs:
+        compiled = run["compiled"]
+        out.append(dict(strategy=run["strategy"], plan_json=compiled.plan.to_json(), losses=tuple(run["losses"]),
+                        step_times_s=tuple(run["times"]), predicted_step_s=compiled.plan.predicted.step_time_s,
+                        warmup_times_s=tuple(run["warmup"]),
+                        clock=_clock_delta(_clock(compiled).stats(), run["clock0"]),
                         trace=tuple(getattr(compiled.engine, "last_trace", ()))))
     return out
 
@@ -87,7 +173,9 @@ def run_comparison(spec: RunSpec, cluster) -> list[StrategyResult]:
     for i, r in enumerate(results[0]):
         r = dict(r)
         r.pop("trace")
-        out.append(StrategyResult(**r, traces=tuple(rank[i]["trace"] for rank in results)))
+        r.pop("clock")
+        out.append(StrategyResult(**r, traces=tuple(rank[i]["trace"] for rank in results),
+                                  clock_stats=tuple(rank[i]["clock"] for rank in results)))
     return out
 
 
