@@ -139,7 +139,7 @@ def _init_module(module: nn.Module, qualified: str, keep: Sequence[str], seed: i
             if b is not None:
                 module._buffers[k] = _scratch(b)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(module_seed(seed, qualified))
+            torch.random.default_generator.manual_seed(module_seed(seed, qualified))   # CPU only
             init(module)
         for k in keep:
             t = module._parameters.get(k) if k in params else module._buffers.get(k)
