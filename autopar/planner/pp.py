@@ -65,6 +65,7 @@ _TOP_K = 6            # candidates (by classic estimate) that the simulator rank
 _TIE = 1e-3           # relative step-time difference below which plans count as equally fast
 _ESTIMATE_SLACK = 1.1  # a shortlisted estimate this much above the best simulated step is not simulated
 _EXHAUSTIVE_SPLITS = 24  # a stage count with at most this many splits has every split simulated
+_CLIMB_MAX_STAGES = 8  # ... for pipelines of at most this many stages (each move is one simulation)
 _CLIMB_ROUNDS = 2     # rounds of one-block boundary moves elsewhere
 _CLIMB_SLACK = 1.03   # ... simulated where their estimate is at most this much above the start's
 
@@ -474,9 +475,9 @@ def _best_split(ctx: PipelineContext, tensors, names, sims: dict, scored: list[_
     estimate (which prices a stage's forward and backward as one and each transfer once, and so can
     pick a 13/1 split the simulator prices slower than 12/2). Where a stage count has at most
     ``_EXHAUSTIVE_SPLITS`` splits, every split is evaluated exactly as a pinned split is (the same
-    shortlist and pruning), so the search equals the brute force over pinned splits; elsewhere the
-    best plan's boundaries move one block at a time (at its grouping, micro-batch count and schedule)
-    while the prediction improves."""
+    shortlist and pruning), so the search equals the brute force over pinned splits; elsewhere, up to
+    ``_CLIMB_MAX_STAGES`` stages, the best plan's boundaries move one block at a time (at its
+    grouping, micro-batch count and schedule) while the prediction improves."""
     out = list(scored)
     for S in sorted({g.num_stages for g, _, _, _ in tensors}):
         if math.comb(n - 1, S - 1) <= _EXHAUSTIVE_SPLITS:
@@ -485,7 +486,8 @@ def _best_split(ctx: PipelineContext, tensors, names, sims: dict, scored: list[_
     if not out:
         return out
     best = min(out, key=lambda x: x.step_time_s)
-    if math.comb(n - 1, len(best.candidate.sizes) - 1) <= _EXHAUSTIVE_SPLITS:
+    S = len(best.candidate.sizes)
+    if math.comb(n - 1, S - 1) <= _EXHAUSTIVE_SPLITS or S > _CLIMB_MAX_STAGES:
         return out
     cand = best.candidate
     grouping, M, cost, rc = next(x for x in tensors if x[0] == cand.grouping and x[1] == cand.num_micro)
