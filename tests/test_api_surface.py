@@ -101,7 +101,8 @@ def test_plan_twice_and_the_plan_data():
     with pytest.raises(autopar.PlanError, match="plan: not a plan's JSON"):
         autopar.Plan.from_json('{"strategy": "dp"}')
     text = plan.summary()
-    assert f"upper bound {plan.predicted.upper_bound_samples_per_s:.2f} samples/s" in text
+    assert f"summed: {plan.predicted.upper_bound_samples_per_s:.4g} samples/s" in text   # the upper bound
+    assert f"MFU {plan.predicted.mfu:.1%}" in text and "efficiency vs compute bound" in text
     assert f"plan: strategy={plan.strategy}" in text
 
     # A Plan as the strategy is run as given; the same options as a PlanConfig give the same plan.
