@@ -273,6 +273,40 @@ def test_bounds_on_a_heterogeneous_cluster():
 
 
 
+def test_mfu_and_homogeneous_mfu():
+    """MFU: 3 x forward FLOPs per sample at the plan's samples/s over the summed peak the devices are
+    priced at (bf16 for GPUs, fp32 for emulated CPUs); the homogeneous cluster has the fastest type's
+    whole nodes with the same summed peak; on a homogeneous cluster of whole nodes the two MFUs agree."""
+    from autopar.planner.bounds import homogeneous_cluster, mfu, model_flops_per_sample, peak_flops_s
+
+    hethub = Cluster.from_yaml("benchmarks/clusters/hethub-768.yaml")
+    homo = homogeneous_cluster(hethub)   # (128 x 181 + 640 x 320) TFLOP/s / 320 / 8 = 89.05 nodes
+    assert homo.device_types() == {"accel-a": tuple(range(712))} and homo.num_nodes == 89
+    assert homo.network_bandwidth_Bps == hethub.network_bandwidth_Bps
+    emulated = Cluster.from_dict({"nodes": [{"device": _emulated("e", 0.5), "count": 1}]})
+    assert peak_flops_s(emulated.devices[0].spec) == emulated.devices[0].spec.peak_flops_fp32
+    assert peak_flops_s(hethub.devices[0].spec) == hethub.devices[0].spec.peak_flops_bf16
+
+    cluster = _cluster([["A100-80GB"] * 2, ["V100-16GB"] * 2])
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
+    assert model_flops_per_sample(costs) == 3 * 6e9
+    plan = with_all_bounds(jp.plan_auto(costs, cluster, 64), costs, cluster)
+    p = plan.predicted
+    peak = 2 * 312e12 + 2 * 125e12
+    assert p.mfu == pytest.approx(p.samples_per_s * 18e9 / peak) == mfu(costs, cluster, p.samples_per_s)
+    assert p.compute_efficiency == pytest.approx(p.samples_per_s / p.compute_bound_samples_per_s)
+    # 874 TFLOP/s of peak = 2.8 A100s: one node of 2 A100s.
+    alone = jp.plan_auto(costs, homogeneous_cluster(cluster), 64)
+    assert homogeneous_cluster(cluster).device_types() == {"A100-80GB": (0, 1)}
+    assert p.homogeneous_mfu == pytest.approx(alone.predicted.samples_per_s * 18e9 / (2 * 312e12))
+    assert any(n.startswith("homogeneous MFU against 2 x A100-80GB") for n in plan.notes)
+
+    same = Cluster.homogeneous("A100-80GB", count=4, per_node=2)
+    costs1 = ModelCosts.synthetic({"A100-80GB": [0.01] * 6}, out_bytes=[1e6] * 6)
+    q = with_all_bounds(jp.plan_auto(costs1, same, 32), costs1, same).predicted
+    assert q.homogeneous_mfu == pytest.approx(q.mfu) and 0 < q.mfu < 1
+
+
 def test_plan_with_config_dispatches_and_attaches_the_one_bounds():
     """The planner's entry point runs the planner of the config's resolved strategy, then
     ``with_all_bounds``: the same plan and figures as calling both by hand."""

@@ -210,10 +210,10 @@ def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_ba
                         else "no plan fits there"),)
     if len(details) > 1:
         parts = []
-        for t, (_, sps, alone, factor) in details.items():
+        for t, (_, type_sps, alone, factor) in details.items():
             how = "does not plan even with x16 memory" if alone is None else \
                 _chosen(alone) + (f"; memory relaxed x{factor}: it cannot hold the model alone" if factor > 1 else "")
-            parts.append(f"{t} alone {sps:.4g} samples/s ({how})")
+            parts.append(f"{t} alone {type_sps:.4g} samples/s ({how})")
         notes = notes + ("upper bound = " + " + ".join(parts),)
     return replace(plan, notes=notes, predicted=replace(
         plan.predicted, upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute, efficiency=eff,
