@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help="default gpt-tiny")
     d.add_argument("--cluster", default=None, help="default the built-in demo cluster")
     d.add_argument("--global-batch", type=int, default=96)
-    d.add_argument("--steps", type=int, default=12, help="measured steps per strategy, after the warm-up")
+    d.add_argument("--steps", type=int, default=24, help="measured steps per strategy, after the warm-up")
     d.add_argument("--warmup", type=int, default=3, help="warm-up steps per strategy, excluded from the figures")
     d.add_argument("--json", metavar="OUT")
 
