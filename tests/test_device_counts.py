@@ -73,7 +73,7 @@ def test_sample_of_node_counts_plans_llama_140b(mixed):
     _check((3, 13, 89) if not mixed else (2, 17, 53), mixed, degrees=(8,))
 
 
-@pytest.mark.slow   # about a minute: every TP degree, more counts
+@pytest.mark.slow   # one to two minutes: 15 counts, and two of them over every TP degree
 @pytest.mark.parametrize("mixed", [False, True], ids=["homogeneous", "mixed"])
 def test_wide_sample_of_node_counts_plans_llama_140b(mixed):
     _check((1, 2, 5, 7, 11, 13, 16, 23, 31, 47, 61, 73, 89, 97, 100), mixed, degrees=(8,))
