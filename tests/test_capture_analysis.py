@@ -14,7 +14,7 @@ TINY = ["gpt-tiny", "llama-tiny", "bert-tiny", "vit-tiny", "resnet-tiny", "mlp-t
 BIG = ["gpt2-small", "gpt2-xl", "llama-7b", "bert-large", "vit-base", "resnet50", "mlp"]
 
 
-@pytest.mark.parametrize("name", TINY + BIG)
+@pytest.mark.parametrize("name", TINY + [pytest.param(n, marks=pytest.mark.slow) for n in BIG])
 def test_every_zoo_model_captures_and_analyses(name):
     case = zoo.build(name, device="cpu" if name in TINY else "meta")
     a = analyze(case.model, case.example_inputs)
@@ -29,7 +29,8 @@ def test_every_zoo_model_captures_and_analyses(name):
     assert all(s.bwd_flops > 0 for s in a.stats[1:-1])
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-small", "gpt2-xl", "llama-tiny", "llama-7b"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"] + [pytest.param(n, marks=pytest.mark.slow)
+                                                            for n in ("gpt2-small", "gpt2-xl", "llama-7b")])
 def test_forward_flops_match_the_analytic_count(name):
     case = zoo.build(name, device="cpu" if "tiny" in name else "meta")
     a = analyze(case.model, case.example_inputs)
@@ -44,6 +45,7 @@ def test_backward_is_about_twice_forward_on_matmuls():
     assert 1.8 < layer.bwd_flops / layer.fwd_flops < 2.3
 
 
+@pytest.mark.slow   # analyses a 145B-parameter graph on meta
 def test_llama_140b_on_meta_allocates_nothing():
     case = zoo.build("llama-140b", device="meta")
     a = analyze(case.model, case.example_inputs)

@@ -28,6 +28,7 @@ def test_analyze_table_for_a_meta_model(capsys):
     assert "layers.0 (x12 identical)" in out and "total" in out and "roofline" in out
 
 
+@pytest.mark.slow   # plans gpt2-small end to end and draws the timeline
 def test_plan_json_and_timeline(capsys, tmp_path):
     png = tmp_path / "t.png"
     assert main(["plan", "--model", "gpt2-xl", "--cluster", "benchmarks/clusters/mixed-3.yaml",

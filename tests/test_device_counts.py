@@ -66,6 +66,7 @@ def test_stage_counts_cover_primes_and_divisors():
     assert stage_counts(7, 3) == [1, 2, 3] and stage_counts(1, 82) == [1]
 
 
+@pytest.mark.slow   # plans llama-140b on six clusters of up to 712 devices
 @pytest.mark.parametrize("mixed", [False, True], ids=["homogeneous", "mixed"])
 def test_sample_of_node_counts_plans_llama_140b(mixed):
     # TP 8 inside a node: the stage groupings are what a count changes; the full degree search of

@@ -273,6 +273,7 @@ def test_bounds_on_a_heterogeneous_cluster():
 
 
 
+@pytest.mark.slow   # plans hethub-768 and its homogeneous cluster
 def test_mfu_and_homogeneous_mfu():
     """MFU: 3 x forward FLOPs per sample at the plan's samples/s over the summed peak the devices are
     priced at (bf16 for GPUs, fp32 for emulated CPUs); the homogeneous cluster has the fastest type's

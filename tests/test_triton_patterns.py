@@ -226,6 +226,7 @@ def _assert_close_dicts(a, b, rtol=1e-4):
         assert ((a[k] - b[k]).abs().max() / scale) <= rtol, k
 
 
+@pytest.mark.slow   # trains through Triton kernels under the interpreter
 def test_substitute_gpt_like_trains_like_the_original(monkeypatch):
     from autopar import kernels
 
@@ -301,6 +302,7 @@ def test_export_graph_matches_and_substitutes():
     assert torch.allclose(gm(x, t), model(x, t), rtol=1e-5)
 
 
+@pytest.mark.slow   # captures every zoo model
 def test_zoo_models_if_present():
     models = pytest.importorskip("autopar.models", reason="the model zoo is not in this checkout")
     expect = {"gpt-tiny": {"layer_norm", "bias_gelu"}, "llama-tiny": {"rms_norm", "swiglu"},
