@@ -198,6 +198,11 @@ class HFGPTForCausalLM(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 module.bias.data.zero_()
 
+    def reset_parameters(self) -> None:
+        """What this module holds itself, as ``__init__`` sets it: the causal mask of ``n_positions``
+        (its submodules have their own ``reset_parameters``)."""
+        self._update_causal_mask(self.config.n_positions, self.causal_mask.device)
+
     def _update_causal_mask(self, length, device):
         mask = torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))
         self.register_buffer("causal_mask", mask.view(1, 1, length, length), persistent=False)
@@ -248,6 +253,9 @@ class HFLlamaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
@@ -261,9 +269,17 @@ class HFLlamaRotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         self.base = base
+        self.max_position_embeddings = max_position_embeddings
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device).float() / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._set_cos_sin_cache(max_position_embeddings, device=device, dtype=torch.get_default_dtype())
+
+    def reset_parameters(self) -> None:
+        """The tables as ``__init__`` computes them (``max_position_embeddings`` long), on the buffers'
+        device and in the tables' dtype."""
+        device = self.inv_freq.device
+        self.inv_freq.copy_(1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device).float() / self.dim)))
+        self._set_cos_sin_cache(self.max_position_embeddings, device=device, dtype=self.cos_cached.dtype)
 
     def _set_cos_sin_cache(self, seq_len, device, dtype):
         self.max_seq_len_cached = seq_len

@@ -76,6 +76,12 @@ class ViT(nn.Module):
                     nn.init.normal_(module.weight, std=0.02)
                     nn.init.zeros_(module.bias)
 
+    def reset_parameters(self) -> None:
+        """The tokens ViT holds itself, drawn as in ``__init__`` (positions, then the class token); its
+        submodules have their own ``reset_parameters``."""
+        nn.init.normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=0.02)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images).flatten(2).transpose(1, 2)          # (B, num_patches, d)
         x = torch.cat([self.cls_token.expand(x.size(0), -1, -1), x], dim=1) + self.pos_embed
