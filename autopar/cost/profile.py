@@ -18,7 +18,8 @@ A fourth input, Triton kernel timings from ``autopar tune`` (``kernels.timing``)
 roofline time of the nodes a tuned kernel covers when a tuning cache exists for that device.
 
 GPU device types are costed for mixed-precision training (bf16 peak, 2-byte activations; activation
-memory is halved when every device of the cluster is a GPU); CPU and emulated devices for fp32.
+memory is halved when every device of the cluster is a GPU); CPU and emulated devices for fp32. The
+rule lives in ``autopar.cost.precision``, which the MFU of ``autopar.planner.bounds`` uses too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from autopar.cluster.emulation import emulation_time_scale
 from autopar.cost.measure_cache import cache_dir, load_json, measure_cache_path, save_json, tile_batch
+from autopar.cost.precision import is_mixed_precision, priced_peak_flops
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
@@ -212,9 +214,9 @@ def _key(h: str, b: int, dev: str, nthreads: int) -> str:
 
 
 # -- the cost tables -----------------------------------------------------------------------------
-def _roofline_table(analysis, spec, batches, eff: Efficiency, gpu: bool) -> tuple[np.ndarray, np.ndarray]:
-    peak = spec.peak_flops_bf16 if gpu else spec.peak_flops_fp32
-    bytes_scale = 0.5 if gpu else 1.0
+def _roofline_table(analysis, spec, batches, eff: Efficiency) -> tuple[np.ndarray, np.ndarray]:
+    peak = priced_peak_flops(spec)
+    bytes_scale = 0.5 if is_mixed_precision(spec) else 1.0
     fwd = np.zeros((len(batches), len(analysis.stats)))
     bwd = np.zeros_like(fwd)
     x = eff.as_array()
@@ -282,14 +284,14 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     types = cluster.device_types()
     fwd_table, bwd_table, sources = {}, {}, {}
     measured = None
-    need_cpu = any(cluster.spec_of(t).is_emulated or cluster.spec_of(t).vendor == "cpu" for t in types)
+    need_cpu = any(not is_mixed_precision(cluster.spec_of(t)) for t in types)
     if measure and need_cpu and not on_meta:
         measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
 
     emu_scale = emulation_time_scale(len(cluster))
     for t in types:
         spec = cluster.spec_of(t)
-        if spec.is_emulated or spec.vendor == "cpu":
+        if not is_mixed_precision(spec):
             # An emulated device runs at speed / time_scale of this CPU (autopar.runtime.emulate).
             speed = spec.speed / emu_scale if spec.is_emulated else 1.0
             if measured is not None:
@@ -299,12 +301,12 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
                 continue
             from autopar.cluster.devices import CPU_NOMINAL
 
-            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1, 1e-5, 0.0), False)
+            f, b_ = _roofline_table(analysis, CPU_NOMINAL, batches, efficiency or Efficiency(1, 1, 1, 1, 1e-5, 0.0))
             fwd_table[t], bwd_table[t] = f / speed, b_ / speed
             sources[t] = "roofline (nominal CPU)"
             continue
         eff = efficiency or DEFAULT_GPU_EFFICIENCY
-        f, b_ = _roofline_table(analysis, spec, batches, eff, True)
+        f, b_ = _roofline_table(analysis, spec, batches, eff)
         sources[t] = "roofline"
         adj = kernel_adjustments(analysis, spec.name, spec, eff) if use_kernel_times else None
         if adj is not None:  # tuned Triton kernels replace the roofline of the nodes they cover
@@ -315,7 +317,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         fwd_table[t], bwd_table[t] = f, b_
     per = analysis.batch_size
     # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
-    all_gpu = all(not cluster.spec_of(t).is_emulated and cluster.spec_of(t).vendor != "cpu" for t in types)
+    all_gpu = all(is_mixed_precision(cluster.spec_of(t)) for t in types)
     # Mixed precision (ZeRO paper accounting, 16 bytes per parameter): bf16 weights (2) and gradients (2),
     # fp32 master weights (4) with the optimizer state, which ZeRO-1 shards together.
     act_scale = 0.5 if all_gpu else 1.0

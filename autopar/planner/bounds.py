@@ -31,6 +31,7 @@ import numpy as np
 
 from autopar.config import MEMORY_FRACTION
 from autopar.cost.memory import usable_bytes
+from autopar.cost.precision import priced_peak_flops
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
@@ -128,9 +129,9 @@ def compute_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", *, memory
     return total
 
 
-def peak_flops_s(spec) -> float:
-    """The peak FLOP/s of the precision the cost model prices ``spec`` at (see the module docstring)."""
-    return float(spec.peak_flops_fp32 if spec.is_emulated or spec.vendor == "cpu" else spec.peak_flops_bf16)
+# The peak FLOP/s MFU divides by is the one the cost model prices ``spec`` at: ``autopar.cost.precision``
+# decides it for both. Kept under this name for callers that import it from here.
+peak_flops_s = priced_peak_flops
 
 
 def model_flops_per_sample(costs: ModelCosts) -> float:
@@ -140,21 +141,21 @@ def model_flops_per_sample(costs: ModelCosts) -> float:
 
 def mfu(costs: ModelCosts, cluster: "Cluster", samples_per_s: float) -> float:
     """Model FLOPs utilisation of ``samples_per_s`` on ``cluster`` (see the module docstring)."""
-    peak = sum(peak_flops_s(d.spec) for d in cluster.devices)
+    peak = sum(priced_peak_flops(d.spec) for d in cluster.devices)
     return samples_per_s * model_flops_per_sample(costs) / peak if peak > 0 else 0.0
 
 
 def homogeneous_cluster(cluster: "Cluster") -> "Cluster":
     """Whole nodes of the cluster's fastest type with the same summed peak (see the module docstring)."""
     types = cluster.device_types()
-    fastest = max(types, key=lambda t: (peak_flops_s(cluster.spec_of(t)), -list(types).index(t)))
+    fastest = max(types, key=lambda t: (priced_peak_flops(cluster.spec_of(t)), -list(types).index(t)))
     spec = cluster.spec_of(fastest)
     per_node: dict[int, int] = {}
     for r in types[fastest]:
         per_node[cluster.devices[r].node] = per_node.get(cluster.devices[r].node, 0) + 1
     size = max(per_node.values())
-    total = sum(peak_flops_s(d.spec) for d in cluster.devices)
-    nodes = max(1, int(round(total / (peak_flops_s(spec) * size))))
+    total = sum(priced_peak_flops(d.spec) for d in cluster.devices)
+    nodes = max(1, int(round(total / (priced_peak_flops(spec) * size))))
     from autopar.cluster.model import Cluster as _Cluster   # local: the planner takes clusters as given
 
     out = _Cluster.homogeneous(spec, nodes * size, size, name=f"{cluster.name}[homogeneous {fastest}]",
