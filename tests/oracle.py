@@ -19,6 +19,8 @@ Usage::
     from oracle import single_device_state, assert_state_close, batches, OPTIMIZERS, RTOL
     ref = single_device_state("gpt-tiny", 47, steps=3, optimizer="sgd", seed=0)
     assert_state_close(engine.state_dict(), ref, RTOL["sgd"])
+
+Distributed tests run on the threaded process group through ``threaded_ranks(n)``, a base class.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 __all__ = ["OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
-           "single_device_state", "assert_state_close", "state_rel_errors", "state_abs_errors"]
+           "single_device_state", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -178,3 +180,23 @@ def prepared_case(name: str):
         analysis = analyze(case.model, case.example_inputs)
         _PREPARED[name] = (case.model, analysis.captured.gm, case.loss_fn, len(analysis.blocks))
     return _PREPARED[name]
+
+
+@functools.cache
+def threaded_ranks(n: int) -> type:
+    """A ``MultiThreadedTestCase`` base class whose every test runs on ``n`` threads, one rank each, of
+    the threaded process group (``class TwoRanks(threaded_ranks(2)): def test_...``); ``self.rank``
+    and ``self.world_size`` are the thread's. One class per ``n``, so every file shares it."""
+    from torch.testing._internal.common_distributed import MultiThreadedTestCase
+
+    class ThreadedRanks(MultiThreadedTestCase):
+        @property
+        def world_size(self) -> int:
+            return n
+
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_threads()
+
+    ThreadedRanks.__name__ = ThreadedRanks.__qualname__ = f"ThreadedRanks{n}"
+    return ThreadedRanks

@@ -23,7 +23,6 @@ import threading
 
 import pytest
 import torch
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.api import Compiled
@@ -34,7 +33,7 @@ from autopar.runtime.data import (
 )
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, build_engine
-from oracle import RTOL, assert_state_close, optimizer_factory, prepared_case
+from oracle import RTOL, assert_state_close, optimizer_factory, prepared_case, threaded_ranks
 
 _LOCK = threading.Lock()
 SEED = 5
@@ -222,15 +221,7 @@ def _compiled(plan: Plan, rank: int) -> Compiled:
     return Compiled(plan=plan, engine=engine, rank=rank)
 
 
-class ThreeRanks(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 3
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class ThreeRanks(threaded_ranks(3)):
     def check_local_training(self, plan: Plan, steps: int = 3):
         B = plan.global_batch_size
         N = 2 * B + 1                                    # steps cross an epoch boundary

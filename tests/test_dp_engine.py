@@ -18,7 +18,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.ir.plan import Plan, Predicted, Stage
@@ -26,7 +25,8 @@ from autopar.runtime.dp import DataParallelEngine, DataParallelError, FlatLayout
 from autopar.runtime.emulate import NullClock
 from autopar.lowering import RankProgram, lower
 from autopar.runtime.engine import EngineInputs, select_engine
-from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+from oracle import (prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run,
+                    threaded_ranks)
 
 UNEVEN = ((10, 10, 7), (7, 6), (7,))          # 27 / 13 / 7 samples, 3 / 2 / 1 micro-steps
 ZERO_RANK = ((20, 20), (), (7,))              # rank 1 computes nothing
@@ -72,15 +72,7 @@ def oracle(name, B, optimizer, steps=STEPS):
         return single_device_run(name, B, steps, optimizer)
 
 
-class ThreeRanks(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 3
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class ThreeRanks(threaded_ranks(3)):
     def check_exact(self, name, micro, zero_stage, optimizer, zero_shares=(), ranks=None, **engine_kwargs):
         engine = make_engine(name, micro, zero_stage, optimizer, self.rank, self.world_size, zero_shares,
                              ranks=ranks, **engine_kwargs)

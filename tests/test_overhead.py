@@ -10,12 +10,11 @@ from importlib import import_module
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 import autopar
 from autopar.runtime.emulate import NullClock
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_state
+from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_state, threaded_ranks
 from test_dp_engine import make_engine, train
 
 NATIVE = {"nodes": [{"device": "cpu", "count": 1}]}
@@ -51,15 +50,7 @@ def test_one_native_device_runs_the_plain_loop(_fresh_group, monkeypatch, zero_s
                        RTOL["sgd"])
 
 
-class TwoRanks(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 2
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class TwoRanks(threaded_ranks(2)):
     def _check_kept(self, zero_stage):
         engine = make_engine("gpt-tiny", ((5, 4), (3,)), zero_stage, "sgd", self.rank, self.world_size)
         flats = list(engine._grad_flats)

@@ -23,7 +23,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.errors import PlanError
@@ -33,7 +32,7 @@ from autopar.runtime.emulate import NullClock
 from autopar.lowering import lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.pipeline import PipelineEngine, Transfer, primary_sender, row_layout, transfers
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run, threaded_ranks
 
 B = 10
 STEPS = 2
@@ -95,15 +94,7 @@ def test_plan_errors_name_the_problem():
 
 
 # -- communicator on the threaded process group -----------------------------------------------------------
-class ThreadedComm(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    def setUp(self):
-        super().setUp()
-        self._spawn_threads()
-
+class ThreadedComm(threaded_ranks(4)):
     def _comm(self, backends, force=False):
         # nccl does not exist here: both native backends run on the threaded group.
         return Communicator(self.rank, 4, backends, torch.device("cpu"),

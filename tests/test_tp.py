@@ -19,7 +19,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.ir.plan import Plan, Predicted, Stage
@@ -27,7 +26,8 @@ from autopar.runtime.emulate import NullClock
 from autopar.lowering import lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.tp import TensorParallelEngine, gather_full_params, shard_stage_module, tp_layout
-from oracle import prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run
+from oracle import (prepared_case, RTOL, assert_state_close, batches, optimizer_factory, single_device_run,
+                    threaded_ranks)
 from autopar.passes.tp import find_tp_pairs, tp_rewrite, unit_ranges
 
 STEPS = 2
@@ -207,15 +207,7 @@ def test_opaque_module_stays_replicated():
 # Distributed: threaded process group
 
 
-class TwoRanks(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 2
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class TwoRanks(threaded_ranks(2)):
     def test_gpt_tiny_shares_3_1_sgd(self):
         engine = make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "sgd", self.rank, self.world_size)
         # Only this rank's shard of a sharded Linear stays in memory; replicated parameters are shared.
@@ -257,15 +249,7 @@ class TwoRanks(MultiThreadedTestCase):
         torch.testing.assert_close(model.opaque.up.weight.grad, ref_grads[1])
 
 
-class ThreeRanks(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 3
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class ThreeRanks(threaded_ranks(3)):
     def test_gpt_tiny_shares_2_1_1_sgd_and_adamw(self):
         for opt in ("sgd", "adamw"):
             train_and_check(make_engine("gpt-tiny", ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, opt,
@@ -294,15 +278,7 @@ class ThreeRanks(MultiThreadedTestCase):
                                     self.rank, self.world_size), "gpt-tiny", "sgd")
 
 
-class FourRanks(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 4
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._spawn_threads()
-
+class FourRanks(threaded_ranks(4)):
     def test_tp_x_dp_equal_shares_uneven_batches(self):
         engine = make_engine("gpt-tiny", ((0, 1), (2, 3)), ((3, 1), (3, 1)), TWO_MEMBERS, "sgd",
                              self.rank, self.world_size)
