@@ -32,6 +32,7 @@ import torch
 
 from autopar.cluster.emulation import emulation_time_scale
 from autopar.cost.measure_cache import load_json, measure_cache_path, save_json, tile_batch
+from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
 __all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "optimizer_roofline_s_per_param",
@@ -160,7 +161,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
 
     types = cluster.device_types()
     specs = {t: cluster.spec_of(t) for t in types}
-    cpu_types = [t for t, s in specs.items() if s.is_emulated or s.vendor == "cpu"]
+    cpu_types = [t for t, s in specs.items() if not is_mixed_precision(s)]
     mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.cost.profile)
     opt, flat, call = {}, {}, {}
     cpu_opt = cpu_flat = cpu_call = 0.0
