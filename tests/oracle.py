@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 __all__ = ["OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
-           "single_device_state", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks"]
+           "single_device_state", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks",
+           "stages_of"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -200,3 +201,17 @@ def threaded_ranks(n: int) -> type:
 
     ThreadedRanks.__name__ = ThreadedRanks.__qualname__ = f"ThreadedRanks{n}"
     return ThreadedRanks
+
+
+def stages_of(stages) -> tuple:
+    """Hand-written ``Stage``s: ``stages`` is a list of (block_stop, {member: micro sizes}[, tp_shares])
+    in order (block_start follows); a member is a rank or a tuple of ranks (a tensor-parallel group)."""
+    from autopar.ir.plan import Stage
+
+    out, start = [], 0
+    for stop, members, *tp in stages:
+        out.append(Stage(start, stop, groups=tuple(r if isinstance(r, tuple) else (r,) for r in members),
+                         micro_batches=tuple(tuple(m) for m in members.values()),
+                         tp_shares=tuple(tp[0]) if tp else ()))
+        start = stop
+    return tuple(out)

@@ -26,14 +26,14 @@ import torch
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.api import Compiled
-from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted
 from autopar.lowering import lower
 from autopar.runtime.data import (
     DataError, RankRows, global_batch_order, local_slice, rank_dataloader, rank_rows,
 )
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, build_engine
-from oracle import RTOL, assert_state_close, optimizer_factory, prepared_case, threaded_ranks
+from oracle import RTOL, assert_state_close, optimizer_factory, prepared_case, stages_of, threaded_ranks
 
 _LOCK = threading.Lock()
 SEED = 5
@@ -42,12 +42,7 @@ SEED = 5
 def plan_of(stages, strategy="dp") -> Plan:
     """``stages``: list of (block_stop, {member: micro sizes}[, tp_shares]); a member is a rank or a
     tuple of ranks."""
-    out, start = [], 0
-    for stop, members, *tp in stages:
-        out.append(Stage(start, stop, groups=tuple(r if isinstance(r, tuple) else (r,) for r in members),
-                         micro_batches=tuple(tuple(m) for m in members.values()),
-                         tp_shares=tuple(tp[0]) if tp else ()))
-        start = stop
+    out = stages_of(stages)
     B = sum(sum(m) for m in out[0].micro_batches)
     return Plan(strategy=strategy, global_batch_size=B, zero_stage=0, schedule="gpipe" if len(out) > 1 else "none",
                 stages=tuple(out), predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))

@@ -26,13 +26,14 @@ import torch.distributed as dist
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.errors import PlanError
-from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted
 from autopar.runtime.communicator import Communicator
 from autopar.runtime.emulate import NullClock
 from autopar.lowering import lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.pipeline import PipelineEngine, Transfer, primary_sender, row_layout, transfers
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run, threaded_ranks
+from oracle import (RTOL, assert_state_close, batches, optimizer_factory, single_device_run, stages_of,
+                    threaded_ranks)
 
 B = 10
 STEPS = 2
@@ -41,15 +42,10 @@ STEPS = 2
 def pp_plan(stages, schedule="gpipe", global_batch=B, num_blocks=6) -> Plan:
     """``stages``: list of (block_stop, {member: micro sizes}[, tp_shares]) in order; block_start
     follows; a member is a rank or a tuple of ranks (a tensor-parallel group)."""
-    out, start = [], 0
-    for stop, members, *tp in stages:
-        out.append(Stage(start, stop, groups=tuple(r if isinstance(r, tuple) else (r,) for r in members),
-                         micro_batches=tuple(tuple(m) for m in members.values()),
-                         tp_shares=tuple(tp[0]) if tp else ()))
-        start = stop
-    assert start == num_blocks
+    out = stages_of(stages)
+    assert out[-1].block_stop == num_blocks
     return Plan(strategy="pp", global_batch_size=global_batch, zero_stage=0, schedule=schedule,
-                stages=tuple(out), predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
+                stages=out, predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
 # 3 ranks; micro-batches 4+3+3 everywhere.
