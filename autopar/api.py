@@ -52,13 +52,6 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1)
 
 
-def _check_request(cluster, global_batch_size) -> None:
-    if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
-        raise PlanError(f"global_batch_size: {global_batch_size!r} is not a positive integer")
-    if len(cluster) < 1:
-        raise PlanError("cluster: has no devices")
-
-
 def plan_config(config: PlanConfig | None = None, **options) -> PlanConfig:
     """The one ``PlanConfig`` of a call: ``config`` as given, or built (and validated) from the loose
     keywords ``options`` (strategy, zero_stage, schedule, pp_layers, dp_batch, recompute, ...). Giving
@@ -122,7 +115,9 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
         return strategy
     config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
                          dp_batch=dp_batch, recompute=recompute)
-    _check_request(cluster, global_batch_size)
+    from autopar.planner.entry import check_request
+
+    check_request(cluster, global_batch_size)   # before the costly analysis
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure)

@@ -26,7 +26,16 @@ from autopar.planner.joint import plan_auto, plan_strategy
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["plan_with_config"]
+__all__ = ["plan_with_config", "check_request"]
+
+
+def check_request(cluster: "Cluster", global_batch: int) -> None:
+    """``PlanError`` naming the argument unless the global batch is a positive integer and the cluster
+    has a device: what every planning call checks before any costly work."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch_size: {global_batch!r} is not a positive integer")
+    if len(cluster) < 1:
+        raise PlanError("cluster: has no devices")
 
 
 def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig, *,
@@ -36,10 +45,7 @@ def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, c
     ``timings``, when given, receives the wall seconds of the planner (``plan_s``) and of the bounds
     (``bounds_s``: the planner run again on each device type alone). Raises ``PlanError`` naming the
     argument when the global batch or the cluster cannot be planned, or when nothing fits."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise PlanError(f"global_batch_size: {global_batch!r} is not a positive integer")
-    if len(cluster) < 1:
-        raise PlanError("cluster: has no devices")
+    check_request(cluster, global_batch)
     if not isinstance(config, PlanConfig):
         raise PlanError(f"config: {config!r} is not a PlanConfig")
     start = time.perf_counter()
