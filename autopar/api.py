@@ -160,7 +160,7 @@ class Compiled:
                 raise RuntimeInputError(f"step: the batch has {n} samples but the plan is for global_batch_size="
                                         f"{self.plan.global_batch_size}; pass local=True for this rank's rows")
         t0 = time.perf_counter()
-        loss = self.engine.step(inputs, targets, local=True) if local else self.engine.step(inputs, targets)
+        loss = self.engine.step(inputs, targets, local=local)
         self.step_times_s.append(time.perf_counter() - t0)
         return loss
 
