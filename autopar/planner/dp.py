@@ -2,7 +2,14 @@
 
 Terms
 - rank: one device of the cluster taking part in the plan (``ranks``, default all); every rank holds
-  a replica (ZeRO-0) or an even 1/N shard (ZeRO-1: optimizer state; 2: + gradients; 3: + weights).
+  a replica (ZeRO-0) or a shard (ZeRO-1: optimizer state; 2: + gradients; 3: + weights).
+- ZeRO shard fractions (uneven shards, ``Stage.zero_shares``): the part of the sharded states each
+  rank keeps and steps. The baselines keep even 1/N shards. ``"dp"`` also tries the fractions that
+  balance the optimizer step (``balanced_zero_shares``: water-filling, each rank's shard capped by its
+  memory) and their midpoint with even; each candidate is planned with its own memory caps (a bigger
+  shard leaves less room for activations), so shares of the batch and of the states are chosen
+  together, and the fastest is kept. The engines cut the shards from the fractions
+  (``autopar.runtime.dp_flat.shard_bounds``).
 - share: the samples of the global batch a rank computes each step; it steps through its own list of
   micro-batches (gradient accumulation), so shares and list lengths may differ between ranks.
 - micro-step curve: seconds of one micro-step (forward + backward of every block) as a function of
@@ -22,7 +29,7 @@ Terms
 - rank time: its micro-step curve summed over its micro-batches. Step time: the slowest rank's time,
   plus the per-step collectives (which every rank enters together after its last micro-step), plus
   the slowest rank's optimizer step (``optimizer_step_s``: ``ModelCosts.optimizer_time`` of every
-  parameter under ZeRO-0, of its 1/N shard under ZeRO >= 1), which runs between the gradient
+  parameter under ZeRO-0, of its shard under ZeRO >= 1), which runs between the gradient
   reduction and the ZeRO-1/2 all-gather.
   Under ZeRO-2/3 every rank joins every round of per-micro-step collectives (a rank with fewer
   micro-steps joins with empty ones), so the rounds run in lockstep: the step is the sum over rounds
@@ -66,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "DpStrategy", "DP_STRATEGIES", "ZERO_STAGES", "DEFAULT_WORKSPACE_BYTES", "ZeroComm", "RankMemory",
     "zero_comm", "micro_step_curve", "activation_bytes_per_sample", "rank_memory", "max_micro_batch",
-    "plan_dp", "optimizer_step_s",
+    "plan_dp", "optimizer_step_s", "shard_memory", "balanced_zero_shares",
 ]
 
 DpStrategy = Literal["dp", "uniform-dp", "proportional-dp"]
@@ -152,6 +159,7 @@ class _Candidate:
     note: str = ""
     optimizer_s: float = 0.0
     recompute: bool = False
+    zero_shares: tuple[float, ...] = ()   # per rank, () = even
 
 
 def _check_ranks(cluster: "Cluster", ranks) -> tuple[int, ...]:
@@ -218,12 +226,94 @@ def _fit_error(costs, cluster, ranks, mems, zero_stage) -> str | None:
     return None
 
 
-def optimizer_step_s(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int) -> float:
+def optimizer_step_s(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
+                     fractions: Sequence[float] | None = None) -> float:
     """Seconds of the slowest rank's optimizer step (a compute call) in a data-parallel plan over
-    ``ranks``: every parameter under ZeRO-0, its 1/N shard (one flat buffer) under ZeRO >= 1."""
-    n = float(costs.params.sum()) / (len(ranks) if zero_stage >= 1 else 1)
-    return max((costs.optimizer_time(cluster.devices[r].spec.name, n, flat=zero_stage >= 1)
-                + costs.call_overhead(cluster.devices[r].spec.name) for r in ranks), default=0.0)
+    ``ranks``: every parameter under ZeRO-0, its shard (one flat buffer) under ZeRO >= 1: the
+    fraction ``fractions[i]`` of the parameters for ``ranks[i]`` (default: even, 1/N each)."""
+    total = float(costs.params.sum())
+    if zero_stage < 1:
+        parts = [1.0] * len(ranks)
+    else:
+        parts = list(fractions) if fractions is not None else [1.0 / max(1, len(ranks))] * len(ranks)
+    return max((costs.optimizer_time(cluster.devices[r].spec.name, total * f, flat=zero_stage >= 1)
+                + costs.call_overhead(cluster.devices[r].spec.name) for r, f in zip(ranks, parts)),
+               default=0.0)
+
+
+def shard_memory(costs: ModelCosts, spec, zero_stage: int, fraction: float,
+                 memory_fraction: float = MEMORY_FRACTION, *, workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+                 recompute: bool = False) -> RankMemory:
+    """``rank_memory`` of a rank keeping the ``fraction`` of the sharded states (ZeRO >= 1; uneven
+    shards), instead of 1/N."""
+    m = rank_memory(costs, spec, zero_stage, 1, memory_fraction, workspace_bytes=workspace_bytes,
+                    recompute=recompute)
+    return replace(m, state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=float(fraction)))
+
+
+def balanced_zero_shares(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
+                         memory_fraction: float = MEMORY_FRACTION, *,
+                         workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
+                         recompute: bool = False) -> tuple[float, ...] | None:
+    """Shard fractions (one per rank of ``ranks``, summing to 1) that minimise the slowest rank's
+    optimizer step (``optimizer_step_s``) under ZeRO >= 1, each rank's shard capped so that its
+    states and one sample still fit in its memory (or, where that cannot cover the model, its states
+    alone). Water-filling on the linear optimizer times ``a_r + b_r f_r``: the level ``T`` with
+    ``sum_r clip((T - a_r) / b_r, 0, cap_r) = 1``, found by bisection. None when the caps cannot
+    cover the model or no rank's optimizer time depends on its shard."""
+    if zero_stage < 1 or not ranks:
+        return None
+    total = float(costs.params.sum())
+    names = [cluster.devices[r].spec.name for r in ranks]
+    a = [costs.call_overhead(n) for n in names]
+    b = [costs.optimizer_time(n, total, flat=True) for n in names]
+    if total <= 0 or all(x <= 0 for x in b):
+        return None
+    caps = None
+    for one_sample in (True, False):
+        got = []
+        for r in ranks:
+            spec = cluster.devices[r].spec
+            m0, m1 = (shard_memory(costs, spec, zero_stage, f, memory_fraction, workspace_bytes=workspace_bytes,
+                                   recompute=recompute) for f in (0.0, 1.0))
+            room = m0.usable_bytes - m0.fixed_bytes - (m0.act_bytes_per_sample if one_sample else 0.0)
+            slope = m1.state_bytes - m0.state_bytes
+            got.append(1.0 if slope <= 0 and room >= 0 else min(1.0, max(0.0, room / slope)) if slope > 0 else 0.0)
+        if sum(got) >= 1.0:
+            caps = got
+            break
+    if caps is None:
+        return None
+
+    def filled(level: float) -> list[float]:
+        return [min(c, max(0.0, (level - ai) / bi)) if bi > 0 else (c if level >= ai else 0.0)
+                for ai, bi, c in zip(a, b, caps)]
+
+    lo, hi = min(a), max(ai + bi * c for ai, bi, c in zip(a, b, caps))
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if sum(filled(mid)) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    f = filled(hi)
+    s = sum(f)
+    return tuple(x / s for x in f)
+
+
+def _share_candidates(costs, cluster, ranks, zero_stage, memory_fraction, workspace_bytes,
+                      recompute) -> list[tuple[float, ...] | None]:
+    """The shard fractions ``"dp"`` tries (None: even): even, the optimizer-balanced shares and their
+    midpoint. Homogeneous ranks and ZeRO-0 try even only."""
+    n = len(ranks)
+    if zero_stage < 1 or n < 2:
+        return [None]
+    bal = balanced_zero_shares(costs, cluster, ranks, zero_stage, memory_fraction,
+                               workspace_bytes=workspace_bytes, recompute=recompute)
+    if bal is None or max(abs(x - 1.0 / n) for x in bal) < 1e-9:
+        return [None]
+    mid = tuple(0.5 * (x + 1.0 / n) for x in bal)
+    return [None, bal, mid]
 
 
 def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_s: float = 0.0,
@@ -251,11 +341,18 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
 
 
 def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
-                workspace_bytes, link, algorithm, recompute: bool = False) -> _Candidate:
+                workspace_bytes, link, algorithm, recompute: bool = False,
+                fractions: tuple[float, ...] | None = None) -> _Candidate:
+    """The best allocation of one strategy at one ZeRO stage, with shard ``fractions`` per rank
+    (None: even 1/N)."""
     n = len(ranks)
     specs = [cluster.devices[r].spec for r in ranks]
-    mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes,
-                        recompute=recompute) for s in specs]
+    if fractions is None:
+        mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes,
+                            recompute=recompute) for s in specs]
+    else:
+        mems = [shard_memory(costs, s, zero_stage, f, memory_fraction, workspace_bytes=workspace_bytes,
+                             recompute=recompute) for s, f in zip(specs, fractions)]
     why = _fit_error(costs, cluster, ranks, mems, zero_stage)
     if why:
         raise PlanError(why)
@@ -272,10 +369,11 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
             by_type[key] = lambda b, c=curve: float(c(b))
         fns.append(by_type[key])
 
-    opt_s = optimizer_step_s(costs, cluster, ranks, zero_stage)
+    opt_s = optimizer_step_s(costs, cluster, ranks, zero_stage, fractions)
+    kept = tuple(float(f) for f in fractions) if fractions is not None else ()
 
     def evaluate(shares, micro, note=""):
-        return _evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute)
+        return replace(_evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute), zero_shares=kept)
 
     if strategy == "uniform-dp":
         if global_batch < n:
@@ -320,7 +418,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         for other in ("uniform-dp", "proportional-dp"):
             try:
                 alt = _plan_stage(costs, cluster, ranks, global_batch, other, zero_stage, {},
-                                  memory_fraction, workspace_bytes, link, algorithm, recompute)
+                                  memory_fraction, workspace_bytes, link, algorithm, recompute, fractions)
             except PlanError:
                 continue
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
@@ -412,11 +510,22 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     found: dict[tuple[int, bool], _Candidate] = {}
     failed: dict[tuple[int, bool], str] = {}
     for z, rc in variants:
-        try:
-            found[(z, rc)] = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
-                                         memory_fraction, workspace_bytes, link, algorithm, rc)
-        except PlanError as e:
-            failed[(z, rc)] = str(e)
+        # "dp" also chooses each rank's ZeRO shard (uneven shards): every candidate is planned with its
+        # own memory caps, and the fastest kept; the baselines keep even shards.
+        shares = (_share_candidates(costs, cluster, ranks, z, memory_fraction, workspace_bytes, rc)
+                  if strategy == "dp" else [None])
+        for fractions in shares:
+            try:
+                c = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
+                                memory_fraction, workspace_bytes, link, algorithm, rc, fractions)
+            except PlanError as e:
+                if fractions is None:
+                    failed[(z, rc)] = str(e)
+                continue
+            old = found.get((z, rc))
+            if old is None or c.step_time_s < old.step_time_s * (1 - 1e-12):
+                found[(z, rc)] = c
+                failed.pop((z, rc), None)
     if not found:
         kept = [v for (_, rc), v in failed.items() if not rc]
         if len(kept) == 1:
@@ -435,12 +544,14 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
             notes.append(f"{name}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
                          f"comm {c.comm_s:.4g} s, optimizer {c.optimizer_s:.4g} s, "
                          f"{c.bytes_moved:.4g} B sent per rank)"
+                         + (f"; ZeRO shards {', '.join(f'{x:.3f}' for x in c.zero_shares)}" if c.zero_shares else "")
                          + (f"; {c.note}" if c.note else ""))
         else:
             notes.append(f"{name}: does not fit: {failed[(z, rc)]}")
 
     stage = Stage(block_start=0, block_stop=max(costs.num_blocks, 1),
-                  groups=tuple((r,) for r in ranks), micro_batches=best.micro, recompute=best.recompute)
+                  groups=tuple((r,) for r in ranks), micro_batches=best.micro, recompute=best.recompute,
+                  zero_shares=best.zero_shares)
     predicted = Predicted(
         step_time_s=best.step_time_s, samples_per_s=global_batch / best.step_time_s,
         memory_bytes=dict(best.memory_bytes),
