@@ -10,6 +10,10 @@ Terms
   ``stage.micro_batches[g][m]`` samples of it (shares may be uneven and may be 0).
   A plan with a single stage is pure data parallelism: members then step through their own lists of
   micro-batches independently (gradient accumulation) and the lists may differ in length.
+- virtual stages (``Plan.virtual_stages`` V > 1, schedule "interleaved-1f1b"): ``stages`` are the
+  model's chunks in model order, and stage s is held by the same members as stage ``s % R`` (R =
+  ``len(stages) // V`` rank stages): rank stage p holds chunks p, p + R, ..., each its own block range,
+  so chunk sizes may differ between chunks and between ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from autopar.errors import PlanError
 
 __all__ = ["Stage", "Predicted", "Plan", "Schedule"]
 
-Schedule = Literal["none", "gpipe", "1f1b"]
+Schedule = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +92,32 @@ class Plan:
     predicted: Predicted
     block_names: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    virtual_stages: int = 1
+
+    def __post_init__(self):
+        V, S = self.virtual_stages, len(self.stages)
+        if isinstance(V, bool) or not isinstance(V, int) or V < 1 or S % V:
+            raise PlanError(f"Plan.virtual_stages: {V!r} must be an integer >= 1 dividing the {S} stages")
+        R = S // V
+        for s in range(R, S):
+            a, b = self.stages[s], self.stages[s % R]
+            if (a.groups, a.micro_batches) != (b.groups, b.micro_batches):
+                raise PlanError(f"Plan.virtual_stages: stage {s} is chunk {s // R} of rank stage {s % R} and needs "
+                                f"its members and micro-batches ({b.groups}, {b.micro_batches}), got "
+                                f"({a.groups}, {a.micro_batches})")
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def rank_stages(self) -> int:
+        """Stages of ranks (R): ``num_stages // virtual_stages``; chunk v of rank stage p is stage v R + p."""
+        return len(self.stages) // self.virtual_stages
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """Every stage (chunk) ``rank`` holds, in model order (one without virtual stages; () if idle)."""
+        return tuple(s for s, st in enumerate(self.stages) if rank in st.ranks)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -147,6 +173,7 @@ class Plan:
             strategy=d["strategy"], global_batch_size=d["global_batch_size"], zero_stage=d["zero_stage"],
             schedule=d["schedule"], stages=stages, predicted=Predicted(**p),
             block_names=tuple(d.get("block_names", ())), notes=tuple(d.get("notes", ())),
+            virtual_stages=int(d.get("virtual_stages", 1)),
         )
 
     @classmethod
@@ -171,6 +198,7 @@ class Plan:
         return plan_table(self, cluster)
 
     def __repr__(self) -> str:
-        return (f"Plan(strategy={self.strategy!r}, zero={self.zero_stage}, schedule={self.schedule!r}, "
+        v = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"Plan(strategy={self.strategy!r}, zero={self.zero_stage}, schedule={self.schedule!r}{v}, "
                 f"stages={len(self.stages)}, rank_batch={self.rank_batch}, "
                 f"step={self.predicted.step_time_s:.4g}s)")

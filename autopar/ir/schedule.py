@@ -3,11 +3,18 @@
 Terms
 - stage: one pipeline stage, executed by one worker that runs its action list in order. (A stage with
   several data-parallel members is still one worker here: its durations are those of its slowest member.)
+- virtual stages (``virtual_stages`` V, interleaved schedules): the model is cut into S stages (model
+  chunks) held by W = S / V workers, stage s by worker ``s % W`` (Megatron's interleaving: worker w holds
+  chunks w, w + W, ...). ``actions[w]`` is worker w's list and ``Action.stage`` the (virtual) stage;
+  without interleaving V = 1 and worker = stage.
 - micro-batch: pipeline micro-batch ``m`` in ``0..num_micro-1``; micro-batches may differ in size, so
   durations are given per (stage, micro-batch).
 - action: ``Action(stage, kind, micro)``, written compactly like torch.distributed.pipelining, e.g.
   ``"2F0"`` (stage 2, forward, micro-batch 0) or ``"1RECV_B3"``. Kinds:
-  ``F`` forward, ``B`` backward (input and weight gradients together), and the communication kinds
+  ``F`` forward, ``B`` backward (input and weight gradients together), ``BI`` the input-gradient half
+  of a backward and ``BW`` its weight-gradient half (zero-bubble schedules split B into BI then BW;
+  below "I" and "W" for short), and the
+  communication kinds
   ``SEND_F`` (send this stage's forward output to stage+1), ``RECV_F`` (receive this stage's forward
   input from stage-1), ``SEND_B`` (send the gradient of this stage's input to stage-1), ``RECV_B``
   (receive the gradient of this stage's output from stage+1).
@@ -17,9 +24,17 @@ Terms
 - dependencies: F(s, m) needs F(s-1, m) plus the transfer time across boundary s-1; B(s, m) needs
   F(s, m) and B(s+1, m) plus the transfer across boundary s. In an explicit schedule, F(s, m) needs
   RECV_F(s, m), which needs SEND_F(s-1, m) (issued after F(s-1, m)) plus the transfer; sends are
-  asynchronous (take no worker time), a receive blocks its worker until the data has arrived.
+  asynchronous (take no worker time), a receive blocks its worker until the data has arrived. An I
+  depends as a B does and W(s, m) on I(s, m); SEND_B follows the I (the input gradient is all it sends).
+- generators (``make_schedule``): ``gpipe``; ``1f1b``; ``interleaved-1f1b`` (Megatron: micro-batches in
+  rounds of W, each round through every chunk of a worker, warm-up ``2 (W - w - 1) + (V - 1) W``
+  forwards, then one forward one backward; V = 1 is 1F1B); ``zb-h1`` (zero-bubble H1, Qi et al.
+  2023: 1F1B's order with each B split into I and W, and stage s deferring up to s of its W's to fill
+  the bubbles of the drain, which keeps at most S micro-batches in flight per stage, 1F1B's peak).
 - in flight (``in_flight_micro_batches``): the micro-batches whose activations stage s holds at its
-  peak: GPipe all M (every forward runs before the first backward), 1F1B ``min(M, S - s)``.
+  peak: GPipe all M (every forward runs before the first backward), 1F1B ``min(M, S - s)``; for the
+  other generators counted on the generated lists (a micro-batch is in flight from its F until its B,
+  or its W: the weight gradient still needs the saved activations).
 - timeline: the simulated execution: per stage the (action, start_s, end_s) of every action, the step
   time (makespan), the busy (compute) seconds per stage, and the bubble fraction
   ``1 - sum(busy_s) / (num_stages * step_time_s)``.
@@ -27,6 +42,7 @@ Terms
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import deque
@@ -39,15 +55,17 @@ from autopar.errors import AutoparError
 
 __all__ = [
     "Action", "ActionKind", "PipelineSchedule", "ScheduleError", "Timeline",
-    "PIPELINE_SCHEDULES", "gpipe", "one_f_one_b", "make_schedule",
+    "PIPELINE_SCHEDULES", "ALL_SCHEDULES", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zb_h1",
+    "make_schedule",
     "in_flight_micro_batches", "with_comm", "simulate", "dry_run", "plot_timeline",
 ]
 
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")   # the generators of ``make_schedule``
-ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-_COMPUTE = ("F", "B")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")   # one chunk per stage, whole backwards
+ALL_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # ``make_schedule``'s
+ActionKind = Literal["F", "B", "BI", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+_COMPUTE = ("F", "B", "BI", "BW")
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BI|BW|F|B)(\d+)\s*$")
 
 
 class ScheduleError(AutoparError):
@@ -86,26 +104,39 @@ class Action:
 
 @dataclass(frozen=True, slots=True)
 class PipelineSchedule:
-    """One action list per stage; ``name`` says which generator made it ("gpipe", "1f1b", ...)."""
+    """One action list per worker; ``name`` says which generator made it ("gpipe", "1f1b", ...);
+    ``virtual_stages`` the chunks per worker (stage s on worker ``s % num_workers``)."""
 
     name: str
     num_micro: int
     actions: tuple[tuple[Action, ...], ...]
+    virtual_stages: int = 1
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.actions)
 
     @property
     def num_stages(self) -> int:
-        return len(self.actions)
+        """Stages of the model (virtual stages under interleaving): ``num_workers * virtual_stages``."""
+        return len(self.actions) * self.virtual_stages
 
     @property
     def has_comm(self) -> bool:
         return any(not a.is_compute for acts in self.actions for a in acts)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into I and W (zero-bubble)."""
+        return any(a.kind == "BW" for acts in self.actions for a in acts)
+
     def __repr__(self) -> str:
         rows = "; ".join(" ".join(map(repr, acts)) for acts in self.actions)
-        return f"PipelineSchedule({self.name!r}, stages={self.num_stages}, micro={self.num_micro}: {rows})"
+        v = f", virtual={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"PipelineSchedule({self.name!r}, stages={self.num_stages}{v}, micro={self.num_micro}: {rows})"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "num_micro": self.num_micro,
+        return {"name": self.name, "num_micro": self.num_micro, "virtual_stages": self.virtual_stages,
                 "actions": [[repr(a) for a in acts] for acts in self.actions]}
 
     def to_json(self, indent: int | None = None) -> str:
@@ -115,7 +146,8 @@ class PipelineSchedule:
     def from_dict(cls, d: dict) -> "PipelineSchedule":
         try:
             return cls(name=str(d["name"]), num_micro=int(d["num_micro"]),
-                       actions=tuple(tuple(Action.parse(a) for a in acts) for acts in d["actions"]))
+                       actions=tuple(tuple(Action.parse(a) for a in acts) for acts in d["actions"]),
+                       virtual_stages=int(d.get("virtual_stages", 1)))
         except KeyError as e:
             raise ScheduleError(f"PipelineSchedule: missing field {e.args[0]!r}") from None
 
@@ -160,55 +192,146 @@ def one_f_one_b(num_stages: int, num_micro: int) -> PipelineSchedule:
     return PipelineSchedule("1f1b", num_micro, tuple(out))
 
 
-def make_schedule(name: str, num_stages: int, num_micro: int) -> PipelineSchedule:
-    """The generator by name: "gpipe" or "1f1b"."""
-    generators = {"gpipe": gpipe, "1f1b": one_f_one_b}
-    if name not in generators:
-        raise ScheduleError(f"schedule: unknown {name!r}; choose one of {sorted(generators)}")
-    return generators[name](num_stages, num_micro)
+def interleaved_one_f_one_b(num_workers: int, num_micro: int, virtual_stages: int = 2) -> PipelineSchedule:
+    """Interleaved 1F1B (Megatron-LM): ``num_workers`` workers of ``virtual_stages`` chunks each (stage
+    ``v * W + w`` on worker w). A worker's forwards take the micro-batches in rounds of W, each round
+    through its chunks in order (its backwards the same with the chunks reversed); it runs
+    ``2 (W - w - 1) + (V - 1) W`` warm-up forwards (at most all), then one forward one backward, then
+    drains. The last round may hold fewer than W micro-batches; where that order would deadlock,
+    every worker takes the fewest extra warm-up forwards that avoid it. V = 1 gives 1F1B's lists."""
+    _check_sizes(num_workers, num_micro)
+    if virtual_stages < 1:
+        raise ScheduleError(f"virtual_stages: need >= 1, got {virtual_stages}")
+    if virtual_stages == 1:
+        return PipelineSchedule("interleaved-1f1b", num_micro, one_f_one_b(num_workers, num_micro).actions)
+    return _interleaved(num_workers, num_micro, virtual_stages)
 
 
-def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
+@functools.lru_cache(maxsize=256)
+def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
+    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
+    fwd = [[Action(v * W + w, "F", m) for r in rounds for v in range(V) for m in r] for w in range(W)]
+    bwd = [[Action(v * W + w, "B", m) for r in rounds for v in reversed(range(V)) for m in r] for w in range(W)]
+    for extra in range(V * M + 1):
+        out = []
+        for w in range(W):
+            warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
+            acts = fwd[w][:warmup]
+            for f in range(warmup, V * M):
+                acts += [fwd[w][f], bwd[w][f - warmup]]
+            acts += bwd[w][V * M - warmup:]
+            out.append(tuple(acts))
+        sched = PipelineSchedule("interleaved-1f1b", M, tuple(out), V)
+        try:
+            dry_run(sched)
+            return sched
+        except ScheduleError:
+            continue
+    raise ScheduleError(f"interleaved-1f1b: no deadlock-free order for {W} workers x {V} chunks, {M} micro-batches")
+
+
+def zb_h1(num_stages: int, num_micro: int) -> PipelineSchedule:
+    """Zero-bubble H1 (Qi et al., 2023): 1F1B's warm-up and steady order with each backward split into
+    I (input gradient, which the stage before waits for) and W (weight gradient, which nobody waits
+    for). Stage s keeps up to s W's pending, running one whenever more are, and the rest at the end:
+    the later stages' W's fill the drain's bubbles, and a stage holds at most S micro-batches."""
+    _check_sizes(num_stages, num_micro)
+    out = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, num_micro)
+        acts = [Action(s, "F", m) for m in range(warmup)]
+        f, pending = warmup, deque()
+        for m in range(num_micro):
+            if f < num_micro:
+                acts.append(Action(s, "F", f))
+                f += 1
+            acts.append(Action(s, "BI", m))
+            pending.append(m)
+            while len(pending) > s:
+                acts.append(Action(s, "BW", pending.popleft()))
+        acts += [Action(s, "BW", m) for m in pending]
+        out.append(tuple(acts))
+    return PipelineSchedule("zb-h1", num_micro, tuple(out))
+
+
+def make_schedule(name: str, num_stages: int, num_micro: int, virtual_stages: int = 1) -> PipelineSchedule:
+    """The generator by name (``ALL_SCHEDULES``). ``num_stages``: the model's stages (a plan's
+    ``len(plan.stages)``); ``virtual_stages``: chunks per worker, only for "interleaved-1f1b" (it must
+    divide ``num_stages``; the workers are ``num_stages // virtual_stages``)."""
+    if name not in ALL_SCHEDULES:
+        raise ScheduleError(f"schedule: unknown {name!r}; choose one of {sorted(ALL_SCHEDULES)}")
+    if name == "interleaved-1f1b":
+        if virtual_stages < 1 or num_stages % virtual_stages:
+            raise ScheduleError(f"virtual_stages: {virtual_stages} must be >= 1 and divide num_stages "
+                                f"({num_stages})")
+        return interleaved_one_f_one_b(num_stages // virtual_stages, num_micro, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages: {virtual_stages}; only 'interleaved-1f1b' has several "
+                            f"chunks per worker, {name!r} has 1")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name](num_stages, num_micro)
+
+
+@functools.lru_cache(maxsize=512)
+def _live_peaks(name: str, num_stages: int, num_micro: int, virtual_stages: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches in flight (F done, B or W not yet) along its worker's list."""
+    sched = make_schedule(name, num_stages, num_micro, virtual_stages)
+    peaks = [0] * num_stages
+    for acts in sched.actions:
+        live = [0] * num_stages
+        for a in acts:
+            live[a.stage] += 1 if a.kind == "F" else -1 if a.kind in ("B", "BW") else 0
+            peaks[a.stage] = max(peaks[a.stage], live[a.stage])
+    return tuple(peaks)
+
+
+def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micro: int,
+                            virtual_stages: int = 1) -> int:
     """Micro-batches whose activations ``stage`` of ``num_stages`` holds at its peak under ``schedule``
-    (see the module docstring)."""
-    return num_micro if schedule == "gpipe" else min(num_micro, num_stages - stage)
+    (see the module docstring; ``virtual_stages`` as ``make_schedule``'s). Names outside
+    ``ALL_SCHEDULES`` count as 1F1B."""
+    if schedule == "gpipe":
+        return num_micro
+    if schedule in ("zb-h1", "interleaved-1f1b"):
+        return _live_peaks(schedule, num_stages, num_micro, virtual_stages)[stage]
+    return min(num_micro, num_stages - stage)
 
 
 def with_comm(schedule: PipelineSchedule) -> PipelineSchedule:
     """Lower a compute-only schedule: RECV_F before each F of stage > 0, SEND_F after each F of a
-    stage before the last, RECV_B before each B of a stage before the last, SEND_B after each B of
-    stage > 0. Sends are meant to be asynchronous (isend), receives blocking."""
+    stage before the last, RECV_B before each B (or I) of a stage before the last, SEND_B after each B
+    (or I) of stage > 0; a W needs no communication. Sends are meant to be asynchronous (isend),
+    receives blocking."""
     if schedule.has_comm:
         raise ScheduleError("with_comm: the schedule already has SEND/RECV actions")
     last = schedule.num_stages - 1
     out = []
-    for s, acts in enumerate(schedule.actions):
+    for acts in schedule.actions:
         lowered: list[Action] = []
         for a in acts:
+            s = a.stage
             if a.kind == "F":
-                if s > 0:
-                    lowered.append(Action(s, "RECV_F", a.micro))
+                lowered += [Action(s, "RECV_F", a.micro)] if s > 0 else []
                 lowered.append(a)
-                if s < last:
-                    lowered.append(Action(s, "SEND_F", a.micro))
+                lowered += [Action(s, "SEND_F", a.micro)] if s < last else []
+            elif a.kind in ("B", "BI"):
+                lowered += [Action(s, "RECV_B", a.micro)] if s < last else []
+                lowered.append(a)
+                lowered += [Action(s, "SEND_B", a.micro)] if s > 0 else []
             else:
-                if s < last:
-                    lowered.append(Action(s, "RECV_B", a.micro))
                 lowered.append(a)
-                if s > 0:
-                    lowered.append(Action(s, "SEND_B", a.micro))
         out.append(tuple(lowered))
-    return PipelineSchedule(schedule.name, schedule.num_micro, tuple(out))
+    return PipelineSchedule(schedule.name, schedule.num_micro, tuple(out), schedule.virtual_stages)
 
 
 # -- simulation -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class Timeline:
-    """The simulated execution of a schedule (see the module docstring)."""
+    """The simulated execution of a schedule (see the module docstring); rows are workers (stages when
+    there is no interleaving)."""
 
-    events: tuple[tuple[tuple[Action, float, float], ...], ...]   # per stage, in execution order
-    transfers: tuple[tuple[tuple[Action, float, float], ...], ...]  # per receiving stage: data in flight
+    events: tuple[tuple[tuple[Action, float, float], ...], ...]   # per worker, in execution order
+    transfers: tuple[tuple[tuple[Action, float, float], ...], ...]  # per receiving worker: data in flight
     step_time_s: float
     busy_s: tuple[float, ...]
     schedule_name: str = ""
@@ -225,7 +348,7 @@ class Timeline:
 
     @property
     def stage_end_s(self) -> tuple[float, ...]:
-        """When each stage finished its last action."""
+        """When each worker finished its last action."""
         return tuple(max((e for _, _, e in ev), default=0.0) for ev in self.events)
 
     def __repr__(self) -> str:
@@ -248,21 +371,28 @@ def _as_matrix(x, shape: tuple[int, int], name: str) -> np.ndarray:
 
 def _validate(schedule: PipelineSchedule, num_micro: int) -> bool:
     """Structural checks; returns whether the schedule has explicit communication."""
-    S = schedule.num_stages
+    S, nw = schedule.num_stages, schedule.num_workers
     explicit = schedule.has_comm
     seen: set[Action] = set()
-    for s, acts in enumerate(schedule.actions):
+    for w, acts in enumerate(schedule.actions):
         for a in acts:
-            if a.stage != s:
-                raise ScheduleError(f"action {a!r} is in the list of stage {s}")
+            if a.stage % nw != w or a.stage >= S:
+                raise ScheduleError(f"action {a!r} is in the list of {'worker' if nw < S else 'stage'} {w}")
             if a.micro >= num_micro:
                 raise ScheduleError(f"action {a!r}: micro-batch {a.micro} >= num_micro {num_micro}")
             if a in seen:
                 raise ScheduleError(f"action {a!r} appears twice")
+            s = a.stage
             if (a.kind in ("RECV_F", "SEND_B") and s == 0) or (a.kind in ("SEND_F", "RECV_B") and s == S - 1):
                 raise ScheduleError(f"action {a!r}: stage {s} has no neighbour in that direction")
             seen.add(a)
-    needed = [Action(s, k, m) for s in range(S) for k in _COMPUTE for m in range(num_micro)]
+    needed = [Action(s, "F", m) for s in range(S) for m in range(num_micro)]
+    for s in range(S):
+        for m in range(num_micro):
+            split = Action(s, "BI", m) in seen or Action(s, "BW", m) in seen
+            if split and Action(s, "B", m) in seen:
+                raise ScheduleError(f"stage {s} micro-batch {m} has both a B and an I/W split")
+            needed += [Action(s, "BI", m), Action(s, "BW", m)] if split else [Action(s, "B", m)]
     if explicit:
         needed += [Action(s, k, m) for s in range(S) for m in range(num_micro)
                    for k in (("RECV_F", "SEND_B") if s > 0 else ()) + (("SEND_F", "RECV_B") if s < S - 1 else ())]
@@ -274,30 +404,36 @@ def _validate(schedule: PipelineSchedule, num_micro: int) -> bool:
 
 
 def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=None,
-             comm_bwd_time_s=None) -> Timeline:
-    """Execute the per-stage action lists in order, each stage on its own worker.
+             comm_bwd_time_s=None, wgrad_time_s=None) -> Timeline:
+    """Execute the per-worker action lists in order, each worker on its own.
 
-    ``fwd_time_s`` and ``bwd_time_s`` are arrays [stage][micro] of seconds; ``comm_time_s`` is
-    [boundary][micro] (boundary s sits between stage s and s+1; None = free), the transfer time of
-    micro-batch m's activation across it; ``comm_bwd_time_s`` the same for the gradient going back
-    (None = same as forward). An action starts when its worker is free and its dependencies are done
-    plus the transfer. Raises ``ScheduleError`` on a malformed schedule or a deadlock, naming the stuck
-    actions."""
-    S, M = schedule.num_stages, schedule.num_micro
+    ``fwd_time_s`` and ``bwd_time_s`` are arrays [stage][micro] of seconds (stages of the model:
+    virtual stages under interleaving); ``comm_time_s`` is [boundary][micro] (boundary s sits between
+    stage s and s+1; None = free), the transfer time of micro-batch m's activation across it;
+    ``comm_bwd_time_s`` the same for the gradient going back (None = same as forward);
+    ``wgrad_time_s`` [stage][micro] the W part of each backward where the schedule splits them (I
+    takes the rest; None = half). An action starts when its worker is free and its dependencies are
+    done plus the transfer. Raises ``ScheduleError`` on a malformed schedule or a deadlock, naming
+    the stuck actions."""
+    S, M, nw = schedule.num_stages, schedule.num_micro, schedule.num_workers
     fwd = _as_matrix(fwd_time_s, (S, M), "fwd_time_s").tolist()   # lists of floats: fast scalar access
-    bwd = _as_matrix(bwd_time_s, (S, M), "bwd_time_s").tolist()
+    bwd_a = _as_matrix(bwd_time_s, (S, M), "bwd_time_s")
+    bwd = bwd_a.tolist()
     comm_f = (np.zeros((S - 1, M)) if comm_time_s is None
               else _as_matrix(comm_time_s, (S - 1, M), "comm_time_s")).tolist()
     comm_b = comm_f if comm_bwd_time_s is None else _as_matrix(comm_bwd_time_s, (S - 1, M), "comm_bwd_time_s").tolist()
+    wgr = (bwd_a / 2 if wgrad_time_s is None else np.minimum(_as_matrix(wgrad_time_s, (S, M), "wgrad_time_s"),
+                                                               bwd_a)).tolist()
     explicit = _validate(schedule, M)
 
     lists = [[(a.stage, a.kind, a.micro) for a in acts] for acts in schedule.actions]
-    done: dict[tuple[int, str, int], float] = {}   # action key -> end time (issue time for sends)
-    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(S)]
-    transfers: list[list[tuple[Action, float, float]]] = [[] for _ in range(S)]
-    busy = [0.0] * S
-    free = [0.0] * S
-    ptr = [0] * S
+    done: dict[tuple[int, str, int], float] = {}   # action key -> end time (issue time for sends);
+    # (s, "G", m): when stage s's gradient of micro-batch m's input exists (its B or I ended)
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(nw)]
+    transfers: list[list[tuple[Action, float, float]]] = [[] for _ in range(nw)]
+    busy = [0.0] * nw
+    free = [0.0] * nw
+    ptr = [0] * nw
 
     def ready_time(key) -> float | None:
         """When the inputs of ``key`` are available on its worker; None if a dependency is not done."""
@@ -308,72 +444,79 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
             dep = (s, "RECV_F", m) if explicit else (s - 1, "F", m)
             t = done.get(dep)
             return None if t is None else (t if explicit else t + comm_f[s - 1][m])
-        if k == "B":
+        if k == "B" or k == "BI":
             t_f = done.get((s, "F", m))
             if t_f is None:
                 return None
             if s == S - 1:
                 return t_f
-            dep = (s, "RECV_B", m) if explicit else (s + 1, "B", m)
+            dep = (s, "RECV_B", m) if explicit else (s + 1, "G", m)
             t = done.get(dep)
             if t is None:
                 return None
             return max(t_f, t if explicit else t + comm_b[s][m])
-        if k == "SEND_F" or k == "SEND_B":
-            return done.get((s, k[-1], m))
+        if k == "BW":
+            return done.get((s, "BI", m))
+        if k == "SEND_F":
+            return done.get((s, "F", m))
+        if k == "SEND_B":
+            return done.get((s, "G", m))
         if k == "RECV_F":
             t = done.get((s - 1, "SEND_F", m))
             return None if t is None else t + comm_f[s - 1][m]
         t = done.get((s + 1, "SEND_B", m))   # RECV_B
         return None if t is None else t + comm_b[s][m]
 
-    queue = deque(range(S))
-    queued = [True] * S
+    queue = deque(range(nw))
+    queued = [True] * nw
     while queue:
-        s = queue.popleft()
-        queued[s] = False
+        w = queue.popleft()
+        queued[w] = False
         progressed = False
-        while ptr[s] < len(lists[s]):
-            key = lists[s][ptr[s]]
+        while ptr[w] < len(lists[w]):
+            key = lists[w][ptr[w]]
             t_ready = ready_time(key)
             if t_ready is None:
                 break
-            _, k, m = key
-            action = schedule.actions[s][ptr[s]]
-            if k == "F" or k == "B":
-                start = max(free[s], t_ready)
-                dur = fwd[s][m] if k == "F" else bwd[s][m]
+            s, k, m = key
+            action = schedule.actions[w][ptr[w]]
+            if k in ("F", "B", "BI", "BW"):
+                start = max(free[w], t_ready)
+                dur = (fwd[s][m] if k == "F" else bwd[s][m] if k == "B" else wgr[s][m] if k == "BW"
+                       else bwd[s][m] - wgr[s][m])
                 end = start + dur
-                busy[s] += dur
-                free[s] = end
-                events[s].append((action, start, end))
+                busy[w] += dur
+                free[w] = end
+                events[w].append((action, start, end))
+                if k == "B" or k == "BI":
+                    done[(s, "G", m)] = end
                 if not explicit:
                     if k == "F" and s > 0:
                         t0 = done[(s - 1, "F", m)]
-                        transfers[s].append((Action(s, "RECV_F", m), t0, t0 + comm_f[s - 1][m]))
-                    elif k == "B" and s < S - 1:
-                        t0 = done[(s + 1, "B", m)]
-                        transfers[s].append((Action(s, "RECV_B", m), t0, t0 + comm_b[s][m]))
+                        transfers[w].append((Action(s, "RECV_F", m), t0, t0 + comm_f[s - 1][m]))
+                    elif (k == "B" or k == "BI") and s < S - 1:
+                        t0 = done[(s + 1, "G", m)]
+                        transfers[w].append((Action(s, "RECV_B", m), t0, t0 + comm_b[s][m]))
             elif k.startswith("SEND"):
-                end = start = max(free[s], t_ready)   # asynchronous: issued, no worker time
-                events[s].append((action, start, end))
+                end = start = max(free[w], t_ready)   # asynchronous: issued, no worker time
+                events[w].append((action, start, end))
             else:   # a blocking receive: the worker waits until the data has arrived
-                start = free[s]
-                end = max(free[s], t_ready)
-                free[s] = end
-                events[s].append((action, start, end))
+                start = free[w]
+                end = max(free[w], t_ready)
+                free[w] = end
+                events[w].append((action, start, end))
                 comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
-                transfers[s].append((action, t_ready - comm, t_ready))
+                transfers[w].append((action, t_ready - comm, t_ready))
             done[key] = end
-            ptr[s] += 1
+            ptr[w] += 1
             progressed = True
         if progressed:
-            for n in (s - 1, s + 1):
-                if 0 <= n < S and not queued[n] and ptr[n] < len(lists[n]):
+            for n in ((w - 1) % nw, (w + 1) % nw):
+                if n != w and not queued[n] and ptr[n] < len(lists[n]):
                     queue.append(n)
                     queued[n] = True
 
-    stuck = [schedule.actions[s][ptr[s]] for s in range(S) if ptr[s] < len(lists[s])]
+    stuck = [schedule.actions[w][ptr[w]] for w in range(nw) if ptr[w] < len(lists[w])]
     if stuck:
         raise ScheduleError(
             f"schedule {schedule.name!r} deadlocks: stuck at {', '.join(map(repr, stuck))} "
@@ -384,7 +527,8 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
 
 
 def dry_run(schedule: PipelineSchedule) -> Timeline:
-    """Simulate with unit durations and free transfers: raises ``ScheduleError`` if it deadlocks."""
+    """Simulate with unit durations (B = 2, split as I = W = 1) and free transfers: raises
+    ``ScheduleError`` if it deadlocks."""
     S, M = schedule.num_stages, schedule.num_micro
     ones = np.ones((S, M))
     return simulate(schedule, ones, 2 * ones, np.zeros((max(S - 1, 0), M)))
@@ -392,7 +536,7 @@ def dry_run(schedule: PipelineSchedule) -> Timeline:
 
 # -- display ----------------------------------------------------------------------------------------
 
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "comm": "#8172B3", "idle": "#E5E5E5"}
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "BI": "#DD8452", "BW": "#55A868", "comm": "#8172B3", "idle": "#E5E5E5"}
 
 
 def plot_timeline(timeline: Timeline, path, labels: Sequence[str] | None = None) -> None:
@@ -428,8 +572,9 @@ def plot_timeline(timeline: Timeline, path, labels: Sequence[str] | None = None)
     ax.set_title(f"{timeline.schedule_name or 'pipeline'}: step {timeline.step_time_s:.4g} s, "
                  f"bubble {timeline.bubble_fraction:.1%}", loc="left", fontsize=10)
     ax.legend(handles=[Patch(color=_COLOURS[k], label=name) for k, name in
-                       (("F", "forward"), ("B", "backward"), ("comm", "communication"), ("idle", "idle"))],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if S < 3 else -0.2), ncol=4, fontsize=8,
+                       (("F", "forward"), ("B", "backward (BI: its input gradient)"), ("BW", "weight gradient"),
+                        ("comm", "communication"), ("idle", "idle"))],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if S < 3 else -0.2), ncol=5, fontsize=8,
               frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
