@@ -8,6 +8,7 @@ little between processes), then builds the execution engine of the plan on this 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -145,6 +146,9 @@ class Compiled:
     engine: Any
     rank: int
     step_times_s: list[float] = field(default_factory=list)
+    # this rank's memory meter (autopar.runtime.memory.meter_for): tracks and limits an emulated
+    # device's tensor bytes while the model is built and stepped; .peak_bytes is the measured peak
+    memory: Any = None
 
     def step(self, inputs, targets=None, *, local: bool = False) -> float:
         """One optimizer step (forward, backward, optimizer); returns the global mean loss, the same on
@@ -160,7 +164,8 @@ class Compiled:
                 raise RuntimeInputError(f"step: the batch has {n} samples but the plan is for global_batch_size="
                                         f"{self.plan.global_batch_size}; pass local=True for this rank's rows")
         t0 = time.perf_counter()
-        loss = self.engine.step(inputs, targets, local=local)
+        with self.memory if self.memory is not None else contextlib.nullcontext():
+            loss = self.engine.step(inputs, targets, local=local)
         self.step_times_s.append(time.perf_counter() - t0)
         return loss
 
@@ -242,6 +247,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     from autopar.passes.analyze import analyze
     from autopar.passes.capture import retarget_device
     from autopar.runtime import emulate
+    from autopar.runtime import memory as rank_memory
     from autopar.runtime.communicator import pg_broadcast_objects
     from autopar.runtime.engine import EngineInputs, build_engine
 
@@ -296,18 +302,21 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         model = model.to(ctx.device)
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
-    if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
-        retarget_device(gm, "meta", ctx.device)     # an exported graph baked the meta inputs' device in
-        mat.materialize_tensors(model, mat.rank_tensors(the_plan, gm, ctx.rank, model), seed=seed, init=init,
-                                device=ctx.device, weights=weights, roots=(gm,))
-        mat.mark_deterministic(model)
-    program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
-                    params=[p for p in model.parameters() if p.requires_grad])
-    clock = emulate.clock_for(cluster.devices[ctx.rank],
-                              time_scale=emulate.emulation_time_scale(ctx.world_size)) \
-        if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
-    engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
-                                       optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
-                                       device=ctx.device, clock=clock), program,
-                          zero3_granularity=zero3_granularity)
-    return Compiled(plan=the_plan, engine=engine, rank=ctx.rank)
+    meter = rank_memory.meter_for(cluster.devices[ctx.rank], ctx.rank, ctx.device)
+    meter.track(rank_memory.module_tensors(model))     # what the rank holds already (a model not on meta)
+    with meter:   # an emulated device's memory_GB is a limit from here on (autopar.runtime.memory)
+        if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
+            retarget_device(gm, "meta", ctx.device)     # an exported graph baked the meta inputs' device in
+            mat.materialize_tensors(model, mat.rank_tensors(the_plan, gm, ctx.rank, model), seed=seed, init=init,
+                                    device=ctx.device, weights=weights, roots=(gm,))
+            mat.mark_deterministic(model)
+        program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
+                        params=[p for p in model.parameters() if p.requires_grad])
+        clock = emulate.clock_for(cluster.devices[ctx.rank],
+                                  time_scale=emulate.emulation_time_scale(ctx.world_size)) \
+            if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
+        engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
+                                           optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
+                                           device=ctx.device, clock=clock), program,
+                              zero3_granularity=zero3_granularity)
+    return Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter)

@@ -1,0 +1,238 @@
+"""Memory of a running rank: its measured peak, and an emulated device's ``memory_GB`` as a real limit.
+
+Terms
+- meter: what measures one rank's memory (``meter_for`` picks it from the rank's device):
+  - ``TrackedMeter``, emulated devices: the bytes of the tensors this rank holds, tracked (below), with
+    the device's ``memory_bytes`` (its ``memory_GB``, whole: the plan fills at most its
+    ``memory_fraction``) as a limit. Past it, the allocation that crossed it raises
+    ``MemoryLimitError`` naming the rank and the figures, as a CUDA OOM would.
+  - ``CudaMeter``, GPU ranks: ``torch.cuda.max_memory_allocated`` of the rank's device; nothing tracked,
+    no overhead, the device itself is the limit (``torch.OutOfMemoryError``).
+  - ``NullMeter``, native CPU ranks (``emulate`` unset): nothing measured, no overhead; a ``TrackedMeter``
+    without a limit when asked (``meter_for(..., track=True)``).
+- tracked tensor bytes: while a ``TrackedMeter`` is active (``with meter:``; compile holds it while it
+  materialises the model and builds the engine, ``Compiled.step`` while it steps), every tensor an
+  operator returns on this thread (and the autograd work it starts) is counted once per storage, at
+  the storage's size, until the storage is freed (a weak reference's callback). Tensors that existed
+  before (a model built on CPU, not on meta) are counted by ``meter.track(tensors)``. This covers
+  parameters, gradients, optimizer state, activations saved for backward, communication buffers
+  (flat buffers, gathered shards: they are operator outputs) and temporaries. Not counted: tensors
+  made while no meter is active (user code between steps, ``state_dict()``), and memory that is no
+  tensor storage (Python objects, the allocator's caching and fragmentation, gloo's own buffers).
+- peak: the most tracked bytes held at once since the last ``reset_peak()``.
+
+Why tracked tensor bytes and not the allocator or the process. The CPU allocator keeps no statistics
+torch exposes (``torch.cuda.max_memory_allocated`` has no CPU counterpart), and the process's peak
+resident memory is one figure for the whole process: threaded test ranks share a process, and the
+resident set also holds torch's libraries, the interpreter and freed-but-cached pages, so "above the
+pre-model baseline" would measure the allocator's caching as much as the rank. Tensor bytes are
+what the cost model prices (``autopar.cost.memory``) and what ``max_memory_allocated`` counts on a
+GPU, so predicted and measured compare the same thing on emulated and real devices. The tracking is
+a ``TorchDispatchMode`` (``torch.utils._python_dispatch``), whose stack is thread-local (and follows
+autograd into its engine threads), so each thread-rank tracks only its own tensors.
+
+Cost: a Python call per operator while a ``TrackedMeter`` is active (a few microseconds). On an
+emulated rank it runs inside the emulated clock's compute blocks, so it is part of the CPU time the
+clock stretches; GPU ranks and native CPU ranks never pay it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import AutoparError
+
+__all__ = ["MemoryLimitError", "TrackedMeter", "CudaMeter", "NullMeter", "meter_for", "module_tensors"]
+
+
+class MemoryLimitError(AutoparError, RuntimeError):
+    """A rank's tracked tensor bytes passed its emulated device's memory (as a CUDA out-of-memory)."""
+
+    def __init__(self, message: str, rank: int | None = None, used_bytes: int = 0, limit_bytes: int = 0):
+        super().__init__(message)
+        self.rank, self.used_bytes, self.limit_bytes = rank, used_bytes, limit_bytes
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def module_tensors(*modules) -> list[torch.Tensor]:
+    """The parameters, their gradients and the buffers of ``modules`` (for ``TrackedMeter.track``)."""
+    out = []
+    for m in modules:
+        if m is None:
+            continue
+        for p in m.parameters():
+            out.append(p)
+            if p.grad is not None:
+                out.append(p.grad)
+        out += list(m.buffers())
+    return out
+
+
+class _Tracking(TorchDispatchMode):
+    """The dispatch mode of one ``TrackedMeter``: counts the storages operators return."""
+
+    def __init__(self, meter: "TrackedMeter"):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.meter._add(t)
+        return out
+
+
+class TrackedMeter:
+    """Tracked tensor bytes of one rank, optionally limited (see the module docstring). ``with meter:``
+    activates tracking on this thread (re-entrant: an inner ``with`` is a no-op)."""
+
+    kind = "tracked"
+
+    def __init__(self, rank: int | None = None, limit_bytes: int | None = None, device_name: str = ""):
+        if limit_bytes is not None and not limit_bytes > 0:
+            raise AutoparError(f"limit_bytes: {limit_bytes!r} must be > 0 (or None for no limit)")
+        self.rank, self.limit_bytes, self.device_name = rank, limit_bytes, device_name
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, Any] = {}       # storage key -> weak reference (its callback frees it)
+        self._lock = threading.Lock()
+        self._mode: _Tracking | None = None
+        self._depth = 0
+
+    # -- counting ------------------------------------------------------------------------------
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count ``tensors`` (those this rank held before tracking began) once per storage."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.is_meta or t.layout != torch.strided:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # tensors without storage (subclasses)
+            return
+        key, n = st._cdata, st.nbytes()
+        with self._lock:
+            if key in self._live:
+                return
+            self._live[key] = weakref.ref(st, lambda _ref, key=key, n=n: self._free(key, n))
+            self.current_bytes += n
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+            over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
+        if over:
+            raise self._error(n)
+
+    def _free(self, key: int, n: int) -> None:
+        with self._lock:
+            if self._live.pop(key, None) is not None:
+                self.current_bytes -= n
+
+    def _error(self, n: int) -> MemoryLimitError:
+        who = f"rank {self.rank}" + (f" ({self.device_name})" if self.device_name else "")
+        return MemoryLimitError(
+            f"{who}: out of memory: tracked tensors would hold {self.current_bytes} bytes "
+            f"({_mib(self.current_bytes)}) after allocating {n} bytes, over the emulated device's memory_GB "
+            f"of {self.limit_bytes} bytes ({_mib(self.limit_bytes)}); plan with a smaller batch, more devices or "
+            "a higher ZeRO stage", self.rank, self.current_bytes, self.limit_bytes)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.current_bytes
+
+    # -- activation ----------------------------------------------------------------------------
+    def __enter__(self) -> "TrackedMeter":
+        self._depth += 1
+        if self._depth == 1:
+            self._mode = _Tracking(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(*exc)
+
+
+class CudaMeter:
+    """Peak memory of a GPU rank: the allocator's ``max_memory_allocated`` (no tracking, no limit)."""
+
+    kind = "cuda"
+    limit_bytes = None
+
+    def __init__(self, device: torch.device, rank: int | None = None):
+        self.device, self.rank = torch.device(device), rank
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:   # the allocator counts everything
+        pass
+
+    @property
+    def current_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __enter__(self) -> "CudaMeter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class NullMeter:
+    """A native CPU rank's meter: measures nothing (``peak_bytes`` None), costs nothing."""
+
+    kind = "none"
+    limit_bytes = None
+    current_bytes = None
+    peak_bytes = None
+
+    def __init__(self, rank: int | None = None):
+        self.rank = rank
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        pass
+
+    def __enter__(self) -> "NullMeter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def meter_for(device, rank: int | None, torch_device: torch.device | str = "cpu", *,
+              track: bool | None = None):
+    """The meter of a rank on cluster ``device`` (an ``autopar.cluster.model.Device``) running on
+    ``torch_device``: a ``CudaMeter`` on a GPU, a limited ``TrackedMeter`` on an emulated device, a
+    ``NullMeter`` on a native CPU (``track=True``: an unlimited ``TrackedMeter``; ``track=False``: a
+    ``NullMeter`` on an emulated device too, without the limit)."""
+    torch_device = torch.device(torch_device)
+    if torch_device.type == "cuda":
+        return CudaMeter(torch_device, rank)
+    spec = device.spec
+    if spec.is_emulated and track is not False:
+        return TrackedMeter(rank, int(spec.memory_bytes), spec.name)
+    if track:
+        return TrackedMeter(rank, None, spec.name)
+    return NullMeter(rank)
