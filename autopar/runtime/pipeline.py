@@ -25,9 +25,17 @@ Terms
   gloo send whose receive is posted writes at once; otherwise the data waits for a round trip through
   the sender's communication thread, which an emulated device that is computing (or any busy CPU)
   serves late. Other pairs (NCCL, host-staged) receive blocking, in schedule order.
-- schedule: ``autopar.ir.schedule.make_schedule(plan.schedule, S, M)`` lowered with ``with_comm``; each
-  rank runs its stage's action list: RECV_F, F, SEND_F, RECV_B, B, SEND_B. Sends are asynchronous,
-  receives block.
+- schedule: ``autopar.ir.schedule.make_schedule(plan.schedule, S, M, plan.virtual_stages)`` lowered
+  with ``with_comm``; each rank runs its worker's action list: RECV_F, F, SEND_F, RECV_B, B (or BI, and
+  later BW), SEND_B. Receives block.
+- sends (``overlap_sends``, default on): an ``isend`` whose wait is deferred to the end of the step,
+  after the last action, when its buffer may be reused; so compute never waits on a send. Off: every
+  send is waited at once (blocking sends, the baseline ``benchmarks/bench_interleave.py`` measures).
+- chunks (``Plan.virtual_stages`` > 1, "interleaved-1f1b"): a rank holds several stages (model chunks,
+  ``Plan.chunks_of``) and its one action list interleaves them; state, receives and message tags are
+  per (stage, micro-batch). Chunks of one rank are one-rank members (no tensor parallelism).
+- zero-bubble split ("zb-h1"): BI computes only the gradient of the stage's inputs (sent back at once),
+  BW later its weights' gradients (``autopar.runtime.pipeline_zb``), exactly the one backward in two.
 - loss weight: the last stage's micro-batch loss (the mean over its rows) is scaled by rows / global
   batch, so gradients summed over micro-batches and members are the global-mean gradient.
 - gradient group: the ranks that hold a parameter: the members of every stage that uses it. The
@@ -64,13 +72,15 @@ step (ZeRO-1 by parameter, as torch's ZeroRedundancyOptimizer: exact for any per
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from autopar.errors import PlanError
 from autopar.ir.schedule import make_schedule, with_comm
 from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
@@ -79,23 +89,22 @@ from autopar.passes.tp import load_shards
 from autopar.runtime.base import EngineInputs, compute_loss
 from autopar.runtime.communicator import Communicator
 from autopar.runtime.data import StepRows, check_like, local_inputs, rank_rows, stand_in_inputs
+from autopar.runtime.pipeline_msg import PipelineMessages
 from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
+from autopar.runtime.pipeline_zb import backward_input, backward_weight
 from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)
-_TAG_MICRO = 8192     # tag = (2 * micro + direction) * _TAG_MICRO + message index
-
-
-class PipelineEngine:
+class PipelineEngine(PipelineMessages):
     """Executes a pipeline ``Plan`` on this rank (see the module docstring): this rank's ``program``
     (``autopar.lowering.lower``) holds every stage's program and, on a tensor-parallel member, the
     rank's shard of its own."""
 
-    def __init__(self, inputs: EngineInputs, program: RankProgram, *, comm: Communicator | None = None):
+    def __init__(self, inputs: EngineInputs, program: RankProgram, *, comm: Communicator | None = None,
+                 overlap: bool = True):
         plan = inputs.plan
+        self.overlap_sends = overlap   # False: wait every send at once (see ``sends``)
         check_pipeline_plan(plan, inputs.world_size)
         self.inputs = inputs
         self.rank_program = program
@@ -104,19 +113,26 @@ class PipelineEngine:
         self.device = torch.device(inputs.device)
         self.clock = inputs.clock
         try:
-            self.stage, self.member = plan.stage_of(inputs.rank)
+            self.stage, self.member = plan.stage_of(inputs.rank)   # the first chunk (its rank stage)
             self.tp_index = plan.stages[self.stage].groups[self.member].index(inputs.rank)
         except KeyError:    # an idle rank: the plan leaves it out; it joins every world collective
             self.stage, self.member, self.tp_index = None, None, 0
+        self.chunks = plan.chunks_of(inputs.rank)
         self.num_stages = plan.num_stages
         self.num_micro = plan.num_micro_batches
         self.layout = row_layout(plan)
-        self.schedule = with_comm(make_schedule(plan.schedule if plan.schedule != "none" else "gpipe",
-                                                self.num_stages, self.num_micro))
+        name = plan.schedule if plan.schedule != "none" else "gpipe"
+        if plan.virtual_stages > 1 and any(len(g) > 1 for st in plan.stages for g in st.groups):
+            raise PlanError("plan.virtual_stages: interleaved chunks run on one-rank members; this plan has "
+                            "tensor-parallel members")
+        if name == "zb-h1" and any(len(g) > 1 for st in plan.stages for g in st.groups):
+            raise PlanError("plan.schedule: 'zb-h1' splits backwards on one-rank members; this plan has "
+                            "tensor-parallel members")
+        self.schedule = with_comm(make_schedule(name, self.num_stages, self.num_micro, plan.virtual_stages))
         self.programs = list(program.stages)
         self.program = self.programs[self.stage] if self.stage is not None else None
-        if self.program is not None:
-            self.program.gm.to(self.device)
+        for s in self.chunks:
+            self.programs[s].gm.to(self.device)
         self.comm = comm if comm is not None else Communicator.for_engine(inputs.rank, inputs.world_size,
                                                                           inputs.device, inputs.group)
 
@@ -152,7 +168,7 @@ class PipelineEngine:
         for stages, ids in sorted(by_stages.items()):
             ranks = sorted({r for s in stages for r in plan.stages[s].ranks})
             group = self.comm.new_group(ranks) if len(ranks) > 1 else None
-            if self.stage in stages:
+            if set(stages) & set(self.chunks):
                 self._grad_groups.append((group, [tensors[i] for i in ids]))
 
         # Point-to-point pairs between neighbouring stages.
@@ -180,7 +196,9 @@ class PipelineEngine:
             for shard in tp_layout(local).params:
                 source = self.programs[self.stage].gm.get_parameter(shard.source)
                 self._shards[id(source)] = (shard, local.get_parameter(shard.local))
-        self.params = [p for p in self.program.gm.parameters() if p.requires_grad] if self.program else []
+        # Every parameter of this rank's chunks, once (a weight tied across its chunks is one tensor).
+        self.params = list({id(p): p for s in self.chunks for p in self._prog(s).gm.parameters()
+                            if p.requires_grad}.values())
         self._zero_groups = self._partition_for_zero()
         skip = {id(p) for _, owned in self._zero_groups for j, ps in enumerate(owned)
                 if j != self.member for p in ps}
@@ -191,19 +209,25 @@ class PipelineEngine:
         # torch.utils.checkpoint, so only its inputs stay in flight and backward re-runs the forward
         # (on every rank of a tensor-parallel member alike, collectives included, in the same order).
         self.recompute = self.stage is not None and bool(plan.stages[self.stage].recompute)
+        self._recompute = {s: bool(plan.stages[s].recompute) for s in self.chunks}
         self._batched: dict[str, bool] | None = None
         self._sends: list = []
         self._signatures: set = set()            # input signatures whose headers have travelled
         self._meta: dict = {}                    # signature -> {value name: (dtype, grad, shape)}
         self._signature = None
         self._known = False                      # this step's signature is in _signatures
-        self._posted_f: dict[int, list] = {}     # micro -> pre-posted forward receives
-        self._posted_b: dict[int, list] = {}     # micro -> pre-posted gradient receives
+        self._posted_f: dict[tuple, list] = {}   # (stage, micro) -> pre-posted forward receives
+        self._posted_b: dict[tuple, list] = {}   # (stage, micro) -> pre-posted gradient receives
         # local=True: the rows this rank is given (inputs where its stage reads graph inputs, targets
         # on the last stage) and stand-ins for the inputs it is not given (autopar.runtime.data).
-        self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None,
-                                    input_stages={p.index for p in self.programs if p.graph_inputs})
-        self._reads = self.program is not None and bool(self.program.graph_inputs)
+        # With chunks, the rows follow the rank stages (stage s is rank stage s % R; the last chunk is
+        # on the last rank stage), so they are those of the plan's first R stages.
+        R = plan.rank_stages
+        self.local_rows = rank_rows(dataclasses.replace(plan, stages=plan.stages[:R], virtual_stages=1)
+                                    if R < plan.num_stages else plan, inputs.rank,
+                                    targets=inputs.loss_fn is not None,
+                                    input_stages={p.index % R for p in self.programs if p.graph_inputs})
+        self._reads = {s: bool(self._prog(s).graph_inputs) for s in self.chunks}
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float:
@@ -224,64 +248,73 @@ class PipelineEngine:
 
         self._signature = _signature(flat if not local else stand_in_inputs(self.rank_program.gm, B))
         self._known = self._signature in self._signatures
-        if self.stage is not None and self.stage > 0 and self._known:
-            for m in range(self.num_micro):
-                self._posted_f[m] = self._post_forward(m)
-        state: dict[int, dict[str, Any]] = {m: {} for m in range(self.num_micro)}
+        if self._known:
+            for s in self.chunks:
+                if s > 0:
+                    for m in range(self.num_micro):
+                        self._posted_f[(s, m)] = self._post_forward(s, m)
+        state: dict[tuple[int, int], dict[str, Any]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t_step = time.perf_counter()
         trace: list[tuple[str, int, float, float]] = []
-        for action in self.schedule.actions[self.stage] if self.stage is not None else ():
-            m = action.micro
-            a, b = self.layout[self.stage][self.member][m]
+        worker = self.stage if self.stage is not None else None
+        for action in self.schedule.actions[worker] if worker is not None else ():
+            m, s = action.micro, action.stage
+            a, b = self.layout[s][self.member][m]
             if a == b:
                 continue
-            st = state[m]
+            st = state.setdefault((s, m), {})
+            prog = self._prog(s)
             kind = action.kind
             t_action = time.perf_counter()
             if kind == "RECV_F":
-                st["received"], st["pieces"] = self._recv_forward(m)
+                st["received"], st["pieces"] = self._recv_forward(s, m)
             elif kind == "F":
                 rows = slice(a, b)
-                local = [in_rows.take(t, rows, self.device) for t in flat] if self._reads else [None] * len(flat)
-                tgt = tgt_rows.take(targets, rows, self.device) if self.program.is_last else None
+                local = [in_rows.take(t, rows, self.device) for t in flat] if self._reads[s] else [None] * len(flat)
+                tgt = tgt_rows.take(targets, rows, self.device) if prog.is_last else None
                 received = st.get("received", ())
                 with self.clock.compute():
-                    args = ((b - a) / B, len(local), len(received), *local, *received, tgt)
-                    if self.recompute:    # save only the inputs; backward re-runs the forward
+                    args = (s, (b - a) / B, len(local), len(received), *local, *received, tgt)
+                    if self._recompute[s]:    # save only the inputs; backward re-runs the forward
                         out = checkpoint(self._forward, *args, use_reentrant=False)
                     else:
                         out = self._forward(*args)
-                if self.program.is_last:
-                    loss = out
-                    st["loss"] = loss
+                if prog.is_last:
+                    st["loss"] = out
                     if self.tp_index == 0:      # a tensor-parallel member's loss counts once
-                        loss_sum += loss.detach().to(torch.float64)
+                        loss_sum += out.detach().to(torch.float64)
                 else:
                     st["outputs"] = tuple(out)
             elif kind == "SEND_F":
                 if self.tp_index == 0:
-                    self._send_forward(m, st["outputs"])
-                self._posted_b[m] = self._post_backward(m, st["outputs"])
+                    self._send_forward(s, m, st["outputs"])
+                self._posted_b[(s, m)] = self._post_backward(s, m, st["outputs"])
             elif kind == "RECV_B":
-                st["grads"] = self._recv_backward(m, st["outputs"])
-            elif kind == "B":
-                if self.program.is_last:
-                    loss = st.pop("loss")
-                    with self.clock.compute():
-                        loss.backward()
+                st["grads"] = self._recv_backward(s, m, st["outputs"])
+            elif kind == "B" or kind == "BI":
+                if prog.is_last:
+                    outs, grads = [st.pop("loss")], None
                 else:
-                    outs = st.pop("outputs")
-                    grads = st.pop("grads")
-                    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-                    if pairs:
-                        with self.clock.compute():
-                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    pairs = [(o, g) for o, g in zip(st.pop("outputs"), st.pop("grads")) if g is not None]
+                    outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+                if outs:
+                    with self.clock.compute():
+                        if kind == "B":
+                            torch.autograd.backward(outs, grads)
+                        else:   # zero-bubble: the input gradient now, the weights' at this BW
+                            leaves = [t for _, ts in st.get("pieces", ()) for t in ts]
+                            st["wgrad"] = backward_input(outs, grads, leaves, self._prog(s).gm.parameters())
                 st["outputs"] = None
+            elif kind == "BW":
+                handle = st.pop("wgrad", None)
+                if handle is not None:
+                    with self.clock.compute():
+                        backward_weight(handle)
             elif kind == "SEND_B":
                 pieces = st.pop("pieces")
                 if self.tp_index == 0:
-                    self._send_backward(m, pieces)
+                    self._send_backward(s, m, pieces)
                 st.pop("received", None)
             trace.append((kind, m, t_action - t_step, time.perf_counter() - t_step))
         self.last_trace = tuple(trace)   # (action kind, micro-batch, start s, end s) of this step
@@ -319,16 +352,28 @@ class PipelineEngine:
                              f"of targets, got {None if targets is None else tuple(targets.shape)}")
         return flat, StepRows(rows.num_inputs, rows.inputs), StepRows(rows.num_targets, rows.targets)
 
-    def _forward(self, weight: float, num_local: int, num_received: int, *values: Any) -> Any:
-        """The stage program on one micro-batch (``values``: the local flat inputs, the received
+    def _forward(self, stage: int, weight: float, num_local: int, num_received: int, *values: Any) -> Any:
+        """The program of ``stage`` on one micro-batch (``values``: the local flat inputs, the received
         values, the targets): its sent values, or on the last stage its weighted loss (the whole of
         what ``recompute`` re-runs in backward). The tensors are positional so that checkpoint sees
         them: it stashes the RNG state and takes autocast from their device."""
         local, received = values[:num_local], values[num_local:num_local + num_received]
-        out = self.program(local, received)
-        if self.program.is_last:
+        prog = self._prog(stage)
+        out = prog(local, received)
+        if prog.is_last:
             return compute_loss(out, values[num_local + num_received], self.inputs.loss_fn) * weight
         return tuple(out)
+
+    def _prog(self, stage: int):
+        """The program this rank runs for ``stage``: its tensor-parallel shard on a TP member."""
+        return self.program if stage == self.stage else self.programs[stage]
+
+    def _send(self, work) -> None:
+        """Keep an isend's handle until the end of the step (``overlap_sends``), or wait at once."""
+        if self.overlap_sends:
+            self._sends.append(work)
+        else:
+            work.wait()
 
     def _partition_for_zero(self) -> list[tuple[Any, list[list[torch.nn.Parameter]]]]:
         """ZeRO >= 1 on a stage of several one-rank members: the parameters that only this stage holds
@@ -381,182 +426,6 @@ class PipelineEngine:
                                            dim=shard.dim)
                 else:
                     p.grad = g
-
-    # -- messages -----------------------------------------------------------------------------------
-    def _tag(self, micro: int, backward: bool, index: int) -> int:
-        return (2 * micro + int(backward)) * _TAG_MICRO + index
-
-    def _peer(self, stage: int, member: int) -> int:
-        return self.plan.stages[stage].groups[member][0]
-
-    def _send_forward(self, m: int, outputs: Sequence[torch.Tensor]) -> None:
-        s = self.stage
-        names = self.program.sent
-        start = self.layout[s][self.member][m][0]
-        for tr in transfers(self.layout, s, m):
-            if tr.sender != self.member:
-                continue
-            primary = primary_sender(self.layout, s, m, tr.receiver) == self.member
-            payload, header = [], []
-            for name, v in zip(names, outputs):
-                if self._batched[name]:
-                    piece = v[tr.start - start:tr.stop - start]
-                elif primary:
-                    piece = v
-                else:
-                    continue
-                header += [_DTYPES.index(piece.dtype), int(v.requires_grad), piece.dim(), *piece.shape]
-                payload.append(piece)
-            head = torch.tensor([len(header)] + header, dtype=torch.int64)
-            size = torch.tensor([head.numel()], dtype=torch.int64)
-            for dst in self.plan.stages[s + 1].groups[tr.receiver]:   # every rank of a TP member
-                if not self._known:      # the receiver does not know this signature's shapes yet
-                    self._sends.append(self.comm.isend(size, dst, self._tag(m, False, 0)))
-                    self._sends.append(self.comm.isend(head, dst, self._tag(m, False, 1)))
-                for i, piece in enumerate(payload):
-                    self._sends.append(self.comm.isend(piece, dst, self._tag(m, False, 2 + i)))
-
-    def _irecv(self, shape, dtype: torch.dtype, src: int, tag: int):
-        """Post a receive now (a ``PendingRecv``) where the pair is gloo on unstaged tensors, else None:
-        other pairs (NCCL, host-staged) receive blocking, in schedule order (``pre-posted receive``)."""
-        if self.comm.p2p_path(src) != ("gloo", False):
-            return None
-        return self.comm.irecv(shape, dtype, src, tag)
-
-    def _take(self, spec) -> torch.Tensor:
-        """The tensor of a receive ``spec`` = (shape, dtype, src, tag, posted or None)."""
-        shape, dtype, src, tag, posted = spec
-        if posted is None:
-            return self.comm.recv(shape, dtype, src, tag)
-        return posted.wait()
-
-    def _post_forward(self, m: int) -> list:
-        """The receives of micro-batch m's forward values, posted now where the pair allows (known
-        signature only): per transfer into this member, ``(sender, [(name, grad, spec)])``."""
-        a, b = self.layout[self.stage][self.member][m]
-        if a == b:
-            return []
-        s = self.stage - 1
-        meta = self._meta[self._signature]
-        out = []
-        for tr in transfers(self.layout, s, m):
-            if tr.receiver != self.member:
-                continue
-            src = self._peer(s, tr.sender)
-            primary = primary_sender(self.layout, s, m, self.member) == tr.sender
-            got, i = [], 0
-            for name in self.program.received:
-                if not self._batched[name] and not primary:
-                    continue
-                dtype, grad, shape = meta[name]
-                shape = (tr.stop - tr.start, *shape) if self._batched[name] else shape
-                tag = self._tag(m, False, 2 + i)
-                got.append((name, grad, (shape, dtype, src, tag, self._irecv(shape, dtype, src, tag))))
-                i += 1
-            out.append((tr.sender, got))
-        return out
-
-    def _recv_forward(self, m: int):
-        """The received values of micro-batch m (rows assembled in order) and, per sender, the leaf
-        pieces whose gradients go back to it. Without a known signature, headers come first and their
-        shapes are kept (``value meta``)."""
-        s = self.stage - 1
-        names = self.program.received
-        pieces: dict[str, list] = {n: [] for n in names}
-        by_sender: list[tuple[int, list[torch.Tensor]]] = []
-        if self._known:
-            posted = self._posted_f.pop(m, None)
-            for sender, got in posted if posted is not None else self._post_forward(m):
-                mine = []
-                for name, grad, spec in got:
-                    t = self._take(spec)
-                    if grad:
-                        t.requires_grad_(True)
-                        mine.append(t)
-                    pieces[name].append(t)
-                by_sender.append((sender, mine))
-        else:
-            meta = self._meta.setdefault(self._signature, {})
-            for tr in transfers(self.layout, s, m):
-                if tr.receiver != self.member:
-                    continue
-                src = self._peer(s, tr.sender)
-                size = self.comm.recv((1,), torch.int64, src, self._tag(m, False, 0))
-                head = self.comm.recv((int(size[0]),), torch.int64, src, self._tag(m, False, 1)).tolist()[1:]
-                primary = primary_sender(self.layout, s, m, self.member) == tr.sender
-                mine, at, i = [], 0, 0
-                for name in names:
-                    if not self._batched[name] and not primary:
-                        continue
-                    code, grad, ndim = head[at:at + 3]
-                    shape = head[at + 3:at + 3 + ndim]
-                    at += 3 + ndim
-                    t = self.comm.recv(shape, _DTYPES[code], src, self._tag(m, False, 2 + i))
-                    meta[name] = (_DTYPES[code], bool(grad), tuple(shape[1:]) if self._batched[name] else tuple(shape))
-                    i += 1
-                    if grad:
-                        t.requires_grad_(True)
-                        mine.append(t)
-                    pieces[name].append(t)
-                by_sender.append((tr.sender, mine))
-        values = []
-        for name in names:
-            ps = pieces[name]
-            if not ps:
-                raise RuntimeError(f"stage {self.stage}: received no rows of {name!r} for micro-batch {m}")
-            values.append(torch.cat(ps) if self._batched[name] and len(ps) > 1 else ps[0])
-        return tuple(values), by_sender
-
-    def _send_backward(self, m: int, by_sender) -> None:
-        for sender, leaves in by_sender:
-            for dst in self.plan.stages[self.stage - 1].groups[sender]:   # every rank of a TP member
-                for i, t in enumerate(leaves):
-                    g = t.grad if t.grad is not None else torch.zeros_like(t)
-                    self._sends.append(self.comm.isend(g, dst, self._tag(m, True, i)))
-
-    def _post_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list | None:
-        """The receives of micro-batch m's gradients (known shapes: the outputs' rows), posted now
-        where the pair allows: ``[(output index, spec)]`` in arrival order; None on the last stage."""
-        if self.program.is_last:
-            return None
-        s = self.stage
-        names = self.program.sent
-        out = []
-        for tr in transfers(self.layout, s, m):
-            if tr.sender != self.member:
-                continue
-            primary = primary_sender(self.layout, s, m, tr.receiver) == self.member
-            src = self._peer(s + 1, tr.receiver)
-            i = 0
-            for k, (name, v) in enumerate(zip(names, outputs)):
-                if not v.requires_grad:
-                    continue
-                if self._batched[name]:
-                    shape = (tr.stop - tr.start, *v.shape[1:])
-                elif primary:
-                    shape = tuple(v.shape)
-                else:
-                    continue
-                tag = self._tag(m, True, i)
-                out.append((k, (shape, v.dtype, src, tag, self._irecv(shape, v.dtype, src, tag))))
-                i += 1
-        return out
-
-    def _recv_backward(self, m: int, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        names = self.program.sent
-        parts: list[list[torch.Tensor]] = [[] for _ in names]
-        posted = self._posted_b.pop(m, None)
-        for k, spec in posted if posted is not None else self._post_backward(m, outputs):
-            parts[k].append(self._take(spec))
-        grads: list[torch.Tensor | None] = []
-        for k, (name, v) in enumerate(zip(names, outputs)):
-            if not v.requires_grad or not parts[k]:
-                grads.append(None)
-            elif self._batched[name]:
-                grads.append(torch.cat(parts[k]) if len(parts[k]) > 1 else parts[k][0])
-            else:
-                grads.append(torch.stack(parts[k]).sum(0) if len(parts[k]) > 1 else parts[k][0])
-        return grads
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -90,7 +90,8 @@ def primary_sender(layout, stage: int, micro: int, receiver: int) -> int | None:
 
 def check_pipeline_plan(plan: Plan, world_size: int) -> None:
     """Raise ``PlanError`` unless every member of ``plan`` has ranks, its shares fit it, and no rank is
-    used twice or lies outside ``[0, world_size)``."""
+    used twice (chunks of one rank stage aside: ``Plan.virtual_stages``) or lies outside
+    ``[0, world_size)``."""
     for s, stage in enumerate(plan.stages):
         if stage.tp_shares and (len(stage.tp_shares) != len(stage.groups) or any(
                 len(sh) != len(m) or any(x < 0 for x in sh) or sum(sh) <= 0
@@ -99,7 +100,10 @@ def check_pipeline_plan(plan: Plan, world_size: int) -> None:
                             f"rank of each member {stage.groups}, with a positive sum per member")
         if any(not m for m in stage.groups):
             raise PlanError(f"plan.stages[{s}].groups={stage.groups}: a member needs at least one rank")
-    ranks = [r for st in plan.stages for r in st.ranks]
+    if plan.virtual_stages > 1 and plan.rank_stages < 2:
+        raise PlanError(f"plan.virtual_stages: {plan.virtual_stages} chunks on one rank stage; interleaving "
+                        f"needs at least two rank stages")
+    ranks = [r for st in plan.stages[:plan.rank_stages] for r in st.ranks]   # chunks repeat their ranks
     if len(set(ranks)) != len(ranks):
         raise PlanError(f"plan: a rank appears in more than one stage member ({ranks})")
     if any(not 0 <= r < world_size for r in ranks):
