@@ -318,5 +318,5 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
                                            optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
                                            device=ctx.device, clock=clock), program,
-                              zero3_granularity=zero3_granularity)
+                              zero3_granularity=zero3_granularity, overlap=run.overlap)
     return Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter)

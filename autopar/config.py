@@ -141,6 +141,9 @@ class RunConfig:
     use_triton: bool = False
     measure: bool | None = None
     zero3_granularity: Zero3Granularity = "block"
+    # Data parallel: reduce gradients in buckets during backward, prefetch ZeRO-3's next unit
+    # (autopar.runtime.dp_overlap); False: every collective blocking, after what it needs.
+    overlap: bool = True
 
     def __post_init__(self):
         if self.optimizer is not None and not callable(self.optimizer):
@@ -150,3 +153,5 @@ class RunConfig:
         if self.measure is not None and not isinstance(self.measure, bool):
             raise PlanError(f"measure: {self.measure!r} must be True, False or None")
         _choice(self.zero3_granularity, "zero3_granularity", get_args(Zero3Granularity))
+        if not isinstance(self.overlap, bool):
+            raise PlanError(f"overlap: {self.overlap!r} must be True or False")

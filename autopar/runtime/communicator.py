@@ -45,7 +45,7 @@ from autopar.errors import AutoparError
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
            "pg_broadcast_objects", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
-           "ReduceOp"]
+           "ReduceOp", "pg_all_reduce_async", "pg_all_gather_into_async", "PendingCollective"]
 
 _HOST = "gloo"   # the backend of the bridge
 
@@ -386,6 +386,42 @@ def pg_all_reduce(tensor: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM)
     """Reduce ``tensor`` in place over ``group`` (default: every rank); nothing on a group of one."""
     if not _alone(group):
         dist.all_reduce(tensor, op=op, group=group)
+
+
+class PendingCollective:
+    """An asynchronous collective in flight (``pg_*_async``): ``wait()`` blocks until its tensors hold
+    the result; nothing to wait for on a group of one."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any = None):
+        self._work = work
+
+    def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+
+def pg_all_reduce_async(tensor: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM) -> PendingCollective:
+    """``pg_all_reduce`` started without waiting (``async_op=True``): ``tensor`` holds the result once
+    the returned ``PendingCollective`` is waited on, and must not be touched before."""
+    if _alone(group):
+        return PendingCollective()
+    return PendingCollective(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+def pg_all_gather_into_async(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> PendingCollective:
+    """``pg_all_gather_into`` started without waiting; ``output`` holds the result after ``wait()``."""
+    if _alone(group):
+        output.copy_(tensor.reshape(output.shape))
+        return PendingCollective()
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return PendingCollective(fn(output, tensor, group=group, async_op=True))
 
 
 def pg_broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:

@@ -45,6 +45,13 @@ buffer and every parameter's ``.grad`` is a view of it, so backward accumulates 
 flat buffer (as DDP's ``gradient_as_bucket_view``): no flattening copy, no per-step allocation. The
 shard's gradient sum (ZeRO 2 and 3) and the shard values sent by the all-gathers are kept too.
 
+Overlap (``overlap=True``, the default; ``RunConfig.overlap``): under ZeRO 0/1 the flat gradient is
+reduced in buckets while the last micro-step's backward still runs (``autopar.runtime.dp_overlap``:
+launched in a fixed bucket order, waited for before the optimizer), and ZeRO-3 starts gathering the
+next unit while the current one computes (``autopar.runtime.dp_zero3``). ZeRO-2 reduces each round's
+gradient after its backward, blocking (a bucketed reduce-scatter would need per-bucket shards).
+Overlap changes when collectives run, never what they sum: overlap off gives the same state.
+
 One rank alone (a process group of one, ZeRO 0-2): nothing needs reducing or sharding, so the engine
 runs the plain loop: the user's optimizer over the model's own parameters and gradients, no flat
 buffer and no collective (a ZeRO stage 1 or 2 there has nothing to shard). Unlike sharded ZeRO >= 1
@@ -78,7 +85,8 @@ each such gather and reopened after it, so the emulated slow-down never stretche
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -92,6 +100,7 @@ from autopar.lowering.zero3_units import ParamUnits
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_broadcast, pg_ranks
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
+from autopar.runtime.dp_overlap import BUCKET_BYTES, GradBuckets
 from autopar.runtime.dp_zero3 import Zero3Granularity, Zero3Mixin
 
 __all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
@@ -119,10 +128,14 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
     docstring. Build it on every rank of the process group with the same ``EngineInputs`` (but
     ``rank``, ``device`` and ``clock``) and this rank's ``program`` (``autopar.lowering.lower``).
     ``zero3_granularity`` (ZeRO-3 only): ``"block"`` gathers block by block where the program carries
-    ZeRO-3 units, ``"micro_step"`` gathers everything per micro-step."""
+    ZeRO-3 units, ``"micro_step"`` gathers everything per micro-step. ``overlap``: ZeRO 0/1 reduce
+    the gradients in buckets during backward (``autopar.runtime.dp_overlap``) and ZeRO-3 prefetches
+    the next unit (``autopar.runtime.dp_zero3``); False: every collective after the computation that
+    needs it, blocking. ``bucket_bytes``: the size of a gradient bucket (``dp_overlap.BUCKET_BYTES``)."""
 
     def __init__(self, inputs: EngineInputs, program: RankProgram, *,
-                 zero3_granularity: Zero3Granularity = "block"):
+                 zero3_granularity: Zero3Granularity = "block", overlap: bool = True,
+                 bucket_bytes: int = BUCKET_BYTES):
         if zero3_granularity not in ("block", "micro_step"):
             raise DataParallelError(f"zero3_granularity: must be 'block' or 'micro_step', got {zero3_granularity!r}")
         self.inputs = inputs
@@ -135,6 +148,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         self.group = inputs.group
         self.loss_fn = inputs.loss_fn
         self._segment = None          # the open compute block of a micro-step, if any
+        self.overlap = bool(overlap)
         self._check_plan()
 
         stage = plan.stages[0]
@@ -235,6 +249,10 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             self.optimizer, self._shard_params = self._sharded_optimizer(probe, flats)
         del flats
         self._setup_buffers()
+        self._buckets = None
+        if self.overlap and self._grad_flats is not None:     # ZeRO 0/1 over more than one rank
+            self._buckets = GradBuckets(self._params, self._unit_params, self.units, self._grad_flats,
+                                        self.group, self._paused, bucket_bytes)
         if self.zero_stage == 3:
             self._setup_zero3(units)
 
@@ -323,6 +341,18 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         if segment is not None:
             segment.__exit__(None, None, None)
 
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        """The micro-step's compute block closed around a collective issued from a hook, if one is open."""
+        paused = self._segment is not None
+        if paused:
+            self._segment_end()
+        try:
+            yield
+        finally:
+            if paused:
+                self._segment_begin()
+
     def _check_batch(self, inputs: tuple, targets: Any, local: bool = False) -> tuple:
         """The step's inputs as a tuple, checked; sets how they hold the global batch (``_rows``)."""
         if not local:
@@ -365,12 +395,18 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                     shard_grads[u] += self._reduce_scatter_grad(u, flat_grad)
                     del flat_grad
         else:
-            for rows in self._micro:
-                if rows.stop > rows.start:
-                    loss_sum += self._micro_step(inputs, targets, rows).double()
-            # Backward accumulated into the flat buffers (the .grad views): reduce them in place.
-            for u, layout in enumerate(self.units):
-                pg_all_reduce(self._grad_flats[u], group=self.group)
+            active = [i for i, rows in enumerate(self._micro) if rows.stop > rows.start]
+            for i in active:
+                if self._buckets is not None and i == active[-1]:
+                    self._buckets.arm()              # the last micro-step's backward reduces
+                loss_sum += self._micro_step(inputs, targets, self._micro[i]).double()
+            # Backward accumulated into the flat buffers (the .grad views): reduce them in place,
+            # bucket by bucket during the last backward (overlap), or now.
+            if self._buckets is not None:
+                self._buckets.finish()
+            else:
+                for u in range(len(self.units)):
+                    pg_all_reduce(self._grad_flats[u], group=self.group)
         pg_all_reduce(loss_sum, group=self.group)
 
         for sp, u, (a, b) in self._shard_params:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.runtime.communicator import pg_all_gather_into, pg_reduce_scatter_into
+from autopar.runtime.communicator import pg_all_gather_into, pg_all_gather_into_async, pg_reduce_scatter_into
 
 __all__ = ["DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS", "FlatBuffersMixin"]
 
@@ -262,6 +262,21 @@ class FlatBuffersMixin:
         padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         pg_all_gather_into(padded, self._my_shard_values(u), group=self.group)
         return self._unpadded(u, padded, out)
+
+    def _all_gather_flat_start(self, u: int, out: torch.Tensor):
+        """``_all_gather_flat(u, out)`` started without waiting; ``_all_gather_flat_finish`` completes it
+        (``out`` holds the full flat parameters after). Until then, unit ``u``'s send buffer is busy."""
+        layout = self.units[u]
+        if layout.padded_numel == layout.total_numel:
+            return pg_all_gather_into_async(out, self._my_shard_values(u), group=self.group), None
+        padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        return pg_all_gather_into_async(padded, self._my_shard_values(u), group=self.group), padded
+
+    def _all_gather_flat_finish(self, u: int, started, out: torch.Tensor) -> None:
+        pending, padded = started
+        pending.wait()
+        if padded is not None:
+            self._unpadded(u, padded, out)
 
     def _reduce_scatter_grad(self, u: int, flat_grad: torch.Tensor) -> torch.Tensor:
         """This position's shard of the sum over ranks of unit ``u``'s ``flat_grad``. gloo implements

@@ -23,6 +23,12 @@ without a micro-step in it contribute zero gradients). Each round:
 - ``"micro_step"``: one unit, gathered before the micro-step's forward and freed after its
   backward once its gradient is reduce-scattered.
 
+Prefetch (the engine's ``overlap``): gathering a unit also *starts* gathering the unit this rank's
+sequence needs next (forward: the next block; backward: the next in the reverse order), without
+waiting; the later gather only waits for it. Every rank issues the same all-gathers in the same order
+as without prefetch, so ranks stay matched and the values are the same (an all-gather is a copy). It
+holds one more unit's full weights while the current one computes.
+
 Emulation: a gather called from a hook inside a micro-step's compute block closes the block before
 the collective and reopens it after, so the emulated slow-down never stretches communication.
 """
@@ -54,6 +60,7 @@ class Zero3Mixin:
             for p, o, n, i in zip(self._unit(u)[1], layout.offsets, layout.numels, self._unit_params[u]):
                 p.data = self._full[u][o:o + n].view(self._shapes[i])
         self._gathered = [True] * len(self.units)
+        self._inflight: dict[int, Any] = {}          # unit -> a prefetch started, not waited for
         self._blocks = units.blocks if units is not None else (None,)
         self._storage_unit: dict[int, int] = {}
         self._pending = [0] * len(self.units)
@@ -71,21 +78,49 @@ class Zero3Mixin:
                 for p in self._unit(u)[1]:
                     p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u))
 
+    def _gather_then(self, u: int, prefetch: int | None) -> None:
+        """``_gather(u)``; with ``overlap``, then start gathering unit ``prefetch`` (the one this rank's
+        sequence gathers next) without waiting for it."""
+        self._gather(u)
+        if prefetch is not None and self.overlap:
+            with self._paused():
+                self._prefetch(prefetch)
+
     def _gather(self, u: int) -> None:
+        """Unit ``u`` gathered, waiting for its prefetch if one is in flight."""
         if self._gathered[u] or not self.units[u].total_numel:
             return
         paused = self._segment is not None          # called from a hook inside a compute block
         if paused:
             self._segment_end()
-        storage = self._full[u].untyped_storage()
-        storage.resize_(self._full[u].numel() * self._full[u].element_size())
-        self._all_gather_flat(u, out=self._full[u])
+        started = self._inflight.pop(u, None)
+        if started is not None:
+            self._all_gather_flat_finish(u, started, self._full[u])
+        else:
+            self._allocate(u)
+            self._all_gather_flat(u, out=self._full[u])
+        self._gathered[u] = True
         if paused:
             self._segment_begin()
+
+    def _allocate(self, u: int) -> None:
+        storage = self._full[u].untyped_storage()
+        storage.resize_(self._full[u].numel() * self._full[u].element_size())
         self._storage_unit[storage.data_ptr()] = u
-        self._gathered[u] = True
+
+    def _prefetch(self, u: int) -> None:
+        """Start gathering unit ``u`` (see ``_gather``); the same collectives in the same order as
+        gathering it later, so ranks that prefetch and ranks that do not stay matched."""
+        if self._gathered[u] or u in self._inflight or not self.units[u].total_numel:
+            return
+        self._allocate(u)
+        self._inflight[u] = self._all_gather_flat_start(u, self._full[u])
 
     def _free(self, u: int) -> None:
+        started = self._inflight.pop(u, None)
+        if started is not None:                     # a prefetch nobody used: complete it, then free
+            self._all_gather_flat_finish(u, started, self._full[u])
+            self._gathered[u] = True
         if not self._gathered[u]:
             return
         storage = self._full[u].untyped_storage()
@@ -93,16 +128,21 @@ class Zero3Mixin:
         storage.resize_(0)
         self._gathered[u] = False
 
+    def _forward_next(self, u: int) -> int | None:
+        """The unit forward gathers after unit ``u`` (units 1.. in block order), or None."""
+        return u + 1 if u + 1 < len(self.units) else None
+
     def _forward_gather(self, u: int) -> None:
         if not self._in_backward:
-            self._gather(u)
+            self._gather_then(u, self._forward_next(u))
 
     def _backward_gather_through(self, stop: int) -> None:
-        """Gather the block units of the backward order up to index ``stop`` (inclusive), in order."""
+        """Gather the block units of the backward order up to index ``stop`` (inclusive), in order,
+        each prefetching the next."""
         while self._bwd_next <= stop:
             u = self._bwd_order[self._bwd_next]
             self._bwd_next += 1
-            self._gather(u)
+            self._gather_then(u, self._bwd_order[self._bwd_next] if self._bwd_next < len(self._bwd_order) else None)
             if self._pending[u] == 0 and self._bwd_order.index(u) < stop:
                 self._free(u)
 
@@ -134,7 +174,7 @@ class Zero3Mixin:
         block_mode = self.zero3_granularity == "block"
         units = range(len(self.units))
         if block_mode:
-            self._gather(0)
+            self._gather_then(0, self._forward_next(0))
             if active:
                 self._pending = [len(self._unit_params[u]) for u in units]
                 self._bwd_next, self._in_backward = 0, False
@@ -145,10 +185,10 @@ class Zero3Mixin:
                 self._in_backward = False
             else:
                 for u in units[1:]:                     # forward's gathers, then backward's
-                    self._gather(u)
+                    self._gather_then(u, self._forward_next(u))
                     self._free(u)
-                for u in self._bwd_order:
-                    self._gather(u)
+                for i, u in enumerate(self._bwd_order):
+                    self._gather_then(u, self._bwd_order[i + 1] if i + 1 < len(self._bwd_order) else None)
                     self._free(u)
         else:
             self._gather(0)
