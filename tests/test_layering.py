@@ -31,11 +31,12 @@ ALLOWED: dict[str, set[str]] = {
     "cost": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "planner": {"errors", "config", "ir", "cluster", "cost"},
     "lowering": {"errors", "config", "ir", "cluster", "passes", "kernels"},
-    "runtime": {"errors", "config", "ir", "cluster", "lowering", "passes", "kernels"},
+    "checkpoint": {"errors", "config", "ir"},
+    "runtime": {"errors", "config", "ir", "cluster", "lowering", "passes", "kernels", "checkpoint"},
     "api": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
-            "runtime"},
+            "runtime", "checkpoint"},
     "cli": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
-            "runtime", "api"},
+            "runtime", "checkpoint", "api"},
     "package": {"errors"},     # autopar/__init__.py: everything else lazily, by name
     "main": {"cli"},           # autopar/__main__.py
 }

@@ -1,0 +1,303 @@
+"""Save and load pieces through ``torch.distributed.checkpoint`` (DCP), atomically and checked.
+
+Every rank hands ``save`` the pieces it holds (``autopar.checkpoint.pieces``) and ``load`` the pieces it
+wants filled; DCP's metadata records each tensor by its full shape and the boxes that were written, and
+its resharding reads, for every wanted box, the overlapping parts of whatever boxes another plan saved.
+Pieces that several ranks hold (replicas) are written once.
+
+On disk a checkpoint is one directory:
+- DCP's files (``.metadata`` and ``__<rank>_<n>.distcp``);
+- ``autopar.json``, written last, by rank 0, after every rank finished: the manifest (format version,
+  step, the model's signature ``{fqn: shape}``, each file's size, and the caller's ``meta``). A directory
+  without it is not a checkpoint (an interrupted save), so ``latest`` skips it.
+
+A save writes into a sibling ``<DIR>.partial-<step>`` directory and renames it to ``DIR`` when complete:
+an interrupted save leaves the previous checkpoint at ``DIR`` valid. ``load`` checks the manifest, the
+signature and every file's size before reading anything, reads into fresh buffers, and copies into the
+caller's pieces only when every read succeeded: a damaged checkpoint raises ``CheckpointError`` naming the
+file and loads nothing half-way.
+
+Objects (the data position, RNG states, the step) travel in the manifest's ``meta`` (JSON) or, per rank,
+as DCP byte items (``rank_objects``), so a checkpoint needs nothing but DCP and JSON to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.checkpoint.pieces import Piece
+from autopar.errors import AutoparError
+
+__all__ = ["CheckpointError", "Manifest", "save", "load", "read_manifest", "latest", "MANIFEST", "FORMAT"]
+
+MANIFEST = "autopar.json"
+FORMAT = 1
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint that is missing, incomplete, damaged or of another model: names the file."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    step: int
+    signature: dict[str, tuple[int, ...]]     # fqn -> full shape, of every tensor saved
+    files: dict[str, int]                     # file name -> bytes
+    meta: dict[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world(process_group=None) -> tuple[int, int]:
+    dist = _dist()
+    if dist is None:
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _barrier(process_group=None) -> None:
+    dist = _dist()
+    if dist is not None and dist.get_world_size(process_group) > 1:
+        dist.barrier(group=process_group)
+
+
+def _all_gather_objects(obj: Any, process_group=None) -> list[Any]:
+    dist = _dist()
+    if dist is None or dist.get_world_size(process_group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
+
+
+def _planners():
+    """The DCP planners that write and read pieces (built lazily: DCP imports are not cheap)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    class PieceSavePlanner(DefaultSavePlanner):
+        def __init__(self, pieces: Sequence[Piece]):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, enable_plan_caching=False)
+            self._pieces = {(p.fqn, torch.Size(p.box.offsets)): p for p in pieces}
+
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            items = [WriteItem(index=MetadataIndex(p.fqn, torch.Size(p.box.offsets)), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(
+                                   chunk=ChunkStorageMetadata(offsets=torch.Size(p.box.offsets),
+                                                              sizes=torch.Size(p.box.sizes)),
+                                   properties=TensorProperties.create_from_tensor(p.tensor),
+                                   size=torch.Size(p.global_shape)))
+                     for p in self._pieces.values()]
+            self.plan = SavePlan(list(plan.items) + items, planner_data=plan.planner_data)
+            return self.plan
+
+        def lookup_object(self, index):
+            piece = self._pieces.get((index.fqn, index.offset)) if index.offset is not None else None
+            if piece is not None:
+                return piece.tensor.detach().contiguous()
+            return super().lookup_object(index)
+
+    class PieceLoadPlanner(DefaultLoadPlanner):
+        def __init__(self, buffers: Sequence[Piece]):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self._buffers = {(p.fqn, torch.Size(p.box.offsets)): p for p in buffers}
+
+        def create_local_plan(self) -> LoadPlan:
+            plan = super().create_local_plan()
+            by_fqn: dict[str, list[Piece]] = {}
+            for p in self._buffers.values():
+                by_fqn.setdefault(p.fqn, []).append(p)
+            items = list(plan.items)
+            for fqn, pieces in by_fqn.items():
+                md = self.metadata.state_dict_metadata[fqn]
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(p.box.offsets), sizes=torch.Size(p.box.sizes))
+                          for p in pieces]
+                items += create_read_items_for_chunk_list(fqn, md, chunks)
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            piece = self._buffers.get((index.fqn, index.offset))
+            if piece is not None:
+                return piece.tensor
+            return super().lookup_tensor(index)
+
+    return PieceSavePlanner, PieceLoadPlanner
+
+
+def _signature(pieces: Sequence[Piece]) -> dict[str, tuple[int, ...]]:
+    return {p.fqn: tuple(p.global_shape) for p in pieces}
+
+
+def _gather_signature(pieces: Sequence[Piece], process_group=None) -> dict[str, tuple[int, ...]]:
+    merged: dict[str, tuple[int, ...]] = {}
+    for sig in _all_gather_objects(_signature(pieces), process_group):
+        merged.update(sig)
+    return dict(sorted(merged.items()))
+
+
+def save(directory, pieces: Sequence[Piece], *, step: int, meta: Mapping[str, Any] | None = None,
+         rank_objects: Mapping[str, Any] | None = None, process_group=None) -> Manifest:
+    """Write this rank's ``pieces`` (and its ``rank_objects``, stored under ``rank<r>/<name>``) into the
+    checkpoint ``directory``, on every rank; ``meta`` (JSON-able, rank 0's copy counts) goes into the
+    manifest. Returns the manifest once the checkpoint is complete on disk."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    rank, world = _rank_world(process_group)
+    partial = directory.with_name(f"{directory.name}.partial-{step}")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(process_group)
+    signature = _gather_signature(pieces, process_group)
+    objects = {f"rank{rank}/{k}": [v] for k, v in (rank_objects or {}).items()}   # a list: a byte item
+    save_planner, _ = _planners()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(objects, storage_writer=dcp.FileSystemWriter(str(partial)), planner=save_planner(pieces),
+                     process_group=process_group, no_dist=world == 1)
+    except BaseException as exc:   # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"checkpoint: saving {directory} failed ({_first_line(exc)}); the previous "
+                              f"checkpoint there, if any, is untouched") from exc
+    _barrier(process_group)
+    if rank == 0:
+        files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
+        manifest = {"format": FORMAT, "step": int(step), "world_size": world,
+                    "signature": {k: list(v) for k, v in signature.items()}, "files": files,
+                    "meta": dict(meta or {})}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if directory.exists():
+            old = directory.with_name(f"{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(partial, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, directory)
+    _barrier(process_group)
+    return read_manifest(directory)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    # DCP wraps the rank's error in a traceback dump: its last line is the cause
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:300]}" if lines else type(exc).__name__
+
+
+def read_manifest(directory) -> Manifest:
+    """The manifest of a complete checkpoint, with every file's presence and size checked."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint: {directory} is not a directory")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint: {path} is missing: {directory} is not a complete autopar checkpoint "
+                              "(an interrupted save?)")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint: {path} has format {data.get('format')!r}, this autopar reads {FORMAT}")
+        manifest = Manifest(directory, int(data["step"]),
+                            {k: tuple(v) for k, v in data["signature"].items()},
+                            {k: int(v) for k, v in data["files"].items()}, dict(data.get("meta", {})))
+    except (ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"checkpoint: {path} is not a valid manifest ({exc})") from None
+    for name, size in manifest.files.items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint: {f} is missing (the manifest lists it)")
+        actual = f.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"checkpoint: {f} has {actual} bytes, the manifest says {size}: the file is "
+                                  "damaged (truncated or overwritten)")
+    return manifest
+
+
+def latest(root) -> Path | None:
+    """The newest complete checkpoint under ``root`` (directories ``step-<n>`` with a manifest), or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.startswith("step-") and (d / MANIFEST).is_file():
+            try:
+                found.append((int(d.name[len("step-"):]), d))
+            except ValueError:
+                continue
+    return max(found)[1] if found else None
+
+
+def _check_signature(manifest: Manifest, pieces: Sequence[Piece]) -> None:
+    for p in pieces:
+        saved = manifest.signature.get(p.fqn)
+        if saved is None:
+            raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} has no tensor {p.fqn!r}: it is a "
+                                  "checkpoint of another model (or of another optimizer)")
+        if tuple(saved) != tuple(p.global_shape):
+            raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} has {p.fqn!r} of shape {tuple(saved)}, "
+                                  f"this model's is {tuple(p.global_shape)}: a checkpoint of another model")
+
+
+def load(directory, pieces: Sequence[Piece], *, rank_objects: Sequence[str] = (), process_group=None
+         ) -> tuple[Manifest, dict[str, Any]]:
+    """Fill this rank's ``pieces`` from the checkpoint ``directory`` (saved under any plan), on every rank;
+    returns the manifest and the ``rank_objects`` this rank saved (those present). Nothing is written into
+    ``pieces`` unless every read succeeds."""
+    import torch.distributed.checkpoint as dcp
+
+    manifest = read_manifest(directory)
+    _check_signature(manifest, pieces)
+    rank, world = _rank_world(process_group)
+    buffers = [Piece(p.fqn, p.global_shape, p.box, torch.empty_like(p.tensor, device="cpu")) for p in pieces]
+    saved_objects = set()
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = FileSystemReader(str(manifest.path))
+        saved_objects = set(reader.read_metadata().state_dict_metadata)
+        objects = {k: None for k in (f"rank{rank}/{n}" for n in rank_objects) if k in saved_objects}
+        _, load_planner = _planners()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(objects, storage_reader=reader, planner=load_planner(buffers), process_group=process_group,
+                     no_dist=world == 1)
+    except CheckpointError:
+        raise
+    except BaseException as exc:  # DCP raises many kinds (CheckpointException is a BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"checkpoint: reading {manifest.path} failed ({_first_line(exc)}); "
+                              "nothing was loaded") from exc
+    with torch.no_grad():
+        for p, b in zip(pieces, buffers):
+            p.tensor.copy_(b.tensor)
+    return manifest, {k.split("/", 1)[1]: v[0] for k, v in objects.items()}
