@@ -31,7 +31,7 @@ from autopar.errors import ClusterError
 __all__ = [
     "DeviceSpec", "Vendor", "VENDORS", "PRESETS", "CPU_NOMINAL", "PCIE3_X16_Bps", "PCIE4_X16_Bps",
     "PCIE5_X16_Bps", "SHARED_MEMORY_Bps", "GiB", "preset", "preset_names", "match_preset", "emulated_spec",
-    "cpu_spec_detect",
+    "cpu_spec_detect", "NO_BF16",
 ]
 
 Vendor = Literal["nvidia", "amd", "cpu", "other"]
@@ -160,6 +160,12 @@ _PRESET_LIST: tuple[DeviceSpec, ...] = (
 CPU_NOMINAL = DeviceSpec("CPU", "cpu", 0.2 * _T, 0.2 * _T, 16 * GiB, 20 * _G, SHARED_MEMORY_Bps)
 
 PRESETS: dict[str, DeviceSpec] = {spec.name: spec for spec in (*_PRESET_LIST, CPU_NOMINAL)}
+
+# Presets without bf16 math (their datasheets list FP16 but no BF16 Tensor Core figure: NVIDIA V100 and
+# V100S Tensor Core GPU datasheet, NVIDIA T4 Tensor Core GPU datasheet; Volta and Turing predate bf16,
+# which NVIDIA introduced with Ampere). Their ``peak_flops_bf16`` holds the FP16 peak; bf16 runs there
+# at fp32 speed (``autopar.cost.precision.peak_flops``).
+NO_BF16: frozenset[str] = frozenset({"V100-16GB", "V100S-32GB", "T4-16GB"})
 
 
 def preset_names() -> tuple[str, ...]:

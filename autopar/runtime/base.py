@@ -15,6 +15,12 @@ Exactness: after any number of steps the state equals the same optimizer steppin
 over the whole global batch (gradients are weighted by each micro-batch's sample count over the
 global batch size, so the sum over ranks is the global-batch mean gradient).
 
+Precision (``EngineInputs.precision``) is applied around an engine, not inside it
+(``autopar.runtime.precision``): autocast wraps the program's modules and the loss, and under fp16
+the engine's ``optimizer`` attribute is replaced by one that unscales, checks for overflow on every
+rank and skips; so an engine keeps its optimizer in ``optimizer`` and calls its ``step()`` once per
+step (a rank that steps nothing keeps None there and skips the call only while it is None).
+
 An engine runs this rank's lowered program (``autopar.lowering.RankProgram``); it runs no graph pass
 itself. ``autopar.runtime.engine`` picks and builds the engine of a plan.
 """
@@ -46,10 +52,12 @@ class EngineInputs:
     device: torch.device
     clock: Any                # autopar.runtime.emulate.EmulatedClock or NullClock: `with clock.compute():`
     group: Any = None         # process group of the plan's ranks (None: the default group)
+    precision: str = "fp32"   # compute precision (autopar.runtime.precision; build_engine applies it)
 
 
 class Engine(Protocol):
     local_rows: Any           # autopar.runtime.data.RankRows: what a local=True step is given
+    optimizer: Any            # this rank's optimizer (None: it steps nothing); step() once per step
 
     def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float: ...
 

@@ -16,6 +16,7 @@ from autopar.runtime.base import (
 )
 from autopar.runtime.dp import DataParallelEngine
 from autopar.runtime.pipeline import PipelineEngine
+from autopar.runtime.precision import apply_precision
 from autopar.runtime.tp import TensorParallelEngine
 
 __all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "select_engine", "build_engine",
@@ -31,10 +32,16 @@ def select_engine(plan: Plan):
     return _ENGINES[engine_kind(plan)]
 
 
-def build_engine(inputs: EngineInputs, program: RankProgram, **options) -> Engine:
+def build_engine(inputs: EngineInputs, program: RankProgram, *, loss_scaling: dict | None = None,
+                 **options) -> Engine:
     """The engine of ``inputs.plan`` running ``program`` on this rank. ``options`` go to the engine
-    that takes them (``zero3_granularity``: the data-parallel engine); other engines ignore them."""
+    that takes them (``zero3_granularity``: the data-parallel engine); other engines ignore them.
+
+    ``inputs.precision`` other than fp32 is applied here, the same way for every engine
+    (``autopar.runtime.precision.apply_precision``: autocast on the program's modules and the loss;
+    for fp16 dynamic loss scaling, ``loss_scaling`` its ``LossScaler`` settings)."""
     cls = select_engine(inputs.plan)
     if cls is not DataParallelEngine:
         options = {}
-    return cls(inputs, program, **options)
+    inputs, finish = apply_precision(inputs, program, inputs.precision, loss_scaling=loss_scaling)
+    return finish(cls(inputs, program, **options))
