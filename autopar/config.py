@@ -22,7 +22,7 @@ from autopar.errors import PlanError
 
 __all__ = [
     "Strategy", "ZeroChoice", "ScheduleChoice", "Zero3Granularity", "STRATEGIES", "DP_STRATEGIES",
-    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "PlanConfig", "RunConfig",
+    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "GRAD_BUCKET_BYTES", "PlanConfig", "RunConfig",
 ]
 
 Strategy = Literal["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"]
@@ -37,6 +37,9 @@ SCHEDULES: tuple[str, ...] = get_args(ScheduleChoice)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 MEMORY_FRACTION = 0.9   # of each device's memory a plan may fill (see the module docstring)
+# Data parallel: the size of a gradient bucket the engine reduces during backward (runtime.dp_overlap)
+# and the planner prices (planner.dp); DDP's default is 25 MiB, smaller buckets overlap more on small models.
+GRAD_BUCKET_BYTES = 4 * 2**20
 
 
 def _positive_int(value: Any, name: str) -> int:

@@ -73,3 +73,23 @@ def test_dp_plans_uneven_shards_and_baselines_keep_even():
     assert plan_dp(costs, cluster, 28, strategy="dp", zero_stage=0).stages[0].zero_shares == ()
     same = _costs([1e-8, 1e-8])
     assert plan_dp(same, _cluster([(300, 80), (300, 80)]), 8, zero_stage=2).stages[0].zero_shares == ()
+
+
+def test_uneven_shards_price_padded_gathers_and_overlap_hides_the_all_reduce():
+    from autopar.planner.dp import zero_comm
+
+    costs = _costs([1e-8, 2e-8, 4e-8], param_bytes=40e6)
+    cluster = _cluster([(300, 80), (150, 80), (75, 80)])
+    even, uneven = zero_comm(costs, cluster, (0, 1, 2), 1), zero_comm(costs, cluster, (0, 1, 2), 1,
+                                                                      fractions=(0.6, 0.3, 0.1))
+    assert uneven.per_step_s > even.per_step_s          # every shard travels padded to 0.6 of the model
+    assert uneven.allreduce_s == even.allreduce_s > even.last_bucket_s > 0
+    on = plan_dp(costs, cluster, 28, strategy="uniform-dp", zero_stage=0)
+    off = plan_dp(costs, cluster, 28, strategy="uniform-dp", zero_stage=0, overlap=False)
+    zc = zero_comm(costs, cluster, (0, 1, 2), 0)
+    slow = 2                                            # equal shares: the slowest device is the last
+    window = float(costs.bwd_time("d2", off.stages[0].micro_batches[slow][-1]).sum())
+    exposed = max(zc.last_bucket_s, zc.allreduce_s - window)
+    assert off.predicted.breakdown["comm_s"] == pytest.approx(zc.allreduce_s)
+    assert on.predicted.breakdown["comm_s"] == pytest.approx(exposed)
+    assert on.predicted.step_time_s < off.predicted.step_time_s

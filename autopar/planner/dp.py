@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from scipy.interpolate import PchipInterpolator
 
-from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, ZERO_STAGES, PlanConfig
+from autopar.config import DP_STRATEGIES, GRAD_BUCKET_BYTES, MEMORY_FRACTION, ZERO_STAGES, PlanConfig
 from autopar.cost import comm
 from autopar.cost.memory import (  # re-exported: the data-parallel planner's memory model
     DEFAULT_WORKSPACE_BYTES, RankMemory, activation_bytes_per_sample, check_zero_stage, max_micro_batch,
@@ -89,31 +89,42 @@ class ZeroComm:
     per_micro_step_s: float       # on every micro-step (ZeRO-2/3)
     per_step_bytes: float
     per_micro_step_bytes: float
+    # ZeRO-0/1 with overlap: the gradient all-reduce (part of per_step_s) may run during the last
+    # backward, bucket by bucket, all but the last bucket (``last_bucket_s``) hidden.
+    allreduce_s: float = 0.0
+    last_bucket_s: float = 0.0
 
     def bytes_moved(self, num_micro_steps: int) -> float:
         return self.per_step_bytes + self.per_micro_step_bytes * num_micro_steps
 
 
 def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
-              link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto") -> ZeroComm:
+              link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto",
+              fractions: Sequence[float] | None = None) -> ZeroComm:
     """The collectives of ``zero_stage`` over ``ranks`` (see the module docstring); ``algorithm`` as in
-    ``autopar.cost.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks)."""
+    ``autopar.cost.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks).
+    ``fractions``: uneven shards; the engines' all-gathers and reduce-scatters move every shard
+    padded to the largest (``autopar.runtime.dp_flat``), so they cost ``N * max(fractions)`` times
+    the even ones."""
     check_zero_stage(zero_stage)
     ranks = tuple(ranks)
     n = len(ranks)
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
     param_bytes = float(costs.param_bytes.sum())
+    pad = n * max(fractions) if fractions is not None and zero_stage >= 1 and n else 1.0
     ring = (n - 1) / n if n else 0.0   # fraction of a buffer each rank sends in a ring RS / AG
     ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link=link, algorithm=algorithm)
-    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes, link=link, algorithm=algorithm)
-    ag = comm.allgather_time_s(cluster, ranks, param_bytes, link=link, algorithm=algorithm)
+    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes * pad, link=link, algorithm=algorithm)
+    ag = comm.allgather_time_s(cluster, ranks, param_bytes * pad, link=link, algorithm=algorithm)
+    bucket = min(grad_bytes, float(GRAD_BUCKET_BYTES))
+    last = comm.allreduce_time_s(cluster, ranks, bucket, link=link, algorithm=algorithm) if bucket > 0 else 0.0
     if zero_stage == 0:
-        return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0)
+        return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0, ar, last)
     if zero_stage == 1:
-        return ZeroComm(1, ar + ag, 0.0, ring * (2 * grad_bytes + param_bytes), 0.0)
+        return ZeroComm(1, ar + ag, 0.0, ring * (2 * grad_bytes + pad * param_bytes), 0.0, ar, last)
     if zero_stage == 2:
-        return ZeroComm(2, ag, rs, ring * param_bytes, ring * grad_bytes)
-    return ZeroComm(3, 0.0, 2 * ag + rs, 0.0, ring * (2 * param_bytes + grad_bytes))
+        return ZeroComm(2, ag, rs, ring * pad * param_bytes, ring * pad * grad_bytes)
+    return ZeroComm(3, 0.0, 2 * ag + rs, 0.0, ring * pad * (2 * param_bytes + grad_bytes))
 
 
 # -- profiling curves and memory -------------------------------------------------------------------
@@ -317,7 +328,7 @@ def _share_candidates(costs, cluster, ranks, zero_stage, memory_fraction, worksp
 
 
 def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_s: float = 0.0,
-              recompute: bool = False) -> _Candidate:
+              recompute: bool = False, bwds=None) -> _Candidate:
     rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
     slow = int(np.argmax(rank_time))
     steps = [len(mb) for mb in micro]
@@ -331,6 +342,11 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
     else:
         comm_s = zc.per_step_s
         compute_s = rank_time[slow]
+        if bwds is not None and zc.allreduce_s > 0 and micro[slow]:
+            # Overlap (ZeRO-0/1): the buckets' all-reduces run during the slowest rank's last backward;
+            # what is left after it is exposed, at least the last bucket's all-reduce.
+            window = bwds[slow](micro[slow][-1])
+            comm_s -= max(0.0, min(zc.allreduce_s - zc.last_bucket_s, window))
     memory = {r: m.peak_bytes(max(mb, default=0)) for r, m, mb in zip(ranks, mems, micro)}
     return _Candidate(
         zero_stage=zc.zero_stage, shares=tuple(shares), micro=tuple(tuple(m) for m in micro),
@@ -342,9 +358,9 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
 
 def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
                 workspace_bytes, link, algorithm, recompute: bool = False,
-                fractions: tuple[float, ...] | None = None) -> _Candidate:
+                fractions: tuple[float, ...] | None = None, overlap: bool = True) -> _Candidate:
     """The best allocation of one strategy at one ZeRO stage, with shard ``fractions`` per rank
-    (None: even 1/N)."""
+    (None: even 1/N); ``overlap``: ZeRO-0/1 reduce gradients during the last backward."""
     n = len(ranks)
     specs = [cluster.devices[r].spec for r in ranks]
     if fractions is None:
@@ -357,7 +373,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
     if why:
         raise PlanError(why)
     caps = [m.max_micro for m in mems]
-    zc = zero_comm(costs, cluster, ranks, zero_stage, link, algorithm)
+    zc = zero_comm(costs, cluster, ranks, zero_stage, link, algorithm, fractions)
     # One curve (and so one allocation table) per device type.
     by_type: dict[str, tuple] = {}
     fns = []
@@ -368,12 +384,19 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
                                      recompute=recompute)
             by_type[key] = lambda b, c=curve: float(c(b))
         fns.append(by_type[key])
+    bwds = None
+    if overlap and zc.allreduce_s > 0:
+        def backward_s(name):
+            return lambda b: float(costs.bwd_time(name, b).sum()
+                                   + (costs.fwd_time(name, b).sum() if recompute else 0.0))
+        bwds = [backward_s(spec.name) for spec in specs]
 
     opt_s = optimizer_step_s(costs, cluster, ranks, zero_stage, fractions)
     kept = tuple(float(f) for f in fractions) if fractions is not None else ()
 
     def evaluate(shares, micro, note=""):
-        return replace(_evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute), zero_shares=kept)
+        return replace(_evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute, bwds),
+                       zero_shares=kept)
 
     if strategy == "uniform-dp":
         if global_batch < n:
@@ -418,7 +441,8 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         for other in ("uniform-dp", "proportional-dp"):
             try:
                 alt = _plan_stage(costs, cluster, ranks, global_batch, other, zero_stage, {},
-                                  memory_fraction, workspace_bytes, link, algorithm, recompute, fractions)
+                                  memory_fraction, workspace_bytes, link, algorithm, recompute, fractions,
+                                  overlap)
             except PlanError:
                 continue
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
@@ -469,7 +493,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
             ranks: Sequence[int] | None = None, memory_fraction: float = MEMORY_FRACTION,
             workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
             link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto",
-            recompute: bool = False) -> Plan:
+            recompute: bool = False, overlap: bool = True) -> Plan:
     """A data-parallel plan (one stage over every block, one member per rank) and its prediction.
 
     ``zero_stage="auto"`` tries every stage and keeps the fastest that fits (fewest bytes moved on a
@@ -479,7 +503,10 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     efficiency are left at 0: ``autopar.planner.bounds.with_all_bounds`` sets them. ``recompute`` (strategy "dp" only; the baselines
     keep their activations) also tries every ZeRO stage recomputing activations block by block
     (``Stage.recompute``: memory of ``activation_bytes_per_sample``, one more forward per micro-step);
-    keeping wins ties.
+    keeping wins ties. ``overlap`` (the engine's default, ``RunConfig.overlap``): ZeRO-0/1's gradient
+    all-reduce is priced as the runtime runs it, in buckets of ``GRAD_BUCKET_BYTES`` during the slowest
+    rank's last backward: exposed is what does not fit in that backward, at least the last bucket.
+    ZeRO-3's prefetch is not priced (its gathers stay on the micro-step's critical path).
     """
     if strategy not in DP_STRATEGIES:
         raise PlanError(f"strategy: {strategy!r} is not a data-parallel strategy {DP_STRATEGIES}")
@@ -517,7 +544,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
         for fractions in shares:
             try:
                 c = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
-                                memory_fraction, workspace_bytes, link, algorithm, rc, fractions)
+                                memory_fraction, workspace_bytes, link, algorithm, rc, fractions, overlap)
             except PlanError as e:
                 if fractions is None:
                     failed[(z, rc)] = str(e)

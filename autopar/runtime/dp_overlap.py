@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar.config import GRAD_BUCKET_BYTES
 from autopar.runtime.communicator import PendingCollective, pg_all_reduce_async
 
 __all__ = ["BUCKET_BYTES", "Bucket", "bucket_ranges", "GradBuckets"]
 
-BUCKET_BYTES = 4 * 2**20     # DDP's default is 25 MiB; smaller buckets overlap more on small models
+BUCKET_BYTES = GRAD_BUCKET_BYTES     # autopar.config: the planner prices the same buckets
 
 
 @dataclass(frozen=True, slots=True)
