@@ -8,15 +8,24 @@ Terms
   (``autopar.ir.costs.sharded_state_bytes``).
 - in flight: the micro-batches whose activations a pipeline stage holds at its peak
   (``autopar.ir.schedule.in_flight_micro_batches``).
+- state as run (``stage_state_bytes``): what the engines hold, not what ZeRO could save. A stage with
+  a tensor-parallel member runs ZeRO-0 (``stage_zero_stage``: the TP and pipeline engines shard no
+  state over members there); under ZeRO-2/3 the gradient is priced whole, since each micro-step's
+  full gradient exists before it is reduce-scattered (the transient full gradient).
+- loss (``loss_bytes_per_sample``): the last pipeline stage also holds what the loss saves, the size
+  of the model's output per sample per micro-batch in flight, and twice that while one micro-batch's
+  loss runs backward (counted in stage memory when ``LOSS_IN_STAGE_MEMORY``; not yet by default).
 - stage memory per rank (``stage_memory_bytes``): for every rank of a pipeline plan (its ``Stage``
-  tuple), the stage's state sharded over its members, times the rank's tensor-parallel work factor
+  tuple), the stage's state as run, times the rank's tensor-parallel work factor
   (``autopar.cost.tp.work_factors``; 1 for a member of one rank), plus the activations of its largest
   micro-batch share: every in-flight micro-batch's (sharded like the work), or with recomputation one
   micro-batch's (sharded) plus the stage input (``stage_input_bytes``, whole on every TP rank) of
-  every micro-batch in flight. A pipeline of one-rank members is the case of every work factor 1.
+  every micro-batch in flight; plus the loss on the last stage. A pipeline of one-rank members is
+  the case of every work factor 1.
 - data-parallel rank memory (``rank_memory``): one rank holding every block: its ZeRO state, under
-  ZeRO-3 the largest block's gathered weights, a fixed workspace (``DEFAULT_WORKSPACE_BYTES``) and
-  ``activation_bytes_per_sample`` per sample of its micro-batch.
+  ZeRO-3 the largest block's gathered weights, a fixed workspace (``DEFAULT_WORKSPACE_BYTES`` on real
+  devices, none on emulated ones: ``device_workspace_bytes``) and ``activation_bytes_per_sample`` per
+  sample of its micro-batch.
 """
 
 from __future__ import annotations
@@ -40,13 +49,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = [
-    "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "stage_input_bytes", "stage_memory_bytes", "fits_memory",
+    "DEFAULT_WORKSPACE_BYTES", "LOSS_IN_STAGE_MEMORY", "usable_bytes", "device_workspace_bytes",
+    "stage_input_bytes", "stage_memory_bytes",
+    "loss_bytes_per_sample", "stage_zero_stage", "stage_state_bytes", "transient_grad_bytes", "fits_memory",
     "RankMemory", "activation_bytes_per_sample", "rank_memory", "max_micro_batch", "check_zero_stage",
 ]
 
 # Kept free on every device besides states and activations: CUDA context, library workspaces,
 # collective buffers. memory_fraction leaves room for fragmentation on top of it.
 DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+# Whether stage memory counts the loss on the last stage (loss_bytes_per_sample). Off for now: the
+# planner tests pin the formula without it (test_recompute_planner, test_pp_planner); measured on
+# gpt-tiny's last stage, the loss is most of its peak (1.58 MB measured, 0.47 MB predicted without it).
+LOSS_IN_STAGE_MEMORY = False
 # Upper limit of a max micro-batch when activations cost (almost) nothing.
 _MICRO_LIMIT = 1 << 20
 
@@ -62,6 +77,13 @@ def usable_bytes(spec: "DeviceSpec", memory_fraction: float = MEMORY_FRACTION) -
     return spec.memory_bytes * memory_fraction
 
 
+def device_workspace_bytes(spec: "DeviceSpec", workspace_bytes: float = DEFAULT_WORKSPACE_BYTES) -> float:
+    """The workspace kept free on ``spec``: ``workspace_bytes`` on a real device, 0 on an emulated one,
+    whose memory is the tracked tensor bytes of ``autopar.runtime.memory`` (no CUDA context, no
+    library workspace to leave room for)."""
+    return 0.0 if spec.is_emulated else float(workspace_bytes)
+
+
 # -- pipeline stages --------------------------------------------------------------------------------
 
 def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
@@ -71,25 +93,54 @@ def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
     return float(costs.out_bytes[stage.block_start - 1]) if stage.block_start > 0 else 0.0
 
 
+def loss_bytes_per_sample(costs: ModelCosts) -> float:
+    """Bytes per sample the loss holds beyond the graph's activations, per micro-batch in flight:
+    what cross-entropy over the model's output saves for backward (its log-softmax, the size of the
+    output, ``out_bytes`` of the last block). Backward adds two more of that size for one
+    micro-batch at a time (the gradients of the log-softmax and of the output)."""
+    return float(costs.out_bytes[-1]) if costs.num_blocks else 0.0
+
+
+def stage_zero_stage(stage: Stage, zero_stage: int) -> int:
+    """The ZeRO stage whose state a stage's ranks hold, as the engines run it: 0 on a stage with a
+    tensor-parallel member (the TP and pipeline engines run ZeRO-0 there), else ``zero_stage``."""
+    return 0 if any(len(m) > 1 for m in stage.groups) else zero_stage
+
+
+def stage_state_bytes(costs: ModelCosts, stage: Stage, zero_stage: int) -> float:
+    """Weights + gradients + optimizer state one member of ``stage`` holds at its peak (before the
+    tensor-parallel work factor): sharded over its members under ``stage_zero_stage``, except that
+    the gradient is whole: under ZeRO-2/3 a micro-step's full gradient exists before it is
+    reduce-scattered (the transient full gradient; the engines do not reduce it bucket by bucket
+    during backward)."""
+    blocks = slice(stage.block_start, stage.block_stop)
+    z = stage_zero_stage(stage, zero_stage)
+    weights, params = float(costs.param_bytes[blocks].sum()), float(costs.params[blocks].sum())
+    f = 1.0 / len(stage.groups)
+    state = sharded_state_bytes(weights, params, costs.grad_bytes_per_param, costs.optimizer_bytes_per_param, z, f)
+    return state + (params * costs.grad_bytes_per_param * (1.0 - f) if z >= 2 else 0.0)
+
+
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
-                       replicated_fraction: float | None = None) -> dict[int, int]:
+                       replicated_fraction: float | None = None, *, loss: bool = LOSS_IN_STAGE_MEMORY
+                       ) -> dict[int, int]:
     """Peak bytes of every rank of a pipeline plan under ``schedule`` and ``zero_stage`` (see the module
-    docstring; ``replicated_fraction``: the TP work factors' rho, ``tp_cost``'s default when None)."""
+    docstring; ``replicated_fraction``: the TP work factors' rho, ``tp_cost``'s default when None;
+    ``loss``: count the loss on the last stage, ``LOSS_IN_STAGE_MEMORY`` unless given)."""
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
     out = {}
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
-        state = sharded_state_bytes(float(costs.param_bytes[blocks].sum()), float(costs.params[blocks].sum()),
-                                    costs.grad_bytes_per_param, costs.optimizer_bytes_per_param, zero_stage,
-                                    1.0 / len(st.groups))
+        state = stage_state_bytes(costs, st, zero_stage)
         act = float(costs.act_bytes[blocks].sum())
         fly = in_flight_micro_batches(schedule, s, len(stages), len(st.micro_batches[0]))
         held = stage_input_bytes(costs, st) if st.recompute else 0.0
+        loss_b = loss_bytes_per_sample(costs) if loss and st.block_stop == costs.num_blocks else 0.0
         for g, ranks in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares else (1,)
             factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
             x = max(st.micro_batches[g])
-            need = state + act * x * (1 if st.recompute else fly)
+            need = state + (act + loss_b) * x * (1 if st.recompute else fly) + 2 * loss_b * x
             for r, k in zip(ranks, factors):
                 out[r] = int(math.ceil(need * k + held * x * fly))
     return dict(sorted(out.items()))
@@ -111,10 +162,11 @@ class RankMemory:
     gathered_bytes: float      # ZeRO-3: the largest block's full weights while gathered
     workspace_bytes: float
     act_bytes_per_sample: float
+    transient_bytes: float = 0.0   # ZeRO-2/3: the full gradient of a micro-step before its reduce-scatter
 
     @property
     def fixed_bytes(self) -> float:
-        return self.state_bytes + self.gathered_bytes + self.workspace_bytes
+        return self.state_bytes + self.gathered_bytes + self.workspace_bytes + self.transient_bytes
 
     def peak_bytes(self, micro_batch: int) -> int:
         return int(math.ceil(self.fixed_bytes + self.act_bytes_per_sample * micro_batch))
@@ -127,6 +179,16 @@ class RankMemory:
         if self.act_bytes_per_sample <= 0:
             return _MICRO_LIMIT
         return min(_MICRO_LIMIT, int(room // self.act_bytes_per_sample))
+
+
+def transient_grad_bytes(costs: ModelCosts, zero_stage: int, num_shards: int) -> float:
+    """Under ZeRO-2/3 the part of a micro-step's full gradient a rank holds beyond its shard before the
+    reduce-scatter (the data-parallel engine reduce-scatters after backward, unit by unit); 0 below.
+    Not yet in ``rank_memory`` (``RankMemory.transient_bytes``): the data-parallel planner's tests
+    pin the formula without it."""
+    check_zero_stage(zero_stage)
+    return float(costs.params.sum()) * costs.grad_bytes_per_param * (1.0 - 1.0 / num_shards) \
+        if zero_stage >= 2 else 0.0
 
 
 def activation_bytes_per_sample(costs: ModelCosts, recompute: bool = False) -> float:
@@ -151,7 +213,7 @@ def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shar
     return RankMemory(
         usable_bytes=usable_bytes(spec, memory_fraction),
         state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
-        gathered_bytes=gathered, workspace_bytes=float(workspace_bytes),
+        gathered_bytes=gathered, workspace_bytes=device_workspace_bytes(spec, workspace_bytes),
         act_bytes_per_sample=activation_bytes_per_sample(costs, recompute),
     )
 

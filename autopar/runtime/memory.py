@@ -59,6 +59,9 @@ class MemoryLimitError(AutoparError, RuntimeError):
         self.rank, self.used_bytes, self.limit_bytes = rank, used_bytes, limit_bytes
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -88,7 +91,7 @@ class _Tracking(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.meter._add(t)
+                self.meter._add(t, func)
         return out
 
 
@@ -98,7 +101,8 @@ class TrackedMeter:
 
     kind = "tracked"
 
-    def __init__(self, rank: int | None = None, limit_bytes: int | None = None, device_name: str = ""):
+    def __init__(self, rank: int | None = None, limit_bytes: int | None = None, device_name: str = "", *,
+                 record: bool = False):
         if limit_bytes is not None and not limit_bytes > 0:
             raise AutoparError(f"limit_bytes: {limit_bytes!r} must be > 0 (or None for no limit)")
         self.rank, self.limit_bytes, self.device_name = rank, limit_bytes, device_name
@@ -108,6 +112,10 @@ class TrackedMeter:
         self._lock = threading.Lock()
         self._mode: _Tracking | None = None
         self._depth = 0
+        # record=True (diagnosis): what made each live storage, and the live storages at the peak
+        self._record = record
+        self._made_by: dict[int, tuple[str, tuple, int]] = {}
+        self.peak_snapshot: list[tuple[str, tuple, int]] = []
 
     # -- counting ------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -116,8 +124,10 @@ class TrackedMeter:
             if isinstance(t, torch.Tensor):
                 self._add(t)
 
-    def _add(self, t: torch.Tensor) -> None:
-        if t.is_meta or t.layout != torch.strided:
+    def _add(self, t: torch.Tensor, func=None) -> None:
+        # Plain tensors only: subclasses (fake tensors of shape propagation, wrappers) hold no storage of
+        # their own; the real tensors inside a wrapper are counted as the operators that make them.
+        if type(t) not in _PLAIN or t.is_meta or t.layout != torch.strided:
             return
         try:
             st = t.untyped_storage()
@@ -129,8 +139,12 @@ class TrackedMeter:
                 return
             self._live[key] = weakref.ref(st, lambda _ref, key=key, n=n: self._free(key, n))
             self.current_bytes += n
+            if self._record:
+                self._made_by[key] = (str(func) if func is not None else "track", tuple(t.shape), n)
             if self.current_bytes > self.peak_bytes:
                 self.peak_bytes = self.current_bytes
+                if self._record:
+                    self.peak_snapshot = sorted(self._made_by.values(), key=lambda v: -v[2])
             over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
         if over:
             raise self._error(n)
@@ -139,6 +153,7 @@ class TrackedMeter:
         with self._lock:
             if self._live.pop(key, None) is not None:
                 self.current_bytes -= n
+                self._made_by.pop(key, None)
 
     def _error(self, n: int) -> MemoryLimitError:
         who = f"rank {self.rank}" + (f" ({self.device_name})" if self.device_name else "")
@@ -151,6 +166,7 @@ class TrackedMeter:
     def reset_peak(self) -> None:
         with self._lock:
             self.peak_bytes = self.current_bytes
+            self.peak_snapshot = sorted(self._made_by.values(), key=lambda v: -v[2])
 
     # -- activation ----------------------------------------------------------------------------
     def __enter__(self) -> "TrackedMeter":
