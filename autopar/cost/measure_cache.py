@@ -8,6 +8,12 @@ Terms
 - tiled batch: the example inputs repeated row by row to ``b`` rows (``tile_batch``), so a block can be
   timed at any micro-batch size from a small example.
 
+- calibration: correction factors per device type and cost term (``autopar.cost.calibrate``), in
+  ``calibration.json`` under ``cache_dir()``, filed under this machine's ``machine_id()`` (host name,
+  CPU model, core count and torch version): a machine reads only its own, so factors
+  measured elsewhere are never carried over. ``AUTOPAR_CALIBRATION=off`` makes ``load_calibration``
+  return nothing (a run that calibrates predicts without them, so factors never compound).
+
 Used by ``autopar.cost.profile`` and ``autopar.cost.step``; neither imports the other's internals.
 """
 
@@ -15,11 +21,16 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import socket
 from pathlib import Path
 
 import torch
 
-__all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch"]
+__all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
+           "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV"]
+
+CALIBRATION_ENV = "AUTOPAR_CALIBRATION"
 
 
 def cache_dir() -> Path:
@@ -64,3 +75,38 @@ def tile_batch(inputs: tuple, b: int) -> tuple:
         else:
             out.append(t)
     return tuple(out)
+
+
+def machine_id() -> str:
+    """This machine as calibration sees it (see the module docstring)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{socket.gethostname()}|{cpu}|{os.cpu_count()} cores|torch {torch.__version__}"
+
+
+def calibration_path() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def load_calibration(machine: str | None = None) -> dict[str, dict[str, float]]:
+    """This machine's calibration factors {device key: {term: factor}} (``{}`` when none, or when
+    ``AUTOPAR_CALIBRATION=off``)."""
+    if os.environ.get(CALIBRATION_ENV, "").lower() in ("off", "0", "false", "no"):
+        return {}
+    return dict(load_json(calibration_path()).get(machine or machine_id(), {}))
+
+
+def save_calibration(factors: dict[str, dict[str, float]], machine: str | None = None) -> None:
+    """File ``factors`` under this machine, replacing the device keys they name."""
+    path = calibration_path()
+    data = load_json(path)
+    mine = dict(data.get(machine or machine_id(), {}))
+    mine.update({k: dict(v) for k, v in factors.items()})
+    data[machine or machine_id()] = mine
+    save_json(path, data)

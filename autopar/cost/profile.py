@@ -270,8 +270,13 @@ def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=
 
 def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
-                efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True) -> ModelCosts:
+                efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
+                calibration="auto") -> ModelCosts:
     """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
+
+    ``calibration``: correction factors ``{device key: {term: factor}}`` (``autopar.cost.calibrate``)
+    applied to the tables; ``"auto"`` (default): this machine's, from the profile cache
+    (``autopar.cost.measure_cache.load_calibration``); None: none.
 
     ``measure``: time blocks on this machine for emulated / local device types (default: when the model
     has real weights). Without measurement, emulated devices fall back to a roofline of the nominal CPU.
@@ -327,7 +332,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
 
     terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
                        measured=measured is not None)
-    return ModelCosts(
+    costs = ModelCosts(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),
         param_bytes=np.array([s.params * weight_bytes_per_param for s in stats], float),
@@ -338,3 +343,13 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
         tied_groups=analysis.tied_groups, sources=sources, **terms,
     )
+    if calibration == "auto":
+        from autopar.cost.measure_cache import load_calibration
+
+        calibration = load_calibration()
+    if calibration:
+        from autopar.cost.calibrate import calibrated, device_key
+
+        keys = {t: device_key(cluster.spec_of(t), emu_scale) for t in types}
+        costs = calibrated(costs, calibration, keys)
+    return costs

@@ -19,6 +19,15 @@ Terms
   scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
 
 Measurements are cached with the block timings (``autopar.cost.measure_cache.measure_cache_path()``).
+
+Predicted phases (``predicted_phases``): per rank of a plan, the cost model's seconds of each phase
+of a step that ``autopar.ir.profile`` measures: forward and backward (the rank's micro-batches on its
+stage's blocks, a tensor-parallel rank its work factor, each compute call's overhead split between
+them), optimizer (its parameters or its ZeRO shard, plus one call), the collectives by kind (data
+parallel: the ZeRO stage's all-reduce / reduce-scatter / all-gather; pipelines: a stage's gradient
+all-reduce; tensor parallelism: the in-block all-reduces), ``p2p`` (a pipeline rank's activations and
+gradients sent and received) and ``wait`` (the predicted step time less all of the above). The planners
+price the same terms with the same functions; this only lays them out per rank.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
 __all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "optimizer_roofline_s_per_param",
-           "measure_call_overhead", "step_terms"]
+           "measure_call_overhead", "step_terms", "predicted_phases"]
 
 # Fraction of peak memory bandwidth a fused / foreach optimizer step reaches on a GPU.
 OPTIMIZER_BANDWIDTH_EFFICIENCY = 0.75
@@ -181,3 +190,90 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
             opt[t] = flat[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
             call[t] = 0.0
     return {"optimizer_s_per_param": opt, "optimizer_flat_s_per_param": flat, "call_overhead_s": call}
+
+
+def _add(d: dict, key: str, value: float) -> None:
+    if value:
+        d[key] = d.get(key, 0.0) + float(value)
+
+
+def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
+    """Per rank of ``plan`` (an ``autopar.ir.Plan`` priced with ``costs`` on ``cluster``), the predicted
+    seconds of each phase of one step (see the module docstring)."""
+    from autopar.cost import comm
+    from autopar.cost import tp as tp_cost
+
+    rho = plan.predicted.breakdown.get("tp_replicated_fraction", tp_cost.DEFAULT_REPLICATED_FRACTION)
+    zero = plan.zero_stage
+    single = plan.num_stages == 1
+    out: dict[int, dict[str, float]] = {}
+    for s, st in enumerate(plan.stages):
+        blocks = slice(st.block_start, st.block_stop)
+        params = float(costs.params[blocks].sum())
+        grad_bytes = params * costs.grad_bytes_per_param
+        param_bytes = float(costs.param_bytes[blocks].sum())
+        firsts = [g[0] for g in st.groups]
+        nm = len(st.groups)
+        tp_any = any(len(g) > 1 for g in st.groups)
+        rounds = max(len(mb) for mb in st.micro_batches)
+        for g, members in enumerate(st.groups):
+            shares = st.tp_shares[g] if st.tp_shares and len(st.tp_shares) > g else (1,) * len(members)
+            factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
+            if len(members) > 1:
+                alpha, beta = tp_cost.allreduce_alpha_beta(cluster, members)
+            for i, r in enumerate(members):
+                t = cluster.devices[r].spec.name
+                d = out.setdefault(r, {})
+                call = costs.call_overhead(t)
+                k = float(factors[i])
+                for x in st.micro_batches[g]:
+                    if x <= 0:
+                        continue
+                    f = float(costs.fwd_time(t, x)[blocks].sum()) * k
+                    b = float(costs.bwd_time(t, x)[blocks].sum()) * k
+                    if st.recompute:
+                        b += f
+                    c = call / 2 if single else call      # a micro-step is one call, a pipeline F or B one each
+                    _add(d, "forward", f + c)
+                    _add(d, "backward", b + c)
+                    if len(members) > 1:                   # Megatron's f / g all-reduces, both directions
+                        per = tp_cost.TP_ALLREDUCES_PER_BLOCK * (alpha + beta * costs.out_bytes[blocks] * x)
+                        _add(d, "all_reduce", float(per.sum()))
+                    if not single and s + 1 < plan.num_stages:
+                        _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
+                                                       float(costs.out_bytes[st.block_stop - 1]) * x))
+                    if not single and s > 0:
+                        prev = plan.stages[s - 1]
+                        _add(d, "p2p", comm.p2p_time_s(cluster, prev.groups[0][0], r,
+                                                       float(costs.out_bytes[prev.block_stop - 1]) * x))
+                # the optimizer: every parameter, a ZeRO shard (data parallelism: one flat buffer) or a TP shard
+                n, flat = params * k, False
+                if zero >= 1 and nm > 1 and not tp_any:
+                    frac = (st.zero_shares[g] / sum(st.zero_shares)) if st.zero_shares else 1.0 / nm
+                    n, flat = params * frac, single
+                if n > 0:
+                    _add(d, "optimizer", costs.optimizer_time(t, n, flat=flat) + call)
+                if nm < 2:
+                    continue
+                if single and not tp_any:                  # data parallelism: the ZeRO stage's collectives
+                    ring = firsts
+                    if zero <= 1:
+                        _add(d, "all_reduce", comm.allreduce_time_s(cluster, ring, grad_bytes, algorithm="auto"))
+                    if zero == 1 or zero == 2:
+                        _add(d, "all_gather", comm.allgather_time_s(cluster, ring, param_bytes, algorithm="auto"))
+                    if zero >= 2:
+                        _add(d, "reduce_scatter", rounds * comm.reduce_scatter_time_s(
+                            cluster, ring, grad_bytes, algorithm="auto"))
+                    if zero == 3:
+                        _add(d, "all_gather", 2 * rounds * comm.allgather_time_s(
+                            cluster, ring, param_bytes, algorithm="auto"))
+                elif tp_any:
+                    _add(d, "all_reduce", tp_cost.stage_allreduce_time_s(costs, cluster, st, rho))
+                else:
+                    _add(d, "all_reduce", comm.allreduce_time_s(cluster, firsts, grad_bytes, algorithm="auto"))
+    step = float(plan.predicted.step_time_s)
+    for d in out.values():
+        busy = sum(d.values())
+        if step > busy:
+            d["wait"] = step - busy
+    return out

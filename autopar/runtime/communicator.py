@@ -29,10 +29,16 @@ On a group of one rank they issue no collective (a reduction or broadcast is the
 scatter a local copy), so a one-device plan pays for no communication.
 Engines whose ranks share one backend (data parallel, tensor parallel) use them; this module is the
 only one in autopar that calls ``torch.distributed`` collectives.
+
+Recording: while a step is recorded (``autopar.runtime.emulate.recorded_step``), every collective and
+point-to-point call here adds an event to the rank's ``PhaseRecorder`` (kind, start, end, bytes and a
+key that names the same call on every rank: its group's ranks and its place in the step), from which
+``compiled.profile()`` tells transfer from waiting for peers. Otherwise it costs one thread-local read.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -41,10 +47,11 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from autopar.errors import AutoparError
+from autopar.runtime.emulate import active_recorder
 
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
-           "pg_broadcast_objects", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
+           "pg_broadcast_objects", "pg_all_gather_objects", "record_issue", "record_wait", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
            "ReduceOp", "pg_all_reduce_async", "pg_all_gather_into_async", "PendingCollective"]
 
 _HOST = "gloo"   # the backend of the bridge
@@ -230,7 +237,10 @@ class Communicator:
         for ts in _by_dtype(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in ts])
             wire, staged = self._to_wire(flat, group)
+            rec, t0 = active_recorder(), time.perf_counter()
             dist.all_reduce(wire, op=op, group=group.pg)
+            if rec is not None:
+                rec.comm("all_reduce", t0, wire.numel() * wire.element_size(), group.ranks)
             self.stats.count("all_reduce", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
             if staged:
                 flat = wire.to(flat.device)
@@ -249,7 +259,10 @@ class Communicator:
         for ts in _by_dtype(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in ts])
             wire, staged = self._to_wire(flat, group)
+            rec, t0 = active_recorder(), time.perf_counter()
             dist.broadcast(wire, src=src, group=group.pg)
+            if rec is not None:
+                rec.comm("broadcast", t0, wire.numel() * wire.element_size(), group.ranks)
             self.stats.count("broadcast", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
             for t, r in zip(ts, _unflatten_dense_tensors(wire, ts)):
                 t.detach().copy_(r)
@@ -260,15 +273,22 @@ class Communicator:
         alive until it completes: the handle holds the wire copy)."""
         group = self._pair(dst)
         wire, staged = self._to_wire(tensor.detach().contiguous(), group)
+        rec, t0 = active_recorder(), time.perf_counter()
         work = dist.isend(wire, dst=dst, group=group.pg, tag=tag)
-        self.stats.count("send", wire.numel() * wire.element_size(), staged and wire.device.type == "cpu")
+        nbytes = wire.numel() * wire.element_size()
+        if rec is not None:
+            rec.message("send", t0, nbytes, rec.message_key(self.rank, dst, tag))
+        self.stats.count("send", nbytes, staged and wire.device.type == "cpu")
         return _Pending(work, wire)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int = 0) -> torch.Tensor:
         """Receive a tensor of ``shape`` and ``dtype`` from global rank ``src`` (blocking), on this rank's
         device."""
         out, wire, group = self._recv_buffers(shape, dtype, src)
+        rec, t0 = active_recorder(), time.perf_counter()
         dist.recv(wire, src=src, group=group.pg, tag=tag)
+        if rec is not None:
+            rec.message("recv", t0, wire.numel() * wire.element_size(), rec.message_key(src, self.rank, tag))
         self._count_recv(out, wire)
         if wire is not out:
             out.copy_(wire)
@@ -285,7 +305,11 @@ class Communicator:
         out, wire, group = self._recv_buffers(shape, dtype, src)
         work = dist.irecv(wire, src=src, group=group.pg, tag=tag)
         self._count_recv(out, wire)
-        return PendingRecv(work, out, wire)
+        rec = active_recorder()
+        pending = PendingRecv(work, out, wire)
+        if rec is not None:
+            pending._record = (rec, rec.message_key(src, self.rank, tag))
+        return pending
 
     def p2p_path(self, peer: int, device: torch.device | None = None) -> tuple[str, bool]:
         """How a message with ``peer`` travels for a tensor on ``device`` (default: this rank's):
@@ -318,23 +342,32 @@ class _Pending:
     wire: torch.Tensor
 
     def wait(self) -> None:
+        rec, t0 = active_recorder(), time.perf_counter()
         self.work.wait()
+        if rec is not None:
+            rec.message("send_wait", t0, 0, None)
 
 
 class PendingRecv:
     """A receive in flight (``Communicator.irecv``): ``wait()`` blocks until the message has arrived
     and returns the tensor, on the receiving rank's device; later calls return the same tensor."""
 
-    __slots__ = ("_work", "_out", "_wire")
+    __slots__ = ("_work", "_out", "_wire", "_record")
 
     def __init__(self, work: Any, out: torch.Tensor, wire: torch.Tensor):
         self._work = work
         self._out = out
         self._wire = wire
+        self._record = None     # (recorder, message key) while a step is recorded
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            t0 = time.perf_counter()
             self._work.wait()
+            if self._record is not None:
+                rec, key = self._record
+                rec.message("recv", t0, self._wire.numel() * self._wire.element_size(), key)
+                self._record = None
             self._work = None
             if self._wire is not self._out:       # staged: copy the host landing buffer over
                 self._out.copy_(self._wire)
@@ -382,10 +415,39 @@ def pg_group_size(group: Any = None) -> int:
     return dist.get_world_size(group)
 
 
+def _recorded(kind: str, t0: float, nbytes: int, group: Any) -> None:
+    """Add the collective that started at ``t0`` to this thread's recorder, if a step is recorded."""
+    rec = active_recorder()
+    if rec is not None:
+        rec.comm(kind, t0, nbytes, tuple(pg_ranks(group)))
+
+
+def record_issue(kind: str, nbytes: int, group: Any) -> tuple | None:
+    """For an asynchronous collective: what ``record_wait`` needs, taken when it is issued (None while
+    no step is recorded)."""
+    rec = active_recorder()
+    if rec is None:
+        return None
+    return (rec, kind, time.perf_counter(), int(nbytes), rec.collective_key(kind, tuple(pg_ranks(group))))
+
+
+def record_wait(issued: tuple | None, t0: float) -> None:
+    """Record the asynchronous collective of ``record_issue`` waited on from ``t0`` until now."""
+    if issued is not None:
+        rec, kind, entry, nbytes, key = issued
+        rec.comm(kind, t0, nbytes, None, key=key, entry=entry)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def pg_all_reduce(tensor: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` in place over ``group`` (default: every rank); nothing on a group of one."""
     if not _alone(group):
+        t0 = time.perf_counter()
         dist.all_reduce(tensor, op=op, group=group)
+        _recorded("all_reduce", t0, _nbytes(tensor), group)
 
 
 class PendingCollective:
@@ -427,13 +489,17 @@ def pg_all_gather_into_async(output: torch.Tensor, tensor: torch.Tensor, group: 
 def pg_broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """Broadcast ``tensor`` in place from global rank ``src`` over ``group``; nothing on a group of one."""
     if not _alone(group):
+        t0 = time.perf_counter()
         dist.broadcast(tensor, src=src, group=group)
+        _recorded("broadcast", t0, _nbytes(tensor), group)
 
 
 def pg_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's ``tensor`` into ``outputs`` (one tensor per rank of ``group``, in group order)."""
     if not _alone(group):
+        t0 = time.perf_counter()
         dist.all_gather(outputs, tensor, group=group)
+        _recorded("all_gather", t0, _nbytes(tensor) * len(outputs), group)
     else:
         outputs[0].copy_(tensor)
 
@@ -445,7 +511,9 @@ def pg_all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = 
         return
     # torch >= 2.10 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    t0 = time.perf_counter()
     fn(output, tensor, group=group)
+    _recorded("all_gather", t0, _nbytes(output), group)
 
 
 def pg_reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
@@ -456,7 +524,9 @@ def pg_reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: An
         output.copy_(tensor.reshape(output.shape))
         return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    t0 = time.perf_counter()
     fn(output, tensor, op=op, group=group)
+    _recorded("reduce_scatter", t0, _nbytes(tensor), group)
 
 
 def pg_broadcast_objects(objects: list, src: int = 0, group: Any = None) -> None:
@@ -469,4 +539,15 @@ def pg_broadcast_objects(objects: list, src: int = 0, group: Any = None) -> None
 def pg_barrier(group: Any = None) -> None:
     """Block until every rank of ``group`` has reached this call (at once on a group of one)."""
     if not _alone(group):
+        t0 = time.perf_counter()
         dist.barrier(group=group)
+        _recorded("barrier", t0, 0, group)
+
+
+def pg_all_gather_objects(obj: Any, group: Any = None) -> list:
+    """Every rank's picklable ``obj``, in group order (``[obj]`` on a group of one)."""
+    if _alone(group):
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

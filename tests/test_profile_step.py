@@ -1,0 +1,151 @@
+"""Step profiles (autopar.ir.profile, autopar.runtime.emulate's PhaseRecorder, compiled.profile()):
+phases are labelled and disjoint, waits are split off collectives, the JSON round trip holds, and a
+recorded run trains exactly as an unrecorded one."""
+
+import time
+from importlib import import_module
+
+import pytest
+import torch
+
+import autopar
+from autopar.cluster.model import Cluster
+from autopar.ir.profile import Event, RankInfo, RankStep, StepProfile, from_records
+from autopar.runtime.emulate import NullClock, PhaseRecorder, RankSteps, recorded_step
+
+from oracle import assert_state_close, batches, optimizer_factory, single_device_state, threaded_ranks
+
+ONE = Cluster.from_dict({"nodes": [{"device": {"name": "cpu", "emulate": "cpu", "speed": 1.0, "memory_GB": 2},
+                                    "count": 1}]})
+
+
+def _busy(s: float) -> None:
+    t = time.perf_counter() + s
+    while time.perf_counter() < t:
+        pass
+
+
+def test_blocks_are_cut_at_the_marks_and_around_communication():
+    clock = NullClock()
+    rec = PhaseRecorder(0)
+    clock.recorder = rec
+    with recorded_step(clock):
+        with clock.compute():           # forward, then backward, as a data-parallel micro-step
+            _busy(0.002)
+            t_fwd = time.perf_counter()
+            rec.mark("fwd_end")
+            _busy(0.001)
+            t_bwd = time.perf_counter()
+            rec.mark("bwd_start")
+            _busy(0.002)
+            t0 = time.perf_counter()
+            _busy(0.001)
+            rec.comm("all_reduce", t0, 64, (0, 1))    # inside the block (tensor parallelism): cut out
+            t1 = time.perf_counter()
+            _busy(0.001)
+        with clock.compute("optimizer"):
+            _busy(0.001)
+    (index, s0, s1, events), = rec.snapshot().steps
+    phases = [e[0] for e in events]
+    assert phases == ["all_reduce", "forward", "backward", "backward", "optimizer"]
+    fwd = [e for e in events if e[0] == "forward"][0]
+    assert fwd[2] == pytest.approx(t_bwd, abs=1e-4)       # the loss between the marks counts as forward
+    bwd = [e for e in events if e[0] == "backward"]
+    assert bwd[0][1] == pytest.approx(t_bwd, abs=1e-4) and bwd[0][2] <= t0 + 1e-4 and bwd[1][1] >= t1 - 1e-4
+    assert t_fwd < t_bwd
+    ordered = sorted((e[1], e[2]) for e in events)
+    assert all(a1 <= b0 + 1e-9 for (_, a1), (b0, _) in zip(ordered, ordered[1:])), "phases overlap"
+
+
+def test_waits_are_split_off_collectives_and_receives():
+    # rank 1 enters the all-reduce 30 ms after rank 0: rank 0 waited 30 ms of its 35
+    r0 = RankSteps(0, "h", ((0, 10.0, 10.1, (("forward", 10.0, 10.02, 0, None),
+                                             ("all_reduce", 10.02, 10.055, 8, ("all_reduce", (0, 1), 0)),
+                                             ("send", 10.06, 10.061, 4, (0, 1, 7, 0)))),))
+    r1 = RankSteps(1, "h", ((0, 10.0, 10.1, (("forward", 10.0, 10.05, 0, None),
+                                             ("all_reduce", 10.05, 10.055, 8, ("all_reduce", (0, 1), 0)),
+                                             ("recv", 10.055, 10.07, 4, (0, 1, 7, 0)))),))
+    infos = (RankInfo(0, "a", predicted={"forward": 0.02}), RankInfo(1, "b", predicted={"forward": 0.05}))
+    prof = from_records([r0, r1], infos, "dp", 0.1)
+    m0, m1 = prof.measured(0), prof.measured(1)
+    assert m0["wait"] == pytest.approx(0.03) and m0["all_reduce"] == pytest.approx(0.005)
+    assert m1["all_reduce"] == pytest.approx(0.005)
+    assert m1["wait"] == pytest.approx(0.005)          # the receive waited until the send was posted
+    assert m1["p2p"] == pytest.approx(0.010)
+    assert prof.step_times_s() == pytest.approx((0.1,))
+    back = StepProfile.from_json(prof.to_json())
+    assert back == prof
+    worst = prof.gaps("phase")[0]
+    assert worst.key == "other" or abs(worst.gap_s) >= abs(prof.gaps("phase")[-1].gap_s)
+
+
+def test_sleep_is_folded_into_the_compute_it_stretches():
+    step = RankStep(0, 0, 0.0, 0.1, (Event("forward", 0.0, 0.01), Event("backward", 0.01, 0.03),
+                                     Event("sleep", 0.03, 0.09)))
+    folded = step.phase_s(fold_sleep=True)
+    assert folded["forward"] == pytest.approx(0.03) and folded["backward"] == pytest.approx(0.06)
+    assert step.phase_s()["sleep"] == pytest.approx(0.06) and folded["other"] == pytest.approx(0.01)
+
+
+@pytest.fixture
+def _fresh_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    yield
+    import_module("autopar.runtime.launch").shutdown()
+
+
+def test_compiled_profile_of_a_recorded_run_that_trains_exactly(_fresh_group):
+    case = autopar.models.build("gpt-tiny", seed=0)
+    compiled = autopar.compile(case.model, ONE, case.example_inputs, 8, case.loss_fn,
+                               optimizer=optimizer_factory("sgd"), strategy="dp")
+    for inputs, targets in batches("gpt-tiny", 8, 3, seed=0):
+        compiled.step(inputs, targets)
+    assert_state_close(compiled.state_dict(), single_device_state("gpt-tiny", 8, steps=3, optimizer="sgd", seed=0),
+                       1e-4)
+    prof = compiled.profile(last=2)
+    assert prof.step_indices() == (1, 2) and prof.emulated
+    meas = prof.measured(0)
+    assert meas["forward"] > 0 and meas["backward"] > 0 and meas["optimizer"] > 0
+    pred = prof.rank_info(0).predicted
+    assert pred["forward"] > 0 and pred["backward"] > 0 and pred["optimizer"] > 0
+    assert {g.key for g in prof.gaps("device_type")} == {"cpu"}
+    # the emulated clock's sleep is its own phase; folded, the step's phases still sum to its wall time
+    step = prof.steps[-1]
+    assert step.phase_s().get("sleep", 0) > 0
+    folded = step.phase_s(fold_sleep=True)
+    assert sum(v for k, v in folded.items() if k != "p2p") == pytest.approx(step.wall_s, rel=1e-6)
+
+
+class TwoRanks(threaded_ranks(2)):
+    def test_data_parallel_collectives_are_recorded_with_their_waits(self):
+        from autopar.ir.plan import Plan, Predicted, Stage
+        from autopar.lowering import lower
+        from autopar.passes.analyze import analyze
+        from autopar.runtime.communicator import pg_all_gather_objects
+        from autopar.runtime.dp import DataParallelEngine
+        from autopar.runtime.emulate import record_engine
+        from autopar.runtime.engine import EngineInputs
+
+        case = autopar.models.build("mlp-tiny", seed=0)
+        gm = analyze(case.model, case.example_inputs).captured.gm
+        plan = Plan(strategy="dp", global_batch_size=8, zero_stage=1, schedule="none",
+                    stages=(Stage(0, 1, groups=((0,), (1,)), micro_batches=((2, 2), (4,))),),
+                    predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
+        engine = DataParallelEngine(EngineInputs(
+            gm=gm, model=case.model, plan=plan, loss_fn=case.loss_fn, optimizer_factory=optimizer_factory("sgd"),
+            rank=self.rank, world_size=2, device=torch.device("cpu"), clock=NullClock()),
+            lower(plan, gm, self.rank, params=[p for p in case.model.parameters() if p.requires_grad]), overlap=False)
+        rec = record_engine(engine, self.rank)
+        x, y = case.batch(8, seed=1)
+        for _ in range(2):
+            with recorded_step(engine.clock):
+                if self.rank == 1:
+                    time.sleep(0.03)      # a straggler: rank 0 waits for it in the first collective
+                engine.step(x, y)
+        records = pg_all_gather_objects(rec.snapshot())
+        prof = from_records(records, (RankInfo(0, "cpu"), RankInfo(1, "cpu")), "dp", 0.0)
+        m0 = prof.measured(0)
+        assert m0["wait"] >= 0.02, m0
+        assert m0.get("all_reduce", 0) + m0.get("all_gather", 0) + m0.get("reduce_scatter", 0) > 0
+        assert prof.measured(1).get("wait", 0.0) < m0["wait"]
+        assert m0["forward"] > 0 and m0["backward"] > 0 and m0["optimizer"] > 0
