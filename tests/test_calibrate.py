@@ -1,0 +1,85 @@
+"""Calibration (autopar.cost.calibrate, measure_cache's per-machine store): factors fitted from
+synthetic profiles recover the distortion that made them, apply to the cost tables, and stay on the
+machine that measured them."""
+
+import numpy as np
+import pytest
+
+from autopar.cost import measure_cache
+from autopar.cost.calibrate import Sample, calibrated, calls_per_step, device_key, fit_factors, samples
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.profile import Event, RankInfo, RankStep, StepProfile
+
+
+def _profile(truth: dict[str, dict[str, float]], predicted: dict[int, dict[str, float]], types, other_s=0.0):
+    """Steps whose measured phases are the predicted ones times ``truth`` (with a little noise)."""
+    rng = np.random.default_rng(0)
+    steps = []
+    for step in range(5):
+        for r, pred in predicted.items():
+            t, evs = 0.0, []
+            for phase in ("forward", "backward", "optimizer"):
+                d = pred[phase] * truth[types[r]][phase] * (1 + rng.uniform(-0.01, 0.01))
+                evs.append(Event(phase, t, t + d))
+                t += d
+            steps.append(RankStep(r, step, 0.0, t + other_s, tuple(evs)))
+    infos = tuple(RankInfo(r, types[r], predicted=pred) for r, pred in predicted.items())
+    return StepProfile("dp", 1.0, infos, tuple(steps))
+
+
+def test_factors_recover_the_distortion_per_device_type_and_term():
+    truth = {"a": {"forward": 1.3, "backward": 0.8, "optimizer": 2.0}, "b": {"forward": 1.1, "backward": 1.6,
+                                                                         "optimizer": 1.0}}
+    pred = {0: {"forward": 0.01, "backward": 0.02, "optimizer": 0.005},
+            1: {"forward": 0.03, "backward": 0.05, "optimizer": 0.004},
+            2: {"forward": 0.02, "backward": 0.04, "optimizer": 0.002}}
+    prof = _profile(truth, pred, {0: "a", 1: "a", 2: "b"}, other_s=0.006)
+    plan = Plan("dp", 6, 0, "none", (Stage(0, 1, ((0,), (1,), (2,)), ((1, 1), (2,), (2,))),),
+                Predicted(1.0, 6.0, {}))
+    factors = fit_factors(samples(prof, {0: "a", 1: "a", 2: "b"}, plan))
+    for k in ("a", "b"):
+        for term, want in truth[k].items():
+            assert factors[k][term] == pytest.approx(want, rel=0.02)
+    assert calls_per_step(plan, 0) == 3 and calls_per_step(plan, 2) == 2
+    assert factors["a"]["call"] == pytest.approx(0.006 / 2.5, rel=0.3)    # median over ranks of other / calls
+    assert factors["b"]["call"] == pytest.approx(0.006 / 2)
+
+
+def test_unsplit_compute_samples_both_terms_and_unknown_terms_are_refused():
+    info = RankInfo(0, "a", predicted={"forward": 0.01, "backward": 0.03, "optimizer": 0.01})
+    prof = StepProfile("dp", 1.0, (info,), (RankStep(0, 0, 0.0, 0.1, (Event("compute", 0.0, 0.08),)),))
+    f = fit_factors(samples(prof, {0: "a"}))
+    assert f["a"]["forward"] == f["a"]["backward"] == pytest.approx(2.0)
+    assert "optimizer" not in f["a"] or f["a"]["optimizer"] == 0.0
+    with pytest.raises(ValueError, match="unknown term"):
+        fit_factors([Sample("a", "bogus", 1.0, 1.0)])
+
+
+def test_calibrated_costs_scale_the_tables_of_the_named_types_only():
+    costs = ModelCosts.synthetic({"a": [1e-3, 2e-3], "b": [1e-3, 1e-3]})
+    costs.optimizer_s_per_param.update(a=1e-9, b=1e-9)
+    out = calibrated(costs, {"key-a": {"forward": 2.0, "backward": 3.0, "optimizer": 4.0, "call": 1e-3}},
+                     {"a": "key-a", "b": "key-b"})
+    np.testing.assert_allclose(out.fwd_time("a", 4), 2 * costs.fwd_time("a", 4))
+    np.testing.assert_allclose(out.bwd_time("a", 4), 3 * costs.bwd_time("a", 4))
+    np.testing.assert_allclose(out.fwd_time("b", 4), costs.fwd_time("b", 4))
+    assert out.optimizer_time("a", 100) == pytest.approx(4 * costs.optimizer_time("a", 100))
+    assert out.call_overhead("a") == pytest.approx(1e-3) and out.call_overhead("b") == 0.0
+    assert "calibrated" in out.sources["a"] and "calibrated" not in out.sources["b"]
+
+
+def test_factors_stay_on_the_machine_that_measured_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    measure_cache.save_calibration({"cpu": {"forward": 1.2}})
+    measure_cache.save_calibration({"cpu": {"forward": 9.0}}, machine="another machine")
+    assert measure_cache.load_calibration() == {"cpu": {"forward": 1.2}}
+    monkeypatch.setenv(measure_cache.CALIBRATION_ENV, "off")
+    assert measure_cache.load_calibration() == {}
+
+
+def test_device_keys_name_an_emulated_device_by_speed_and_time_scale():
+    from autopar.cluster.model import builtin
+
+    spec = builtin("demo").devices[1].spec
+    assert device_key(spec, 3.0) == "cpu-half|emulated x0.5|scale 3"
