@@ -1,7 +1,7 @@
 """autopar: a compiled-graph auto-parallelizer for training PyTorch models on heterogeneous clusters.
 
 Public surface (see shared/spec/api.md): ``Cluster``, ``plan``, ``compile``, ``launch``, ``init``,
-``Plan``, ``PlanConfig``, ``RunConfig``, ``materialize``, ``models``, ``kernels``, ``passes``, and the errors
+``Plan``, ``PlanConfig``, ``Pin``, ``RunConfig``, ``materialize``, ``models``, ``kernels``, ``passes``, and the errors
 ``AutoparError`` (the base, a ``ValueError``), ``ClusterError``, ``PlanError``, ``RuntimeInputError``,
 ``LaunchError``.
 Submodules are imported lazily so ``import autopar`` stays cheap and does nothing at import time.
@@ -13,7 +13,7 @@ from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError, R
 
 __all__ = [
     "AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError",
-    "Cluster", "Plan", "PlanConfig", "RunConfig", "plan", "compile", "launch", "init", "models", "kernels",
+    "Cluster", "Plan", "PlanConfig", "Pin", "RunConfig", "plan", "compile", "launch", "init", "models", "kernels",
     "passes", "materialize",
 ]
 
@@ -28,6 +28,7 @@ _LAZY = {
     "kernels": ("autopar.kernels", None),
     "passes": ("autopar.passes", None),
     "PlanConfig": ("autopar.config", "PlanConfig"),
+    "Pin": ("autopar.config", "Pin"),
     "RunConfig": ("autopar.config", "RunConfig"),
     "materialize": ("autopar.lowering.materialize", "materialize"),
 }

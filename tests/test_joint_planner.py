@@ -159,8 +159,29 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                                               math.ceil(b / min(len(st), len(nxt))) * costs.out_bytes[bounds[s + 1] - 1])
                         times.append(t_s)
                     if all(math.isfinite(t) for t in times):
-                        best = min(best, split_objective(times, M))
+                        best = min(best, split_objective(times, M) + _tail_s(costs, cluster, gr, members, bounds, z, rho))
     return best
+
+
+def _tail_s(costs, cluster, grouping, members, bounds, zero, rho):
+    """What the simulator adds after the schedule on the slowest stage (gradient all-reduce, optimizer
+    step, ZeRO gather), which the search's estimate includes."""
+    from autopar.cost.comm import allgather_time_s
+    from autopar.cost.pipeline import stage_optimizer_s
+    from autopar.ir.plan import Stage
+
+    worst = 0.0
+    for s, groups in enumerate(grouping.stages):
+        tp = any(len(g) > 1 for g in groups)
+        shares = tuple(members[g].shares for g in groups)
+        st = Stage(block_start=bounds[s], block_stop=bounds[s + 1], groups=tuple(groups),
+                   micro_batches=((1,),) * len(groups), tp_shares=shares if tp else ())
+        t = tp_cost.stage_sync_time_s(costs, cluster, st, rho) + stage_optimizer_s(costs, cluster, st, zero, rho)
+        if zero >= 1 and len(groups) > 1 and not tp:
+            t += allgather_time_s(cluster, [g[0] for g in groups],
+                                  float(costs.param_bytes[bounds[s]:bounds[s + 1]].sum()))
+        worst = max(worst, t)
+    return worst
 
 
 @pytest.mark.parametrize("recompute", [False, True])

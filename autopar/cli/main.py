@@ -150,17 +150,25 @@ def cmd_analyze(args) -> int:
 
 def cmd_plan(args) -> int:
     from autopar.api import model_num_heads, plan_from_costs
+    from autopar.config import Pin
 
     pp_layers = _block_counts(args.pp_layers, "--pp-layers") if args.pp_layers else None
+    pin = Pin.parse(args.pin) if args.pin else None
     cluster = _load_cluster(args.cluster)
     case, prep = _prepare(args.model, cluster)
     timings: dict = {}
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
                         pp_layers=pp_layers, num_heads=model_num_heads(case.model),
-                        replicated_fraction=prep.replicated_fraction, recompute=args.recompute, timings=timings)
+                        replicated_fraction=prep.replicated_fraction, recompute=args.recompute, timings=timings,
+                        pin=pin)
     if args.json != "-":
         print(p.summary(cluster), end="")
+        if args.explain:
+            from autopar.ir.report import render
+            from autopar.planner.explain import explain_table
+
+            print(render(explain_table(p, prep.costs, cluster)), end="")
         print(f"planning {timings['plan_s']:.2f} s, bounds {timings['bounds_s']:.2f} s "
               f"(analysis {prep.analyze_s:.2f} s, cost tables {prep.profile_s:.2f} s; "
               f"time sources: {', '.join(sorted(set(prep.costs.sources.values())))})")
@@ -328,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan_args(q)
     q.add_argument("--schedule", default="auto", choices=list(SCHEDULES))
     q.add_argument("--pp-layers", help="pin blocks per pipeline stage, e.g. 8,4")
+    q.add_argument("--pin", help="what-if: fix some dimensions and search the rest, e.g. tp=8,pp=8,recompute=1 "
+                                 "(tp, pp, dp, num_micro_batches, recompute, zero_stage, schedule, virtual_stages; "
+                                 "tp=TYPE:D/TYPE:D per device type)")
+    q.add_argument("--explain", action="store_true",
+                   help="per stage: compute, communication, bubble, optimizer and memory of the prediction")
     q.add_argument("--timeline", metavar="OUT.png", help="write the simulated per-rank Gantt chart")
 
     t = sub.add_parser("train", help="really train on this machine (emulated devices are CPU processes)")

@@ -78,9 +78,17 @@ def ring_link(cluster: "Cluster", ranks: Sequence[int],
     ranks = _ring(cluster, ranks)
     if len(ranks) == 1:
         return math.inf, 0.0
-    pairs = [(ranks[i], ranks[(i + 1) % len(ranks)]) for i in range(len(ranks))]
-    bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in pairs)
-    lat = max(pair_latency_s(cluster, a, b, link) for a, b in pairs)
+    # Pairs of the same (node if shared, device types) have the same link: price each such pair once.
+    distinct: dict = {}
+    devices = cluster.devices
+    for i, a in enumerate(ranks):
+        b = ranks[(i + 1) % len(ranks)]
+        da, db = devices[a], devices[b]
+        key = (da.node if da.node == db.node else None, da.spec.name, db.spec.name)
+        if key not in distinct:
+            distinct[key] = (a, b)
+    bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in distinct.values())
+    lat = max(pair_latency_s(cluster, a, b, link) for a, b in distinct.values())
     return bw, lat
 
 

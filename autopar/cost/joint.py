@@ -64,6 +64,7 @@ class JointContext:
     members: dict                  # rank tuple -> Member
     cache: dict
     recompute: bool = False        # offer activation recomputation to stages whose memory binds
+    force_recompute: bool = False  # every stage recomputes (a pinned ``recompute=True``)
 
     def kind_id(self, kind) -> int:
         ids = self.cache.setdefault("kind_ids", {})
@@ -138,8 +139,12 @@ class JointContext:
 
     def rank_caps(self, member: Member) -> tuple[tuple[float, float], ...]:
         """Distinct (usable bytes, work factor) of the member's ranks."""
+        key = ("caps", member.ranks)
+        if key in self.cache:
+            return self.cache[key]
         factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.rho)
-        return tuple(sorted({(self.cap(r), float(k)) for r, k in zip(member.ranks, factors)}))
+        self.cache[key] = tuple(sorted({(self.cap(r), float(k)) for r, k in zip(member.ranks, factors)}))
+        return self.cache[key]
 
     def room(self, member: Member) -> float:
         """Bytes of (unsharded) block state + activations the member's tightest rank can hold."""
@@ -195,12 +200,13 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
             shares = tuple((i, b, room, caps) for i, _, room, caps in st.kinds)
         else:
             shares = tuple((i, int(math.ceil(b * f - 1e-9)), room, caps) for i, f, room, caps in st.kinds)
-        sig = (shares, st.num_members, in_flight, recompute, zero)
+        force = recompute and ctx.force_recompute
+        sig = (shares, st.num_members, in_flight, recompute, zero, force)
         if sig not in row_cache:
             loads = [MemberLoad(k, ctx.span_time(kid, k), ctx.span_time(kid, k, True) if recompute else None,
                                 room, caps) for kid, k, room, caps in shares]
             row_cache[sig] = stage_cost_row(ctx.state(st.num_members, zero), act, input_bytes, valid, loads,
-                                            in_flight, recompute)
+                                            in_flight, recompute, force)
         return row_cache[sig]
 
     return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule, row)

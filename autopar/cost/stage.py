@@ -83,8 +83,10 @@ class MemberLoad:
 
 
 def stage_cost_row(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: np.ndarray, valid: np.ndarray,
-                   loads: Sequence[MemberLoad], in_flight: int, recompute: bool) -> tuple[np.ndarray, np.ndarray]:
+                   loads: Sequence[MemberLoad], in_flight: int, recompute: bool,
+                   force_recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """([i, j] seconds of the stage, inf where it does not fit; [i, j] whether the entry recomputes).
+    ``force_recompute`` (a pinned ``recompute=True``): every entry recomputes, none keeps.
 
     ``state_bytes``, ``act_bytes``: [i, j] spans of the stage's (sharded) state and of its activations
     per sample; ``input_bytes``: [i] bytes per sample of the stage input at boundary i."""
@@ -103,6 +105,8 @@ def stage_cost_row(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: 
             held = input_bytes[:, None] * (k * in_flight)
             for cap, factor in load.rank_caps:
                 fits_rc &= (state_bytes + act_bytes * k) * factor + held <= cap
+    if force_recompute:
+        fits &= False
     use_rc = fits_rc & ~fits
     return np.where(fits, t, np.where(use_rc, t_rc, np.inf)), use_rc
 

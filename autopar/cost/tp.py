@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = [
-    "DEFAULT_REPLICATED_FRACTION", "TP_ALLREDUCES_PER_BLOCK", "DEFAULT_NUM_UNITS", "TpGroup",
+    "stage_sync_time_s", "DEFAULT_REPLICATED_FRACTION", "TP_ALLREDUCES_PER_BLOCK", "DEFAULT_NUM_UNITS", "TpGroup",
     "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "allreduce_alpha_beta",
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
@@ -290,3 +290,15 @@ def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
     fractions = [np.asarray(s, float) / sum(s) for s in stage.tp_shares] if stage.tp_shares else None
     return dp_allreduce_time_s(costs, cluster, stage.groups, slice(stage.block_start, stage.block_stop),
                                fractions, rho)
+
+
+def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
+                      replicated_fraction: float | None = None) -> float:
+    """Seconds of a ``Stage``'s gradient all-reduce over its members (0 with one member): over TP
+    members ``stage_allreduce_time_s``, else one ring of the members' ranks on the stage's gradient."""
+    if len(stage.groups) < 2:
+        return 0.0
+    if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
+        return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
+    grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
+    return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)

@@ -5,7 +5,8 @@ Terms
 - resolved strategy: ``PlanConfig.resolved_strategy`` (``auto`` with pinned batch shares is ``dp``,
   with pinned layers ``pp``); it picks the planner: ``autopar.planner.dp`` for the data-parallel
   strategies, ``autopar.planner.joint.plan_strategy`` for ``pp``/``uniform-pp``/``tp``, the joint
-  search ``plan_auto`` for ``auto``.
+  search ``plan_auto`` for ``auto``; a ``PlanConfig.pin`` goes to ``autopar.planner.pins.plan_pinned``
+  (that strategy's search restricted to the pin).
 - bounds: ``autopar.planner.bounds.with_all_bounds``, the one definition of the upper bound, the
   compute bound and the efficiency every plan the user sees carries.
 """
@@ -22,6 +23,7 @@ from autopar.ir.plan import Plan
 from autopar.planner.bounds import with_all_bounds
 from autopar.planner.dp import plan_dp
 from autopar.planner.joint import plan_auto, plan_strategy
+from autopar.planner.pins import plan_pinned
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -54,7 +56,9 @@ def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, c
     if config.replicated_fraction is not None:
         tp_kw["replicated_fraction"] = config.replicated_fraction
     common = dict(zero_stage=config.zero_stage, recompute=config.recompute, memory_fraction=config.memory_fraction)
-    if strategy in DP_STRATEGIES:
+    if config.pin is not None:
+        p = plan_pinned(costs, cluster, global_batch, config)
+    elif strategy in DP_STRATEGIES:
         p = plan_dp(costs, cluster, global_batch, strategy=strategy, dp_batch=config.dp_batch_map, **common)
     elif strategy in PP_STRATEGIES:
         p = plan_strategy(costs, cluster, global_batch, strategy, schedule=config.schedule,

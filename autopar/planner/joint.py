@@ -54,6 +54,7 @@ Terms
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -64,6 +65,8 @@ import numpy as np
 
 from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, PP_STRATEGIES, PlanConfig
 from autopar.cost import tp as tp_cost
+from autopar.cost.comm import allgather_time_s
+from autopar.cost.pipeline import stage_optimizer_s
 from autopar.cost.joint import JointContext, joint_cost_tensor, prepare_stages, split_lower_bound
 from autopar.cost.memory import check_zero_stage, fits_memory, stage_memory_bytes
 from autopar.errors import PlanError
@@ -90,6 +93,7 @@ SINGLE_STRATEGIES: tuple[str, ...] = DP_STRATEGIES + PP_STRATEGIES + ("tp",)
 _SHORTLIST = 8          # candidates per layout (by split estimate) that the simulator ranks
 _ESTIMATE_SLACK = 1.1   # a split estimate this much above the best prediction is not simulated
 _TIE = 1e-3             # relative step-time difference below which 1F1B wins (less memory)
+_EXACT_SPLITS = 24      # a shortlisted (grouping, M) with at most this many splits has each one simulated
 
 
 # -- building and predicting a candidate --------------------------------------------------------------
@@ -154,6 +158,71 @@ def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[s
     return out
 
 
+def _tail_signature(ctx: JointContext, groups: Sequence[tuple[int, ...]]) -> tuple:
+    """Stages of one signature (member kinds in order, members per node) have the same tail."""
+    key = ("tail_sig", id(groups))
+    hit = ctx.cache.get(key)
+    if hit is not None and hit[0] is groups:
+        return hit[1]
+    per_node: dict[int, int] = {}
+    for g in groups:
+        per_node[ctx.members[g].node] = per_node.get(ctx.members[g].node, 0) + 1
+    sig = tuple(ctx.kind_id(ctx.members[g].kind) for g in groups), tuple(sorted(per_node.values()))
+    ctx.cache[key] = (groups, sig)   # keeps ``groups`` alive, so its id is not reused
+    return sig
+
+
+def _stage_tail_s(ctx: JointContext, groups: Sequence[tuple[int, ...]], start: int, stop: int, zero: int) -> float:
+    """Gradient all-reduce + optimizer step + ZeRO gather of a stage of ``groups`` on blocks [start, stop)
+    (what ``cost.pipeline`` adds after the schedule), cached by the stage's ``_tail_signature`` and the
+    span's parameter count and bytes (all the tail depends on: spans of as many identical blocks share it)."""
+    c = ctx.costs
+    cum_p, cum_w = ctx.cache.get("cum_params") or ctx.cache.setdefault(
+        "cum_params", (np.concatenate([[0.0], np.cumsum(c.params)]), np.concatenate([[0.0], np.cumsum(c.param_bytes)])))
+    key = ("tail", _tail_signature(ctx, groups), float(cum_p[stop] - cum_p[start]),
+           float(cum_w[stop] - cum_w[start]), zero)
+    if key not in ctx.cache:
+        ctx.cache[key] = _stage_tail_uncached(ctx, groups, start, stop, zero)
+    return ctx.cache[key]
+
+
+def _tail_lower_bound(ctx: JointContext, entry: "_GroupingState", num_micro: int) -> float:
+    """A bound below the tail ``max_s tail_s`` of every split of ``entry``: with tail_s ~ a_s + b_s P_s
+    affine in the stage's parameters P_s (rings, optimizer steps and gathers are), and sum_s P_s = P,
+    max_s >= max(max_s a'_s, P / sum_s 1 / b_s); a'_s is the stage's tail on the lightest block,
+    and x 0.95 leaves room for the part that is not exactly affine."""
+    z = ctx.zero_for(num_micro)
+    key = ("tail_lb", id(entry), z)
+    if key not in ctx.cache:
+        c = ctx.costs
+        n = c.num_blocks
+        light = int(np.argmin(c.params))
+        p_light, p_all = float(c.params[light]), float(c.params.sum())
+        top, inv = 0.0, 0.0
+        for groups in entry.grouping.stages:
+            t1 = _stage_tail_s(ctx, groups, light, light + 1, z)
+            t2 = _stage_tail_s(ctx, groups, 0, n, z)
+            top = max(top, t1)
+            b = (t2 - t1) / (p_all - p_light) if p_all > p_light else 0.0
+            inv = inv + 1.0 / b if b > 0 and inv != math.inf else math.inf
+        spread = p_all / inv if 0 < inv < math.inf else 0.0
+        ctx.cache[key] = 0.95 * max(top, spread)
+    return ctx.cache[key]
+
+
+def _stage_tail_uncached(ctx: JointContext, groups, start: int, stop: int, zero: int) -> float:
+    members = [ctx.members[g] for g in groups]
+    tp = any(len(m.ranks) > 1 for m in members)
+    stage = Stage(block_start=start, block_stop=stop, groups=tuple(groups), micro_batches=((1,),) * len(groups),
+                  tp_shares=tuple(m.shares for m in members) if tp else ())
+    out = tp_cost.stage_sync_time_s(ctx.costs, ctx.cluster, stage, ctx.rho)
+    out += stage_optimizer_s(ctx.costs, ctx.cluster, stage, zero, ctx.rho)
+    if zero >= 1 and len(groups) > 1 and not tp:
+        out += allgather_time_s(ctx.cluster, [g[0] for g in groups],
+                                float(ctx.costs.param_bytes[start:stop].sum()))
+    return out
+
+
 @dataclass
 class _GroupingState:
     layout: MemberLayout
@@ -178,11 +247,27 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
                   micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
         largest.append(counts[-1])
         for M in counts:
-            items.append((split_lower_bound(ctx, entry.prep, M), e, M))
+            items.append((split_lower_bound(ctx, entry.prep, M) + _tail_lower_bound(ctx, entry, M), e, M))
     items.sort()
     best_est = best_s
     found = []
     solved = 0
+
+    tails: dict = {}
+
+    def tail(e, entry, M, sizes) -> float:
+        """What follows the schedule (``cost.pipeline`` ``_finish_s``: gradient all-reduce, optimizer
+        step, ZeRO gather) on the slowest stage: the split estimate leaves it out, so ranking by the
+        estimate alone would favour many members per stage (whose all-reduce it ignores)."""
+        z = ctx.zero_for(M)
+        out, start = 0.0, 0
+        for s, k in enumerate(sizes):
+            key = (e, s, start, start + k, z)
+            if key not in tails:
+                tails[key] = _stage_tail_s(ctx, entry.grouping.stages[s], start, start + k, z)
+            out = max(out, tails[key])
+            start += k
+        return out
 
     def solve(entry, M):
         cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
@@ -218,6 +303,7 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
         if got is None or got == "infeasible":
             continue
         sizes, est, flags = got
+        est += tail(e, entry, M, sizes)
         found.append((est, e, M, sizes, flags))
         best_est = min(best_est, est)
     found.sort(key=lambda x: x[0])
@@ -268,12 +354,14 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 degrees: Sequence[int] = TP_DEGREES, layouts: Sequence[MemberLayout] | None = None,
                 groupings: Sequence[StageGrouping] | None = None, num_micro: int | None = None,
                 deadline: float | None = None, best_s: float = math.inf,
-                shortlist: int = _SHORTLIST, recompute: bool = False) -> list[_Scored]:
+                shortlist: int = _SHORTLIST, recompute: bool = False,
+                force_recompute: bool = False) -> list[_Scored]:
     """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
     reached elsewhere (pruning); ``deadline`` a ``time.perf_counter()`` to stop at; ``shortlist``:
     how many candidates (best split estimates) the simulator predicts; ``recompute=True`` lets a stage
-    whose in-flight activations do not fit recompute them (see ``joint_cost_tensor``)."""
+    whose in-flight activations do not fit recompute them (see ``joint_cost_tensor``);
+    ``force_recompute=True`` (a pinned recompute) makes every stage recompute."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     zero_choices, z_search = _zero_choices(zero_stage)
@@ -284,7 +372,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     if layouts is None:
         layouts = member_layouts(costs, cluster, ranks, num_heads=num_heads, degrees=degrees,
                                  replicated_fraction=replicated_fraction)
-    ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {}, recompute)
+    ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {},
+                       recompute or force_recompute, force_recompute)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
     found, _ = _search(ctx, entries, split_schedule, num_micro, deadline, best_s)
     scored: list[_Scored] = []
@@ -294,16 +383,33 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
             break
         entry = entries[e]
         stages = [[ctx.members[g] for g in st] for st in entry.grouping.stages]
-        built = _build(ctx, stages, sizes, M, flags)
-        label = f"{entry.layout.name} {entry.grouping.name} S={len(built)} M={M} layers={list(sizes)}"
-        if any(flags):
-            label += f" recompute={[s for s, x in enumerate(flags) if x]}"
-        for x in _predict(ctx, built, schedules, label, zero_choices):
-            scored.append(x)
-            best = min(best, x.step_time_s)
+        for sizes, flags in _splits_to_predict(ctx, entry, M, split_schedule, sizes, flags):
+            built = _build(ctx, stages, sizes, M, flags)
+            label = f"{entry.layout.name} {entry.grouping.name} S={len(built)} M={M} layers={list(sizes)}"
+            if any(flags):
+                label += f" recompute={[s for s, x in enumerate(flags) if x]}"
+            for x in _predict(ctx, built, schedules, label, zero_choices):
+                scored.append(x)
+                best = min(best, x.step_time_s)
     fastest = min((x.step_time_s for x in scored), default=math.inf)
     scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.plan.schedule != "1f1b", x.step_time_s))
     return scored
+
+
+def _splits_to_predict(ctx: JointContext, entry: _GroupingState, M: int, schedule: str, sizes, flags) -> list:
+    """The splits of a shortlisted (grouping, M) the simulator predicts: the split DP's (it minimises
+    the estimate, which is no bound of the simulated step), or every split that fits when there are
+    at most ``_EXACT_SPLITS`` of them, so the choice equals brute force over pinned splits there."""
+    n, S = ctx.costs.num_blocks, len(entry.prep)
+    if S < 2 or math.comb(n - 1, S - 1) > _EXACT_SPLITS:
+        return [(tuple(sizes), tuple(flags))]
+    cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
+    out = []
+    for cuts in itertools.combinations(range(1, n), S - 1):
+        b = (0, *cuts, n)
+        if all(math.isfinite(cost[s, b[s], b[s + 1]]) for s in range(S)):
+            out.append((tuple(b[s + 1] - b[s] for s in range(S)), tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S))))
+    return out or [(tuple(sizes), tuple(flags))]
 
 
 def _zero_choices(zero_stage) -> tuple[tuple[int, ...], int | None]:

@@ -19,7 +19,8 @@ from autopar.planner.pp import StageGrouping
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["TP_DEGREES", "Member", "MemberLayout", "member_layouts", "member_groupings", "stage_counts"]
+__all__ = ["TP_DEGREES", "Member", "MemberLayout", "member_layouts", "member_groupings", "stage_counts",
+           "pinned_groupings"]
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 
@@ -44,8 +45,11 @@ def _nodes(cluster: "Cluster", ranks: Sequence[int]) -> list[tuple[int, ...]]:
 
 def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] | None = None, *,
                    num_heads: int | None = None, degrees: Sequence[int] = TP_DEGREES,
-                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION) -> list[MemberLayout]:
-    """Every TP layout (a degree per device type; see the module docstring), duplicates removed."""
+                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
+                   type_degrees: dict[str, int] | None = None) -> list[MemberLayout]:
+    """Every TP layout (a degree per device type; see the module docstring), duplicates removed.
+    ``type_degrees`` pins the degree of some types (``autopar.Pin.tp``): their groups of another size
+    (a node the degree does not divide, a node mixing types) are left out, so those ranks stay idle."""
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
     nodes = _nodes(cluster, ranks)
@@ -54,7 +58,8 @@ def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] |
     out: list[MemberLayout] = []
     seen: set = set()
     kinds: dict = {}
-    for combo in itertools.product(degrees, repeat=len(types)):
+    pinned = dict(type_degrees or {})
+    for combo in itertools.product(*[(pinned[t],) if t in pinned else tuple(degrees) for t in types]):
         deg = dict(zip(types, combo))
         members = []
         ok = True
@@ -66,6 +71,8 @@ def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] |
                     ok = False
                     break
                 key = tuple(cluster.devices[r].spec.name for r in group)
+                if any(pinned.get(t, len(group)) != len(group) for t in key):
+                    continue   # not of its pinned degree: idle
                 if len(group) == 1:
                     shares = (units,)
                 else:
@@ -75,7 +82,7 @@ def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] |
                 members.append(Member(tuple(group), shares, k, cluster.devices[group[0]].node))
             if not ok:
                 break
-        if not ok:
+        if not ok or not members:
             continue
         sig = tuple(m.ranks for m in members)
         if sig in seen:
@@ -182,8 +189,73 @@ def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
             add(name, [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)])
             if any(len(x) % S_t for x, S_t in zip(lists, combo)):
                 add(name + "-idle", [st for x, S_t in zip(lists, combo) for st in _cuts(x, S_t)[-1][1]])
+        # Chunks: every member in rank order cut into S runs, a run may span two types.
+        for S in stage_counts(len(members), max_stages):
+            for suffix, stages in _cuts(list(members), S):
+                add(f"chunks-{S}{suffix}", stages)
     else:
         for S in stage_counts(counts[0], max_stages):
             for suffix, stages in _cuts(lists[0], S):
                 add(f"chunks-{S}{suffix}", stages)
+    return out
+
+
+def pinned_groupings(layout: MemberLayout, max_stages: int, num_stages: int | None = None,
+                     num_members: int | None = None) -> list[StageGrouping]:
+    """The groupings of ``member_groupings``' families with exactly ``num_stages`` stages and/or exactly
+    ``num_members`` members in every stage (``autopar.Pin.pp`` / ``.dp``), members left over idle:
+    chunks of every member in rank order, lockstep slices and every type-major count combination
+    (each type's stage count and members per stage as pinned). Empty when no grouping can."""
+    members = layout.members
+    by_type: dict[str, list[Member]] = {}
+    for m in members:
+        by_type.setdefault(m.type_name, []).append(m)
+    lists = list(by_type.values())
+    out: list[StageGrouping] = []
+    seen: set = set()
+
+    def ok(stages) -> bool:
+        return (bool(stages) and all(stages) and len(stages) <= max_stages
+                and (num_stages is None or len(stages) == num_stages)
+                and (num_members is None or all(len(st) == num_members for st in stages)))
+
+    def add(name, stages):
+        if ok(stages):
+            key = tuple(tuple(m.ranks for m in st) for st in stages)
+            if key not in seen:
+                seen.add(key)
+                out.append(StageGrouping(name, key))
+
+    D = num_members
+    counts = ([num_stages] if num_stages is not None else
+              sorted({len(members) // D} | set(stage_counts(len(members) // D, max_stages))) if D else [])
+    for S in counts:
+        if S < 1:
+            continue
+        if D is not None:
+            add(f"chunks-{S}x{D}", _cut(members[:S * D], S))
+        else:
+            for suffix, stages in _cuts(members, S):
+                add(f"chunks-{S}{suffix}", stages)
+            if S <= min(len(x) for x in lists):
+                add(f"lockstep-{S}", [sum((sl[s] for sl in (_cut(x, S) for x in lists)), ()) for s in range(S)])
+                add(f"lockstep-{S}-idle", [sum((sl[s] for sl in (_cut(x[:len(x) // S * S], S) for x in lists)), ())
+                                           for s in range(S)])
+    if len(lists) > 1:
+        # type-major: S_t stages of type t (0 leaves the type idle), as many members each as pinned
+        if num_stages is None:   # members per stage pinned alone: each type all in, or idle
+            options = [sorted({0, len(x) // D}) for x in lists]
+        else:
+            options = [range(0, min(num_stages, len(x) // D if D else len(x)) + 1) for x in lists]
+        for combo in itertools.product(*options):
+            if not sum(combo) or (num_stages is not None and sum(combo) != num_stages) or sum(combo) > max_stages:
+                continue
+            name = "type-major-" + "+".join(map(str, combo))
+            if D is not None:
+                add(name + f"x{D}", [st for x, S_t in zip(lists, combo) if S_t for st in _cut(x[:S_t * D], S_t)])
+            else:
+                for suffix in ("", "-idle"):
+                    stages = [st for x, S_t in zip(lists, combo) if S_t
+                              for st in (_cut(x, S_t) if suffix == "" else _cuts(x, S_t)[-1][1])]
+                    add(name + suffix, stages)
     return out

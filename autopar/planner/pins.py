@@ -1,0 +1,195 @@
+"""What-if pins (``autopar.Pin``): the planner searches every dimension the pin leaves open and returns
+the fastest predicted plan that equals the pin, or raises ``PlanError`` naming the pin it cannot meet.
+
+Terms
+- dimensions of a plan (``plan_dims``): ``tp`` (the set of TP group sizes, per device type), ``pp``
+  (stages), ``dp`` (the set of members per stage), ``num_micro_batches`` (``Plan.num_micro_batches``),
+  ``recompute`` (the set of the stages' flags), ``zero_stage``, ``schedule``, ``virtual_stages``
+  (1: no plan has more yet).
+- meeting a pin (``pin_violation``): every pinned dimension of the plan equals the pin (``tp``: every
+  member of that type has that many ranks; ``dp``: every stage that many members; ``recompute``:
+  every stage recomputes, or none does).
+- the search (``plan_pinned``): the single-dimension strategies that can meet the pin, and the joint
+  planner's hybrid search restricted up front: TP layouts of the pinned degree (members of another
+  size idle: ``layouts.member_layouts(type_degrees=)``), groupings of the pinned stage and member
+  counts (``layouts.pinned_groupings``), the pinned micro-batch count, ZeRO stage and schedule, and
+  every stage recomputing when recompute is pinned on. Each candidate is checked again with
+  ``pin_violation``, so what is returned equals the pin by construction and by check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from autopar.config import DP_STRATEGIES, PP_STRATEGIES, Pin, PlanConfig
+from autopar.cost import tp as tp_cost
+from autopar.errors import PlanError
+from autopar.ir.costs import ModelCosts
+from autopar.ir.plan import Plan
+from autopar.ir.schedule import PIPELINE_SCHEDULES
+from autopar.planner.joint import SINGLE_STRATEGIES, TP_DEGREES, plan_hybrid, plan_strategy
+from autopar.planner.layouts import member_layouts, pinned_groupings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster.model import Cluster
+
+__all__ = ["plan_dims", "pin_violation", "pinned_config", "check_pin", "plan_pinned"]
+
+
+def plan_dims(plan: Plan, cluster: "Cluster") -> dict:
+    """The dimensions of ``plan`` (see the module docstring)."""
+    tp: dict[str, set[int]] = {}
+    for st in plan.stages:
+        for g in st.groups:
+            for r in g:
+                tp.setdefault(cluster.devices[r].spec.name, set()).add(len(g))
+    return dict(tp=tp, pp=len(plan.stages), dp={len(st.groups) for st in plan.stages},
+                num_micro_batches=plan.num_micro_batches, recompute={bool(st.recompute) for st in plan.stages},
+                zero_stage=plan.zero_stage, schedule=plan.schedule,
+                virtual_stages=int(getattr(plan, "virtual_stages", 1) or 1))
+
+
+def pin_violation(plan: Plan, pin: Pin, cluster: "Cluster") -> str | None:
+    """None when ``plan`` meets every pinned dimension of ``pin``, else which one it misses and how."""
+    d = plan_dims(plan, cluster)
+    for name, want in pin.fields.items():
+        have = d[name]
+        if name == "tp":
+            for t, sizes in have.items():
+                deg = pin.tp_of(t)
+                if deg is not None and sizes != {deg}:
+                    return f"pin.tp: {t} members have {sorted(sizes)} ranks, pinned {deg}"
+            if isinstance(want, int) and not have:
+                return "pin.tp: the plan has no members"
+        elif name in ("dp", "recompute"):
+            if have != {want}:
+                return f"pin.{name}: the plan has {sorted(have)}, pinned {want}"
+        elif have != want:
+            return f"pin.{name}: the plan has {have}, pinned {want}"
+    return None
+
+
+def pinned_config(config: PlanConfig) -> PlanConfig:
+    """``config`` with the pin's ZeRO stage, schedule and recompute moved into its own fields (a pinned
+    recompute=False plans without recomputation); ``PlanError`` where the two disagree."""
+    pin = config.pin
+    if pin is None:
+        return config
+    changes: dict = {}
+    if pin.zero_stage is not None:
+        if config.zero_stage not in ("auto", pin.zero_stage):
+            raise PlanError(f"pin.zero_stage: {pin.zero_stage} but zero_stage={config.zero_stage!r}")
+        changes["zero_stage"] = pin.zero_stage
+    if pin.schedule is not None:
+        if config.schedule not in ("auto", pin.schedule):
+            raise PlanError(f"pin.schedule: {pin.schedule!r} but schedule={config.schedule!r}")
+        changes["schedule"] = pin.schedule
+    if pin.recompute is not None:
+        changes["recompute"] = pin.recompute
+    return config.with_(**changes) if changes else config
+
+
+def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int,
+              num_heads: int | None = None) -> None:
+    """``PlanError`` naming the pin when no plan can meet it whatever the memory (before any search)."""
+    n = len(cluster)
+    units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
+    node_sizes: dict[str, int] = {}
+    for r, dev in enumerate(cluster.devices):
+        size = sum(1 for d in cluster.devices if d.node == dev.node and d.spec.name == dev.spec.name)
+        node_sizes[dev.spec.name] = max(node_sizes.get(dev.spec.name, 0), size)
+    if isinstance(pin.tp, tuple):
+        unknown = [t for t, _ in pin.tp if t not in node_sizes]
+        if unknown:
+            raise PlanError(f"pin.tp: no device of type {unknown} in the cluster (types {sorted(node_sizes)})")
+    for t, size in node_sizes.items():
+        deg = pin.tp_of(t)
+        if deg is not None and deg > size:
+            raise PlanError(f"pin.tp: degree {deg} for {t}, but its nodes hold at most {size} devices "
+                            "(tensor-parallel groups stay inside a node)")
+        if deg is not None and deg > units:
+            raise PlanError(f"pin.tp: degree {deg} exceeds the model's {units} attention heads (shard units)")
+    if pin.pp is not None and pin.pp > costs.num_blocks:
+        raise PlanError(f"pin.pp: {pin.pp} stages but the model has {costs.num_blocks} blocks")
+    least_tp = min((pin.tp_of(t) or 1) for t in node_sizes)
+    used = least_tp * (pin.pp or 1) * (pin.dp or 1)
+    if used > n:
+        raise PlanError(f"pin: tp x pp x dp needs at least {used} devices ({pin}); the cluster has {n}")
+    if pin.num_micro_batches is not None and pin.num_micro_batches > global_batch:
+        raise PlanError(f"pin.num_micro_batches: {pin.num_micro_batches} micro-batches of a global batch of "
+                        f"{global_batch} samples")
+    if pin.dp is not None and pin.dp > global_batch:
+        raise PlanError(f"pin.dp: {pin.dp} members per stage cannot all get work from {global_batch} samples")
+    if pin.schedule is not None and pin.schedule not in PIPELINE_SCHEDULES:
+        raise PlanError(f"pin.schedule: the planner cannot plan {pin.schedule!r} yet (it plans "
+                        f"{', '.join(PIPELINE_SCHEDULES)})")
+    if (pin.virtual_stages or 1) > 1:
+        raise PlanError(f"pin.virtual_stages: {pin.virtual_stages} chunks per rank; the planner plans one chunk "
+                        "per stage so far")
+
+
+def _single_could_meet(strategy: str, pin: Pin) -> bool:
+    one = (None, 1)
+    if strategy in DP_STRATEGIES:
+        return pin.pp in one and pin.tp in one and pin.schedule is None
+    if strategy in PP_STRATEGIES:
+        return pin.tp in one and pin.dp in one
+    return pin.pp in one and pin.dp in one     # tp: one group of every rank
+
+
+def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig) -> Plan:
+    """The fastest predicted plan of ``config.resolved_strategy`` that meets ``config.pin`` (see the
+    module docstring); ``PlanError`` naming the pin when none does."""
+    pin = config.pin
+    check_pin(pin, costs, cluster, global_batch, config.num_heads)
+    cfg = pinned_config(config)
+    strategy = cfg.resolved_strategy
+    rho = tp_cost.DEFAULT_REPLICATED_FRACTION if cfg.replicated_fraction is None else cfg.replicated_fraction
+    common = dict(num_heads=cfg.num_heads, zero_stage=cfg.zero_stage, schedule=cfg.schedule,
+                  memory_fraction=cfg.memory_fraction, replicated_fraction=rho, recompute=cfg.recompute)
+    best: Plan | None = None
+    misses: list[str] = []
+
+    def offer(p: Plan) -> None:
+        nonlocal best
+        why = pin_violation(p, pin, cluster)
+        if why is not None:
+            misses.append(why)
+        elif best is None or p.predicted.step_time_s < best.predicted.step_time_s:
+            best = p
+
+    singles = SINGLE_STRATEGIES if strategy == "auto" else (strategy,)
+    for s in singles:
+        if not _single_could_meet(s, pin):
+            continue
+        try:
+            offer(plan_strategy(costs, cluster, global_batch, s, **common,
+                                pp_layers=cfg.pp_layers if s in PP_STRATEGIES else None))
+        except PlanError as e:
+            misses.append(f"{s}: {str(e)[:120]}")
+    if strategy == "auto":
+        tp_pin = pin.tp
+        degrees = (tp_pin,) if isinstance(tp_pin, int) else TP_DEGREES
+        layouts = member_layouts(costs, cluster, num_heads=cfg.num_heads, degrees=degrees, replicated_fraction=rho,
+                                 type_degrees=dict(tp_pin) if isinstance(tp_pin, tuple) else None)
+        bound = math.inf if best is None else best.predicted.step_time_s
+        for lay in layouts:
+            groupings = None
+            if pin.pp is not None or pin.dp is not None:
+                groupings = pinned_groupings(lay, costs.num_blocks, pin.pp, pin.dp)
+                if not groupings:
+                    continue
+            for x in plan_hybrid(costs, cluster, global_batch, layouts=[lay], groupings=groupings,
+                                 num_micro=pin.num_micro_batches, best_s=bound,
+                                 force_recompute=bool(pin.recompute), **common):
+                offer(x.plan)
+                if best is not None:
+                    bound = min(bound, best.predicted.step_time_s)
+    if best is None:
+        why = "; ".join(dict.fromkeys(misses))[:600]
+        raise PlanError(f"pin: no plan meets {pin} on {len(cluster)} devices (it does not fit in memory, "
+                        f"or no layout has those dimensions)" + (f": {why}" if why else ""))
+    return replace(best, strategy=strategy if strategy != "auto" else "auto",
+                   notes=(f"pinned: {pin}; the planner searched the rest",) + tuple(best.notes))
