@@ -12,10 +12,15 @@ With an explicit ``precision`` (``PlanConfig.precision``: ``"fp32"``, ``"bf16"``
   (the preset of every emulated device) is 1: the planner prices an emulated device the same at every
   precision. (The emulated run itself computes under CPU autocast, whose speed differs from fp32 by
   what this CPU's bf16 support gives: a source of prediction error, not hidden by a made-up ratio.)
-- activation bytes (``activation_bytes_factor``): saved activations and pipeline sends at the compute
-  dtype, 0.5 of fp32. This is exact where every saved tensor is a matmul's input or a pointwise op of
-  a matmul's output (an MLP: measured 0.53); autocast keeps losses, and type promotion keeps residual
-  sums, in fp32, so transformer blocks save more (gpt-tiny measured 0.58, llama-tiny 0.67 of fp32).
+- activation bytes: what autocast actually keeps, per block, is measured by ``autocast_bytes`` (one
+  fake-tensor forward under autocast: no compute, no memory) and ``activation_factors`` turns it into
+  per-block factors over fp32 for saved activations and for the values a block sends on. Autocast
+  computes matmuls in the compute dtype but keeps losses and norms' statistics in fp32, and type
+  promotion keeps a residual sum (fp32 stream + bf16 branch) in fp32; so transformer blocks save
+  0.57 (gpt-tiny), 0.68 (llama-tiny), 0.63 (bert-tiny) of their fp32 bytes, an MLP 0.50, and the
+  values sent between transformer blocks (the residual stream) stay fp32: a pipeline cut there sends
+  as many bytes as at fp32. ``activation_bytes_factor`` (0.5: everything at the compute dtype) is the
+  fallback where no fake run is possible (a model on ``meta``).
 - communication bytes (``comm_bytes_factor``): gradient reduction in fp32 (the runtime reduces the fp32
   ``.grad``): 1.0; ``grad_reduce_dtype="bf16"`` would be 0.5 (not run yet).
 - state bytes per parameter (``state_bytes_per_param``): fp32 weights (the master copy *is* the
@@ -32,8 +37,13 @@ against the same peak its time was predicted from.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 __all__ = ["is_mixed_precision", "priced_peak_flops", "PRECISION_BYTES", "peak_flops", "activation_bytes_factor",
-           "comm_bytes_factor", "autocast_copy_bytes_per_param", "state_bytes_per_param"]
+           "comm_bytes_factor", "autocast_copy_bytes_per_param", "state_bytes_per_param", "AutocastBytes",
+           "autocast_bytes", "activation_factors"]
 
 PRECISION_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}   # bytes of one compute-dtype element
 
@@ -56,7 +66,8 @@ def peak_flops(spec, precision: str) -> float:
 
 
 def activation_bytes_factor(precision: str) -> float:
-    """Saved-activation and pipeline-send bytes at ``precision`` over those at fp32."""
+    """Bytes of a compute-dtype element over fp32's: the activation factor when every saved or sent
+    value is in the compute dtype (a lower bound; ``activation_factors`` measures the real one)."""
     return _bytes(precision) / 4
 
 
@@ -89,3 +100,108 @@ def priced_peak_flops(spec) -> float:
     """The peak FLOP/s ``spec`` is priced at: bf16 on accelerators, fp32 on CPUs and emulated devices,
     because those are the precisions each trains in (see the module docstring)."""
     return float(spec.peak_flops_bf16 if is_mixed_precision(spec) else spec.peak_flops_fp32)
+
+
+# -- what autocast actually keeps, block by block ------------------------------------------------------
+@dataclass(frozen=True)
+class AutocastBytes:
+    """Bytes of one forward at a precision, per block (``passes.meta.BLOCK``): ``saved`` activations
+    autograd keeps for backward (each storage once; parameters and autocast's copies of them not
+    included), ``weight_copies`` autocast's compute-dtype copies of parameters kept for backward, and
+    ``sent`` the values a block hands to later blocks (what a pipeline cut there sends)."""
+    saved: np.ndarray
+    weight_copies: np.ndarray
+    sent: np.ndarray
+
+
+def autocast_bytes(gm, example_inputs, precision: str) -> AutocastBytes:
+    """Run the captured graph ``gm`` once on fake copies of ``example_inputs`` (no compute, no memory:
+    ``FakeTensorMode``) under CPU autocast of ``precision`` and count, block by block, what it saves
+    for backward and what crosses to later blocks. Autocast's rules are per op and the same for every
+    device type's fp32 lists that matter here (losses, reductions), so the CPU run stands for a GPU's;
+    a model on ``meta`` has no CPU tensors to autocast, so it gets the constant factor instead
+    (``activation_factors``)."""
+    import torch
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.passes.meta import BLOCK
+
+    _bytes(precision)
+    num_blocks = max((int(n.meta[BLOCK]) + 1 for n in gm.graph.nodes if BLOCK in n.meta), default=1)
+    saved, copies, sent = np.zeros(num_blocks), np.zeros(num_blocks), np.zeros(num_blocks)
+    param_storages: set[int] = set()
+    seen: set[int] = set()
+    block = [0]
+    later_use = {n: max((int(u.meta.get(BLOCK, -1)) for u in n.users), default=-1) for n in gm.graph.nodes}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key in seen or key in param_storages:
+            return t
+        seen.add(key)
+        nbytes = t.untyped_storage().nbytes()      # a saved view keeps its whole storage alive
+        fn = (t._base if t._base is not None else t).grad_fn    # a saved weight is often its cast's .t()
+        if fn is not None and type(fn).__name__.startswith("ToCopyBackward") and fn.next_functions and \
+                type(fn.next_functions[0][0]).__name__ == "AccumulateGrad":
+            copies[block[0]] += nbytes
+        else:
+            saved[block[0]] += nbytes
+        return t
+
+    class _Run(fx.Interpreter):
+        def run_node(self, n):
+            if BLOCK in n.meta:
+                block[0] = int(n.meta[BLOCK])
+            out = super().run_node(n)
+            if BLOCK in n.meta and later_use[n] > int(n.meta[BLOCK]):
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        sent[int(n.meta[BLOCK])] += t.numel() * t.element_size()
+            return out
+
+    class _Root(torch.nn.Module):     # functional_call swaps the graph's tensors for fake ones
+        def __init__(self):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *args):
+            return _Run(self.gm).run(*args)
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        tensors = {f"gm.{k}": mode.from_tensor(t) for k, t in
+                   [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
+        param_storages = {t.untyped_storage()._cdata for t in tensors.values()}
+        args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32"):
+            torch.func.functional_call(_Root(), tensors, args, tie_weights=False)
+    return AutocastBytes(saved, copies, sent)
+
+
+def activation_factors(gm, example_inputs, precision: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, (saved-activation bytes, sent bytes) at ``precision`` over those at fp32, from
+    ``autocast_bytes``: the factors to multiply an fp32 analysis's ``saved_bytes`` and ``cut_bytes`` by.
+    Where a block saves or sends nothing, or the model is on ``meta``, ``activation_bytes_factor``."""
+    import torch
+
+    if precision == "fp32":
+        n = max(1, _num_blocks(gm))
+        return np.ones(n), np.ones(n)
+    flat = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if any(p.is_meta for p in gm.parameters()) or any(t.is_meta for t in flat):
+        n = max(1, _num_blocks(gm))
+        return np.full(n, activation_bytes_factor(precision)), np.full(n, activation_bytes_factor(precision))
+    lo, hi = autocast_bytes(gm, example_inputs, precision), autocast_bytes(gm, example_inputs, "fp32")
+    default = activation_bytes_factor(precision)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        saved = np.where(hi.saved > 0, lo.saved / hi.saved, default)
+        sent = np.where(hi.sent > 0, lo.sent / hi.sent, default)
+    return saved, sent
+
+
+def _num_blocks(gm) -> int:
+    from autopar.passes.meta import BLOCK
+
+    return max((int(n.meta[BLOCK]) + 1 for n in gm.graph.nodes if BLOCK in n.meta), default=0)
