@@ -96,9 +96,12 @@ def is_mixed_precision(spec) -> bool:
     return not (spec.is_emulated or spec.vendor == "cpu")
 
 
-def priced_peak_flops(spec) -> float:
-    """The peak FLOP/s ``spec`` is priced at: bf16 on accelerators, fp32 on CPUs and emulated devices,
-    because those are the precisions each trains in (see the module docstring)."""
+def priced_peak_flops(spec, precision: str | None = None) -> float:
+    """The peak FLOP/s ``spec`` is priced at. ``precision`` None (what callers pass until the plan's
+    precision reaches them): bf16 on accelerators, fp32 on CPUs and emulated devices, because those
+    are the precisions each trains in (see the module docstring); else ``peak_flops(spec, precision)``."""
+    if precision is not None:
+        return peak_flops(spec, precision)
     return float(spec.peak_flops_bf16 if is_mixed_precision(spec) else spec.peak_flops_fp32)
 
 
