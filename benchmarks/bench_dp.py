@@ -64,29 +64,72 @@ def predicted() -> tuple[list, list]:
     return rows, out
 
 
-def measured(steps: int) -> dict:
+# The measured run: a >= 5M-parameter model (issue 12's Must show), gpt-tiny widened and deepened.
+RUN_MODEL = "gpt-tiny"
+RUN_OVERRIDES = (("num_layers", 6), ("hidden_size", 288), ("num_heads", 4))    # 6.08M parameters
+RUN_BATCH = 96
+
+
+def measured(steps: int, global_batch: int = RUN_BATCH) -> dict:
+    from dataclasses import asdict
+
     from autopar.cluster.model import builtin
-    from autopar.cli.trainer import RunSpec, run_comparison
+    from autopar.cli.trainer import RunSpec, paired_speedup, run_comparison
+    from autopar.models import build
 
     cluster = builtin("demo")
-    spec = RunSpec(model="gpt-tiny", cluster_dict=cluster.to_dict(), global_batch=96, steps=steps,
-                   strategies=("dp", "uniform-dp"))
+    spec = RunSpec(model=RUN_MODEL, cluster_dict=cluster.to_dict(), global_batch=global_batch, steps=steps,
+                   strategies=("dp", "uniform-dp"), model_overrides=RUN_OVERRIDES)
     res = {r.strategy: r for r in run_comparison(spec, cluster)}
-    out = {}
+    params = sum(p.numel() for p in build(RUN_MODEL, device="meta", **dict(RUN_OVERRIDES)).model.parameters())
+    out = dict(model=RUN_MODEL, overrides=dict(RUN_OVERRIDES), params=params, global_batch=global_batch)
     for s, r in res.items():
-        out[s] = dict(measured_samples_per_s=96 / r.measured_step_s, predicted_samples_per_s=96 / r.predicted_step_s,
-                      measured_over_predicted=r.measured_step_s / r.predicted_step_s, losses=r.losses)
-    out["speedup_measured"] = out["dp"]["measured_samples_per_s"] / out["uniform-dp"]["measured_samples_per_s"]
+        sp = r.step_spread
+        out[s] = dict(measured_samples_per_s=global_batch / r.measured_step_s,
+                      predicted_samples_per_s=global_batch / r.predicted_step_s,
+                      measured_step_s=asdict(sp), predicted_step_s=r.predicted_step_s,
+                      measured_over_predicted=r.measured_step_s / r.predicted_step_s, losses=r.losses,
+                      plan=r.plan_json)
+    pair = paired_speedup(res["dp"].step_times_s, res["uniform-dp"].step_times_s)
+    out["speedup_measured"] = pair.median
+    out["speedup_measured_spread"] = asdict(pair)
     out["speedup_predicted"] = out["dp"]["predicted_samples_per_s"] / out["uniform-dp"]["predicted_samples_per_s"]
     return out
+
+
+def _rows_of(pred: list) -> list:
+    """The predicted table's rows from a results file's ``predicted`` records."""
+    rows = []
+    for rec in pred:
+        res, d = rec["results"], rec["results"].get("dp", {})
+        if "samples_per_s" not in d:
+            rows.append([rec["model"], rec["cluster"], rec["global_batch"], "does not fit", "-", "-", "-", "-", "-", "-"])
+            continue
+
+        def sp(b):
+            return f"{d['samples_per_s'] / res[b]['samples_per_s']:.2f}x" if "samples_per_s" in res.get(b, {}) else "n/a"
+        rows.append([rec["model"], rec["cluster"], rec["global_batch"], f"{d['samples_per_s']:.2f}",
+                     f"{d['samples_per_s'] * rec['seq']:,.0f}", d["zero"], f"{d['efficiency']:.1%}", sp("uniform-dp"),
+                     sp("proportional-dp"), f"{d['plan_s']:.2f}"])
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-run", action="store_true", help="predictions only, no real emulated run")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=RUN_BATCH)
+    ap.add_argument("--skip-predicted", action="store_true", help="the measured run only (keeps the predicted "
+                    "rows of the last results file)")
     args = ap.parse_args()
-    rows, pred = predicted()
+    if args.skip_predicted:
+        import json
+
+        from _common import RESULTS
+        old = json.loads((RESULTS / "dp.json").read_text()).get("predicted", []) if (RESULTS / "dp.json").exists() else []
+        rows, pred = _rows_of(old), old
+    else:
+        rows, pred = predicted()
     md = ("# Heterogeneous data parallel (Poplar-style) vs baselines\n\n"
           f"Predicted by the cost model (roofline transfer), global batch = {TOKENS:,} tokens. \"does not "
           "fit\": no ZeRO stage holds one sample's activations (no activation recomputation yet).\n\n"
@@ -94,15 +137,29 @@ def main() -> None:
                       "vs uniform-dp", "vs proportional-dp", "plan s"], rows))
     data = dict(predicted=pred)
     if not args.skip_run:
-        m = measured(args.steps)
+        m = measured(args.steps, args.global_batch)
         data["measured_demo"] = m
-        md += ("\n\n## Measured on the emulated demo cluster (CPU processes at speeds 1, 0.5, 0.25)\n\n"
-               + md_table(["strategy", "measured samples/s", "predicted samples/s", "measured/predicted step"],
-                          [[s, f"{m[s]['measured_samples_per_s']:.1f}", f"{m[s]['predicted_samples_per_s']:.1f}",
-                            f"{m[s]['measured_over_predicted']:.2f}"] for s in ("dp", "uniform-dp")])
-               + f"\n\nspeedup of dp over uniform-dp measured in the same run: {m['speedup_measured']:.2f}x "
-                 f"(predicted {m['speedup_predicted']:.2f}x; ideal 1.75/0.75 = 2.33x). Emulated devices.")
-        print(f"demo: dp over uniform-dp measured {m['speedup_measured']:.2f}x, predicted {m['speedup_predicted']:.2f}x")
+        sp = m["speedup_measured_spread"]
+
+        def step(s):
+            d = m[s]["measured_step_s"]
+            return f"{d['median']:.3f} (IQR {d['q1']:.3f}-{d['q3']:.3f})"
+
+        md += (f"\n\n## Measured on the emulated demo cluster (CPU processes at speeds 1, 0.5, 0.25)\n\n"
+               f"{m['model']} with {m['overrides']} ({m['params']:,} parameters), global batch {m['global_batch']}, "
+               f"AdamW, {args.steps} measured steps per strategy after 2 warm-up steps, the two strategies' steps "
+               "interleaved in one run.\n\n"
+               + md_table(["strategy", "measured step s", "predicted step s", "measured samples/s",
+                           "predicted samples/s", "measured/predicted step"],
+                          [[s, step(s), f"{m[s]['predicted_step_s']:.3f}", f"{m[s]['measured_samples_per_s']:.1f}",
+                            f"{m[s]['predicted_samples_per_s']:.1f}", f"{m[s]['measured_over_predicted']:.2f}"]
+                           for s in ("dp", "uniform-dp")])
+               + f"\n\nspeedup of dp over uniform-dp measured in the same run (median over interleaved pairs): "
+                 f"{m['speedup_measured']:.2f}x (IQR {sp['q1']:.2f}-{sp['q3']:.2f}, {sp['num']} pairs); predicted "
+                 f"{m['speedup_predicted']:.2f}x; ideal 1.75/0.75 = 2.33x. Emulated devices.\n\n"
+                 f"Command: `python benchmarks/bench_dp.py --steps {args.steps} --global-batch {args.global_batch}`")
+        print(f"demo: dp over uniform-dp measured {m['speedup_measured']:.2f}x (IQR {sp['q1']:.2f}-{sp['q3']:.2f}), "
+              f"predicted {m['speedup_predicted']:.2f}x")
     write_results("dp", data, md)
 
 
