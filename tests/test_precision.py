@@ -28,6 +28,7 @@ import copy
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 from torch.testing._internal.common_utils import run_tests
@@ -310,6 +311,27 @@ def test_saved_activations_drop_as_predicted(name):
     assert abs(fp32 - hi.saved.sum()) <= 0.02 * fp32
     assert abs(bf16 - (lo.saved.sum() + lo.weight_copies.sum())) <= 0.02 * bf16
     assert bf16 < 0.75 * fp32
+
+
+def test_precision_bytes_for_the_cost_tables():
+    """The ModelCosts byte fields at bf16: activations scaled per block by what autocast keeps, the
+    residual stream sent at fp32, fp32 weights + autocast's copies, fp32 gradients, no master copy."""
+    from autopar.cost.precision import activation_factors, precision_bytes
+    from autopar.passes.analyze import analyze
+
+    with _LOCK:
+        model, _, _, _ = prepared_case("gpt-tiny")
+        model = copy.deepcopy(model)
+    (x, _), = batches("gpt-tiny", 8, 1)
+    analysis = analyze(model, x)
+    fp32 = precision_bytes(analysis, x, "fp32", 8)
+    bf16 = precision_bytes(analysis, x, "bf16", 8)
+    saved_f, sent_f = activation_factors(analysis.captured.gm, x, "bf16")
+    assert np.allclose(bf16["act_bytes"], fp32["act_bytes"] * saved_f)
+    assert 0.5 < bf16["act_bytes"].sum() / fp32["act_bytes"].sum() < 0.65
+    assert np.allclose(sent_f[1:-1], 1.0)            # block to block: the fp32 residual stream
+    assert (bf16["param_bytes"] >= fp32["param_bytes"]).all() and bf16["param_bytes"].sum() > fp32["param_bytes"].sum()
+    assert (bf16["grad_bytes_per_param"], bf16["optimizer_bytes_per_param"]) == (4, 8)
 
 
 def test_peak_flops_by_precision():

@@ -43,7 +43,7 @@ import numpy as np
 
 __all__ = ["is_mixed_precision", "priced_peak_flops", "PRECISION_BYTES", "peak_flops", "activation_bytes_factor",
            "comm_bytes_factor", "autocast_copy_bytes_per_param", "state_bytes_per_param", "AutocastBytes",
-           "autocast_bytes", "activation_factors"]
+           "autocast_bytes", "activation_factors", "precision_bytes"]
 
 PRECISION_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}   # bytes of one compute-dtype element
 
@@ -208,3 +208,29 @@ def _num_blocks(gm) -> int:
     from autopar.passes.meta import BLOCK
 
     return max((int(n.meta[BLOCK]) + 1 for n in gm.graph.nodes if BLOCK in n.meta), default=0)
+
+
+def precision_bytes(analysis, example_inputs, precision: str, optimizer_state_bytes: int) -> dict:
+    """The byte fields of ``autopar.ir.costs.ModelCosts`` at ``precision`` as the runtime keeps them
+    (``autopar.runtime.precision``): per sample, each block's saved activations and sent values scaled
+    by ``activation_factors`` (the analysis counts them at fp32); per block, fp32 weights plus
+    autocast's weight copies (what ``autocast_bytes`` measures: one micro-batch in flight); fp32
+    gradients; the optimizer's state with no separate master copy (the fp32 parameter is it).
+    ``example_inputs`` None: the constant factor (``activation_bytes_factor``)."""
+    stats, per = analysis.stats, analysis.batch_size
+    n = len(stats)
+    gm = analysis.captured.gm
+    copies = np.zeros(n)
+    if example_inputs is None:
+        saved_f = sent_f = np.full(n, activation_bytes_factor(precision))
+    else:
+        saved_f, sent_f = activation_factors(gm, tuple(example_inputs), precision)
+        if precision != "fp32" and not any(p.is_meta for p in gm.parameters()):
+            measured = autocast_bytes(gm, tuple(example_inputs), precision).weight_copies
+            copies[:min(n, len(measured))] = measured[:n]
+    saved_f, sent_f = np.resize(saved_f, n), np.resize(sent_f, n)
+    return dict(
+        act_bytes=np.array([s.saved_bytes / per * saved_f[s.index] for s in stats], float),
+        out_bytes=np.array([s.cut_bytes / per * sent_f[s.index] for s in stats], float),
+        param_bytes=np.array([s.params * 4 + copies[s.index] for s in stats], float),
+        grad_bytes_per_param=4, optimizer_bytes_per_param=int(optimizer_state_bytes))
