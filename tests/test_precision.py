@@ -248,6 +248,19 @@ def test_loss_scaler_growth_and_settings():
         LossScaler(growth_factor=1.0)
 
 
+def test_autocast_forward_follows_a_deepcopy():
+    from autopar.runtime.precision import autocast_forward
+
+    m = torch.nn.Linear(3, 2)
+    autocast_forward(m, "bf16", torch.device("cpu"))
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        c.weight.zero_()
+        c.bias.zero_()
+    x = torch.randn(1, 3)
+    assert m(x).dtype == torch.bfloat16 and torch.equal(c(x), torch.zeros(1, 2, dtype=torch.bfloat16))
+
+
 def test_precision_choices_are_checked():
     from autopar.config import PlanConfig
     from autopar.errors import PlanError

@@ -28,7 +28,7 @@ flight, on top of the fp32 parameter, gradient and optimizer state (``autopar.co
 
 from __future__ import annotations
 
-import functools
+import types
 from typing import Any, Callable
 
 import torch
@@ -83,24 +83,23 @@ def autocast_context(precision: str, device: torch.device):
 # -- autocast ------------------------------------------------------------------------------------------
 def autocast_forward(module: nn.Module, precision: str, device: torch.device,
                      scale_outputs: "LossScaler | None" = None) -> None:
-    """Run ``module``'s forward under ``autocast_context`` from now on (an instance attribute that looks
-    up the class forward at each call, so a later ``recompile()`` is honoured); with ``scale_outputs``,
-    the gradients of its floating outputs are multiplied by the scaler's scale (loss scaling where the
-    output carries the loss). Idempotent."""
+    """Run ``module``'s forward under ``autocast_context`` from now on: an instance ``forward`` bound to
+    the module (so a deep copy rebinds to the copy) that calls the class forward at each call (so a
+    later ``recompile()`` is honoured); with ``scale_outputs``, the gradients of its floating outputs
+    are multiplied by the scaler's scale (loss scaling where the output carries the loss). Idempotent."""
     if getattr(module, "_autopar_precision", None) is not None:
         return
-    device = torch.device(device)
+    module._autopar_precision = (precision, torch.device(device), scale_outputs)
+    module.forward = types.MethodType(_autocast_forward, module)
 
-    def forward(*args, **kwargs):
-        with autocast_context(precision, device):
-            out = type(module).forward(module, *args, **kwargs)
-        if scale_outputs is not None:
-            out = pytree.tree_map(lambda t: scale_outputs.scale_grad(t) if _differentiable(t) else t, out)
-        return out
 
-    functools.update_wrapper(forward, type(module).forward)
-    module.forward = forward
-    module._autopar_precision = precision
+def _autocast_forward(self, *args, **kwargs):
+    precision, device, scaler = self._autopar_precision
+    with autocast_context(precision, device):
+        out = type(self).forward(self, *args, **kwargs)
+    if scaler is not None:
+        out = pytree.tree_map(lambda t: scaler.scale_grad(t) if _differentiable(t) else t, out)
+    return out
 
 
 def _differentiable(t: Any) -> bool:
