@@ -250,6 +250,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     from autopar.runtime import memory as rank_memory
     from autopar.runtime.communicator import pg_broadcast_objects
     from autopar.runtime.engine import EngineInputs, build_engine
+    from autopar.runtime.dp import defers_materialization
 
     # On every rank, before any collective: the options, validated once.
     if run is None:
@@ -304,10 +305,16 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     gm = analysis.captured.gm
     meter = rank_memory.meter_for(cluster.devices[ctx.rank], ctx.rank, ctx.device)
     meter.track(rank_memory.module_tensors(model))     # what the rank holds already (a model not on meta)
+    engine_options: dict = {}    # the data-parallel engine's deferred ZeRO-3 materialisation, if any
     with meter:   # an emulated device's memory_GB is a limit from here on (autopar.runtime.memory)
         if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
             retarget_device(gm, "meta", ctx.device)     # an exported graph baked the meta inputs' device in
-            mat.materialize_tensors(model, mat.rank_tensors(the_plan, gm, ctx.rank, model), seed=seed, init=init,
+            tensors = mat.rank_tensors(the_plan, gm, ctx.rank, model)
+            if defers_materialization(the_plan):   # ZeRO-3: the engine materialises unit by unit, keeps its shard
+                tensors = [t for t in tensors if not (isinstance(t, nn.Parameter) and t.requires_grad)]
+                engine_options["materialize"] = lambda ts, roots=(): mat.materialize_tensors(
+                    model, ts, seed=seed, init=init, device=ctx.device, weights=weights, roots=(gm, *roots))
+            mat.materialize_tensors(model, tensors, seed=seed, init=init,
                                     device=ctx.device, weights=weights, roots=(gm,))
             mat.mark_deterministic(model)
         program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
@@ -318,5 +325,5 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
                                            optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
                                            device=ctx.device, clock=clock), program,
-                              zero3_granularity=zero3_granularity, overlap=run.overlap)
+                              zero3_granularity=zero3_granularity, overlap=run.overlap, **engine_options)
     return Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter)

@@ -86,7 +86,7 @@ each such gather and reopened after it, so the emulated slow-down never stretche
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ from autopar.runtime.dp_flat import (
     ELEMENTWISE_OPTIMIZERS, DataParallelError, FlatBuffersMixin, FlatLayout, shard_bounds,
 )
 from autopar.lowering.materialize import is_deterministic
-from autopar.lowering.program import RankProgram
+from autopar.lowering.program import RankProgram, engine_kind
 from autopar.lowering.zero3_units import ParamUnits
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_broadcast, pg_ranks
@@ -103,7 +103,17 @@ from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.dp_overlap import BUCKET_BYTES, GradBuckets
 from autopar.runtime.dp_zero3 import Zero3Granularity, Zero3Mixin
 
-__all__ = ["DataParallelEngine", "DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
+# materialize(meta tensors, extra graph modules holding them) -> elements materialised
+Materializer = Callable[[list, tuple], int]
+
+
+def defers_materialization(plan) -> bool:
+    """Whether the engine of ``plan`` materialises a meta model's trainable parameters itself, one
+    ZeRO-3 unit at a time keeping only this rank's shard (a data-parallel plan at ZeRO-3): ``compile``
+    then materialises every other tensor and hands the engine ``materialize=``."""
+    return engine_kind(plan) == "dp" and int(plan.zero_stage) == 3
+
+__all__ = ["DataParallelEngine", "DataParallelError", "defers_materialization", "Materializer", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS",
            "Zero3Granularity"]
 
 
@@ -131,11 +141,15 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
     ZeRO-3 units, ``"micro_step"`` gathers everything per micro-step. ``overlap``: ZeRO 0/1 reduce
     the gradients in buckets during backward (``autopar.runtime.dp_overlap``) and ZeRO-3 prefetches
     the next unit (``autopar.runtime.dp_zero3``); False: every collective after the computation that
-    needs it, blocking. ``bucket_bytes``: the size of a gradient bucket (``dp_overlap.BUCKET_BYTES``)."""
+    needs it, blocking. ``bucket_bytes``: the size of a gradient bucket (``dp_overlap.BUCKET_BYTES``).
+    ``materialize`` (ZeRO-3 with a model whose trainable parameters are still on ``meta``; see
+    ``defers_materialization``): ``materialize(tensors, roots)`` gives the listed meta tensors their
+    values in place (``autopar.lowering.materialize.materialize_tensors``); the engine calls it unit by
+    unit, keeps this rank's shard and frees the rest before the next unit."""
 
     def __init__(self, inputs: EngineInputs, program: RankProgram, *,
                  zero3_granularity: Zero3Granularity = "block", overlap: bool = True,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, materialize: Materializer | None = None):
         if zero3_granularity not in ("block", "micro_step"):
             raise DataParallelError(f"zero3_granularity: must be 'block' or 'micro_step', got {zero3_granularity!r}")
         self.inputs = inputs
@@ -179,8 +193,14 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         for g, r in enumerate(self._members):
             shares[group_ranks.index(r)] = float(stage.zero_shares[g]) if stage.zero_shares else 1.0
 
-        self.model = inputs.model.to(self.device)
-        self.gm = program.gm.to(self.device) if program.gm is not None else self.model
+        deferred = materialize is not None and self.zero_stage == 3 and \
+            any(p.is_meta for p in inputs.model.parameters() if p.requires_grad)
+        if materialize is not None and not deferred and any(p.is_meta for p in inputs.model.parameters()):
+            raise DataParallelError("materialize: only ZeRO-3 materialises parameters unit by unit; this plan "
+                                    f"runs ZeRO-{self.zero_stage} (materialise the model before building the engine)")
+        # .to() cannot move meta tensors: a deferred model moves once every unit is materialised.
+        self.model = inputs.model if deferred else inputs.model.to(self.device)
+        self.gm = (program.gm if deferred else program.gm.to(self.device)) if program.gm is not None else self.model
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not trainable:
             raise DataParallelError("model: has no trainable parameters")
@@ -190,7 +210,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         self.dtype = next(iter(dtypes))
         self.recompute = bool(getattr(stage, "recompute", False))
         self._block_programs = list(program.blocks) if self.recompute else None
-        for prog in self._block_programs or ():
+        for prog in (self._block_programs or ()) if not deferred else ():
             prog.gm.to(self.device)
 
         probe = inputs.optimizer_factory(trainable)
@@ -229,15 +249,32 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
         # Every rank starts from the first member's weights (as DDP does); alone, it has them, and a
-        # model compile materialised deterministically has them already on every rank.
-        flats = []
-        equal = is_deterministic(inputs.model)
+        # model compile materialised deterministically has them already on every rank. Each unit's
+        # shard of this rank (the optimizer's shard Parameters start from it); ZeRO-3 holds one unit's
+        # full weights at a time: materialised (deferred), flattened, its shard kept, the rest freed.
+        shards = []
+        equal = deferred or is_deterministic(inputs.model)
+        name_of = {id(p): n for n, p in self.model.named_parameters()} if deferred else {}
+        self.materialized_numels: list[int] = []      # deferred ZeRO-3: elements materialised per unit
         for u in range(len(self.units) if not self._solo else 0):
+            if deferred:
+                self._materialize_unit(u, materialize, name_of, program)
             flat = self._flatten_params(u)
             if not equal:
                 pg_broadcast(flat, src=self._src_rank, group=self.group)
                 self._unflatten_into_params(u, flat)
-            flats.append(flat)
+            lo, hi = self.units[u].shard(self._position)
+            shards.append(flat[lo:hi].clone() if self.zero_stage == 3 else flat[lo:hi])
+            del flat
+            if self.zero_stage == 3:
+                self._hold_unit(u)                    # full weights freed: views of an empty buffer
+        if deferred:
+            self._where = {id(p): (u, k) for u, idx in enumerate(self._unit_params)
+                           for k, p in enumerate(self._params[i] for i in idx)}
+            self.model = self.model.to(self.device)
+            self.gm = self.gm.to(self.device) if program.gm is not None else self.model
+            for prog in self._block_programs or ():
+                prog.gm.to(self.device)
 
         # (flat shard Parameter, unit, [start, stop) in the unit's flat buffer)
         self._shard_params: tuple[tuple[nn.Parameter, int, tuple[int, int]], ...] = ()
@@ -246,8 +283,8 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         if self.zero_stage == 0 or self._solo:
             self.optimizer = probe
         else:
-            self.optimizer, self._shard_params = self._sharded_optimizer(probe, flats)
-        del flats
+            self.optimizer, self._shard_params = self._sharded_optimizer(probe, shards)
+        del shards
         self._setup_buffers()
         self._buckets = None
         if self.overlap and self._grad_flats is not None:     # ZeRO 0/1 over more than one rank
@@ -255,6 +292,22 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                                         self.group, self._paused, bucket_bytes)
         if self.zero_stage == 3:
             self._setup_zero3(units)
+
+    def _materialize_unit(self, u: int, materialize: "Materializer", name_of: dict, program: RankProgram) -> None:
+        """Give unit ``u``'s meta parameters their values (``materialize``) and take the new Parameter
+        objects in their place (materialisation replaces a meta tensor by identity)."""
+        idx = self._unit_params[u]
+        todo = [self._params[i] for i in idx if self._params[i].is_meta]
+        roots = tuple(g for g in (program.zero3_gm, *(b.gm for b in program.blocks or ())) if g is not None)
+        materialize(todo, roots)
+        for i in idx:
+            old = self._params[i]
+            if old.is_meta:
+                new = self.model.get_parameter(name_of[id(old)])
+                if new.is_meta:
+                    raise DataParallelError(f"materialize: left parameter {name_of[id(old)]!r} on meta")
+                self._params[i] = new
+        self.materialized_numels.append(sum(p.numel() for p in todo))
 
     @property
     def layout(self) -> FlatLayout:

@@ -141,9 +141,10 @@ class FlatBuffersMixin:
                 f"sharded optimizer states are exact only for elementwise optimizers "
                 f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); use zero_stage=0")
 
-    def _sharded_optimizer(self, probe: torch.optim.Optimizer, flats: list[torch.Tensor]):
+    def _sharded_optimizer(self, probe: torch.optim.Optimizer, shards: list[torch.Tensor]):
         """A flat shard Parameter per (unit, optimizer group) that intersects this rank's shard, and an
-        optimizer of the probe's class over them with each group's hyperparameters."""
+        optimizer of the probe's class over them with each group's hyperparameters. ``shards[u]``:
+        this rank's shard of unit ``u``'s flat parameters (``[lo, hi)`` of the flat buffer)."""
         shard_params = []
         by_group: dict[int, list[nn.Parameter]] = {}
         for u, layout in enumerate(self.units):
@@ -152,7 +153,7 @@ class FlatBuffersMixin:
             for k in range(len(probe.param_groups)):
                 a, b = max(gb[k], lo), min(gb[k + 1], hi)
                 if a < b:
-                    sp = nn.Parameter(flats[u][a:b].detach().clone())
+                    sp = nn.Parameter(shards[u][a - lo:b - lo].detach().clone())
                     shard_params.append((sp, u, (a, b)))
                     by_group.setdefault(k, []).append(sp)
         if not by_group:                   # an empty shard still gets an optimizer

@@ -53,13 +53,21 @@ class Zero3Mixin:
     its micro-step (``_micro_step``, ``_segment``, ``_segment_begin``, ``_segment_end``) and its lowered
     ``program`` (``zero3_gm``)."""
 
+    def _hold_unit(self, u: int) -> None:
+        """Unit ``u``'s parameters become views of its full buffer, freed (0 bytes): called unit by unit
+        in order as the engine takes each unit's shard, so one unit's full weights exist at a time."""
+        if u == 0:
+            self._full = []
+        layout = self.units[u]
+        full = torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
+        for p, o, n, i in zip(self._unit(u)[1], layout.offsets, layout.numels, self._unit_params[u]):
+            p.data = full[o:o + n].view(self._shapes[i])
+        full.untyped_storage().resize_(0)
+        self._full.append(full)
+
     def _setup_zero3(self, units) -> None:
-        self._full = [torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
-                      for layout in self.units]
-        for u, layout in enumerate(self.units):
-            for p, o, n, i in zip(self._unit(u)[1], layout.offsets, layout.numels, self._unit_params[u]):
-                p.data = self._full[u][o:o + n].view(self._shapes[i])
-        self._gathered = [True] * len(self.units)
+        """The gathering state over the held units (``_hold_unit``: every unit freed)."""
+        self._gathered = [False] * len(self.units)
         self._inflight: dict[int, Any] = {}          # unit -> a prefetch started, not waited for
         self._blocks = units.blocks if units is not None else (None,)
         self._storage_unit: dict[int, int] = {}
@@ -67,8 +75,6 @@ class Zero3Mixin:
         self._bwd_order = tuple(range(len(self.units) - 1, 0, -1))    # block units, last first
         self._bwd_next = 0
         self._in_backward = False
-        for u in range(len(self.units)):
-            self._free(u)
         if units is not None:
             hooked = self.program.zero3_gm.to(self.device)
             hooked.get_submodule(PRE_HOOK).bind(self._forward_gather)
