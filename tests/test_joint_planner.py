@@ -18,7 +18,7 @@ from autopar.cluster.model import Cluster
 from autopar.cost.comm import p2p_time_s
 from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
-from autopar.planner.pp import micro_candidates, micro_sizes, plan_timeline, split_objective
+from autopar.planner.pp import member_shares, micro_candidates, micro_sizes, plan_timeline, split_objective
 
 GiB = 1 << 30
 
@@ -120,12 +120,16 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                     times = []
                     for s, st in enumerate(gr.stages):
                         blocks = slice(bounds[s], bounds[s + 1])
-                        V = sum(speed[g] for g in st)
+                        # each member's most samples of a micro-batch over the rotations of the
+                        # largest-remainder split (what a built plan gives it in some micro-batch)
+                        speeds = [speed[g] for g in st]
+                        share = {g: max(member_shares(b, speeds, rot)[i] for rot in range(len(st)))
+                                 for i, g in enumerate(st)}
                         t_s = 0.0
                         keep = True
                         for g in st:   # does every member hold all its in-flight activations?
                             m = members[g]
-                            k = b if len(st) == 1 else math.ceil(b * speed[g] / V - 1e-9)
+                            k = share[g]
                             group = tp_cost.TpGroup(m.ranks, m.shares)
                             need = (costs.state_bytes(blocks, z, 1.0 / len(st))
                                     + float(costs.act_bytes[blocks].sum()) * k * min(M, S - s))
@@ -134,7 +138,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                                     keep = False
                         for g in st:
                             m = members[g]
-                            k = b if len(st) == 1 else math.ceil(b * speed[g] / V - 1e-9)
+                            k = share[g]
                             if k == 0:
                                 continue
                             group = tp_cost.TpGroup(m.ranks, m.shares)

@@ -19,7 +19,8 @@ Terms
   the micro-batch count: its member count, its distinct kinds (speed fraction of the stage, room, the
   (usable bytes, work factor) of its ranks) and the alpha-beta p2p link to the next stage.
 - cost tensor (``joint_cost_tensor``): ``autopar.cost.stage.stage_cost_tensor`` with one member load
-  per kind: its speed's share of the largest micro-batch (rounded up), the kind's span times
+  per kind: its speed's share of the largest micro-batch (``StagePrep.shares``: largest remainder, as
+  the built plan splits it), the kind's span times
   (slowest rank at its share, TP all-reduces; no per-call overhead, which the simulated prediction
   adds), its room and rank caps.
 - split lower bound (``split_lower_bound``): a bound of the split estimate
@@ -163,6 +164,29 @@ class StagePrep:
     # distinct (kind id, speed fraction of the stage, room, distinct (cap bytes, work factor) of its ranks)
     kinds: tuple[tuple[int, float, float, tuple[tuple[float, float], ...]], ...]
     p2p: StageLink | None                         # the link to the next stage
+    counts: tuple[int, ...] = ()                  # members of each ``kinds`` entry
+
+    def shares(self, samples: int) -> tuple[int, ...]:
+        """Per ``kinds`` entry, the most samples of a micro-batch of ``samples`` any of its members
+        computes when the stage splits it in proportion to speed by largest remainder (as the plan's
+        ``member_shares`` does): the floor of its exact share, plus one where the remainder reaches
+        it (entries of an equal remainder all count as reached, whichever the rotation serves)."""
+        if self.num_members == 1:
+            return tuple(samples for _ in self.kinds)
+        counts = self.counts or (1,) * len(self.kinds)
+        exact = [samples * f for _, f, _, _ in self.kinds]
+        base = [int(math.floor(x + 1e-9)) for x in exact]
+        rest = samples - sum(b * n for b, n in zip(base, counts))
+        out = list(base)
+        fracs = [x - b for x, b in zip(exact, base)]
+        for frac in sorted({round(f, 9) for f in fracs if f > 1e-9}, reverse=True):
+            if rest <= 0:
+                break
+            tied = [k for k, f in enumerate(fracs) if round(f, 9) == frac]
+            for k in tied:
+                out[k] += 1
+            rest -= sum(counts[k] for k in tied)
+        return tuple(out)
 
 
 def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> list[StagePrep]:
@@ -172,13 +196,15 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
         ids = [ctx.kind_id(m.kind) for m in members]
         v = [ctx.kind_speed(m.kind) for m in members]
         total = sum(v)
-        kinds = tuple(sorted({(i, x / total, ctx.room(m), ctx.rank_caps(m)) for i, x, m in zip(ids, v, members)}))
+        per = [(i, x / total, ctx.room(m), ctx.rank_caps(m)) for i, x, m in zip(ids, v, members)]
+        kinds = tuple(sorted(set(per)))
+        counts = tuple(per.count(k) for k in kinds)
         p2p = None
         if s < len(stages) - 1:
             nxt = stages[s + 1]
             p2p = StageLink(*p2p_alpha_beta(ctx.cluster, members[0].ranks[0], nxt[0].ranks[0]),
                             min(len(members), len(nxt)))
-        out.append(StagePrep(len(members), kinds, p2p))
+        out.append(StagePrep(len(members), kinds, p2p, counts))
     return out
 
 
@@ -196,10 +222,7 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
 
     def row(s: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
         st = prep[s]
-        if st.num_members == 1:
-            shares = tuple((i, b, room, caps) for i, _, room, caps in st.kinds)
-        else:
-            shares = tuple((i, int(math.ceil(b * f - 1e-9)), room, caps) for i, f, room, caps in st.kinds)
+        shares = tuple((i, k, room, caps) for (i, _, room, caps), k in zip(st.kinds, st.shares(b)))
         force = recompute and ctx.force_recompute
         sig = (shares, st.num_members, in_flight, recompute, zero, force)
         if sig not in row_cache:
@@ -222,8 +245,7 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     inv, low = 0.0, math.inf
     for st in prep:
         q = 0.0
-        for kid, f, _room, _caps in st.kinds:
-            k = b if st.num_members == 1 else int(math.ceil(b * f - 1e-9))
+        for (kid, _f, _room, _caps), k in zip(st.kinds, st.shares(b)):
             if k > 0:
                 q = max(q, ctx.ratio(kid, k))
         if q <= 0:

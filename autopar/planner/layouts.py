@@ -178,17 +178,19 @@ def member_groupings(cluster: "Cluster", layout: MemberLayout, max_stages: int,
     # Type-major: each type's members cut into S_t stages of similar speed across types.
     if len(lists) > 1:
         names = list(by_type)
-        options = [stage_counts(c, max_stages, _NEAR_PRODUCT) for c in counts]
+        # S_t = 0 leaves type t idle: a slow type can cost more (its share of every all-reduce and
+        # bubble) than it adds.
+        options = [[0] + stage_counts(c, max_stages, _NEAR_PRODUCT) for c in counts]
         for combo in itertools.product(*options):
-            if sum(combo) > max_stages:
+            if not 0 < sum(combo) <= max_stages:
                 continue
-            per_stage = [v[t] / s for t, s in zip(names, combo)]
+            per_stage = [v[t] / s for t, s in zip(names, combo) if s]
             if max(per_stage) > 3.0 * min(per_stage):
                 continue
             name = "type-major-" + "+".join(map(str, combo))
-            add(name, [st for x, S_t in zip(lists, combo) for st in _cut(x, S_t)])
-            if any(len(x) % S_t for x, S_t in zip(lists, combo)):
-                add(name + "-idle", [st for x, S_t in zip(lists, combo) for st in _cuts(x, S_t)[-1][1]])
+            add(name, [st for x, S_t in zip(lists, combo) if S_t for st in _cut(x, S_t)])
+            if any(S_t and len(x) % S_t for x, S_t in zip(lists, combo)):
+                add(name + "-idle", [st for x, S_t in zip(lists, combo) if S_t for st in _cuts(x, S_t)[-1][1]])
         # Chunks: every member in rank order cut into S runs, a run may span two types.
         for S in stage_counts(len(members), max_stages):
             for suffix, stages in _cuts(list(members), S):
