@@ -175,3 +175,23 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_valid(saved):
     assert manifest.step == 4
     assert all(torch.equal(p.tensor, full[p.fqn]) for p in pieces)
     assert store.latest(path.parent) is None            # "ck" is not a step-<n> directory
+
+
+def test_cli_inspects_and_consolidates(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from autopar.cli.main import main
+
+    full = _full(3)
+    path = tmp_path / "ck"
+    store.save(path, [whole_piece("model." + k, v) for k, v in full.items()]
+               + [whole_piece("optim.w.exp_avg", torch.ones(6, 5))], step=7)
+    assert main(["checkpoint", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "step 7" in out and "model.e" in out and "3x2x4" in out
+    assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "m.safetensors")]) == 0
+    got = load_file(str(tmp_path / "m.safetensors"))
+    assert set(got) == set(full) and all(torch.equal(got[k], full[k]) for k in full)
+    (path / store.MANIFEST).unlink()
+    assert main(["checkpoint", "inspect", str(path)]) == 2
+    assert "interrupted" in capsys.readouterr().err

@@ -1,0 +1,71 @@
+"""Reading a checkpoint without a job: what it holds (``describe``) and the full model state for export
+(``consolidate``), one tensor at a time.
+
+Tensor names: a checkpoint of a compiled model stores the model's parameters and buffers under
+``model.<fqn>`` and the optimizer state under ``optim.<fqn>.<key>`` (``MODEL_PREFIX``); ``consolidate``
+writes the model's tensors (prefix removed) to one safetensors file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.checkpoint.pieces import whole_piece
+from autopar.checkpoint.store import Manifest, load, read_manifest
+
+__all__ = ["MODEL_PREFIX", "TensorEntry", "describe", "consolidate"]
+
+MODEL_PREFIX = "model."
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    num_chunks: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def describe(directory) -> tuple[Manifest, list[TensorEntry]]:
+    """The manifest (step, plan, files) and every tensor saved: full shape, dtype, how many pieces."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    manifest = read_manifest(directory)
+    md = FileSystemReader(str(manifest.path)).read_metadata().state_dict_metadata
+    entries = [TensorEntry(fqn, tuple(m.size), str(m.properties.dtype).removeprefix("torch."), len(m.chunks))
+               for fqn, m in sorted(md.items()) if isinstance(m, TensorStorageMetadata)]
+    return manifest, entries
+
+
+def consolidate(directory, out, *, prefix: str = MODEL_PREFIX) -> dict[str, tuple[int, ...]]:
+    """Write the full tensors named ``prefix...`` (the model state) of the checkpoint to the safetensors file
+    ``out``, prefix removed; returns their shapes. Reads each tensor whole, one at a time."""
+    from safetensors.torch import save_file
+
+    _, entries = describe(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        if not e.fqn.startswith(prefix):
+            continue
+        piece = whole_piece(e.fqn, torch.empty(e.shape, dtype=getattr(torch, e.dtype)))
+        load(directory, [piece])
+        tensors[e.fqn[len(prefix):]] = piece.tensor
+    if not tensors:
+        from autopar.checkpoint.store import CheckpointError
+
+        raise CheckpointError(f"checkpoint: {directory} holds no tensor named {prefix}*: nothing to consolidate")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    return {k: tuple(v.shape) for k, v in tensors.items()}
