@@ -20,6 +20,18 @@ Terms
   several stages: when they all have, over their ranks), then each rank's optimizer step
   (``stage_optimizer_s``) and, under ZeRO >= 1, the gather of the updated parameters
   (``plan_timeline``, ``_finish_s``). ZeRO-3's per-micro-batch parameter gathers are not modelled.
+- virtual stages (``Plan.virtual_stages``, "interleaved-1f1b"): the stage durations are per chunk and
+  the simulator runs each rank stage's chunks on one worker; after the schedule a rank all-reduces
+  its chunks' gradients one after another and steps one optimizer over all of them
+  (``_finish_s``); memory sums its chunks (``pipeline_memory_bytes``).
+- zero-bubble ("zb-h1"): a backward splits into BI and BW; BW takes ``WGRAD_FRACTION`` of the
+  backward's compute (a matmul's weight gradient is one of its backward's two GEMMs of equal FLOPs;
+  a recompute stage reruns its forward in BI), the first stage's whole backward runs at its BW (its
+  inputs need no gradient: ``autopar.runtime.pipeline_zb``).
+- overlap the model assumes, as the runtime does it: a send takes no worker time (``isend``, its wait
+  deferred to the end of the step: ``PipelineEngine.overlap_sends``), so a transfer overlaps the
+  compute of both ends; a receive blocks its worker until the data has arrived (pre-posted where the
+  pair allows); gradient all-reduces start when a stage has finished its schedule, not during it.
 """
 
 from __future__ import annotations
@@ -37,13 +49,15 @@ from autopar.cost.stage import MemberLoad, StageLink, micro_sizes, p2p_alpha_bet
     stage_cost_tensor
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
 from autopar.ir.plan import Plan, Stage
-from autopar.ir.schedule import Timeline, make_schedule, simulate
+from autopar.ir.schedule import Timeline, in_flight_micro_batches, make_schedule, simulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["PipelineContext", "pipeline_cost_tensor", "stage_durations", "stage_input_bytes", "plan_timeline",
-           "stage_optimizer_s"]
+           "stage_optimizer_s", "pipeline_memory_bytes", "wgrad_durations", "WGRAD_FRACTION"]
+
+WGRAD_FRACTION = 0.5   # of a backward's compute that is the weight gradient (see the module docstring)
 
 
 # -- planning context and the stage cost tensor -----------------------------------------------------
@@ -185,8 +199,50 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
     fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
     name = plan.schedule if plan.schedule in SCHEDULES and plan.schedule != "auto" else "1f1b"
-    timeline = simulate(make_schedule(name, len(stages), M), fwd, bwd, comm)
-    return timeline, _finish_s(plan, costs, cluster, timeline.stage_end_s, rho)[0]
+    wgrad = wgrad_durations(stages, fwd, bwd) if name == "zb-h1" else None
+    timeline = simulate(make_schedule(name, len(stages), M, plan.virtual_stages), fwd, bwd, comm,
+                        wgrad_time_s=wgrad)
+    R = plan.rank_stages
+    ends = [timeline.stage_end_s[s % R] for s in range(len(stages))]
+    return timeline, _finish_s(plan, costs, cluster, ends, rho)[0]
+
+
+def wgrad_durations(stages: Sequence[Stage], fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """The BW seconds [stage][micro] of a zero-bubble split of ``stage_durations``' backwards (see the
+    module docstring): ``WGRAD_FRACTION`` of the backward without a recompute stage's rerun forward;
+    the whole backward on the first stage."""
+    rerun = np.array([[1.0] if st.recompute else [0.0] for st in stages])
+    out = WGRAD_FRACTION * np.maximum(bwd - rerun * fwd, 0.0)
+    out[0] = bwd[0]
+    return out
+
+
+def pipeline_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
+                          virtual_stages: int = 1, replicated_fraction: float | None = None) -> dict[int, int]:
+    """Peak bytes of every rank of a pipeline plan: ``autopar.cost.memory.stage_memory_bytes`` without
+    virtual stages; with them (one-rank members), the sum over a rank's chunks of each chunk's state
+    and its activations in flight (``in_flight_micro_batches`` per chunk: each chunk's own peak, so
+    the sum is no less than the rank's peak)."""
+    from autopar.cost.memory import stage_memory_bytes
+
+    if virtual_stages == 1:
+        return stage_memory_bytes(costs, stages, schedule, zero_stage, replicated_fraction)
+    out: dict[int, float] = {}
+    S = len(stages)
+    for s, st in enumerate(stages):
+        blocks = slice(st.block_start, st.block_stop)
+        state = sharded_state_bytes(float(costs.param_bytes[blocks].sum()), float(costs.params[blocks].sum()),
+                                    costs.grad_bytes_per_param, costs.optimizer_bytes_per_param, zero_stage,
+                                    1.0 / len(st.groups))
+        act = float(costs.act_bytes[blocks].sum())
+        fly = in_flight_micro_batches(schedule, s, S, len(st.micro_batches[0]), virtual_stages)
+        held = stage_input_bytes(costs, st) if st.recompute else 0.0
+        for g, ranks in enumerate(st.groups):
+            x = max(st.micro_batches[g])
+            need = state + act * x * (1 if st.recompute else fly) + held * x * fly
+            for r in ranks:
+                out[r] = out.get(r, 0.0) + need
+    return {r: int(math.ceil(v)) for r, v in sorted(out.items())}
 
 
 def _tied_stage_sets(costs: ModelCosts, stages: Sequence[Stage]) -> list[tuple[tuple[int, ...], float]]:
@@ -232,18 +288,24 @@ def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[
     and is summed over their ranks; then each rank steps its optimizer (ZeRO >= 1: and its members
     gather the updated parameters), as ``runtime.pipeline`` does."""
     stages = plan.stages
-    ready = [float(ends[s]) + _allreduce_s(costs, cluster, st, rho) for s, st in enumerate(stages)]
+    R = plan.rank_stages
+    chunks = [range(p, len(stages), R) for p in range(R)]   # a rank stage's chunks (one without interleaving)
+    ar = [_allreduce_s(costs, cluster, st, rho) for st in stages]
+    ready = [0.0] * len(stages)
+    for cs in chunks:   # a rank reduces its chunks' gradients one after another
+        for c in cs:
+            ready[c] = float(ends[c]) + sum(ar[x] for x in cs)
     for held, nbytes in _tied_stage_sets(costs, stages):
         ranks = sorted({r for s in held for r in stages[s].ranks})
         at = max(ready[s] for s in held) + allreduce_time_s(cluster, ranks, nbytes)
         for s in held:
             ready[s] = at
     opt = [stage_optimizer_s(costs, cluster, st, plan.zero_stage, rho) for st in stages]
-    tail = []
+    gather = [0.0] * len(stages)
     for s, st in enumerate(stages):
-        gather = 0.0
         if plan.zero_stage >= 1 and len(st.groups) > 1 and not (st.tp_shares and any(len(g) > 1 for g in st.groups)):
-            gather = allgather_time_s(cluster, [g[0] for g in st.groups],
-                                      float(costs.param_bytes[st.block_start:st.block_stop].sum()))
-        tail.append(ready[s] + opt[s] + gather)
+            gather[s] = allgather_time_s(cluster, [g[0] for g in st.groups],
+                                         float(costs.param_bytes[st.block_start:st.block_stop].sum()))
+    tail = [max(ready[c] for c in cs) + sum(opt[c] + gather[c] for c in cs) for cs in chunks]
+    opt = [sum(opt[c] for c in cs) for cs in chunks]
     return float(max(tail)), float(max(opt, default=0.0))

@@ -30,10 +30,15 @@ Terms
 - prediction: ``plan_timeline`` (``autopar.cost.pipeline``) of each shortlisted candidate: the simulated
   schedule, then gradient all-reduces, optimizer steps and ZeRO gathers. Its breakdown's
   ``allreduce_s`` is everything after the schedule (all-reduces and optimizer).
+- schedules: "auto" predicts every shortlisted split under each flat schedule it is given (GPipe,
+  1F1B, ZB-H1), and with "interleaved-1f1b" among them the best few flat candidates
+  (``_INTERLEAVE_TOP``) again interleaved with 2-4 virtual stages per rank stage
+  (``autopar.planner.pp_virtual``); the fastest that fits wins (near-ties to 1F1B).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -50,7 +55,8 @@ from autopar.cost.stage import micro_sizes
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.ir.schedule import PIPELINE_SCHEDULES, Timeline
+from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES, Timeline
+from autopar.planner.pp_virtual import VIRTUAL_COUNTS, check_virtual_stages, interleaved_plans
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -68,6 +74,7 @@ _EXHAUSTIVE_SPLITS = 24  # a stage count with at most this many splits has every
 _CLIMB_MAX_STAGES = 8  # ... for pipelines of at most this many stages (each move is one simulation)
 _CLIMB_ROUNDS = 2     # rounds of one-block boundary moves elsewhere
 _CLIMB_SLACK = 1.03   # ... simulated where their estimate is at most this much above the start's
+_INTERLEAVE_TOP = 3   # the fastest flat candidates that "auto" also tries interleaved
 
 
 # -- groupings ---------------------------------------------------------------------------------------
@@ -270,6 +277,7 @@ class _Scored:
     stages: tuple[Stage, ...]
     timeline: Timeline
     memory_bytes: dict
+    virtual_stages: int = 1
 
 
 def _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
@@ -324,17 +332,22 @@ def _no_fit_error(ctx: PipelineContext, ranks: Sequence[int], tried: int) -> Pla
 def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, schedule: ScheduleChoice = "auto",
                   pp_layers: Sequence[int] | None = None, num_micro: int | None = None, zero_stage: int = 0,
                   uniform: bool = False, memory_fraction: float = MEMORY_FRACTION,
-                  ranks: Sequence[int] | None = None, recompute: bool = False) -> Plan:
+                  ranks: Sequence[int] | None = None, recompute: bool = False,
+                  virtual_stages: int | None = None, schedules: Sequence[str] | None = None) -> Plan:
     """The fastest heterogeneous pipeline plan (see the module docstring), or with ``uniform=True`` the
     Megatron-style baseline (equal blocks per stage, one device per stage in rank order).
 
     ``pp_layers`` pins blocks per stage; ``num_micro`` pins the micro-batch count; ``ranks`` restricts
     the devices; ``recompute``: whether a stage whose in-flight activations do not fit may recompute
-    them (``pipeline_cost_tensor``; never for the uniform baseline). Upper bound, compute bound and
+    them (``pipeline_cost_tensor``; never for the uniform baseline). ``schedules``: what schedule
+    "auto" chooses among (None: GPipe and 1F1B, ``PIPELINE_SCHEDULES``; the strategy search passes
+    ``ALL_SCHEDULES``); ``virtual_stages``: chunks per rank stage of "interleaved-1f1b" (None: 2-4
+    searched). Upper bound, compute bound and
     efficiency are left at 0: ``autopar.planner.bounds.with_all_bounds`` sets them.
     Raises ``PlanError`` on bad arguments or when nothing fits."""
     ranks = _check_args(costs, cluster, global_batch, schedule, pp_layers, num_micro, zero_stage,
                         memory_fraction, ranks)
+    check_virtual_stages(virtual_stages, schedule)
     ctx = PipelineContext(costs, cluster, int(global_batch), zero_stage, memory_fraction)
     n = costs.num_blocks
     pinned = tuple(int(x) for x in pp_layers) if pp_layers is not None else None
@@ -365,7 +378,11 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
                                             recompute=recompute and not uniform)
             tensors.append((grouping, M, cost, rc))
     tried = len(tensors)
-    names = PIPELINE_SCHEDULES if schedule == "auto" else (schedule,)
+    chosen = tuple(PIPELINE_SCHEDULES if schedules is None else schedules) if schedule == "auto" else (schedule,)
+    bad = [x for x in chosen if x not in ALL_SCHEDULES]
+    if bad or not chosen:
+        raise PlanError(f"schedules: {list(chosen)!r}, need some of {list(ALL_SCHEDULES)}")
+    names = tuple(x for x in chosen if x != "interleaved-1f1b") or ("1f1b",)
     sims: dict = {}
     if pinned is not None:
         scored = _score(ctx, _shortlist(_split_candidates(tensors, pinned)), names, sims, prune=True)
@@ -379,6 +396,13 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
         scored = _best_split(ctx, tensors, names, sims, scored, n)
         scored = list({(x.candidate.grouping.stages, x.candidate.sizes, x.candidate.num_micro, x.schedule): x
                        for x in scored}.values())
+    # Interleaving re-cuts the blocks into chunks: not where pp_layers pins the split, unless asked.
+    interleave = "interleaved-1f1b" in chosen and (schedule != "auto" or pinned is None)
+    if interleave and not uniform and virtual_stages != 1:
+        scored = _interleave(ctx, scored, "interleaved-1f1b" if chosen == ("interleaved-1f1b",) else "auto",
+                             virtual_stages)
+    elif schedule == "interleaved-1f1b":   # one chunk per rank stage: 1F1B's lists
+        scored = [dataclasses.replace(x, schedule="interleaved-1f1b") for x in scored]
     if not scored:
         raise _no_fit_error(ctx, ranks, tried)
     # Near-ties with the fastest (within _TIE) go to 1F1B, which holds less activation memory.
@@ -399,11 +423,31 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
         "estimate_s": best.candidate.estimate_s,
         "num_micro": float(best.candidate.num_micro),
         "num_stages": float(len(best.stages)),
+        "virtual_stages": float(best.virtual_stages),
         "max_busy_s": max(best.timeline.busy_s),
     }
     strategy = "uniform-pp" if uniform else "pp"
     return _make_plan(ctx, strategy, best.schedule, best.stages, best.step_time_s, breakdown,
-                      best.memory_bytes, tuple(notes))
+                      best.memory_bytes, tuple(notes), best.virtual_stages)
+
+
+def _interleave(ctx: PipelineContext, scored: list[_Scored], schedule: str, virtual_stages) -> list[_Scored]:
+    """``scored`` plus the interleaved plans (``pp_virtual.interleaved_plans``) of its ``_INTERLEAVE_TOP``
+    fastest distinct flat stage layouts; only those under an explicit "interleaved-1f1b"."""
+    counts = VIRTUAL_COUNTS if virtual_stages is None else (int(virtual_stages),)
+    out, seen = [], set()
+    for x in sorted(scored, key=lambda x: x.step_time_s):
+        if x.stages in seen:
+            continue
+        seen.add(x.stages)
+        for step, stages, V, timeline, mem in interleaved_plans(ctx, x.stages, counts):
+            out.append(_Scored(step, x.candidate, "interleaved-1f1b", stages, timeline, mem, V))
+        if len(seen) >= _INTERLEAVE_TOP:
+            break
+    if schedule == "interleaved-1f1b" and scored and not out:
+        raise PlanError(f"schedule: no 'interleaved-1f1b' plan with {list(counts)} chunks per rank stage fits "
+                        f"(one-rank members, at least two rank stages, a block per chunk)")
+    return out if schedule == "interleaved-1f1b" else scored + out
 
 
 
@@ -519,8 +563,9 @@ def _best_split(ctx: PipelineContext, tensors, names, sims: dict, scored: list[_
 def _describe(x: _Scored) -> str:
     members = "/".join(str(len(st.groups)) for st in x.stages)
     rc = [s for s, st in enumerate(x.stages) if st.recompute]
-    return (f"{x.candidate.grouping.name} S={len(x.stages)} M={x.candidate.num_micro} {x.schedule} "
-            f"layers={list(x.candidate.sizes)} members={members}{f' recompute={rc}' if rc else ''}: "
+    v = f" V={x.virtual_stages}" if x.virtual_stages > 1 else ""
+    return (f"{x.candidate.grouping.name} S={len(x.stages)}{v} M={x.candidate.num_micro} {x.schedule} "
+            f"layers={[st.num_layers for st in x.stages]} members={members}{f' recompute={rc}' if rc else ''}: "
             f"{x.step_time_s:.4g} s "
             f"(estimate {x.candidate.estimate_s:.4g} s, bubble {x.timeline.bubble_fraction:.1%})")
 
@@ -532,21 +577,23 @@ def save_plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", path) 
 
     timeline, _ = plan_timeline(plan, costs, cluster)
     labels = []
-    for s, st in enumerate(plan.stages):
+    R = plan.rank_stages
+    for s, st in enumerate(plan.stages[:R]):   # one row per rank stage (its chunks: every R-th stage)
         types = dict.fromkeys(cluster.devices[r].spec.name for r in st.ranks)
         rs = st.ranks
         shown = f"{rs[0]}" if len(rs) == 1 else f"{rs[0]}..{rs[-1]}" if list(rs) == list(range(rs[0], rs[-1] + 1)) \
             else ",".join(map(str, rs[:4])) + ("..." if len(rs) > 4 else "")
-        labels.append(f"stage {s} [{st.block_start}:{st.block_stop}) r{shown} {'/'.join(types)}")
+        spans = " ".join(f"[{c.block_start}:{c.block_stop})" for c in plan.stages[s::R])
+        labels.append(f"stage {s} {spans} r{shown} {'/'.join(types)}")
     plot_timeline(timeline, path, labels=labels)
     return timeline
 
 
 def _make_plan(ctx: PipelineContext, strategy: str, schedule: str, stages, step_s: float, breakdown: dict,
-               memory: dict, notes: tuple) -> Plan:
+               memory: dict, notes: tuple, virtual_stages: int = 1) -> Plan:
     sps = ctx.global_batch / step_s if step_s > 0 else 0.0
     predicted = Predicted(step_time_s=step_s, samples_per_s=sps, memory_bytes=dict(memory),
                           breakdown=dict(breakdown))
     return Plan(strategy=strategy, global_batch_size=ctx.global_batch, zero_stage=ctx.zero_stage,
                 schedule=schedule, stages=tuple(stages), predicted=predicted,
-                block_names=tuple(ctx.costs.block_names), notes=notes)
+                block_names=tuple(ctx.costs.block_names), notes=notes, virtual_stages=virtual_stages)
