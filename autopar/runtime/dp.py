@@ -253,6 +253,7 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         # shard of this rank (the optimizer's shard Parameters start from it); ZeRO-3 holds one unit's
         # full weights at a time: materialised (deferred), flattened, its shard kept, the rest freed.
         shards = []
+        self._param_flats: list[torch.Tensor] = []     # ZeRO 0-2: each unit's parameters, as one buffer
         equal = deferred or is_deterministic(inputs.model)
         name_of = {id(p): n for n, p in self.model.named_parameters()} if deferred else {}
         self.materialized_numels: list[int] = []      # deferred ZeRO-3: elements materialised per unit
@@ -260,9 +261,13 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             if deferred:
                 self._materialize_unit(u, materialize, name_of, program)
             flat = self._flatten_params(u)
+            if self.zero_stage < 3:                   # the parameters live in the flat buffer from now on
+                self._param_flats.append(flat)
+                self._bind_param_views(u, flat)
             if not equal:
                 pg_broadcast(flat, src=self._src_rank, group=self.group)
-                self._unflatten_into_params(u, flat)
+                if self.zero_stage == 3:
+                    self._unflatten_into_params(u, flat)
             lo, hi = self.units[u].shard(self._position)
             shards.append(flat[lo:hi].clone() if self.zero_stage == 3 else flat[lo:hi])
             del flat
@@ -474,14 +479,8 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         for sp, _, _ in self._shard_params:
             sp.grad = None
         if self.zero_stage in (1, 2):
-            for u in range(len(self.units)):
-                if self.zero_stage == 1:              # the flat gradient is spent: gather into it
-                    for p in self._unit(u)[1]:
-                        p.grad = None
-                    full = self._all_gather_flat(u, out=self._grad_flats[u])
-                else:
-                    full = self._all_gather_flat(u)
-                self._unflatten_into_params(u, full)
+            for u in range(len(self.units)):         # straight into the parameters (views of the buffer)
+                self._all_gather_flat(u, out=self._param_flats[u])
         self._sync_batchnorm()
         return float(loss_sum)
 

@@ -14,6 +14,8 @@ Terms
   every shard travels padded to the largest shard (``FlatLayout.padded_numel``).
 - shard Parameter: under ZeRO >= 1 each rank steps one flat leaf Parameter per (unit, optimizer
   parameter group) that intersects its shard, so the optimizer state is shard-sized.
+- parameter buffer (ZeRO 0-2, more than one rank): each unit's parameters are views of one flat
+  buffer (``_bind_param_views``), which the ZeRO-1/2 all-gather writes straight into.
 - kept buffers (``_setup_buffers``, allocated once): ZeRO 0/1 keep each unit's flat gradient, with
   every parameter's ``.grad`` a view of it (``_bind_grad_views``); ZeRO 2/3 keep the shard's gradient
   sum; ZeRO >= 1 keeps the padded shard values it sends in all-gathers. ZeRO 2/3 still flatten each
@@ -192,6 +194,13 @@ class FlatBuffersMixin:
             flat.zero_()
             for p, view in zip(self._unit(u)[1], self._grad_views[u]):
                 p.grad = view
+
+    def _bind_param_views(self, u: int, flat: torch.Tensor) -> None:
+        """Unit ``u``'s parameters become views of ``flat`` (holding their values), so an all-gather
+        into ``flat`` updates them in place: no unflattening copy (ZeRO 0-2)."""
+        layout, params = self._unit(u)
+        for p, o, n in zip(params, layout.offsets, layout.numels):
+            p.data = flat[o:o + n].view(p.shape)
 
     def _unit(self, u: int):
         """(layout, parameters) of unit ``u``."""
