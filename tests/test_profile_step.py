@@ -109,9 +109,9 @@ def test_compiled_profile_of_a_recorded_run_that_trains_exactly(_fresh_group):
     pred = prof.rank_info(0).predicted
     assert pred["forward"] > 0 and pred["backward"] > 0 and pred["optimizer"] > 0
     assert {g.key for g in prof.gaps("device_type")} == {"cpu"}
-    # the emulated clock's sleep is its own phase; folded, the step's phases still sum to its wall time
+    # the emulated clock's sleep (none when a loaded machine made the blocks overrun) is its own phase;
+    # folded into the compute it stretches, the step's phases still sum to its wall time
     step = prof.steps[-1]
-    assert step.phase_s().get("sleep", 0) > 0
     folded = step.phase_s(fold_sleep=True)
     assert sum(v for k, v in folded.items() if k != "p2p") == pytest.approx(step.wall_s, rel=1e-6)
 

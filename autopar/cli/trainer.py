@@ -17,6 +17,9 @@ Terms
   spread (``paired_speedup``).
 - clock totals: per rank, the emulated clock's totals over the measured steps (``ClockStats`` fields:
   CPU time, sleep, and blocks that overran their target because of contention).
+- profile: ``compiled.profile()`` of the measured steps (``autopar.ir.profile.StepProfile``): per rank
+  and phase, measured against predicted seconds; ``gap_lines`` prints the largest gaps by phase and
+  by device type, ``plot_profiles`` draws the measured last step of every strategy as a Gantt chart.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
-           "measured_timeline"]
+           "measured_timeline", "gap_lines", "plot_profiles", "PHASE_COLORS"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class RunSpec:
     model_overrides: tuple[tuple[str, object], ...] = ()   # zoo config fields, e.g. (("num_layers", 10),)
     schedule: str = "auto"
     recompute: bool = False
+    track_memory: bool | None = None    # RunConfig.track_memory (None: as the device says)
 
     def __post_init__(self):
         if self.steps < 1:
@@ -96,6 +100,13 @@ class StrategyResult:
     traces: tuple = ()                  # per rank: the pipeline engine's action trace of the last step
     warmup_times_s: tuple[float, ...] = ()   # the warm-up steps, excluded from every figure
     clock_stats: tuple = ()             # per rank: emulate.ClockStats totals over the measured steps
+    profile_json: str = ""              # compiled.profile() of the measured steps (autopar.ir.profile)
+
+    @property
+    def profile(self):
+        from autopar.ir.profile import StepProfile
+
+        return StepProfile.from_json(self.profile_json) if self.profile_json else None
 
     @property
     def step_spread(self) -> Spread:
@@ -133,8 +144,10 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
     for strategy in spec.strategies:
         case = build(spec.model, device="cpu", seed=spec.seed, **dict(spec.model_overrides)) \
             if spec.model_overrides else load(spec.model, device="cpu", seed=spec.seed)
+        run = autopar.RunConfig(optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr),
+                                track_memory=spec.track_memory)
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
-                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), strategy=strategy,
+                                   run=run, strategy=strategy,
                                    zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute)
         runs.append(dict(strategy=strategy, case=case, compiled=compiled, losses=[], times=[], warmup=[],
                          clock0=None))
@@ -157,7 +170,9 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
     out = []
     for run in runs:
         compiled = run["compiled"]
+        profile = compiled.profile(last=spec.steps)      # collective: every rank, in the same order
         out.append(dict(strategy=run["strategy"], plan_json=compiled.plan.to_json(), losses=tuple(run["losses"]),
+                        profile_json=profile.to_json() if rank == 0 else "",
                         step_times_s=tuple(run["times"]), predicted_step_s=compiled.plan.predicted.step_time_s,
                         warmup_times_s=tuple(run["warmup"]),
                         clock=_clock_delta(_clock(compiled).stats(), run["clock0"]),
@@ -202,3 +217,61 @@ def measured_timeline(result: StrategyResult, cluster):
     end = max((t1 for ev in events for _, _, t1 in ev), default=0.0)
     return Timeline(events=tuple(events), transfers=tuple(transfers), step_time_s=end, busy_s=tuple(busy),
                     schedule_name=f"measured {plan.schedule}"), labels
+
+
+def gap_lines(profile, top: int = 4) -> list[str]:
+    """The largest gaps between measured and predicted seconds per step, by phase and by device type
+    (summed over ranks; medians over the measured steps; emulated sleep folded into the compute it
+    stretches)."""
+    if profile is None:
+        return []
+    out = []
+    for by in ("phase", "device_type"):
+        rows = [g for g in profile.gaps(by) if abs(g.gap_s) > 0][:top]
+        if rows:
+            out.append(f"  largest gaps by {by.replace('_', ' ')} (measured - predicted, per step, all ranks): " +
+                       "; ".join(f"{g.key} {g.gap_s * 1e3:+.1f} ms ({g.measured_s * 1e3:.1f} vs "
+                                 f"{g.predicted_s * 1e3:.1f})" for g in rows))
+    return out
+
+
+PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868", "compute": "#8172B3",
+                "sleep": "#D9D9D9", "wait": "#F2C6C6", "all_reduce": "#C44E52", "all_gather": "#937860",
+                "reduce_scatter": "#DA8BC3", "broadcast": "#8C8C8C", "barrier": "#CCB974", "send": "#64B5CD",
+                "send_wait": "#A6D8E8", "recv": "#2A7F9E"}
+
+
+def plot_profiles(results, cluster, path: str) -> None:
+    """A Gantt chart of the last measured step of every strategy (one panel each, one row per rank),
+    from the step profiles; emulated figures are marked so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    profs = [(r.strategy, r.profile) for r in results if r.profile_json]
+    fig, axes = plt.subplots(len(profs), 1, figsize=(11, 1.2 + 0.55 * len(cluster) * len(profs)), squeeze=False)
+    seen = set()
+    for ax, (name, prof) in zip(axes[:, 0], profs):
+        last = max(prof.step_indices())
+        steps = [s for s in prof.steps if s.step == last]
+        for s in steps:
+            for e in s.events:
+                ax.barh(s.rank, e.t1 - e.t0, left=e.t0 * 1, height=0.7,
+                        color=PHASE_COLORS.get(e.phase, "#000000"), linewidth=0)
+                seen.add(e.phase)
+        end = max(s.start_s + s.wall_s for s in steps)
+        ax.set_yticks([s.rank for s in steps])
+        ax.set_yticklabels([f"rank {s.rank} ({cluster.devices[s.rank].spec.name})" for s in steps], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, end * 1.02)
+        emu = ", emulated devices" if prof.emulated else ""
+        ax.set_title(f"{name}: measured step {last} ({end * 1e3:.1f} ms{emu}; predicted "
+                     f"{prof.predicted_step_s * 1e3:.1f} ms)", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds from the step's start")
+    handles = [Patch(color=PHASE_COLORS[p], label=p) for p in PHASE_COLORS if p in seen]
+    fig.legend(handles=handles, loc="lower center", ncol=min(8, len(handles)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

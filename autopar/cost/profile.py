@@ -116,8 +116,8 @@ def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
 
 
 # -- measurement ---------------------------------------------------------------------------------
-def _time(fn, repeats: int, sync, stat: str = "median", setup=None) -> float:
-    """Time ``fn(setup())`` (``setup`` untimed, e.g. the forward whose backward is timed)."""
+def _time(fn, repeats: int, sync, stat: str = "median", setup=None, clock=time.perf_counter) -> float:
+    """Time ``fn(setup())`` (``setup`` untimed, e.g. the forward whose backward is timed) on ``clock``."""
     setup = setup or (lambda: None)
     fn(setup())
     sync()
@@ -125,10 +125,10 @@ def _time(fn, repeats: int, sync, stat: str = "median", setup=None) -> float:
     for _ in range(repeats):
         arg = setup()
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(arg)
         sync()
-        ts.append(time.perf_counter() - t0)
+        ts.append(clock() - t0)
     return statistics.median(ts) if stat == "median" else min(ts)
 
 
@@ -148,6 +148,9 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
     device = device or torch.device("cpu")
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    # One CPU thread (how emulated ranks run): the thread's CPU time, what their clocks measure, and
+    # blind to the time other processes take the core; otherwise wall time (GPUs, threaded CPUs).
+    clock = time.thread_time if device.type == "cpu" and threads() == 1 else time.perf_counter
     n = len(analysis.blocks)
     cache_file = measure_cache_path()
     cache = load_json(cache_file) if use_cache else {}
@@ -189,8 +192,8 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
                     torch.autograd.backward(*outs_grads)
 
             with torch.no_grad():
-                tf = _time(fwd, repeats, sync, stat)
-            tb = _time(bwd, repeats, sync, stat, setup=forward_for_backward)
+                tf = _time(fwd, repeats, sync, stat, clock=clock)
+            tb = _time(bwd, repeats, sync, stat, setup=forward_for_backward, clock=clock)
             mod.zero_grad(set_to_none=True)
             cache[_key(analysis.stats[i].struct_hash, b, dev_name, threads())] = [tf, tb]
             if progress is not None:
@@ -210,7 +213,7 @@ def threads() -> int:
 
 
 def _key(h: str, b: int, dev: str, nthreads: int) -> str:
-    return f"{h}|b{b}|{dev}|t{nthreads}|fp32"
+    return f"{h}|b{b}|{dev}|t{nthreads}|fp32" + ("|cpu-time" if dev == "cpu" and nthreads == 1 else "")
 
 
 # -- the cost tables -----------------------------------------------------------------------------
