@@ -184,6 +184,17 @@ class ThreeRanks(threaded_ranks(3)):
             train_and_check(make_engine("gpt-tiny", plan, "sgd", self.rank, 3, "bf16"), "gpt-tiny", "sgd", "bf16",
                             steps=1)
 
+    @pytest.mark.slow       # torch.export of the HF model: ~10 s
+    def test_exported_hf_model_bf16(self):
+        """A Hugging Face model captured by torch.export, whose graph asserts fp32 dtypes that autocast
+        changes (``relax_dtype_asserts``), split into a 2-stage pipeline."""
+        with _LOCK:
+            num_blocks = prepared_case("hf-llama-tiny")[3]
+        plan = _plan("pp", stages_of([(2, {0: (4, 3, 3)}), (num_blocks, {1: (3, 1, 2), 2: (1, 2, 1)})]),
+                     schedule="1f1b")
+        train_and_check(make_engine("hf-llama-tiny", plan, "sgd", self.rank, 3, "bf16"), "hf-llama-tiny", "sgd",
+                        "bf16", steps=1)
+
     def test_tp_bf16_uneven_heads(self):
         engine = make_engine("gpt-tiny", _plan("tp", tp_stages()), "sgd", self.rank, 3, "bf16")
         train_and_check(engine, "gpt-tiny", "sgd", "bf16")

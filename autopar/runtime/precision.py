@@ -38,7 +38,8 @@ from torch import nn
 from autopar.errors import AutoparError
 
 __all__ = ["PrecisionError", "PRECISIONS", "COMPUTE_DTYPES", "compute_dtype", "LossScaler", "ScaledOptimizer", "autocast_forward",
-           "precision_loss", "program_modules", "apply_precision", "autocast_context", "check_precision"]
+           "precision_loss", "program_modules", "relax_dtype_asserts", "apply_precision", "autocast_context",
+           "check_precision"]
 
 
 # The precisions of ``autopar.config.Precision`` (a test keeps the two equal) and their compute dtype.
@@ -100,6 +101,26 @@ def _autocast_forward(self, *args, **kwargs):
     if scaler is not None:
         out = pytree.tree_map(lambda t: scaler.scale_grad(t) if _differentiable(t) else t, out)
     return out
+
+
+def relax_dtype_asserts(gm: nn.Module) -> int:
+    """Drop the dtype from the metadata asserts torch.export bakes into a graph
+    (``aten._assert_tensor_metadata(x, dtype=float32)``): under autocast a matmul's output is bf16 and
+    the assert would fail though the graph is right. Returns how many; in place (``recompile``)."""
+    import torch.fx as fx
+
+    if not isinstance(gm, fx.GraphModule):
+        return 0
+    target = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and target is not None and node.target in (target, target.default) \
+                and node.kwargs.get("dtype") is not None:
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+            count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 def _differentiable(t: Any) -> bool:
@@ -257,6 +278,7 @@ def apply_precision(inputs, program, precision: str, *, loss_scaling: dict | Non
     scaler = LossScaler(**(loss_scaling or {})) if precision == "fp16" else None
     mods, ends = program_modules(program, inputs.model)
     for m in mods:
+        relax_dtype_asserts(m)
         owns_loss = scaler is not None and inputs.loss_fn is None and any(m is e for e in ends)
         autocast_forward(m, precision, inputs.device, scale_outputs=scaler if owns_loss else None)
     if inputs.loss_fn is not None:
