@@ -149,3 +149,21 @@ class TwoRanks(threaded_ranks(2)):
         assert m0.get("all_reduce", 0) + m0.get("all_gather", 0) + m0.get("reduce_scatter", 0) > 0
         assert prof.measured(1).get("wait", 0.0) < m0["wait"]
         assert m0["forward"] > 0 and m0["backward"] > 0 and m0["optimizer"] > 0
+
+
+class TwoRanksAsync(threaded_ranks(2)):
+    def test_an_asynchronous_collective_is_recorded_at_its_wait_with_the_peer_wait_split_off(self):
+        from autopar.runtime.communicator import pg_all_gather_objects, pg_all_reduce_async
+
+        clock = NullClock()
+        rec = PhaseRecorder(self.rank)
+        clock.recorder = rec
+        with recorded_step(clock):
+            if self.rank == 1:
+                time.sleep(0.03)                   # issues 30 ms after rank 0
+            pending = pg_all_reduce_async(torch.ones(4))
+            pending.wait()
+        records = pg_all_gather_objects(rec.snapshot())
+        prof = from_records(records, (RankInfo(0, "cpu"), RankInfo(1, "cpu")), "dp", 0.0)
+        assert prof.measured(0)["wait"] >= 0.02
+        assert prof.measured(0)["all_reduce"] >= 0 and prof.measured(1).get("wait", 0.0) < 0.01

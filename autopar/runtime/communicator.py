@@ -51,7 +51,7 @@ from autopar.runtime.emulate import active_recorder
 
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
-           "pg_broadcast_objects", "pg_all_gather_objects", "record_issue", "record_wait", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
+           "pg_broadcast_objects", "pg_all_gather_objects", "record_issue", "record_issued", "record_wait", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
            "ReduceOp", "pg_all_reduce_async", "pg_all_gather_into_async", "PendingCollective"]
 
 _HOST = "gloo"   # the backend of the bridge
@@ -431,6 +431,16 @@ def record_issue(kind: str, nbytes: int, group: Any) -> tuple | None:
     return (rec, kind, time.perf_counter(), int(nbytes), rec.collective_key(kind, tuple(pg_ranks(group))))
 
 
+def record_issued(issued: tuple | None) -> tuple | None:
+    """Call right after issuing the collective of ``record_issue``: a backend whose asynchronous call
+    blocked until the peers joined (the threaded test group does) records that blocking now."""
+    if issued is not None:
+        rec, kind, entry, nbytes, key = issued
+        if time.perf_counter() - entry > 1e-4:
+            rec.comm(kind, entry, nbytes, None, key=key, entry=entry)
+    return issued
+
+
 def record_wait(issued: tuple | None, t0: float) -> None:
     """Record the asynchronous collective of ``record_issue`` waited on from ``t0`` until now."""
     if issued is not None:
@@ -454,15 +464,18 @@ class PendingCollective:
     """An asynchronous collective in flight (``pg_*_async``): ``wait()`` blocks until its tensors hold
     the result; nothing to wait for on a group of one."""
 
-    __slots__ = ("_work",)
+    __slots__ = ("_work", "_issued")
 
-    def __init__(self, work: Any = None):
+    def __init__(self, work: Any = None, issued: tuple | None = None):
         self._work = work
+        self._issued = issued      # record_issue's token while a step is recorded
 
     def wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:
+            t0 = time.perf_counter()
             work.wait()
+            record_wait(self._issued, t0)
 
     @property
     def done(self) -> bool:
@@ -474,7 +487,9 @@ def pg_all_reduce_async(tensor: torch.Tensor, group: Any = None, op=dist.ReduceO
     the returned ``PendingCollective`` is waited on, and must not be touched before."""
     if _alone(group):
         return PendingCollective()
-    return PendingCollective(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    issued = record_issue("all_reduce", _nbytes(tensor), group)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return PendingCollective(work, record_issued(issued))
 
 
 def pg_all_gather_into_async(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> PendingCollective:
@@ -483,7 +498,9 @@ def pg_all_gather_into_async(output: torch.Tensor, tensor: torch.Tensor, group: 
         output.copy_(tensor.reshape(output.shape))
         return PendingCollective()
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return PendingCollective(fn(output, tensor, group=group, async_op=True))
+    issued = record_issue("all_gather", _nbytes(output), group)
+    work = fn(output, tensor, group=group, async_op=True)
+    return PendingCollective(work, record_issued(issued))
 
 
 def pg_broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
