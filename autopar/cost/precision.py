@@ -10,8 +10,12 @@ With an explicit ``precision`` (``PlanConfig.precision``: ``"fp32"``, ``"bf16"``
   device is this CPU slowed down, and its block times are measured on this CPU in fp32; at bf16/fp16
   they are those fp32 times scaled by its preset's 16-bit/fp32 peak ratio, which for ``CPU_NOMINAL``
   (the preset of every emulated device) is 1: the planner prices an emulated device the same at every
-  precision. (The emulated run itself computes under CPU autocast, whose speed differs from fp32 by
-  what this CPU's bf16 support gives: a source of prediction error, not hidden by a made-up ratio.)
+  precision. The emulated run itself computes under CPU autocast, which on this machine is slower
+  than fp32, not faster: fwd+bwd of gpt-tiny, llama-tiny, bert-tiny at bf16 take 2.4-2.5x their fp32
+  time (``benchmarks/bench_precision.py``, 1 thread, batch 16; casts dominate tiny matmuls). So at
+  bf16 an emulated prediction from fp32 tables is ~2.4x optimistic; the faithful fix is for
+  ``profile.measure_blocks`` to time the blocks under the plan's autocast (its cache key already
+  ends in the dtype), not a ratio.
 - activation bytes: what autocast actually keeps, per block, is measured by ``autocast_bytes`` (one
   fake-tensor forward under autocast: no compute, no memory) and ``activation_factors`` turns it into
   per-block factors over fp32 for saved activations and for the values a block sends on. Autocast
