@@ -47,7 +47,7 @@ import numpy as np
 
 __all__ = ["is_mixed_precision", "priced_peak_flops", "PRECISION_BYTES", "peak_flops", "activation_bytes_factor",
            "comm_bytes_factor", "autocast_copy_bytes_per_param", "state_bytes_per_param", "AutocastBytes",
-           "autocast_bytes", "activation_factors", "precision_bytes"]
+           "autocast_bytes", "activation_factors", "precision_bytes", "timing_context"]
 
 PRECISION_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}   # bytes of one compute-dtype element
 
@@ -243,3 +243,13 @@ def precision_bytes(analysis, example_inputs, precision: str, optimizer_state_by
         out_bytes=np.array([s.cut_bytes / per * sent_f[s.index] for s in stats], float),
         param_bytes=np.array([s.params * 4 + copies[s.index] for s in stats], float),
         grad_bytes_per_param=4, optimizer_bytes_per_param=int(optimizer_state_bytes))
+
+
+def timing_context(precision: str, device_type: str = "cpu"):
+    """The autocast a block's forward (and the loss) must run under when it is timed for ``precision``
+    (``profile.measure_blocks``): what the runtime will run (``autopar.runtime.precision``)."""
+    import torch
+
+    _bytes(precision)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.autocast(device_type, dtype=dtype, enabled=precision != "fp32")
