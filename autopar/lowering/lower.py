@@ -4,8 +4,9 @@ The passes, in order (each a function over fx graphs from ``autopar.passes``):
 
 1. kernel substitution (``passes.triton_patterns.substitute_kernels``) when ``use_triton``;
 2. for a ``"pipeline"`` plan: the stage split (``passes.split.split_stages``) at the stages' block
-   ranges, then, on a tensor-parallel member, the TP rewrite of this rank's stage
-   (``passes.tp.tp_rewrite``);
+   ranges (with ``Plan.virtual_stages`` > 1 these are the model chunks, several per rank: the engine
+   runs every stage of ``Plan.chunks_of(rank)``), then, on a tensor-parallel member, the TP rewrite of
+   this rank's stage (``passes.tp.tp_rewrite``);
 3. for a ``"tp"`` plan: the TP rewrite of the whole graph for this rank (an idle rank gets the
    one-rank rewrite: it never runs and holds no shard);
 4. for a ``"dp"`` plan: with ``Stage.recompute`` the split at every block (the engine recomputes block

@@ -5,7 +5,9 @@ Terms
   ``"dp"``; one tensor-parallel stage without recomputation: ``"tp"``; anything else (several
   stages, or one tensor-parallel stage that recomputes): ``"pipeline"``.
 - position of a rank: its stage, its member (data-parallel participant) inside the stage, and its TP
-  index inside the member; a rank the plan leaves out is *idle* (stage and member None).
+  index inside the member; a rank the plan leaves out is *idle* (stage and member None). Under
+  interleaving (``Plan.virtual_stages`` > 1) the stage is the rank's first chunk, its rank stage; the
+  others are ``Plan.chunks_of(rank)`` (the same member index in each).
 - stage program: ``passes.split.StageProgram``, the part of the captured graph one stage runs.
 - TP module: a graph rewritten for one TP index (``passes.tp.tp_rewrite``). Its f / g carry no
   communication until the engine binds its group's all-reduce (``passes.tp.bind_all_reduce``), and its

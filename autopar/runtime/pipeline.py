@@ -30,7 +30,9 @@ Terms
   later BW), SEND_B. Receives block.
 - sends (``overlap_sends``, default on): an ``isend`` whose wait is deferred to the end of the step,
   after the last action, when its buffer may be reused; so compute never waits on a send. Off: every
-  send is waited at once (blocking sends, the baseline ``benchmarks/bench_interleave.py`` measures).
+  send is waited at once (blocking sends, the baseline ``benchmarks/bench_interleave.py`` measures),
+  in steps whose signature is known: there every receive is pre-posted, while in a signature's first
+  step blocking sends could deadlock (interleaved ranks send in a ring), so they are deferred anyway.
 - chunks (``Plan.virtual_stages`` > 1, "interleaved-1f1b"): a rank holds several stages (model chunks,
   ``Plan.chunks_of``) and its one action list interleaves them; state, receives and message tags are
   per (stage, micro-batch). Chunks of one rank are one-rank members (no tensor parallelism).
@@ -369,8 +371,9 @@ class PipelineEngine(PipelineMessages):
         return self.program if stage == self.stage else self.programs[stage]
 
     def _send(self, work) -> None:
-        """Keep an isend's handle until the end of the step (``overlap_sends``), or wait at once."""
-        if self.overlap_sends:
+        """Keep an isend's handle until the end of the step (``overlap_sends``), or wait at once (only
+        where the signature is known, so the receiver has posted its receive: see ``sends``)."""
+        if self.overlap_sends or not self._known:
             self._sends.append(work)
         else:
             work.wait()
