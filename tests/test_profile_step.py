@@ -11,7 +11,8 @@ import torch
 import autopar
 from autopar.cluster.model import Cluster
 from autopar.ir.profile import Event, RankInfo, RankStep, StepProfile, from_records
-from autopar.runtime.emulate import NullClock, PhaseRecorder, RankSteps, recorded_step
+from autopar.runtime.emulate import NullClock
+from autopar.runtime.recorder import PhaseRecorder, RankSteps, recorded_step
 
 from oracle import assert_state_close, batches, optimizer_factory, single_device_state, threaded_ranks
 
@@ -123,7 +124,7 @@ class TwoRanks(threaded_ranks(2)):
         from autopar.passes.analyze import analyze
         from autopar.runtime.communicator import pg_all_gather_objects
         from autopar.runtime.dp import DataParallelEngine
-        from autopar.runtime.emulate import record_engine
+        from autopar.runtime.recorder import record_engine
         from autopar.runtime.engine import EngineInputs
 
         case = autopar.models.build("mlp-tiny", seed=0)
@@ -167,3 +168,29 @@ class TwoRanksAsync(threaded_ranks(2)):
         prof = from_records(records, (RankInfo(0, "cpu"), RankInfo(1, "cpu")), "dp", 0.0)
         assert prof.measured(0)["wait"] >= 0.02
         assert prof.measured(0)["all_reduce"] >= 0 and prof.measured(1).get("wait", 0.0) < 0.01
+
+
+def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
+    from autopar.runtime.emulate import EmulatedClock
+
+    class Fake:
+        cpu = wall = 0.0
+
+        def sleep(self, s):
+            self.wall += s
+
+    ft = Fake()
+    clock = EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep, steady=True)
+    walls = []
+    for work in ((0.010, 0.005), (0.020, 0.004), (0.012, 0.006)):   # step 2's first block was inflated
+        clock.begin_step()
+        w0 = ft.wall
+        for cpu in work:
+            with clock.compute():
+                ft.cpu += cpu
+                ft.wall += cpu
+        walls.append(ft.wall - w0)
+    # targets: 2 x the least CPU time so far at each position (step 2 overran its first block: debt)
+    assert walls[0] == pytest.approx(2 * 0.015)
+    assert walls[1] == pytest.approx(0.020 + 2 * 0.004 + 0.0)       # 0.020 overran 0.020's target by 0
+    assert walls[2] == pytest.approx(2 * (0.010 + 0.004))

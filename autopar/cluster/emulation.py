@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["CpuShare", "cpu_shares", "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
-           "NUM_CORES_ENV"]
+           "NUM_CORES_ENV", "STEADY_ENV", "steady_emulation"]
 
 NUM_CORES_ENV = "AUTOPAR_NUM_CORES"
 
@@ -102,3 +102,12 @@ def oversubscription(num_ranks: int, num_cores: int | None = None) -> float:
     if num_cores is None:
         num_cores = machine_cores()
     return max(1.0, num_ranks / max(1, num_cores))
+
+
+STEADY_ENV = "AUTOPAR_EMULATION_STEADY"
+
+
+def steady_emulation() -> bool:
+    """Whether the emulated clocks of a run (``autopar.runtime.emulate.clock_for``) are steady (default
+    yes; ``AUTOPAR_EMULATION_STEADY=0`` charges every block its own CPU time)."""
+    return os.environ.get(STEADY_ENV, "1").lower() not in ("0", "off", "false", "no")

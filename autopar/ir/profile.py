@@ -240,7 +240,7 @@ def _hashable(key) -> tuple:
 
 def from_records(records, ranks: tuple[RankInfo, ...], strategy: str, predicted_step_s: float,
                  emulated: bool = False, last: int | None = None) -> StepProfile:
-    """A ``StepProfile`` from every rank's ``autopar.runtime.emulate.RankSteps`` (their recorded steps,
+    """A ``StepProfile`` from every rank's ``autopar.runtime.recorder.RankSteps`` (their recorded steps,
     the same step indices on every rank), keeping the ``last`` steps (default all)."""
     hosts = {rec.rank: rec.host for rec in records}
     by_step: dict[int, dict[int, tuple]] = {}
