@@ -123,6 +123,8 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                         # each member's most samples of a micro-batch over the rotations of the
                         # largest-remainder split (what a built plan gives it in some micro-batch)
                         speeds = [speed[g] for g in st]
+                        # state as the engines hold it: ZeRO-0 beside a TP member, whole gradient at ZeRO-2
+                        zm = 0 if any(len(g) > 1 for g in st) else min(z, 1)
                         share = {g: max(member_shares(b, speeds, rot)[i] for rot in range(len(st)))
                                  for i, g in enumerate(st)}
                         t_s = 0.0
@@ -131,7 +133,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                             m = members[g]
                             k = share[g]
                             group = tp_cost.TpGroup(m.ranks, m.shares)
-                            need = (costs.state_bytes(blocks, z, 1.0 / len(st))
+                            need = (costs.state_bytes(blocks, zm, 1.0 / len(st))
                                     + float(costs.act_bytes[blocks].sum()) * k * min(M, S - s))
                             for r, f in zip(m.ranks, tp_cost.group_memory_factor(group, rho)):
                                 if k > 0 and need * f > cluster.devices[r].spec.memory_bytes * memory_fraction:
@@ -152,7 +154,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                             # activation recomputation: one micro-batch's activations, and the stage
                             # input of every micro-batch in flight (whole on every rank)
                             held = (float(costs.out_bytes[bounds[s] - 1]) if bounds[s] else 0.0) * k * min(M, S - s)
-                            need = (costs.state_bytes(blocks, z, 1.0 / len(st))
+                            need = (costs.state_bytes(blocks, zm, 1.0 / len(st))
                                     + float(costs.act_bytes[blocks].sum()) * k)
                             for r, f in zip(m.ranks, tp_cost.group_memory_factor(group, rho)):
                                 if need * f + held > cluster.devices[r].spec.memory_bytes * memory_fraction:

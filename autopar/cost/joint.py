@@ -165,6 +165,7 @@ class StagePrep:
     kinds: tuple[tuple[int, float, float, tuple[tuple[float, float], ...]], ...]
     p2p: StageLink | None                         # the link to the next stage
     counts: tuple[int, ...] = ()                  # members of each ``kinds`` entry
+    tp: bool = False                              # a member is a tensor-parallel group
 
     def shares(self, samples: int) -> tuple[int, ...]:
         """Per ``kinds`` entry, the most samples of a micro-batch of ``samples`` any of its members
@@ -204,7 +205,7 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
             nxt = stages[s + 1]
             p2p = StageLink(*p2p_alpha_beta(ctx.cluster, members[0].ranks[0], nxt[0].ranks[0]),
                             min(len(members), len(nxt)))
-        out.append(StagePrep(len(members), kinds, p2p, counts))
+        out.append(StagePrep(len(members), kinds, p2p, counts, any(len(m.ranks) > 1 for m in members)))
     return out
 
 
@@ -224,11 +225,14 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
         st = prep[s]
         shares = tuple((i, k, room, caps) for (i, _, room, caps), k in zip(st.kinds, st.shares(b)))
         force = recompute and ctx.force_recompute
-        sig = (shares, st.num_members, in_flight, recompute, zero, force)
+        # the state as the engines hold it (``cost.memory.stage_state_bytes``): ZeRO-0 on a stage
+        # with a TP member, and the whole gradient under ZeRO-2 (the same bytes as ZeRO-1)
+        zs = 0 if st.tp else min(zero, 1)
+        sig = (shares, st.num_members, in_flight, recompute, zs, force)
         if sig not in row_cache:
             loads = [MemberLoad(k, ctx.span_time(kid, k), ctx.span_time(kid, k, True) if recompute else None,
                                 room, caps) for kid, k, room, caps in shares]
-            row_cache[sig] = stage_cost_row(ctx.state(st.num_members, zero), act, input_bytes, valid, loads,
+            row_cache[sig] = stage_cost_row(ctx.state(st.num_members, zs), act, input_bytes, valid, loads,
                                             in_flight, recompute, force)
         return row_cache[sig]
 
