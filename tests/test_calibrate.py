@@ -83,3 +83,19 @@ def test_device_keys_name_an_emulated_device_by_speed_and_time_scale():
 
     spec = builtin("demo").devices[1].spec
     assert device_key(spec, 3.0) == "cpu-half|emulated x0.5|scale 3"
+
+
+def test_a_comm_factor_slows_the_device_types_links_for_planning():
+    from autopar.cluster.model import builtin
+    from autopar.cost import comm
+    from autopar.cost.calibrate import calibrated_cluster
+
+    from autopar.cluster.emulation import emulation_time_scale
+
+    demo = builtin("demo")
+    keys = [device_key(d.spec, emulation_time_scale(len(demo))) for d in demo.devices]
+    slow = calibrated_cluster(demo, {k: {"comm": 4.0} for k in keys})
+    nbytes = 64e6
+    assert comm.allreduce_time_s(slow, [0, 1, 2], nbytes) > 3 * comm.allreduce_time_s(demo, [0, 1, 2], nbytes)
+    assert calibrated_cluster(demo, {}) is demo
+    assert [d.spec.name for d in slow.devices] == [d.spec.name for d in demo.devices]

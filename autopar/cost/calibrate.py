@@ -8,7 +8,10 @@ Terms
     multiplied;
   - ``call``: seconds added to every compute call (``call_overhead_s``): the step time no phase of the
     cost model covers (``other`` in ``autopar.ir.profile``: Python, slicing rows, copies outside the
-    compute blocks), shared out over the rank's compute calls.
+    compute blocks), shared out over the rank's compute calls;
+  - ``comm``: the rank's collectives and messages (their transfer, waits split off), applied to the
+    cluster rather than to the tables: ``calibrated_cluster`` divides the device type's link bandwidth
+    by it (the planners price communication from the cluster's links, ``autopar.cost.comm``).
 - sample: one rank's measured and predicted seconds of one term in one profile (``samples``), the
   measured figure the median over the profile's steps. ``compute`` (forward and backward not told
   apart) samples both ``forward`` and ``backward``.
@@ -34,9 +37,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["TERMS", "Sample", "samples", "fit_factors", "calibrated", "device_key", "calls_per_step"]
+__all__ = ["TERMS", "Sample", "samples", "fit_factors", "calibrated", "calibrated_cluster", "device_key",
+           "calls_per_step"]
 
-TERMS = ("forward", "backward", "optimizer", "call")
+TERMS = ("forward", "backward", "optimizer", "call", "comm")
+_COMM = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "p2p")
 _MIN_PREDICTED_S = 1e-6
 
 
@@ -83,6 +88,7 @@ def samples(profile, keys: Mapping[int, str], plan=None) -> list[Sample]:
         else:
             out += [Sample(k, t, meas.get(t, 0.0), pred.get(t, 0.0)) for t in ("forward", "backward")]
         out.append(Sample(k, "optimizer", meas.get("optimizer", 0.0), pred.get("optimizer", 0.0)))
+        out.append(Sample(k, "comm", sum(meas.get(c, 0.0) for c in _COMM), sum(pred.get(c, 0.0) for c in _COMM)))
         if plan is not None:
             calls = calls_per_step(plan, info.rank)
             if calls:
@@ -128,3 +134,24 @@ def calibrated(costs, factors: Mapping[str, Mapping[str, float]], keys: Mapping[
         sources[t] = f"{sources.get(t, '')} + calibrated".lstrip(" +")
     return replace(costs, fwd_table=fwd, bwd_table=bwd, optimizer_s_per_param=opt, optimizer_flat_s_per_param=flat,
                    call_overhead_s=call, sources=sources, _cache={})
+
+
+def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | None = None):
+    """``cluster`` with every device type's link bandwidth divided by its ``comm`` factor (``factors``,
+    default this machine's from the profile cache), for planning; unchanged without such factors. A
+    node's explicit intra-node figure is divided by the largest factor among its devices."""
+    from autopar.cluster.emulation import emulation_time_scale
+
+    if factors is None:
+        from autopar.cost.measure_cache import load_calibration
+
+        factors = load_calibration()
+    scale = emulation_time_scale(len(cluster))
+    comm = {d.rank: float(factors.get(device_key(d.spec, scale), {}).get("comm", 1.0)) for d in cluster.devices}
+    if all(f == 1.0 for f in comm.values()):
+        return cluster
+    devices = tuple(replace(d, spec=replace(d.spec, intra_bandwidth_Bps=d.spec.intra_bandwidth_Bps / comm[d.rank]))
+                    for d in cluster.devices)
+    node_intra = tuple(None if bw is None else bw / max(comm[d.rank] for d in cluster.devices if d.node == n)
+                       for n, bw in enumerate(cluster.node_intra_Bps))
+    return replace(cluster, devices=devices, node_intra_Bps=node_intra)
