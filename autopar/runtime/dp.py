@@ -264,10 +264,8 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             if self.zero_stage < 3:                   # the parameters live in the flat buffer from now on
                 self._param_flats.append(flat)
                 self._bind_param_views(u, flat)
-            if not equal:
+            if not equal:                             # ZeRO 0-2: into the parameters; ZeRO-3: into the shard
                 pg_broadcast(flat, src=self._src_rank, group=self.group)
-                if self.zero_stage == 3:
-                    self._unflatten_into_params(u, flat)
             lo, hi = self.units[u].shard(self._position)
             shards.append(flat[lo:hi].clone() if self.zero_stage == 3 else flat[lo:hi])
             del flat

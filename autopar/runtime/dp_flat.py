@@ -222,12 +222,6 @@ class FlatBuffersMixin:
                 flat[o:o + n].zero_()
         return flat
 
-    def _unflatten_into_params(self, u: int, flat: torch.Tensor) -> None:
-        layout, params = self._unit(u)
-        with torch.no_grad():
-            for p, o, n in zip(params, layout.offsets, layout.numels):
-                p.copy_(flat[o:o + n].view_as(p))
-
     def _padded(self, u: int, flat: torch.Tensor) -> torch.Tensor:
         """Unit ``u``'s ``flat`` laid out position by position, each shard padded to the largest."""
         layout = self.units[u]
