@@ -59,5 +59,5 @@ def test_auto_never_worse_on_the_demo_cluster():
 def test_auto_never_worse_on_the_scenario_clusters(name):
     pins = ([Pin(tp=t) for t in (1, 2, 4, 8)] + [Pin(pp=p) for p in (1, 2, 3, 4)]
             + [Pin(dp=d) for d in (1, 2, 4)] + [Pin(num_micro_batches=m) for m in (1, 4, 16)]
-            + [Pin(tp=2, pp=2), Pin(zero_stage=1)])
+            + [Pin(tp=2, pp=2), Pin(zero_stage=1), Pin(schedule="zb-h1"), Pin(virtual_stages=2)])
     _check(name, pins)

@@ -57,7 +57,8 @@ def test_pin_is_validated_once_naming_the_field():
 
 PINS = [Pin(tp=2), Pin(pp=2), Pin(dp=2), Pin(tp=2, pp=2), Pin(pp=3, dp=2), Pin(num_micro_batches=4),
         Pin(recompute=True), Pin(recompute=False, pp=2), Pin(zero_stage=1), Pin(schedule="gpipe", pp=2),
-        Pin(tp={"fast": 4}), Pin(tp=1, pp=4, dp=1, num_micro_batches=8, schedule="1f1b", zero_stage=0)]
+        Pin(tp={"fast": 4}), Pin(tp=1, pp=4, dp=1, num_micro_batches=8, schedule="1f1b", zero_stage=0),
+        Pin(schedule="zb-h1"), Pin(virtual_stages=2)]
 
 
 @pytest.mark.parametrize("pin", PINS, ids=str)
@@ -95,7 +96,7 @@ def test_plan_with_config_routes_a_pin_and_attaches_the_bounds():
 def test_a_pin_that_cannot_be_met_names_the_pin():
     cases = [(Pin(tp=8), "pin.tp"), (Pin(tp={"other": 2}), "pin.tp"), (Pin(pp=7), "pin.pp"),
              (Pin(num_micro_batches=17), "pin.num_micro_batches"), (Pin(tp=4, pp=2, dp=2), "pin: tp x pp x dp"),
-             (Pin(virtual_stages=2), "pin.virtual_stages")]
+             (Pin(virtual_stages=2, tp=2), "pin.schedule")]
     for pin, match in cases:
         with pytest.raises(PlanError, match=match.replace(".", r"\.")):
             _plan(pin)

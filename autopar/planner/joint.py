@@ -72,7 +72,7 @@ from autopar.cost.memory import check_zero_stage, fits_memory, stage_memory_byte
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.ir.schedule import PIPELINE_SCHEDULES
+from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
 from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
 from autopar.planner.dp import plan_dp
 from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
@@ -461,10 +461,11 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
                   num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                   schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False,
-                  pp_layers: Sequence[int] | None = None) -> Plan:
+                  pp_layers: Sequence[int] | None = None, schedules: Sequence[str] | None = None) -> Plan:
     """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
     (``recompute``: whether pipeline stages and the ``dp`` strategy may recompute activations; the
-    uniform baselines never do; ``pp_layers`` pins the blocks per stage of "pp" and "uniform-pp")."""
+    uniform baselines never do; ``pp_layers`` pins the blocks per stage of "pp" and "uniform-pp";
+    ``schedules``: what "pp" picks among when ``schedule="auto"``, None for its default)."""
     if strategy in DP_STRATEGIES:
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
                        memory_fraction=memory_fraction, recompute=recompute)
@@ -476,7 +477,8 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
             try:
                 p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=z,
                                   uniform=strategy == "uniform-pp", memory_fraction=memory_fraction, ranks=ranks,
-                                  recompute=recompute, pp_layers=pp_layers)
+                                  recompute=recompute, pp_layers=pp_layers,
+                                  schedules=schedules if strategy == "pp" else None)
             except PlanError as e:
                 err = e
                 continue
@@ -531,9 +533,11 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     failed: list[str] = []
     for strategy in SINGLE_STRATEGIES:
         try:
+            # the pipeline planner also plans interleaved-1f1b and zb-h1 (the hybrid search not yet)
             p = plan_strategy(costs, cluster, B, strategy, num_heads=num_heads, zero_stage=zero_stage,
                               schedule=schedule, memory_fraction=memory_fraction, ranks=ranks,
-                              replicated_fraction=rho, recompute=recompute)
+                              replicated_fraction=rho, recompute=recompute,
+                              schedules=ALL_SCHEDULES if strategy == "pp" and schedule == "auto" else None)
         except PlanError as e:
             failed.append(f"{strategy}: does not fit or applies not: {str(e)[:160]}")
             continue

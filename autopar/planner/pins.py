@@ -28,9 +28,10 @@ from autopar.cost import tp as tp_cost
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
-from autopar.ir.schedule import PIPELINE_SCHEDULES
+from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
 from autopar.planner.joint import SINGLE_STRATEGIES, TP_DEGREES, plan_hybrid, plan_strategy
 from autopar.planner.layouts import member_layouts, pinned_groupings
+from autopar.planner.pp import plan_pipeline
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -45,7 +46,8 @@ def plan_dims(plan: Plan, cluster: "Cluster") -> dict:
         for g in st.groups:
             for r in g:
                 tp.setdefault(cluster.devices[r].spec.name, set()).add(len(g))
-    return dict(tp=tp, pp=len(plan.stages), dp={len(st.groups) for st in plan.stages},
+    rank_stages = plan.stages[:getattr(plan, "rank_stages", len(plan.stages))]
+    return dict(tp=tp, pp=len(rank_stages), dp={len(st.groups) for st in rank_stages},
                 num_micro_batches=plan.num_micro_batches, recompute={bool(st.recompute) for st in plan.stages},
                 zero_stage=plan.zero_stage, schedule=plan.schedule,
                 virtual_stages=int(getattr(plan, "virtual_stages", 1) or 1))
@@ -122,16 +124,23 @@ def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int
                         f"{global_batch} samples")
     if pin.dp is not None and pin.dp > global_batch:
         raise PlanError(f"pin.dp: {pin.dp} members per stage cannot all get work from {global_batch} samples")
-    if pin.schedule is not None and pin.schedule not in PIPELINE_SCHEDULES:
-        raise PlanError(f"pin.schedule: the planner cannot plan {pin.schedule!r} yet (it plans "
-                        f"{', '.join(PIPELINE_SCHEDULES)})")
-    if (pin.virtual_stages or 1) > 1:
-        raise PlanError(f"pin.virtual_stages: {pin.virtual_stages} chunks per rank; the planner plans one chunk "
-                        "per stage so far")
+    if pin.schedule is not None and pin.schedule not in ALL_SCHEDULES:
+        raise PlanError(f"pin.schedule: the planner cannot plan {pin.schedule!r} (it plans "
+                        f"{', '.join(ALL_SCHEDULES)})")
+    if _pipeline_only(pin) and pin.tp not in (None, 1):
+        raise PlanError(f"pin.schedule: {pin.schedule or 'interleaved-1f1b'!r} is planned by the pipeline "
+                        f"planner only so far, whose members are single devices; it cannot also pin {pin}")
+
+
+def _pipeline_only(pin: Pin) -> bool:
+    """Whether only the pipeline planner can meet the pin (schedules the joint search lacks so far)."""
+    return (pin.schedule is not None and pin.schedule not in PIPELINE_SCHEDULES) or (pin.virtual_stages or 1) > 1
 
 
 def _single_could_meet(strategy: str, pin: Pin) -> bool:
     one = (None, 1)
+    if _pipeline_only(pin):
+        return strategy in PP_STRATEGIES
     if strategy in DP_STRATEGIES:
         return pin.pp in one and pin.tp in one and pin.schedule is None
     if strategy in PP_STRATEGIES:
@@ -165,11 +174,19 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
         if not _single_could_meet(s, pin):
             continue
         try:
-            offer(plan_strategy(costs, cluster, global_batch, s, **common,
-                                pp_layers=cfg.pp_layers if s in PP_STRATEGIES else None))
+            if _pipeline_only(pin) and s == "pp":
+                v = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else None
+                sched = pin.schedule or "interleaved-1f1b"
+                offer(plan_pipeline(costs, cluster, global_batch, schedule=sched, schedules=(sched,),
+                                    virtual_stages=v, zero_stage=0 if cfg.zero_stage == "auto" else cfg.zero_stage,
+                                    memory_fraction=cfg.memory_fraction, recompute=cfg.recompute,
+                                    pp_layers=cfg.pp_layers, num_micro=pin.num_micro_batches))
+            else:
+                offer(plan_strategy(costs, cluster, global_batch, s, **common,
+                                    pp_layers=cfg.pp_layers if s in PP_STRATEGIES else None))
         except PlanError as e:
             misses.append(f"{s}: {str(e)[:120]}")
-    if strategy == "auto":
+    if strategy == "auto" and not _pipeline_only(pin):
         tp_pin = pin.tp
         degrees = (tp_pin,) if isinstance(tp_pin, int) else TP_DEGREES
         layouts = member_layouts(costs, cluster, num_heads=cfg.num_heads, degrees=degrees, replicated_fraction=rho,
