@@ -12,16 +12,15 @@ Terms
   a tensor-parallel member runs ZeRO-0 (``stage_zero_stage``: the TP and pipeline engines shard no
   state over members there); under ZeRO-2/3 the gradient is priced whole, since each micro-step's
   full gradient exists before it is reduce-scattered (the transient full gradient).
-- loss (``loss_bytes_per_sample``): the last pipeline stage also holds what the loss saves, the size
-  of the model's output per sample per micro-batch in flight, and twice that while one micro-batch's
-  loss runs backward (counted in stage memory when ``LOSS_IN_STAGE_MEMORY``; not yet by default).
+- not counted yet: what a loss function outside the graph holds on the last stage (cross-entropy's
+  log-softmax of the output, and two gradients of that size in its backward): the cost tables carry
+  no size of the graph's output (``out_bytes`` of the last block is 0, nothing crosses a cut there).
 - stage memory per rank (``stage_memory_bytes``): for every rank of a pipeline plan (its ``Stage``
   tuple), the stage's state as run, times the rank's tensor-parallel work factor
   (``autopar.cost.tp.work_factors``; 1 for a member of one rank), plus the activations of its largest
   micro-batch share: every in-flight micro-batch's (sharded like the work), or with recomputation one
   micro-batch's (sharded) plus the stage input (``stage_input_bytes``, whole on every TP rank) of
-  every micro-batch in flight; plus the loss on the last stage. A pipeline of one-rank members is
-  the case of every work factor 1.
+  every micro-batch in flight. A pipeline of one-rank members is the case of every work factor 1.
 - data-parallel rank memory (``rank_memory``): one rank holding every block: its ZeRO state, under
   ZeRO-3 the largest block's gathered weights, a fixed workspace (``DEFAULT_WORKSPACE_BYTES`` on real
   devices, none on emulated ones: ``device_workspace_bytes``) and ``activation_bytes_per_sample`` per
@@ -49,19 +48,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = [
-    "DEFAULT_WORKSPACE_BYTES", "LOSS_IN_STAGE_MEMORY", "usable_bytes", "device_workspace_bytes",
+    "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
     "stage_input_bytes", "stage_memory_bytes",
-    "loss_bytes_per_sample", "stage_zero_stage", "stage_state_bytes", "transient_grad_bytes", "fits_memory",
+    "stage_zero_stage", "stage_state_bytes", "transient_grad_bytes", "fits_memory",
     "RankMemory", "activation_bytes_per_sample", "rank_memory", "max_micro_batch", "check_zero_stage",
 ]
 
 # Kept free on every device besides states and activations: CUDA context, library workspaces,
 # collective buffers. memory_fraction leaves room for fragmentation on top of it.
 DEFAULT_WORKSPACE_BYTES = 256 * 2**20
-# Whether stage memory counts the loss on the last stage (loss_bytes_per_sample). Off for now: the
-# planner tests pin the formula without it (test_recompute_planner, test_pp_planner); measured on
-# gpt-tiny's last stage, the loss is most of its peak (1.58 MB measured, 0.47 MB predicted without it).
-LOSS_IN_STAGE_MEMORY = False
 # Upper limit of a max micro-batch when activations cost (almost) nothing.
 _MICRO_LIMIT = 1 << 20
 
@@ -93,14 +88,6 @@ def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
     return float(costs.out_bytes[stage.block_start - 1]) if stage.block_start > 0 else 0.0
 
 
-def loss_bytes_per_sample(costs: ModelCosts) -> float:
-    """Bytes per sample the loss holds beyond the graph's activations, per micro-batch in flight:
-    what cross-entropy over the model's output saves for backward (its log-softmax, the size of the
-    output, ``out_bytes`` of the last block). Backward adds two more of that size for one
-    micro-batch at a time (the gradients of the log-softmax and of the output)."""
-    return float(costs.out_bytes[-1]) if costs.num_blocks else 0.0
-
-
 def stage_zero_stage(stage: Stage, zero_stage: int) -> int:
     """The ZeRO stage whose state a stage's ranks hold, as the engines run it: 0 on a stage with a
     tensor-parallel member (the TP and pipeline engines run ZeRO-0 there), else ``zero_stage``."""
@@ -122,11 +109,9 @@ def stage_state_bytes(costs: ModelCosts, stage: Stage, zero_stage: int) -> float
 
 
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
-                       replicated_fraction: float | None = None, *, loss: bool = LOSS_IN_STAGE_MEMORY
-                       ) -> dict[int, int]:
+                       replicated_fraction: float | None = None) -> dict[int, int]:
     """Peak bytes of every rank of a pipeline plan under ``schedule`` and ``zero_stage`` (see the module
-    docstring; ``replicated_fraction``: the TP work factors' rho, ``tp_cost``'s default when None;
-    ``loss``: count the loss on the last stage, ``LOSS_IN_STAGE_MEMORY`` unless given)."""
+    docstring; ``replicated_fraction``: the TP work factors' rho, ``tp_cost``'s default when None)."""
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
     out = {}
     for s, st in enumerate(stages):
@@ -135,12 +120,11 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
         act = float(costs.act_bytes[blocks].sum())
         fly = in_flight_micro_batches(schedule, s, len(stages), len(st.micro_batches[0]))
         held = stage_input_bytes(costs, st) if st.recompute else 0.0
-        loss_b = loss_bytes_per_sample(costs) if loss and st.block_stop == costs.num_blocks else 0.0
         for g, ranks in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares else (1,)
             factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
             x = max(st.micro_batches[g])
-            need = state + (act + loss_b) * x * (1 if st.recompute else fly) + 2 * loss_b * x
+            need = state + act * x * (1 if st.recompute else fly)
             for r, k in zip(ranks, factors):
                 out[r] = int(math.ceil(need * k + held * x * fly))
     return dict(sorted(out.items()))
