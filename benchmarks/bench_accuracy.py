@@ -227,6 +227,7 @@ def main(argv=None) -> int:
     from autopar.cost.measure_cache import CALIBRATION_ENV, save_calibration
 
     os.environ["AUTOPAR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="autopar-accuracy-")
+    torch.set_num_threads(1)     # plan here with the one-thread block times the emulated ranks measure
     cluster = builtin("demo")
     models = [m for m in args.models.split(",") if m]
     track = True if args.track_memory else False

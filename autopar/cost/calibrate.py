@@ -10,8 +10,9 @@ Terms
     cost model covers (``other`` in ``autopar.ir.profile``: Python, slicing rows, copies outside the
     compute blocks), shared out over the rank's compute calls;
   - ``comm``: the rank's collectives and messages (their transfer, waits split off), applied to the
-    cluster rather than to the tables: ``calibrated_cluster`` divides the device type's link bandwidth
-    by it (the planners price communication from the cluster's links, ``autopar.cost.comm``).
+    cluster rather than to the tables: ``calibrated_cluster`` divides each node's intra-node link
+    bandwidth by its devices' largest factor (the planners price communication from the cluster's
+    links, ``autopar.cost.comm``); links between nodes are left as the cluster says.
 - sample: one rank's measured and predicted seconds of one term in one profile (``samples``), the
   measured figure the median over the profile's steps. ``compute`` (forward and backward not told
   apart) samples both ``forward`` and ``backward``.
@@ -137,9 +138,9 @@ def calibrated(costs, factors: Mapping[str, Mapping[str, float]], keys: Mapping[
 
 
 def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | None = None):
-    """``cluster`` with every device type's link bandwidth divided by its ``comm`` factor (``factors``,
-    default this machine's from the profile cache), for planning; unchanged without such factors. A
-    node's explicit intra-node figure is divided by the largest factor among its devices."""
+    """``cluster`` for planning with each node's intra-node link bandwidth divided by the largest
+    ``comm`` factor among its devices (``factors``, default this machine's from the profile cache);
+    unchanged without such factors. Links between nodes keep the cluster's network figures."""
     from autopar.cluster.emulation import emulation_time_scale
 
     if factors is None:
@@ -150,8 +151,9 @@ def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | Non
     comm = {d.rank: float(factors.get(device_key(d.spec, scale), {}).get("comm", 1.0)) for d in cluster.devices}
     if all(f == 1.0 for f in comm.values()):
         return cluster
-    devices = tuple(replace(d, spec=replace(d.spec, intra_bandwidth_Bps=d.spec.intra_bandwidth_Bps / comm[d.rank]))
-                    for d in cluster.devices)
-    node_intra = tuple(None if bw is None else bw / max(comm[d.rank] for d in cluster.devices if d.node == n)
-                       for n, bw in enumerate(cluster.node_intra_Bps))
-    return replace(cluster, devices=devices, node_intra_Bps=node_intra)
+    node_intra = []
+    for n in range(cluster.num_nodes):
+        members = [d for d in cluster.devices if d.node == n]
+        base = cluster.node_intra_bandwidth_Bps(n, tuple(d.spec for d in members))
+        node_intra.append(base / max(comm[d.rank] for d in members))
+    return replace(cluster, node_intra_Bps=tuple(node_intra))
