@@ -4,9 +4,9 @@ trains to the state of ``autopar.materialize`` + one device (three threaded rank
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from functools import partial
 
 import pytest
 import torch
@@ -35,6 +35,7 @@ def _plan(num_blocks: int) -> Plan:
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
+@functools.cache
 def _oracle():
     case = autopar.models.build("gpt-tiny", device="meta")
     model = autopar.materialize(case.model, seed=SEED)
@@ -101,6 +102,7 @@ class ThreeRanksMeta(threaded_ranks(3)):
             assert math.isclose(got, want, rel_tol=1e-5), (losses, ref_losses)
 
 
+@pytest.mark.slow
 def test_compile_of_a_meta_model_at_zero3_defers_to_the_engine(tmp_path, monkeypatch):
     from importlib import import_module
 
