@@ -24,14 +24,13 @@ Terms
   the simulator runs each rank stage's chunks on one worker; after the schedule a rank all-reduces
   its chunks' gradients one after another and steps one optimizer over all of them
   (``_finish_s``); memory sums its chunks (``pipeline_memory_bytes``).
-- zero-bubble ("zb-h1"): a backward splits into BI and BW; BW takes ``WGRAD_FRACTION`` of the
-  backward's compute (a matmul's weight gradient is one of its backward's two GEMMs of equal FLOPs;
-  a recompute stage reruns its forward in BI), the first stage's whole backward runs at its BW (its
-  inputs need no gradient: ``autopar.runtime.pipeline_zb``). Measured on CPU on gpt-tiny layers
-  (hidden 128, one thread) the split is far from that: BI took 0.95 and BW 0.85 of a whole backward
-  (small GEMMs, where the elementwise input-gradient work dominates, and one autograd call per
-  parameter group), so ZB-H1 is priced optimistically for small models; it is therefore not among
-  the planner's default "auto" schedules (``autopar.planner.pp.plan_pipeline(schedules=)``).
+- zero-bubble ("zb-h1"): a backward splits into BI and BW, priced as the runtime's split measures:
+  BI ``ZB_INPUT_SHARE`` and BW ``ZB_WEIGHT_SHARE`` of the whole backward's compute (a recompute
+  stage's rerun forward in BI); the first stage's whole backward runs at its BW (its inputs need no
+  gradient: ``autopar.runtime.pipeline_zb``). The paper's ideal is 0.5 + 0.5 (a matmul's two backward
+  GEMMs); measured on CPU on gpt-tiny layers (hidden 128 and 256, one thread, median of 15) BI took
+  0.95 and BW 0.85 of a backward: small GEMMs, where the elementwise input-gradient work dominates,
+  and one autograd call per parameter group. So ZB-H1 pays only where bubbles outweigh that 80%.
 - overlap the model assumes, as the runtime does it: a send takes no worker time (``isend``, its wait
   deferred to the end of the step: ``PipelineEngine.overlap_sends``), so a transfer overlaps the
   compute of both ends; a receive blocks its worker until the data has arrived (pre-posted where the
@@ -59,9 +58,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["PipelineContext", "pipeline_cost_tensor", "stage_durations", "stage_input_bytes", "plan_timeline",
-           "stage_optimizer_s", "pipeline_memory_bytes", "wgrad_durations", "WGRAD_FRACTION"]
+           "stage_optimizer_s", "pipeline_memory_bytes", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
 
-WGRAD_FRACTION = 0.5   # of a backward's compute that is the weight gradient (see the module docstring)
+ZB_INPUT_SHARE = 0.95    # BI / whole backward, as the runtime's split measures (see the module docstring)
+ZB_WEIGHT_SHARE = 0.85   # BW / whole backward
 
 
 # -- planning context and the stage cost tensor -----------------------------------------------------
@@ -203,7 +203,9 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
     fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
     name = plan.schedule if plan.schedule in SCHEDULES and plan.schedule != "auto" else "1f1b"
-    wgrad = wgrad_durations(stages, fwd, bwd) if name == "zb-h1" else None
+    wgrad = None
+    if name == "zb-h1":
+        bwd, wgrad = split_durations(stages, fwd, bwd)
     timeline = simulate(make_schedule(name, len(stages), M, plan.virtual_stages), fwd, bwd, comm,
                         wgrad_time_s=wgrad)
     R = plan.rank_stages
@@ -211,14 +213,16 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     return timeline, _finish_s(plan, costs, cluster, ends, rho)[0]
 
 
-def wgrad_durations(stages: Sequence[Stage], fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
-    """The BW seconds [stage][micro] of a zero-bubble split of ``stage_durations``' backwards (see the
-    module docstring): ``WGRAD_FRACTION`` of the backward without a recompute stage's rerun forward;
-    the whole backward on the first stage."""
-    rerun = np.array([[1.0] if st.recompute else [0.0] for st in stages])
-    out = WGRAD_FRACTION * np.maximum(bwd - rerun * fwd, 0.0)
-    out[0] = bwd[0]
-    return out
+def split_durations(stages: Sequence[Stage], fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(BI + BW, BW) seconds [stage][micro] of a zero-bubble split of ``stage_durations``' backwards
+    (see the module docstring): the shares of the backward without a recompute stage's rerun forward,
+    which BI runs; the first stage runs its whole backward as its BW."""
+    rerun = np.array([[1.0] if st.recompute else [0.0] for st in stages]) * fwd
+    pure = np.maximum(bwd - rerun, 0.0)
+    wgrad = ZB_WEIGHT_SHARE * pure
+    total = ZB_INPUT_SHARE * pure + rerun + wgrad
+    total[0], wgrad[0] = bwd[0], bwd[0]
+    return total, wgrad
 
 
 def pipeline_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
