@@ -123,6 +123,14 @@ class JointContext:
             self.cache["spans"] = (span_sums(c.params), span_sums(c.param_bytes), span_sums(c.act_bytes))
         return self.cache["spans"]
 
+    def shares(self, prep: "StagePrep", samples: int) -> tuple[int, ...]:
+        """``prep.shares(samples)``, cached (a stage's prep lives as long as its grouping's entry)."""
+        key = ("shares", id(prep), samples)
+        hit = self.cache.get(key)
+        if hit is None or hit[0] is not prep:
+            hit = self.cache[key] = (prep, prep.shares(samples))
+        return hit[1]
+
     def zero_for(self, num_micro: int) -> int:
         """The ZeRO stage whose memory a candidate of ``num_micro`` micro-batches is searched with:
         ZeRO-2 only at one micro-batch (see the module docstring)."""
@@ -223,7 +231,7 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
 
     def row(s: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
         st = prep[s]
-        shares = tuple((i, k, room, caps) for (i, _, room, caps), k in zip(st.kinds, st.shares(b)))
+        shares = tuple((i, k, room, caps) for (i, _, room, caps), k in zip(st.kinds, ctx.shares(st, b)))
         force = recompute and ctx.force_recompute
         # the state as the engines hold it (``cost.memory.stage_state_bytes``): ZeRO-0 on a stage
         # with a TP member, and the whole gradient under ZeRO-2 (the same bytes as ZeRO-1)
@@ -249,7 +257,7 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     inv, low = 0.0, math.inf
     for st in prep:
         q = 0.0
-        for (kid, _f, _room, _caps), k in zip(st.kinds, st.shares(b)):
+        for (kid, _f, _room, _caps), k in zip(st.kinds, ctx.shares(st, b)):
             if k > 0:
                 q = max(q, ctx.ratio(kid, k))
         if q <= 0:
