@@ -1,7 +1,8 @@
 """The new schedules run exactly: interleaved-1f1b (several uneven chunks per rank) and zb-h1 (split
 backwards) train like the one-device oracle (``tests/oracle.py``), on emulated devices at mixed
 speeds (each rank's engine has its ``EmulatedClock``), with uneven micro-batches (4+3+3 of a global
-batch of 10), uneven chunk and stage sizes, a stage of two data-parallel members with uneven shares,
+batch of 10), uneven chunk and stage sizes, stages (and chunks) of two data-parallel members with
+uneven shares,
 a recomputing stage, and a Hugging Face transformers model of a family the zoo does not copy
 (GPT-NeoX: parallel attention and MLP residual, rotary embeddings), whose oracle is trained on rank 0.
 
@@ -123,11 +124,14 @@ def test_launch_interleaved_and_zero_bubble_match_one_device():
     il_2x2 = _plan([(2, {0: MB}), (3, {1: MB}), (5, {0: MB}), (6, {1: MB})], "interleaved-1f1b", V=2)
     il_3x2 = _plan([(1, {0: MB}), (2, {2: MB}), (3, {1: MB}), (4, {0: MB}), (5, {2: MB}), (6, {1: MB})],
                    "interleaved-1f1b", V=2)
-    zb_dp = _plan([(3, {0: (3, 1, 2), 1: (1, 2, 1)}), (6, {2: MB})], "zb-h1")
+    dp = {0: (3, 1, 2), 1: (1, 2, 1)}          # two members with uneven shares, one receiver
+    il_dp = _plan([(2, dp), (3, {2: MB}), (5, dp), (6, {2: MB})], "interleaved-1f1b", V=2)
+    zb_dp = _plan([(3, dp), (6, {2: MB})], "zb-h1")
     zb_3 = _plan([(1, {2: MB}), (5, {0: MB}), (6, {1: MB})], "zb-h1")
     zb_rc = dataclasses.replace(zb_3, stages=(zb_3.stages[0], dataclasses.replace(zb_3.stages[1], recompute=True),
                                               zb_3.stages[2]))
     runs = [("il-2x2", "gpt-tiny", il_2x2, "sgd"), ("il-3x2", "gpt-tiny", il_3x2, "adamw"),
+            ("il-dp", "gpt-tiny", il_dp, "adamw"),
             ("zb-dp", "gpt-tiny", zb_dp, "adamw"), ("zb-recompute", "gpt-tiny", zb_rc, "sgd"),
             ("neox-il", "neox", il_2x2, "adamw"), ("neox-zb", "neox", zb_3, "sgd")]
     results = autopar.launch(_run, _cluster(), runs, timeout_s=600)
@@ -145,5 +149,6 @@ def test_launch_interleaved_and_zero_bubble_match_one_device():
     # interleaving: ranks 0 and 1 hold two chunks each, rank 2 none (2x2) / chunks 1 and 4 (3x2)
     assert [r["il-2x2"]["chunks"] for r in results] == [(0, 2), (1, 3), ()]
     assert [r["il-3x2"]["chunks"] for r in results] == [(0, 3), (2, 5), (1, 4)]
+    assert [r["il-dp"]["chunks"] for r in results] == [(0, 2), (0, 2), (1, 3)]
     # zero bubble: the backwards ran split, as BI then BW
     assert {"BI", "BW"} <= set(results[1]["zb-dp"]["kinds"]) and "B" not in results[1]["zb-dp"]["kinds"]
