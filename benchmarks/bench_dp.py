@@ -80,9 +80,11 @@ def measured(steps: int, global_batch: int = RUN_BATCH) -> dict:
     cluster = builtin("demo")
     spec = RunSpec(model=RUN_MODEL, cluster_dict=cluster.to_dict(), global_batch=global_batch, steps=steps,
                    strategies=("dp", "uniform-dp"), model_overrides=RUN_OVERRIDES)
+    load0 = os.getloadavg()[0]
     res = {r.strategy: r for r in run_comparison(spec, cluster)}
+    load = (load0, os.getloadavg()[0])    # the machine is shared: its 1-minute load before and after
     params = sum(p.numel() for p in build(RUN_MODEL, device="meta", **dict(RUN_OVERRIDES)).model.parameters())
-    out = dict(model=RUN_MODEL, overrides=dict(RUN_OVERRIDES), params=params, global_batch=global_batch)
+    out = dict(model=RUN_MODEL, overrides=dict(RUN_OVERRIDES), params=params, global_batch=global_batch, load=load)
     for s, r in res.items():
         sp = r.step_spread
         out[s] = dict(measured_samples_per_s=global_batch / r.measured_step_s,
@@ -156,7 +158,10 @@ def main() -> None:
                            for s in ("dp", "uniform-dp")])
                + f"\n\nspeedup of dp over uniform-dp measured in the same run (median over interleaved pairs): "
                  f"{m['speedup_measured']:.2f}x (IQR {sp['q1']:.2f}-{sp['q3']:.2f}, {sp['num']} pairs); predicted "
-                 f"{m['speedup_predicted']:.2f}x; ideal 1.75/0.75 = 2.33x. Emulated devices.\n\n"
+                 f"{m['speedup_predicted']:.2f}x; ideal 1.75/0.75 = 2.33x. Emulated devices. Machine load (1-minute "
+                 f"average) {m['load'][0]:.1f} before, {m['load'][1]:.1f} after, on {os.cpu_count()} cores: emulation "
+                 "needs the ranks' CPU demand to fit the cores, so a loaded machine slows the fast rank (dp's "
+                 "critical path) and not the sleeping slow one (uniform-dp's), and the measured speedup drops.\n\n"
                  f"Command: `python benchmarks/bench_dp.py --steps {args.steps} --global-batch {args.global_batch}`")
         print(f"demo: dp over uniform-dp measured {m['speedup_measured']:.2f}x (IQR {sp['q1']:.2f}-{sp['q3']:.2f}), "
               f"predicted {m['speedup_predicted']:.2f}x")
