@@ -55,11 +55,13 @@ from autopar.lowering.weights import open_weights
 from autopar.passes.split import split_stages
 
 __all__ = ["MaterializeError", "materialize", "materialize_tensors", "module_seed", "reset_parameters",
-           "rank_tensors", "is_deterministic", "mark_deterministic", "has_meta_tensors", "check_init", "Init"]
+           "rank_tensors", "tp_sharded_tensors", "tensor_value", "is_deterministic", "mark_deterministic",
+           "has_meta_tensors", "check_init", "Init"]
 
 Init = str | Callable[[nn.Module], None]
 
 _DETERMINISTIC: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_RECIPES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()   # seed, init, weights
 
 
 class MaterializeError(AutoparError):
@@ -180,13 +182,35 @@ def materialize_tensors(model: nn.Module, tensors: Iterable[torch.Tensor] | None
     the module docstring) and put them in place in ``model`` and in each module of ``roots`` (graph
     modules that hold them). Tensors not on ``meta`` are left as they are. Returns the number of
     elements materialised."""
+    device = torch.device(device)
+    wanted = _direct_tensors(model) if tensors is None else list(tensors)
+    todo, values = _values(model, wanted, seed, init, weights)
+    _RECIPES[model] = (seed, init, open_weights(weights))
+    replace: dict[int, torch.Tensor] = {}
+    for i, v in values.items():
+        old = todo[i]
+        v = v.to(device)
+        replace[i] = nn.Parameter(v, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else v
+    seen: set[int] = set()
+    for root in (model, *roots):
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for store in (m._parameters, m._buffers):
+                for k, t in store.items():
+                    if t is not None and id(t) in replace:
+                        store[k] = replace[id(t)]
+    return sum(todo[i].numel() for i in values)
+
+
+def _values(model: nn.Module, wanted: Sequence[torch.Tensor], seed, init: Init, weights):
+    """(the meta tensors among ``wanted`` by id, their values on the CPU by id): see the module docstring."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise MaterializeError(f"seed: expected an int, got {seed!r}")
     fn = _init_fn(init)
     source = open_weights(weights)
-    device = torch.device(device)
     names = _names(model)
-    wanted = _direct_tensors(model) if tensors is None else list(tensors)
     todo: dict[int, torch.Tensor] = {}
     for t in wanted:
         if t.is_meta and id(t) not in todo:
@@ -208,22 +232,20 @@ def materialize_tensors(model: nn.Module, tensors: Iterable[torch.Tensor] | None
         got = _init_module(model.get_submodule(owner), owner, [a for a, _ in entries], seed, fn)
         for attr, i in entries:
             values[i] = got[attr]
-    replace: dict[int, torch.Tensor] = {}
-    for i, v in values.items():
-        old = todo[i]
-        v = v.to(device)
-        replace[i] = nn.Parameter(v, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else v
-    seen: set[int] = set()
-    for root in (model, *roots):
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            for store in (m._parameters, m._buffers):
-                for k, t in store.items():
-                    if t is not None and id(t) in replace:
-                        store[k] = replace[id(t)]
-    return sum(todo[i].numel() for i in values)
+    return todo, values
+
+
+def tensor_value(model: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """The value (on the CPU) that ``materialize_tensors`` gives the meta ``tensor`` of ``model``, with
+    the seed, init and weights it last used on ``model``, without putting it in place: a
+    tensor-parallel rank cuts its shard from it and drops it (so only one tensor is ever whole)."""
+    if model not in _RECIPES:
+        raise MaterializeError("materialize: tensor_value of a model that materialize_tensors never ran on")
+    seed, init, weights = _RECIPES[model]
+    _, values = _values(model, [tensor], seed, init, weights)
+    if id(tensor) not in values:
+        raise MaterializeError(f"materialize: tensor_value: the tensor of shape {tuple(tensor.shape)} is not on meta")
+    return values[id(tensor)]
 
 
 def materialize(model: nn.Module, seed: int = 0, init: Init = "reset_parameters",
@@ -242,11 +264,16 @@ def _graph_tensors(gm) -> list[torch.Tensor]:
 def rank_tensors(plan: Plan, gm: fx.GraphModule, rank: int, model: nn.Module) -> list[torch.Tensor]:
     """The tensors ``rank`` needs to run ``plan`` over ``gm`` (the captured graph of ``model``): on a
     pipeline, its stage's (``passes.split.split_stages`` at the plan's block ranges, as lowering cuts
-    them; none on an idle rank); otherwise the whole model (data parallel, ZeRO-3 included, and tensor
-    parallel materialise it whole and shard it afterwards). Tensors no stage uses are needed on every
-    rank (nothing sends them)."""
+    them; none on an idle rank); on a tensor-parallel plan all but the parameters it holds a shard of
+    (``tp_sharded_tensors``: the engine cuts those one at a time); otherwise the whole model (data
+    parallel, ZeRO-3 included, materialises it whole and shards it afterwards). Tensors no stage uses
+    are needed on every rank (nothing sends them)."""
     everything = _direct_tensors(model) + _graph_tensors(gm)
-    if engine_kind(plan) != "pipeline":
+    kind = engine_kind(plan)
+    if kind == "tp":
+        sharded = {id(t) for t in tp_sharded_tensors(plan, gm, rank)}
+        return [t for t in everything if id(t) not in sharded]
+    if kind != "pipeline":
         return everything
     stages = split_stages(gm, [(st.block_start, st.block_stop) for st in plan.stages])
     used = {id(t) for st in stages for t in _graph_tensors(st.gm)}
@@ -255,6 +282,21 @@ def rank_tensors(plan: Plan, gm: fx.GraphModule, rank: int, model: nn.Module) ->
     if stage is not None:
         out += _graph_tensors(stages[stage].gm)
     return out
+
+
+def tp_sharded_tensors(plan: Plan, gm: fx.GraphModule, rank: int, granularity: int = 8) -> list[torch.Tensor]:
+    """The full parameters of ``gm`` that ``rank``'s tensor-parallel program holds only a shard of (a
+    ``"tp"`` plan; ``granularity`` as ``lowering.lower``'s ``tp_granularity``): the TP engine gives its
+    shards values one full tensor at a time (``tensor_value``), so they are not materialised whole."""
+    from autopar.lowering.lower import tp_shares_of
+    from autopar.passes.meta import TP_LAYOUT
+    from autopar.passes.tp import tp_rewrite
+
+    _, member, idx = rank_position(plan, rank)
+    if member is None or len(plan.stages[0].groups[member]) < 2:
+        return []
+    layout = tp_rewrite(gm, tp_shares_of(plan, 0, member), idx, granularity=granularity).meta[TP_LAYOUT]
+    return [gm.get_parameter(s.source) for s in layout.params]
 
 
 def check_init(init: Init) -> None:

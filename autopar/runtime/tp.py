@@ -29,8 +29,11 @@ each member) and returns the full state on every rank.
 
 The rewrite itself is lowered (``RankProgram.tp_module``, ``passes.tp.tp_rewrite``); the engine binds its
 f / g to the member's group (``bind_tp_group``) and reloads its shards once every rank holds the first
-rank's weights. For the pipeline engine: ``bind_tp_group``, ``gather_full_params`` and ``flat_full_grad``
-are the per-stage pieces; ``shard_stage_module`` rewrites and binds in one call (for a graph used on
+rank's weights. From a meta model, compile leaves the full parameters this rank shards on meta
+(``lowering.materialize.rank_tensors``): the engine makes each alone, cuts its shard and drops it, so
+a rank holds its shards, the replicated parameters and at most one full tensor, never the model.
+For the pipeline engine: ``bind_tp_group``, ``gather_full_params`` and ``flat_full_grad`` are the
+per-stage pieces; ``shard_stage_module`` rewrites and binds in one call (for a graph used on
 its own).
 
 Emulation: only compute (each micro-step's forward, loss and backward, and the optimizer step) runs
@@ -48,10 +51,10 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.lowering.materialize import is_deterministic
+from autopar.lowering.materialize import is_deterministic, tensor_value
 from autopar.lowering.program import RankProgram
 from autopar.passes.meta import TP_LAYOUT
-from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, load_shards, tp_rewrite
+from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, tp_rewrite
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
@@ -141,7 +144,8 @@ def flat_full_grad(local_gm: fx.GraphModule, source_params: list[tuple[str, nn.P
     parts = []
     for source, p in source_params:
         s = shards.get(source)
-        full = torch.zeros(s.full_shape if s is not None else p.shape, dtype=p.dtype, device=p.device)
+        device = local_gm.get_parameter(s.local).device if s is not None else p.device   # p: meta if sharded
+        full = torch.zeros(s.full_shape if s is not None else p.shape, dtype=p.dtype, device=device)
         if s is not None:
             g = local_gm.get_parameter(s.local).grad
             if g is not None:
@@ -153,6 +157,11 @@ def flat_full_grad(local_gm: fx.GraphModule, source_params: list[tuple[str, nn.P
             full.copy_(p.grad)
         parts.append(full.reshape(-1))
     return torch.cat(parts)
+
+
+def _to_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` with its tensors on ``device``, but those still on meta (not this rank's to hold)."""
+    return module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,8 +226,8 @@ class TensorParallelEngine:
                 if i == self._tp_index:
                     self.dp_group = pg
 
-        self.model = inputs.model.to(self.device)
-        source = program.gm.to(self.device) if program.gm is not None else None
+        self.model = _to_device(inputs.model, self.device)
+        source = _to_device(program.gm, self.device) if program.gm is not None else None
         if source is None or program.tp_module is None:
             raise TensorParallelError("gm: the tensor-parallel engine needs the captured graph")
         # Every rank starts from the first rank's weights (as DDP does), unless compile materialised
@@ -229,17 +238,18 @@ class TensorParallelEngine:
         self._source_params = [(name, p) for name, p in source.named_parameters() if p.requires_grad]
         # The lowered TP module (an idle rank's never runs and holds no shard): shards cut again from
         # the broadcast weights, f / g over the member's group.
-        self.gm = program.tp_module.to(self.device)
-        load_shards(self.gm, source)
+        self.gm = _to_device(program.tp_module, self.device)
+        self.layout = tp_layout(self.gm)
+        self._load_shards(source)
         if self._member is not None:
             bind_tp_group(self.gm, self.tp_group)
-        self.layout = tp_layout(self.gm)
         # The full weights of sharded Linears are no longer needed on this rank: free them (as ZeRO-3
-        # does; state_dict() rebuilds them from the shards).
+        # does; state_dict() rebuilds them from the shards). From a meta model they were never made.
         with torch.no_grad():
             for s in self.layout.params:
                 p = source.get_parameter(s.source)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if not p.is_meta:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         # model state_dict keys of each parameter of the source graph (tied parameters have several)
         keys_of: dict[int, list[str]] = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
@@ -247,6 +257,26 @@ class TensorParallelEngine:
         self._source_keys = {name: keys_of.get(id(p), []) for name, p in source.named_parameters()}
         self._params = [p for p in self.gm.parameters() if p.requires_grad]
         self.optimizer = inputs.optimizer_factory(self._params)
+
+    def _load_shards(self, source: fx.GraphModule) -> None:
+        """Each sharded parameter's values, cut from its full parameter of ``source``; a full parameter
+        compile left on meta (``lowering.materialize.rank_tensors``) is made alone, cut and dropped, so
+        the rank never holds more than one full tensor beyond its shards."""
+        with torch.no_grad():
+            for s in self.layout.params:
+                full = source.get_parameter(s.source)
+                if full.is_meta:
+                    full = tensor_value(self.inputs.model, full).to(self.device)
+                value = torch.cat([full.narrow(s.dim, a, b - a) for a, b in s.ranges[self.layout.rank_index]],
+                                  dim=s.dim)
+                local = self.gm.get_parameter(s.local)
+                if local.is_meta:
+                    owner, _, attr = s.local.rpartition(".")
+                    self.gm.get_submodule(owner)._parameters[attr] = nn.Parameter(
+                        value.to(local.dtype), requires_grad=local.requires_grad)
+                else:
+                    local.copy_(value)
+                del full
 
     # -- checks --------------------------------------------------------------------------------
     def _check_plan(self) -> None:
