@@ -10,6 +10,7 @@ stage, and steps it. Per rank:
 ``ratio`` is measured step peak / predicted. Results: ``benchmarks/results/memory.{json,md,png}``.
 
     python benchmarks/bench_memory.py [--steps 3] [--model gpt-tiny] [--memory-gb 0.05]
+    python benchmarks/bench_memory.py --overhead     # CPU time of a step with tracking vs without
 """
 
 from __future__ import annotations
@@ -100,13 +101,62 @@ def plot(rows: list[dict], path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def tracking_overhead(pairs: int = 20) -> dict:
+    """CPU time of a gpt-tiny training step (batch 8, one thread) with and without a ``TrackedMeter``,
+    in interleaved pairs: the median ratio and its IQR."""
+    import statistics
+    import time
+
+    import autopar
+    import torch
+    from autopar.runtime.memory import TrackedMeter, module_tensors
+
+    torch.set_num_threads(1)
+    case = autopar.models.build("gpt-tiny")
+    model, (x, y) = case.model, case.batch(8, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meter = TrackedMeter(0)
+    meter.track(module_tensors(model))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        case.loss_fn(model(*x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    on, off = [], []
+    for _ in range(pairs):
+        t = time.thread_time()
+        step()
+        off.append(time.thread_time() - t)
+        t = time.thread_time()
+        with meter:
+            step()
+        on.append(time.thread_time() - t)
+    ratios = [a / b for a, b in zip(on, off)]
+    q = statistics.quantiles(ratios, n=4)
+    return dict(off_ms=statistics.median(off) * 1e3, on_ms=statistics.median(on) * 1e3,
+                ratio=statistics.median(ratios), ratio_iqr=(q[0], q[2]), pairs=pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--memory-gb", type=float, default=0.05)
     ap.add_argument("--cases", default="", help="comma-separated strategy:zero (default: all)")
+    ap.add_argument("--overhead", action="store_true", help="only measure the tracking's CPU-time overhead")
     args = ap.parse_args()
+    if args.overhead:
+        o = tracking_overhead()
+        md = (f"# Memory tracking overhead (native CPU time, one thread)\n\ngpt-tiny training step, batch 8: "
+              f"{o['off_ms']:.2f} ms without tracking, {o['on_ms']:.2f} ms with a TrackedMeter; ratio median "
+              f"{o['ratio']:.2f}x, IQR {o['ratio_iqr'][0]:.2f}-{o['ratio_iqr'][1]:.2f}x over {o['pairs']} "
+              "interleaved pairs.\n")
+        print(md)
+        write_results("memory-overhead", o, md)
+        return
     cases = CASES if not args.cases else [(c.split(":")[0], c.split(":")[1] if c.split(":")[1] == "auto"
                                            else int(c.split(":")[1])) for c in args.cases.split(",")]
     rows = []

@@ -37,10 +37,11 @@ they make no new storage. Not seen either: a storage resized in place after it w
 had when first seen.
 
 Cost: a Python call per operator while a ``TrackedMeter`` is active. On gpt-tiny (batch 8, one
-thread) a training step took 1.97x the CPU time with tracking (median of 20 interleaved pairs, IQR
-1.77-2.34x; 13.6 ms without). On an emulated rank it runs inside the emulated clock's compute
-blocks, so the clock stretches it too: emulated step times with the limit on are longer than the
-cost model's (which measured blocks without it). GPU ranks and native CPU ranks never pay it.
+thread) a training step took 1.97x and 2.05x the CPU time with tracking in two runs (median of 20
+interleaved pairs, IQR 1.77-2.34x and 1.96-2.14x; 13.6 and 16.3 ms without;
+``benchmarks/bench_memory.py --overhead``). On an emulated rank it runs inside the emulated clock's
+compute blocks, so the clock stretches it too: emulated step times with the limit on are longer than
+the cost model's (which measured blocks without it). GPU ranks and native CPU ranks never pay it.
 """
 
 from __future__ import annotations
