@@ -13,9 +13,11 @@ Where auto's plan and pp's are the same plan but for the strategy label (which n
 runs once for both: one launch trains every model under every distinct plan.
 
 ``memory_fraction=0.93``: three devices of 1/2.5 of the state leave 20% over the state for activations
-and the stage cut's imbalance; at the default 0.9 no pipeline fits, and at 1.0 ``auto`` picks ZeRO-3
-data parallelism predicted at 99.4% of memory, which the data-parallel engine passes (see
-``benchmarks/results/memory.md``): it fails with ``MemoryLimitError``, as a GPU would with an OOM.
+and the stage cut's imbalance; at the default 0.9 no plan fits (the pipeline's fullest rank is predicted
+at 92% of its device), and a plan that fills a device completely leaves no room for what the cost model
+does not price: on a 12-layer variant at 1.0, ``auto`` picked ZeRO-3 data parallelism predicted at 99.4%
+of memory, whose engine holds more than priced (``benchmarks/results/memory.md``), and rank 0 failed with
+``MemoryLimitError``, as a GPU would with an OOM, every rank stopped.
 """
 
 from __future__ import annotations
