@@ -2,6 +2,7 @@
 phases are labelled and disjoint, waits are split off collectives, the JSON round trip holds, and a
 recorded run trains exactly as an unrecorded one."""
 
+import threading
 import time
 from importlib import import_module
 
@@ -16,6 +17,7 @@ from autopar.runtime.recorder import PhaseRecorder, RankSteps, recorded_step
 
 from oracle import assert_state_close, batches, optimizer_factory, single_device_state, threaded_ranks
 
+_LOCK = threading.Lock()
 ONE = Cluster.from_dict({"nodes": [{"device": {"name": "cpu", "emulate": "cpu", "speed": 1.0, "memory_GB": 2},
                                     "count": 1}]})
 
@@ -127,8 +129,9 @@ class TwoRanks(threaded_ranks(2)):
         from autopar.runtime.recorder import record_engine
         from autopar.runtime.engine import EngineInputs
 
-        case = autopar.models.build("mlp-tiny", seed=0)
-        gm = analyze(case.model, case.example_inputs).captured.gm
+        with _LOCK:     # capture and analysis run autograd: one thread at a time (as test_dp_engine does)
+            case = autopar.models.build("mlp-tiny", seed=0)
+            gm = analyze(case.model, case.example_inputs).captured.gm
         plan = Plan(strategy="dp", global_batch_size=8, zero_stage=1, schedule="none",
                     stages=(Stage(0, 1, groups=((0,), (1,)), micro_batches=((2, 2), (4,))),),
                     predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
@@ -194,3 +197,25 @@ def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
     assert walls[0] == pytest.approx(2 * 0.015)
     assert walls[1] == pytest.approx(0.020 + 2 * 0.004 + 0.0)       # 0.020 overran 0.020's target by 0
     assert walls[2] == pytest.approx(2 * (0.010 + 0.004))
+
+
+def test_communication_inside_a_block_is_not_counted_towards_its_target():
+    from autopar.runtime.emulate import EmulatedClock
+
+    class Fake:
+        cpu = wall = 0.0
+
+        def sleep(self, s):
+            self.wall += s
+
+    ft = Fake()
+    clock = EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep)
+    with clock.compute():
+        ft.cpu += 0.01
+        ft.wall += 0.01
+        with clock.paused():          # a tensor-parallel all-reduce: 20 ms blocked, no CPU
+            ft.wall += 0.02
+        ft.cpu += 0.01
+        ft.wall += 0.01
+    assert ft.wall == pytest.approx(0.02 + 0.02 + 0.02)   # both halves at half speed, plus the wait
+    assert clock.num_blocks == 1 and clock.num_overruns == 0

@@ -47,7 +47,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from autopar.errors import AutoparError
-from autopar.runtime.recorder import active_recorder
+from contextlib import nullcontext
+
+from autopar.runtime.recorder import active_clock, active_recorder
 
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
@@ -448,6 +450,12 @@ def record_wait(issued: tuple | None, t0: float) -> None:
         rec.comm(kind, t0, nbytes, None, key=key, entry=entry)
 
 
+def _paused():
+    """The active emulated clock paused (``EmulatedClock.paused``) around a blocking collective."""
+    clock = active_clock()
+    return clock.paused() if clock is not None else nullcontext()
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -455,8 +463,9 @@ def _nbytes(t: torch.Tensor) -> int:
 def pg_all_reduce(tensor: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` in place over ``group`` (default: every rank); nothing on a group of one."""
     if not _alone(group):
-        t0 = time.perf_counter()
-        dist.all_reduce(tensor, op=op, group=group)
+        with _paused():
+            t0 = time.perf_counter()
+            dist.all_reduce(tensor, op=op, group=group)
         _recorded("all_reduce", t0, _nbytes(tensor), group)
 
 
@@ -506,16 +515,18 @@ def pg_all_gather_into_async(output: torch.Tensor, tensor: torch.Tensor, group: 
 def pg_broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """Broadcast ``tensor`` in place from global rank ``src`` over ``group``; nothing on a group of one."""
     if not _alone(group):
-        t0 = time.perf_counter()
-        dist.broadcast(tensor, src=src, group=group)
+        with _paused():
+            t0 = time.perf_counter()
+            dist.broadcast(tensor, src=src, group=group)
         _recorded("broadcast", t0, _nbytes(tensor), group)
 
 
 def pg_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
     """Every rank's ``tensor`` into ``outputs`` (one tensor per rank of ``group``, in group order)."""
     if not _alone(group):
-        t0 = time.perf_counter()
-        dist.all_gather(outputs, tensor, group=group)
+        with _paused():
+            t0 = time.perf_counter()
+            dist.all_gather(outputs, tensor, group=group)
         _recorded("all_gather", t0, _nbytes(tensor) * len(outputs), group)
     else:
         outputs[0].copy_(tensor)
@@ -528,8 +539,9 @@ def pg_all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = 
         return
     # torch >= 2.10 renamed all_gather_into_tensor / reduce_scatter_tensor (same arguments).
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    t0 = time.perf_counter()
-    fn(output, tensor, group=group)
+    with _paused():
+        t0 = time.perf_counter()
+        fn(output, tensor, group=group)
     _recorded("all_gather", t0, _nbytes(output), group)
 
 
@@ -541,8 +553,9 @@ def pg_reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: An
         output.copy_(tensor.reshape(output.shape))
         return
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    t0 = time.perf_counter()
-    fn(output, tensor, op=op, group=group)
+    with _paused():
+        t0 = time.perf_counter()
+        fn(output, tensor, op=op, group=group)
     _recorded("reduce_scatter", t0, _nbytes(tensor), group)
 
 

@@ -29,6 +29,10 @@ Terms
   thread counts. Emulated ranks: one intra-op and one inter-op thread, pinned to one core (more ranks
   than cores: heaviest first onto the least loaded core, weighing a rank by its speed) or a block of
   cores of their own. Native CPU ranks: a block of cores and as many threads.
+- pause (``paused()``, which the communicator enters around every collective while a step runs under
+  ``autopar.runtime.recorder.recorded_step``): a collective inside a compute block (tensor
+  parallelism's all-reduces) first settles the block's work so far (sleeps to its target), so the
+  peers meet at emulated times and waiting never counts towards a block's target.
 - steady (``clock_for``'s clocks; ``AUTOPAR_EMULATION_STEADY=0`` turns it off): a block is charged
   the least CPU time any block at the same position of a step has taken (positions count from 0 at
   every ``begin_step``, which ``recorded_step`` calls), not its own. A step runs the same blocks in
@@ -101,6 +105,7 @@ class EmulatedClock:
         self._depth = 0
         self.recorder = None      # an autopar.runtime.recorder.PhaseRecorder while profiling
         self.steady = bool(steady)
+        self._segment: tuple[float, float] | None = None     # (cpu, wall) where the open segment began
         self._least_cpu: list[float] = []     # steady: per block position, the least CPU time seen
         self._position = 0
 
@@ -123,39 +128,65 @@ class EmulatedClock:
         rec = self.recorder if self.recorder is not None and self.recorder.active else None
         if rec is not None:
             rec.block_begin(label)
-        cpu0, wall0 = self._cpu_time(), self._wall_time()
+        self._segment = (self._cpu_time(), self._wall_time())
         try:
             yield
         finally:
             self._depth = 0
-            cpu_s = max(0.0, self._cpu_time() - cpu0)
-            charged_s = cpu_s
-            if self.steady:
-                i = self._position
-                self._position += 1
-                if i < len(self._least_cpu):
-                    self._least_cpu[i] = charged_s = min(self._least_cpu[i], cpu_s)
-                else:
-                    self._least_cpu.append(cpu_s)
-            target_s = charged_s / self.speed * self.time_scale
-            wall_s = self._wall_time() - wall0
-            t_work = time.perf_counter() if rec is not None else 0.0
-            sleep_s = target_s - wall_s - self._debt_s
-            slept_s = 0.0
-            if sleep_s > 0:
-                t0 = self._wall_time()
-                self._sleep(sleep_s)
-                slept_s = self._wall_time() - t0
-            behind_s = slept_s - sleep_s        # > 0: overslept, or still behind with nothing to sleep
-            self._debt_s = min(max(0.0, behind_s), self._debt_s + target_s)
-            if wall_s > target_s:
-                self.overrun_s += wall_s - target_s
-                self.num_overruns += 1
-            self.compute_s += cpu_s
-            self.slept_s += slept_s
+            t_work, t_end = self._settle(rec)
+            self._segment = None
             self.num_blocks += 1
             if rec is not None:
-                rec.block_end(t_work, time.perf_counter() if slept_s > 0 else t_work)
+                rec.block_end(t_work, t_end)
+
+    def _settle(self, rec) -> tuple[float, float]:
+        """Charge the open segment of the block (from ``_segment`` until now) and sleep to its target;
+        returns (end of the work, end of the sleep) in ``time.perf_counter`` seconds."""
+        cpu0, wall0 = self._segment if self._segment is not None else (self._cpu_time(), self._wall_time())
+        cpu_s = max(0.0, self._cpu_time() - cpu0)
+        charged_s = cpu_s
+        if self.steady:
+            i = self._position
+            self._position += 1
+            if i < len(self._least_cpu):
+                self._least_cpu[i] = charged_s = min(self._least_cpu[i], cpu_s)
+            else:
+                self._least_cpu.append(cpu_s)
+        target_s = charged_s / self.speed * self.time_scale
+        wall_s = self._wall_time() - wall0
+        t_work = time.perf_counter() if rec is not None else 0.0
+        sleep_s = target_s - wall_s - self._debt_s
+        slept_s = 0.0
+        if sleep_s > 0:
+            t0 = self._wall_time()
+            self._sleep(sleep_s)
+            slept_s = self._wall_time() - t0
+        behind_s = slept_s - sleep_s        # > 0: overslept, or still behind with nothing to sleep
+        self._debt_s = min(max(0.0, behind_s), self._debt_s + target_s)
+        if wall_s > target_s:
+            self.overrun_s += wall_s - target_s
+            self.num_overruns += 1
+        self.compute_s += cpu_s
+        self.slept_s += slept_s
+        return t_work, (time.perf_counter() if slept_s > 0 and rec is not None else t_work)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Communication inside a compute block (a tensor-parallel all-reduce): the block's work so far
+        is charged and slept to its target first, the communication is not stretched, and the block
+        goes on from its end. Outside a block, or already paused, nothing."""
+        if not self._depth or self._segment is None:
+            yield
+            return
+        rec = self.recorder if self.recorder is not None and self.recorder.active else None
+        t_work, t_end = self._settle(rec)
+        if rec is not None and t_end > t_work:
+            rec.message("sleep", t_work, 0, None)
+        self._segment = None
+        try:
+            yield
+        finally:
+            self._segment = (self._cpu_time(), self._wall_time())
 
     def stats(self) -> ClockStats:
         return ClockStats(self.speed, self.compute_s, self.slept_s, self.num_blocks, self.overrun_s,

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["PhaseRecorder", "RankSteps", "recorded_step", "active_recorder", "record_engine"]
+__all__ = ["PhaseRecorder", "RankSteps", "recorded_step", "active_recorder", "active_clock", "record_engine"]
 
 
 _ACTIVE = threading.local()
@@ -228,7 +228,17 @@ def recorded_step(clock) -> Iterator[None]:
     begin = getattr(clock, "begin_step", None)
     if begin is not None:
         begin()
-    rec = getattr(clock, "recorder", None)
+    prev_clock = getattr(_ACTIVE, "clock", None)
+    _ACTIVE.clock = clock if hasattr(clock, "paused") else None
+    try:
+        with _recording(getattr(clock, "recorder", None)):
+            yield
+    finally:
+        _ACTIVE.clock = prev_clock
+
+
+@contextmanager
+def _recording(rec) -> Iterator[None]:
     if rec is None:
         yield
         return
@@ -240,6 +250,11 @@ def recorded_step(clock) -> Iterator[None]:
     finally:
         rec.end_step()
         _ACTIVE.recorder = prev
+
+
+def active_clock():
+    """This thread's clock while a step runs under ``recorded_step`` (for ``paused``), else None."""
+    return getattr(_ACTIVE, "clock", None)
 
 
 def record_engine(engine, rank: int, max_steps: int = 64) -> PhaseRecorder | None:
