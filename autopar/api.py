@@ -71,7 +71,7 @@ def plan_config(config: PlanConfig | None = None, **options) -> PlanConfig:
 def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", zero_stage="auto",
                     schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
                     replicated_fraction: float | None = None, recompute: bool = False,
-                    timings: dict | None = None, config: PlanConfig | None = None) -> Plan:
+                    timings: dict | None = None, config: PlanConfig | None = None, pin=None) -> Plan:
     """Run the planner of ``strategy`` on prepared cost tables and attach the bounds.
 
     The options are one ``PlanConfig``: ``config``, or the keywords (see ``plan_config``).
@@ -85,10 +85,12 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     planner run again on each device type alone)."""
     config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
                          dp_batch=dp_batch, num_heads=num_heads, replicated_fraction=replicated_fraction,
-                         recompute=recompute)
+                         recompute=recompute, pin=pin)
     from autopar.planner.entry import plan_with_config   # validates the batch and the cluster
 
-    return plan_with_config(costs, cluster, global_batch_size, config, timings=timings)
+    from autopar.cost.calibrate import calibrated_cluster   # this machine's measured links, if calibrated
+
+    return plan_with_config(costs, calibrated_cluster(cluster), global_batch_size, config, timings=timings)
 
 
 def model_num_heads(model: nn.Module) -> int | None:
@@ -105,7 +107,7 @@ def model_num_heads(model: nn.Module) -> int | None:
 def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
          strategy="auto", zero_stage="auto", schedule="auto", pp_layers=None, dp_batch=None,
          optimizer: str = "adamw", measure: bool | None = None, prepared: Prepared | None = None,
-         recompute: bool = False, config: PlanConfig | None = None) -> Plan:
+         recompute: bool = False, config: PlanConfig | None = None, precision: str = "fp32", pin=None) -> Plan:
     """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step.
 
     The planner's options are one ``PlanConfig``: ``config``, or the keywords strategy, zero_stage,
@@ -115,7 +117,7 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
         _check_plan(strategy, cluster, global_batch_size)
         return strategy
     config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
-                         dp_batch=dp_batch, recompute=recompute)
+                         dp_batch=dp_batch, recompute=recompute, precision=precision, pin=pin)
     from autopar.planner.entry import check_request
 
     check_request(cluster, global_batch_size)   # before the costly analysis
@@ -149,6 +151,9 @@ class Compiled:
     # this rank's memory meter (autopar.runtime.memory.meter_for): tracks and limits an emulated
     # device's tensor bytes while the model is built and stepped; .peak_bytes is the measured peak
     memory: Any = None
+    # for profile(): the cluster, and on rank 0 the cost tables the plan was priced with (None elsewhere)
+    cluster: Any = None
+    costs: Any = None
 
     def step(self, inputs, targets=None, *, local: bool = False) -> float:
         """One optimizer step (forward, backward, optimizer); returns the global mean loss, the same on
@@ -163,11 +168,46 @@ class Compiled:
             if n != self.plan.global_batch_size:
                 raise RuntimeInputError(f"step: the batch has {n} samples but the plan is for global_batch_size="
                                         f"{self.plan.global_batch_size}; pass local=True for this rank's rows")
+        from autopar.runtime.recorder import recorded_step
+
         t0 = time.perf_counter()
-        with self.memory if self.memory is not None else contextlib.nullcontext():
+        with self.memory if self.memory is not None else contextlib.nullcontext(), \
+                recorded_step(getattr(self.engine, "clock", None)):
             loss = self.engine.step(inputs, targets, local=local)
         self.step_times_s.append(time.perf_counter() - t0)
         return loss
+
+    def profile(self, last: int | None = None):
+        """An ``autopar.ir.profile.StepProfile`` of the recent steps (the ``last`` ones; default all that
+        are kept, up to 64): per rank, measured and predicted seconds of each phase, and peak memory.
+        Collective: call it on every rank; every rank gets the same profile."""
+        from autopar.cost.step import predicted_phases
+        from autopar.ir.profile import RankInfo, from_records
+        from autopar.runtime.communicator import pg_all_gather_objects, pg_broadcast_objects
+
+        rec = getattr(getattr(self.engine, "clock", None), "recorder", None)
+        if rec is None:
+            raise RuntimeInputError("profile: this engine records no steps (its clock has no recorder)")
+        peak = getattr(self.memory, "peak_bytes", None)
+        gathered = pg_all_gather_objects((rec.snapshot(), peak))
+        payload = [None]
+        if self.rank == 0:
+            cluster, plan_ = self.cluster, self.plan
+            from autopar.cost.calibrate import calibrated_cluster
+
+            pred = predicted_phases(plan_, self.costs, calibrated_cluster(cluster)) if self.costs is not None else {}
+            stages = {r: s for s, st in enumerate(plan_.stages) for r in st.ranks}
+            infos = tuple(RankInfo(r, cluster.devices[r].spec.name, stages.get(r, -1),
+                                   cluster.devices[r].spec.speed if cluster.devices[r].spec.is_emulated else None,
+                                   pred.get(r, {}), int(plan_.predicted.memory_bytes.get(r, 0)),
+                                   None if mem is None else int(mem))
+                          for r, (_, mem) in enumerate(gathered))
+            payload = [from_records([g for g, _ in gathered], infos, plan_.strategy, plan_.predicted.step_time_s,
+                                    emulated=cluster.is_emulated, last=last).to_json()]
+        pg_broadcast_objects(payload, src=0)
+        from autopar.ir.profile import StepProfile
+
+        return StepProfile.from_json(payload[0])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.engine.state_dict()
@@ -214,7 +254,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
             recompute: bool = False, zero3_granularity: Zero3Granularity = "block",
             config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
-            init="reset_parameters", weights=None) -> Compiled:
+            init="reset_parameters", weights=None, precision: str = "fp32", pin=None) -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
 
@@ -262,8 +302,10 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         raise PlanError("run: given together with optimizer/use_triton/measure/zero3_granularity keywords; "
                         "set those fields in the RunConfig")
     plan_options = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule,
-                               pp_layers=pp_layers, dp_batch=dp_batch, recompute=recompute) \
+                               pp_layers=pp_layers, dp_batch=dp_batch, recompute=recompute, precision=precision,
+                               pin=pin) \
         if not isinstance(strategy, Plan) else None
+    precision = plan_options.precision if plan_options is not None else precision   # autopar.runtime.precision
     optimizer, use_triton, zero3_granularity = run.optimizer, run.use_triton, run.zero3_granularity
     on_meta = mat.has_meta_tensors(model)
     mat.check_init(init)
@@ -286,10 +328,17 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         raise ClusterError(f"cluster: has {len(cluster)} devices but {ctx.world_size} ranks are running")
     # Plan on rank 0 and broadcast it: measured timings differ between processes.
     payload = [None]
+    prepared = None
     if ctx.rank == 0:
-        try:
+        try:        # the cost tables are kept on rank 0 for profile()'s predicted phases
+            if plan_options is not None:
+                from autopar.planner.entry import check_request
+
+                check_request(cluster, global_batch_size)   # before the costly analysis, as plan does
+                prepared = prepare(model, cluster, example_inputs, optimizer=_optimizer_kind(optimizer),
+                                   measure=run.measure)
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
-                     optimizer=_optimizer_kind(optimizer), measure=run.measure,
+                     optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
                      **({"strategy": strategy} if plan_options is None else {"config": plan_options}))
             payload = [p.to_json()]
         except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
@@ -303,7 +352,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
         model = model.to(ctx.device)
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
     gm = analysis.captured.gm
-    meter = rank_memory.meter_for(cluster.devices[ctx.rank], ctx.rank, ctx.device)
+    meter = rank_memory.meter_for(cluster.devices[ctx.rank], ctx.rank, ctx.device, track=run.track_memory)
     meter.track(rank_memory.module_tensors(model))     # what the rank holds already (a model not on meta)
     engine_options: dict = {}    # the data-parallel engine's deferred ZeRO-3 materialisation, if any
     with meter:   # an emulated device's memory_GB is a limit from here on (autopar.runtime.memory)
@@ -319,11 +368,15 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             mat.mark_deterministic(model)
         program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
                         params=[p for p in model.parameters() if p.requires_grad])
+        # the clock stretches this rank's CPU time less what the memory tracking itself cost
         clock = emulate.clock_for(cluster.devices[ctx.rank],
-                                  time_scale=emulate.emulation_time_scale(ctx.world_size)) \
+                                  time_scale=emulate.emulation_time_scale(ctx.world_size),
+                                  cpu_time=rank_memory.cpu_time_less_tracking(meter)) \
             if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
         engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
                                            optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
-                                           device=ctx.device, clock=clock), program,
+                                           device=ctx.device, clock=clock, precision=precision), program,
                               zero3_granularity=zero3_granularity, overlap=run.overlap, **engine_options)
-    return Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter)
+    import_module("autopar.runtime.recorder").record_engine(engine, ctx.rank)     # compiled.profile()'s recorder
+    return Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter, cluster=cluster,
+                    costs=prepared.costs if ctx.rank == 0 and prepared is not None else None)

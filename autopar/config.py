@@ -6,7 +6,7 @@ loose keyword arguments. ``PlanConfig`` is also the plan cache's key (``PlanConf
 Terms
 - strategy: which planner runs (``STRATEGIES``; ``"auto"`` is the joint search over every dimension);
 - pins: dimensions the user fixed (``pp_layers``: blocks per pipeline stage; ``dp_batch``: samples per
-  rank); the planner searches the rest;
+  rank; ``pin``: a ``Pin`` of degrees and choices for a what-if); the planner searches the rest;
 - memory fraction: the part of each device's memory a plan may fill (``MEMORY_FRACTION`` unless set);
   the rest is left to the allocator's fragmentation, workspaces and the framework.
 """
@@ -22,19 +22,22 @@ from autopar.errors import PlanError
 
 __all__ = [
     "Strategy", "ZeroChoice", "ScheduleChoice", "Zero3Granularity", "STRATEGIES", "DP_STRATEGIES",
-    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "GRAD_BUCKET_BYTES", "PlanConfig", "RunConfig",
+    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "GRAD_BUCKET_BYTES", "PlanConfig", "RunConfig", "Pin",
+    "PIN_SCHEDULES", "Precision", "PRECISIONS",
 ]
 
 Strategy = Literal["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"]
 ZeroChoice = Literal["auto", 0, 1, 2, 3]
-ScheduleChoice = Literal["auto", "gpipe", "1f1b"]
+ScheduleChoice = Literal["auto", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 Zero3Granularity = Literal["block", "micro_step"]
+Precision = Literal["fp32", "bf16", "fp16"]   # compute precision (autocast); weights stay fp32
 
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 DP_STRATEGIES: tuple[str, ...] = ("dp", "uniform-dp", "proportional-dp")
 PP_STRATEGIES: tuple[str, ...] = ("pp", "uniform-pp")
 SCHEDULES: tuple[str, ...] = get_args(ScheduleChoice)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 MEMORY_FRACTION = 0.9   # of each device's memory a plan may fill (see the module docstring)
 # Data parallel: the size of a gradient bucket the engine reduces during backward (runtime.dp_overlap)
@@ -53,6 +56,101 @@ def _choice(value: Any, name: str, allowed: Sequence) -> None:
         raise PlanError(f"{name}: {value!r} must be one of {', '.join(repr(a) for a in allowed)}")
 
 
+# Schedules a pin may name: every schedule of api.md (the planner says which it cannot plan yet).
+PIN_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pin:
+    """A what-if: any subset of a plan's dimensions fixed; None leaves a dimension to the planner
+    (``autopar.planner.pins`` searches the rest and raises ``PlanError`` naming the pin it cannot meet).
+
+    - ``tp``: tensor-parallel degree of every member, or ``{device type: degree}`` per type;
+    - ``pp``: pipeline stages; ``dp``: data-parallel members of every stage;
+    - ``num_micro_batches``: micro-batches per step (data parallelism: the most micro-steps a rank takes);
+    - ``recompute``: every stage recomputes its activations (True) or none does (False);
+    - ``zero_stage``, ``schedule``, ``virtual_stages`` (chunks per rank of an interleaved schedule)."""
+
+    tp: int | tuple[tuple[str, int], ...] | None = None
+    pp: int | None = None
+    dp: int | None = None
+    num_micro_batches: int | None = None
+    recompute: bool | None = None
+    zero_stage: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tp, Mapping) or (isinstance(self.tp, (tuple, list)) and self.tp):
+            items = self.tp.items() if isinstance(self.tp, Mapping) else self.tp
+            try:
+                pairs = tuple(sorted((str(t), d) for t, d in items))
+            except (TypeError, ValueError):
+                raise PlanError(f"pin.tp: {self.tp!r} must be a degree or map device type -> degree") from None
+            for t, d in pairs:
+                _positive_int(d, f"pin.tp[{t}]")
+            object.__setattr__(self, "tp", pairs)
+        elif self.tp is not None:
+            _positive_int(self.tp, "pin.tp")
+        for name in ("pp", "dp", "num_micro_batches", "virtual_stages"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), f"pin.{name}")
+        if self.recompute is not None:
+            if self.recompute in (0, 1) and not isinstance(self.recompute, float):
+                object.__setattr__(self, "recompute", bool(self.recompute))
+            else:
+                raise PlanError(f"pin.recompute: {self.recompute!r} must be True or False (1 or 0)")
+        if self.zero_stage is not None:
+            _choice(self.zero_stage, "pin.zero_stage", ZERO_STAGES)
+        if self.schedule is not None:
+            _choice(self.schedule, "pin.schedule", PIN_SCHEDULES)
+        if (self.virtual_stages or 1) > 1 and self.schedule not in (None, "interleaved-1f1b"):
+            raise PlanError(f"pin.virtual_stages: {self.virtual_stages} chunks per rank need schedule "
+                            f"'interleaved-1f1b', not {self.schedule!r}")
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The pinned dimensions only: name -> value."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) is not None}
+
+    def tp_of(self, device_type: str) -> int | None:
+        """The pinned TP degree of ``device_type`` (None: not pinned)."""
+        if isinstance(self.tp, tuple):
+            return dict(self.tp).get(device_type)
+        return self.tp
+
+    def __str__(self) -> str:
+        def show(v):
+            return "{" + ", ".join(f"{t}: {d}" for t, d in v) + "}" if isinstance(v, tuple) else str(v)
+        return ", ".join(f"{k}={show(v)}" for k, v in self.fields.items()) or "nothing pinned"
+
+    @classmethod
+    def parse(cls, text: str) -> "Pin":
+        """A pin from the CLI form ``tp=8,pp=8,recompute=1,schedule=1f1b`` (``tp=accel-a:4/MI210-64GB:8``
+        pins a degree per device type). ``PlanError`` naming the bad item."""
+        kw: dict[str, Any] = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in cls.__dataclass_fields__:
+                raise PlanError(f"pin: {item!r} is not NAME=VALUE with NAME one of "
+                                f"{', '.join(cls.__dataclass_fields__)}")
+            value = value.strip()
+            if key == "schedule":
+                kw[key] = value
+            elif key == "tp" and ":" in value:
+                try:
+                    kw[key] = tuple((t, int(d)) for t, d in (x.rsplit(":", 1) for x in value.split("/")))
+                except ValueError:
+                    raise PlanError(f"pin.tp: {value!r} is not TYPE:DEGREE/TYPE:DEGREE") from None
+            else:
+                try:
+                    kw[key] = int(value)
+                except ValueError:
+                    raise PlanError(f"pin.{key}: {value!r} is not an integer") from None
+        return cls(**kw)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanConfig:
     """What the planner is asked for. ``num_heads`` and ``replicated_fraction`` are facts of the model
@@ -68,9 +166,12 @@ class PlanConfig:
     dp_batch: tuple[tuple[int, int], ...] | None = None   # ((rank, samples), ...), sorted by rank
     num_heads: int | None = None
     replicated_fraction: float | None = None
+    pin: Pin | None = None
+    precision: Precision = "fp32"   # autopar.cost.precision prices it, autopar.runtime.precision runs it
 
     def __post_init__(self):
         _choice(self.strategy, "strategy", STRATEGIES)
+        _choice(self.precision, "precision", PRECISIONS)
         _choice(self.zero_stage, "zero_stage", ("auto",) + ZERO_STAGES)
         _choice(self.schedule, "schedule", SCHEDULES)
         if not isinstance(self.recompute, bool):
@@ -104,6 +205,8 @@ class PlanConfig:
         rf = self.replicated_fraction
         if rf is not None and (isinstance(rf, bool) or not isinstance(rf, (int, float)) or not 0 <= rf <= 1):
             raise PlanError(f"replicated_fraction: {rf!r} must be a number in [0, 1]")
+        if self.pin is not None and not isinstance(self.pin, Pin):
+            raise PlanError(f"pin: {self.pin!r} is not an autopar.Pin")
         if self.dp_batch is not None and self.strategy not in ("auto", "dp"):
             raise PlanError(f"dp_batch: pins data-parallel shares but strategy={self.strategy!r}; "
                             "use strategy='dp'")
@@ -147,8 +250,14 @@ class RunConfig:
     # Data parallel: reduce gradients in buckets during backward, prefetch ZeRO-3's next unit
     # (autopar.runtime.dp_overlap); False: every collective blocking, after what it needs.
     overlap: bool = True
+    # The rank's memory meter (autopar.runtime.memory.meter_for's track): None as the device says (an
+    # emulated device tracks tensor bytes and enforces memory_GB); False: no tracking, no limit (its
+    # per-operator cost is CPU time an emulated clock stretches, e.g. to measure prediction accuracy).
+    track_memory: bool | None = None
 
     def __post_init__(self):
+        if self.track_memory is not None and not isinstance(self.track_memory, bool):
+            raise PlanError(f"track_memory: {self.track_memory!r} must be True, False or None")
         if self.optimizer is not None and not callable(self.optimizer):
             raise PlanError(f"optimizer: {self.optimizer!r} must be a callable params -> torch.optim.Optimizer")
         if not isinstance(self.use_triton, bool):

@@ -195,7 +195,7 @@ def _ms(sp) -> str:
 def _print_run(results, cluster, baseline: str | None) -> dict:
     """Print and return (for --json) every strategy's measured steps and the speedup of the first over
     ``baseline``: medians with their spread, over the measured steps only (``autopar.cli.trainer``)."""
-    from autopar.cli.trainer import paired_speedup
+    from autopar.cli.trainer import gap_lines, paired_speedup
     from autopar.ir.plan import Plan
 
     emu = " (emulated devices)" if cluster.is_emulated else ""
@@ -214,6 +214,8 @@ def _print_run(results, cluster, baseline: str | None) -> dict:
         print(f"  measured{emu} over {sp.num} steps: {_ms(sp)}, {gb / meas:.2f} samples/s")
         print(f"  predicted {r.predicted_step_s * 1e3:.1f} ms, {gb / r.predicted_step_s:.2f} samples/s; "
               f"measured/predicted step time {ratio.median:.2f} (IQR {ratio.q1:.2f}-{ratio.q3:.2f})")
+        for line in gap_lines(r.profile):
+            print(line)
         clocks = [c for c in r.clock_stats if c is not None and c.speed is not None]
         if clocks:
             print("  emulated clocks: " + "; ".join(
@@ -227,7 +229,8 @@ def _print_run(results, cluster, baseline: str | None) -> dict:
             warmup_times_s=list(r.warmup_times_s), losses=list(r.losses),
             clocks=[None if c is None else dict(speed=c.speed, compute_s=c.compute_s, slept_s=c.slept_s,
                                                 num_blocks=c.num_blocks, overrun_s=c.overrun_s,
-                                                num_overruns=c.num_overruns) for c in r.clock_stats])
+                                                num_overruns=c.num_overruns) for c in r.clock_stats],
+            phases=_phase_summary(r.profile))
     if baseline and baseline in summary and len(summary) > 1:
         first = next(r for r in results if r.strategy != baseline)
         base = next(r for r in results if r.strategy == baseline)
@@ -241,6 +244,34 @@ def _print_run(results, cluster, baseline: str | None) -> dict:
         summary["speedup"] = dict(measured=paired.median, spread=paired.as_dict(), of_medians=of_medians,
                                   predicted=pr, strategy=first.strategy, baseline=baseline)
     return summary
+
+
+def _phase_summary(profile) -> list[dict]:
+    """Per rank and phase: measured (median over steps, sleep folded) and predicted seconds."""
+    if profile is None:
+        return []
+    return [dict(rank=i.rank, device_type=i.device_type, measured_memory_bytes=i.measured_memory_bytes,
+                 predicted_memory_bytes=i.predicted_memory_bytes,
+                 phases={g.key: dict(measured_s=g.measured_s, predicted_s=g.predicted_s)
+                         for g in profile.compare(i.rank)}) for i in profile.ranks]
+
+
+def _calibrate(results, cluster) -> None:
+    """Fit this machine's calibration factors from every strategy's profile and save them."""
+    from autopar.cluster.emulation import emulation_time_scale
+    from autopar.cost.calibrate import device_key, fit_factors, samples
+    from autopar.cost.measure_cache import calibration_path, save_calibration
+    from autopar.ir.plan import Plan
+
+    scale = emulation_time_scale(len(cluster))
+    keys = {r: device_key(d.spec, scale) for r, d in enumerate(cluster.devices)}
+    data = [x for r in results if r.profile_json for x in samples(r.profile, keys, Plan.from_json(r.plan_json))]
+    factors = fit_factors(data)
+    save_calibration(factors)
+    print(f"\ncalibration factors of this machine, saved to {calibration_path()} (later plans use them):")
+    for k, f in factors.items():
+        print(f"  {k}: " + ", ".join(f"{t} {'+%.2f ms/call' % (v * 1e3) if t == 'call' else 'x%.3f' % v}"
+                                     for t, v in f.items()))
 
 
 def cmd_train(args) -> int:
@@ -260,6 +291,12 @@ def cmd_train(args) -> int:
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
           f"+ {args.steps} measured steps" + (", strategies interleaved step by step" if len(strategies) > 1 else ""))
+    if getattr(args, "calibrate", False):   # predict without the old factors, so the new ones do not compound
+        import os
+
+        from autopar.cost.measure_cache import CALIBRATION_ENV
+
+        os.environ[CALIBRATION_ENV] = "off"
     results = run_comparison(spec, cluster)
     from autopar.ir.plan import Plan
 
@@ -268,16 +305,13 @@ def cmd_train(args) -> int:
     if args.json:
         _write_json(summary, args.json)
     if getattr(args, "timeline", None):
-        from autopar.ir.schedule import plot_timeline
-        from autopar.cli.trainer import measured_timeline
+        from autopar.cli.trainer import plot_profiles
 
-        first = results[0]
-        if not any(first.traces):
-            print(f"no timeline: strategy {first.strategy} ran no pipeline (its plan has one stage)")
-        else:
-            timeline, labels = measured_timeline(first, cluster)
-            plot_timeline(timeline, args.timeline, labels=labels)
-            print(f"measured timeline of the last step written to {args.timeline}{' (emulated devices)' if cluster.is_emulated else ''}")
+        plot_profiles(results, cluster, args.timeline)
+        print(f"measured timeline of the last step of every strategy written to {args.timeline}"
+              f"{' (emulated devices)' if cluster.is_emulated else ''}")
+    if getattr(args, "calibrate", False):
+        _calibrate(results, cluster)
     return 0
 
 
@@ -305,6 +339,12 @@ def cmd_tune(args, rest: list[str]) -> int:
 
     # The fraction of peak in the tuning table comes from the one preset table (kernels keeps none).
     return tune.main(rest, shapes_for_model=shapes_for_model, peak_for=match_preset)
+
+
+def _cmd_checkpoint(args) -> int:
+    from autopar.cli.checkpoint import cmd_checkpoint
+
+    return cmd_checkpoint(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,7 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=5, help="measured steps per strategy, after the warm-up")
     t.add_argument("--warmup", type=int, default=2, help="warm-up steps per strategy, excluded from the figures")
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
-    t.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last step of a pipeline run, as measured")
+    t.add_argument("--timeline", metavar="OUT.png",
+                   help="Gantt chart of the last measured step of every strategy, by phase and rank")
+    t.add_argument("--calibrate", action="store_true",
+                   help="fit this machine's cost-model correction factors from the measured profiles and save "
+                        "them in the profile cache (later plans use them)")
 
     d = sub.add_parser("demo", help="plan and train a small GPT on the emulated demo cluster vs uniform-dp")
     d.add_argument("--model", default=None, help="default gpt-tiny")
@@ -357,8 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=24, help="measured steps per strategy, after the warm-up")
     d.add_argument("--warmup", type=int, default=3, help="warm-up steps per strategy, excluded from the figures")
     d.add_argument("--json", metavar="OUT")
+    d.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last measured step of both strategies")
 
     sub.add_parser("tune", help="Triton kernel tuning runs on the local GPU (autopar tune --help)", add_help=False)
+    from autopar.cli.checkpoint import add_parser as add_checkpoint_parser
+
+    add_checkpoint_parser(sub)
     return p
 
 
@@ -376,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {"models": cmd_models, "analyze": cmd_analyze, "plan": cmd_plan, "train": cmd_train,
-               "demo": cmd_demo}[args.command]
+               "demo": cmd_demo, "checkpoint": _cmd_checkpoint}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as exc:   # AutoparError is a ValueError
