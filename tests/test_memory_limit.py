@@ -143,3 +143,19 @@ def test_compiled_run_is_tracked_and_a_plan_that_does_not_fit_fails_at_run_time(
         tight = autopar.compile(case.model, _cluster(state / 2 / 2**30), case.example_inputs, 8, case.loss_fn,
                                 strategy=plan)
         tight.step(*case.batch(8, seed=0))
+
+
+def test_the_clock_of_an_emulated_rank_does_not_stretch_the_tracking():
+    import time
+
+    from autopar.runtime.memory import TrackedMeter, cpu_time_less_tracking, tracking_cost_per_op_s
+
+    meter = TrackedMeter()
+    clock = cpu_time_less_tracking(meter)
+    x = torch.ones(8)
+    with meter:
+        for _ in range(100):
+            x = x + 1
+    assert meter.num_ops >= 100 and meter.overhead_s == meter.num_ops * tracking_cost_per_op_s() >= 0
+    assert clock() <= time.thread_time()
+    assert cpu_time_less_tracking(None) is time.thread_time

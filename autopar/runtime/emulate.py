@@ -235,13 +235,14 @@ class NullClock:
         return "NullClock()"
 
 
-def clock_for(device, time_scale: float = 1.0) -> EmulatedClock | NullClock:
+def clock_for(device, time_scale: float = 1.0, cpu_time: Callable[[], float] = time.thread_time
+              ) -> EmulatedClock | NullClock:
     """The clock for a cluster ``Device`` (or its ``DeviceSpec``): an emulated device gets an
-    ``EmulatedClock`` unless it runs at speed 1.0 with no time scale; everything else, GPUs above all,
-    a ``NullClock``."""
+    ``EmulatedClock`` (stretching ``cpu_time``) unless it runs at speed 1.0 with no time scale;
+    everything else, GPUs above all, a ``NullClock``."""
     spec = getattr(device, "spec", device)
     if getattr(spec, "emulate", None) and (float(spec.speed) != 1.0 or time_scale != 1.0):
-        return EmulatedClock(spec.speed, time_scale=time_scale, steady=steady_emulation())
+        return EmulatedClock(spec.speed, time_scale=time_scale, steady=steady_emulation(), cpu_time=cpu_time)
     return NullClock()
 
 
