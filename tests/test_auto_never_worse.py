@@ -57,7 +57,6 @@ def test_auto_never_worse_on_the_demo_cluster():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["poplar-a100", "poplar-v100-t4", "poplar-a800-v100s", "mixed-3"])
 def test_auto_never_worse_on_the_scenario_clusters(name):
-    pins = ([Pin(tp=t) for t in (1, 2, 4, 8)] + [Pin(pp=p) for p in (1, 2, 3, 4)]
-            + [Pin(dp=d) for d in (1, 2, 4)] + [Pin(num_micro_batches=m) for m in (1, 4, 16)]
-            + [Pin(tp=2, pp=2), Pin(zero_stage=1), Pin(schedule="zb-h1"), Pin(virtual_stages=2)])
-    _check(name, pins)
+    # one pin per dimension (the suite's time budget; benchmarks/bench_planner_limit.py and --pin try more)
+    pins = [Pin(tp=2), Pin(pp=2), Pin(dp=1), Pin(num_micro_batches=4), Pin(zero_stage=1), Pin(schedule="zb-h1")]
+    _check(name, pins, batch=32, layers=4)

@@ -423,4 +423,6 @@ def test_hethub_768_llama_140b_efficiency(tables, request):
         assert alone is not None and max(alone.predicted.memory_bytes.values()) <= cap, (t, alone.notes[:1])
     assert p.samples_per_s <= compute_bound_samples_per_s(costs, cluster)
     assert all(v <= cluster.devices[r].spec.memory_bytes * 0.9 for r, v in p.memory_bytes.items())
-    assert sum(len(st.ranks) for st in plan.stages) == 768
+    # the planner may leave a few devices idle where a grouping without them is faster (issue 14: any
+    # device count plans, a device left idle where that is best), but not a whole type's worth
+    assert sum(len(st.ranks) for st in plan.stages) >= 0.95 * 768
