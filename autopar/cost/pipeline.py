@@ -183,14 +183,9 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
 
 
 def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None) -> float:
-    if len(stage.groups) < 2:
-        return 0.0
-    if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
-        from autopar.cost import tp as tp_cost
+    from autopar.cost import tp as tp_cost
 
-        return tp_cost.stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
-    grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
-    return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
+    return tp_cost.stage_sync_time_s(costs, cluster, stage, replicated_fraction)   # the one definition
 
 
 def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Timeline, float]:

@@ -35,13 +35,16 @@ def select_engine(plan: Plan):
 def build_engine(inputs: EngineInputs, program: RankProgram, *, loss_scaling: dict | None = None,
                  **options) -> Engine:
     """The engine of ``inputs.plan`` running ``program`` on this rank. ``options`` go to the engine
-    that takes them (``zero3_granularity``: the data-parallel engine); other engines ignore them.
+    that takes them (``zero3_granularity``: the data-parallel engine; ``overlap``: it and the pipeline
+engine); other engines ignore them.
 
     ``inputs.precision`` other than fp32 is applied here, the same way for every engine
     (``autopar.runtime.precision.apply_precision``: autocast on the program's modules and the loss;
     for fp16 dynamic loss scaling, ``loss_scaling`` its ``LossScaler`` settings)."""
     cls = select_engine(inputs.plan)
-    if cls is not DataParallelEngine:
+    if cls is PipelineEngine:       # the pipeline takes only the overlap switch (deferred send waits)
+        options = {k: v for k, v in options.items() if k == "overlap"}
+    elif cls is not DataParallelEngine:
         options = {}
     inputs, finish = apply_precision(inputs, program, inputs.precision, loss_scaling=loss_scaling)
     return finish(cls(inputs, program, **options))
