@@ -40,8 +40,9 @@ class Prepared:
 
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
-            measure: bool | None = None, progress=None, analysis=None) -> Prepared:
-    """Analysis (unless given) and cost tables of ``model`` on ``cluster``."""
+            measure: bool | None = None, progress=None, analysis=None, precision: str | None = None) -> Prepared:
+    """Analysis (unless given) and cost tables of ``model`` on ``cluster`` (bytes at ``precision``:
+    ``autopar.cost.profile.model_costs``)."""
     from autopar.cost.profile import model_costs
     from autopar.passes.analyze import analyze
 
@@ -49,7 +50,7 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     analysis = analysis or analyze(model, tuple(example_inputs))
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
-                        optimizer=optimizer, measure=measure, progress=progress)
+                        optimizer=optimizer, measure=measure, progress=progress, precision=precision)
     return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1)
 
 
@@ -123,7 +124,8 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
     check_request(cluster, global_batch_size)   # before the costly analysis
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure)
+    prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure,
+                                   precision=config.precision)
     config = config.with_(  # facts of the model, unless the config states them
         num_heads=config.num_heads if config.num_heads is not None else model_num_heads(model),
         replicated_fraction=(config.replicated_fraction if config.replicated_fraction is not None
@@ -336,7 +338,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
                 check_request(cluster, global_batch_size)   # before the costly analysis, as plan does
                 prepared = prepare(model, cluster, example_inputs, optimizer=_optimizer_kind(optimizer),
-                                   measure=run.measure)
+                                   measure=run.measure, precision=plan_options.precision)
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
                      optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
                      **({"strategy": strategy} if plan_options is None else {"config": plan_options}))

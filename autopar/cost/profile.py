@@ -274,8 +274,15 @@ def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=
 def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
                 efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
-                calibration="auto") -> ModelCosts:
+                calibration="auto", precision: str | None = None) -> ModelCosts:
     """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
+
+    ``precision`` (``"fp32" | "bf16" | "fp16"``, a plan's ``precision=``): given other than fp32, the byte
+    fields are what the runtime keeps under autocast (``cost.precision.precision_bytes``: fp32 weights
+    plus autocast's copies, fp32 gradients and state, each block's saved activations and sent values at
+    their autocast dtypes). Times stay the device rule's: GPUs at their bf16 peak, CPUs (and emulated
+    devices) at their fp32 time, whose autocast is no faster here (``docs/precision.md``). None or
+    ``"fp32"``: the device rule for bytes too (bf16 bytes on an all-GPU cluster, fp32 otherwise).
 
     ``calibration``: correction factors ``{device key: {term: factor}}`` (``autopar.cost.calibrate``)
     applied to the tables; ``"auto"`` (default): this machine's, from the profile cache
@@ -346,6 +353,13 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
         tied_groups=analysis.tied_groups, sources=sources, **terms,
     )
+    if precision not in (None, "fp32"):
+        from dataclasses import replace
+
+        from autopar.cost.precision import precision_bytes
+
+        costs = replace(costs, **precision_bytes(analysis, example_inputs, precision,
+                                                 OPTIMIZER_STATE_BYTES.get(optimizer, 8)))
     if calibration == "auto":
         from autopar.cost.measure_cache import load_calibration
 
