@@ -70,7 +70,7 @@ def _write_json(obj, dest: str) -> None:
             f.write(text + "\n")
 
 
-def _prepare(model_spec: str, cluster, need_measure: bool = True):
+def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str | None = None):
     from autopar.api import prepare
 
     from autopar.cost.profile import DEFAULT_SAMPLE_BATCHES
@@ -85,7 +85,8 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True):
         total = len(analysis.distinct_blocks()) * len(DEFAULT_SAMPLE_BATCHES)
         advance, stop = _progress(total, "profiling blocks")
     try:
-        prep = prepare(case.model, cluster, case.example_inputs, progress=advance, analysis=analysis)
+        prep = prepare(case.model, cluster, case.example_inputs, progress=advance, analysis=analysis,
+                       precision=precision)
     finally:
         stop()
     prep.analyze_s = analyze_s
@@ -155,7 +156,7 @@ def cmd_plan(args) -> int:
     pp_layers = _block_counts(args.pp_layers, "--pp-layers") if args.pp_layers else None
     pin = Pin.parse(args.pin) if args.pin else None
     cluster = _load_cluster(args.cluster)
-    case, prep = _prepare(args.model, cluster)
+    case, prep = _prepare(args.model, cluster, precision=args.precision)
     timings: dict = {}
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
@@ -375,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("plan", help="plan a model on a cluster and show the predicted throughput")
     plan_args(q)
     q.add_argument("--schedule", default="auto", choices=list(SCHEDULES))
+    q.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="price the memory of autocast at this compute precision (fp32 weights and optimizer "
+                        "state; default: the device rule, bf16 bytes on an all-GPU cluster, fp32 otherwise)")
     q.add_argument("--pp-layers", help="pin blocks per pipeline stage, e.g. 8,4")
     q.add_argument("--pin", help="what-if: fix some dimensions and search the rest, e.g. tp=8,pp=8,recompute=1 "
                                  "(tp, pp, dp, num_micro_batches, recompute, zero_stage, schedule, virtual_stages; "
