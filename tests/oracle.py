@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 __all__ = ["OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
-           "single_device_state", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks",
+           "single_device_state", "train_one_device", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks",
            "stages_of"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -101,17 +101,23 @@ def _cached_run(case_name, global_batch, steps, optimizer, seed, overrides) -> O
 
 def _run(case_name, global_batch, steps, optimizer, seed, overrides) -> OracleRun:
     from autopar.models import build
-    from autopar.runtime.engine import compute_loss
 
     case = build(case_name, seed=seed, **overrides)
-    model = case.model
+    data = (case.batch(global_batch, seed=seed + 1 + s) for s in range(steps))
+    return train_one_device(case.model, case.loss_fn, data, optimizer)
+
+
+def train_one_device(model, loss_fn, data, optimizer: str | OptimizerFactory = "sgd") -> OracleRun:
+    """The oracle of any model (not only the zoo's): ``model`` (trained in place) takes one optimizer step
+    per ``(inputs, targets)`` of ``data`` on the whole batch; ``loss_fn`` None: the output is the loss."""
+    from autopar.runtime.engine import compute_loss
+
     model.train()
     opt = optimizer_factory(optimizer)([p for p in model.parameters() if p.requires_grad])
     losses = []
-    for s in range(steps):
-        inputs, targets = case.batch(global_batch, seed=seed + 1 + s)
+    for inputs, targets in data:
         opt.zero_grad(set_to_none=True)
-        loss = compute_loss(model(*inputs), targets, case.loss_fn)
+        loss = compute_loss(model(*inputs), targets, loss_fn)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -33,7 +33,7 @@ from autopar.lowering import lower
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.pipeline import PipelineEngine, Transfer, primary_sender, row_layout, transfers
 from oracle import (RTOL, assert_state_close, batches, optimizer_factory, single_device_run, stages_of,
-                    threaded_ranks)
+                    threaded_ranks, train_one_device)
 
 B = 10
 STEPS = 2
@@ -167,15 +167,8 @@ def _toy_batches(steps=STEPS):
 
 def _toy_oracle(optimizer):
     model, loss_fn = _toy_case()
-    opt = optimizer_factory(optimizer)(list(model.parameters()))
-    losses = []
-    for (x,), y in _toy_batches():
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    run = train_one_device(model, loss_fn, _toy_batches(), optimizer)
+    return run.state, list(run.losses)
 
 
 def _engine(name, plan, optimizer, rank, world_size, comm=None, perturb=False):

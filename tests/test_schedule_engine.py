@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from autopar.ir.plan import Plan, Predicted
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, single_device_run, stages_of
+from oracle import (RTOL, assert_state_close, batches, optimizer_factory, single_device_run, stages_of,
+                    train_one_device)
 
 B = 10
 STEPS = 2
@@ -73,16 +74,8 @@ def _neox_batches():
 
 
 def _oracle(model, loss_fn, data, optimizer):
-    model = copy.deepcopy(model)
-    opt = optimizer_factory(optimizer)(list(model.parameters()))
-    losses = []
-    for (x,), y in data:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    run = train_one_device(copy.deepcopy(model), loss_fn, data, optimizer)
+    return run.state, list(run.losses)
 
 
 def _run(rank: int, runs):

@@ -1,5 +1,5 @@
 """Reading a checkpoint without a job: what it holds (``describe``) and the full model state for export
-(``consolidate``), one tensor at a time.
+(``consolidate``).
 
 Tensor names: a checkpoint of a compiled model stores the model's parameters and buffers under
 ``model.<fqn>`` and the optimizer state under ``optim.<fqn>.<key>`` (``MODEL_PREFIX``); ``consolidate``
@@ -8,13 +8,14 @@ writes the model's tensors (prefix removed) to one safetensors file.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from autopar.checkpoint.pieces import whole_piece
-from autopar.checkpoint.store import Manifest, load, read_manifest
+from autopar.checkpoint.store import CheckpointError, Manifest, load, read_manifest
 
 __all__ = ["MODEL_PREFIX", "TensorEntry", "describe", "consolidate"]
 
@@ -30,10 +31,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def describe(directory) -> tuple[Manifest, list[TensorEntry]]:
@@ -50,21 +48,16 @@ def describe(directory) -> tuple[Manifest, list[TensorEntry]]:
 
 def consolidate(directory, out, *, prefix: str = MODEL_PREFIX) -> dict[str, tuple[int, ...]]:
     """Write the full tensors named ``prefix...`` (the model state) of the checkpoint to the safetensors file
-    ``out``, prefix removed; returns their shapes. Reads each tensor whole, one at a time."""
+    ``out``, prefix removed; returns their shapes. Holds the full model state (it is an export)."""
     from safetensors.torch import save_file
 
     _, entries = describe(directory)
-    tensors: dict[str, torch.Tensor] = {}
-    for e in entries:
-        if not e.fqn.startswith(prefix):
-            continue
-        piece = whole_piece(e.fqn, torch.empty(e.shape, dtype=getattr(torch, e.dtype)))
-        load(directory, [piece])
-        tensors[e.fqn[len(prefix):]] = piece.tensor
-    if not tensors:
-        from autopar.checkpoint.store import CheckpointError
-
+    pieces = [whole_piece(e.fqn, torch.empty(e.shape, dtype=getattr(torch, e.dtype)))
+              for e in entries if e.fqn.startswith(prefix)]
+    if not pieces:
         raise CheckpointError(f"checkpoint: {directory} holds no tensor named {prefix}*: nothing to consolidate")
+    load(directory, pieces)          # one read of the checkpoint: every tensor whole
+    tensors = {p.fqn[len(prefix):]: p.tensor for p in pieces}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out))

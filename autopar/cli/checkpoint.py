@@ -4,6 +4,7 @@ sharded checkpoint (``autopar.checkpoint``) without a job."""
 from __future__ import annotations
 
 import argparse
+import math
 
 __all__ = ["add_parser", "cmd_checkpoint"]
 
@@ -37,7 +38,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     console = Console()
     if args.checkpoint_command == "consolidate":
         shapes = consolidate(args.directory, args.out)
-        console.print(f"wrote {len(shapes)} tensors ({sum(_numel(s) for s in shapes.values()):,} elements) "
+        console.print(f"wrote {len(shapes)} tensors ({sum(math.prod(s) for s in shapes.values()):,} elements) "
                       f"to {args.out}")
         return 0
     manifest, entries = describe(args.directory)
@@ -50,10 +51,3 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         table.add_row(e.fqn, "x".join(map(str, e.shape)) or "scalar", e.dtype, f"{e.numel:,}", str(e.num_chunks))
     console.print(table)
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -81,6 +81,17 @@ class ClockStats:
     num_overruns: int = 0     # blocks that ended behind their target
 
 
+@contextmanager
+def _inner_block(clock) -> Iterator[None]:
+    """A compute block opened inside another (or one a ``NullClock`` does not record): it only counts
+    the nesting depth; the outermost block charges and records the time."""
+    clock._depth += 1
+    try:
+        yield
+    finally:
+        clock._depth -= 1
+
+
 class EmulatedClock:
     """Slows compute blocks down to ``speed`` x this CPU (see the module docstring)."""
 
@@ -118,11 +129,8 @@ class EmulatedClock:
         """A compute block (see the module docstring); ``label`` names its phase for the recorder
         ("forward", "backward", "optimizer", ...; default: inferred)."""
         if self._depth:
-            self._depth += 1
-            try:
+            with _inner_block(self):
                 yield
-            finally:
-                self._depth -= 1
             return
         self._depth = 1
         rec = self.recorder if self.recorder is not None and self.recorder.active else None
@@ -213,11 +221,8 @@ class NullClock:
     def compute(self, label: str | None = None) -> Iterator[None]:
         rec = self.recorder
         if rec is None or not rec.active or self._depth:
-            self._depth += 1
-            try:
+            with _inner_block(self):
                 yield
-            finally:
-                self._depth -= 1
             return
         self._depth = 1
         rec.block_begin(label)
