@@ -1,7 +1,8 @@
 """autopar: a compiled-graph auto-parallelizer for training PyTorch models on heterogeneous clusters.
 
 Public surface (see shared/spec/api.md): ``Cluster``, ``plan``, ``compile``, ``launch``, ``init``,
-``Plan``, ``PlanConfig``, ``Pin``, ``RunConfig``, ``materialize``, ``models``, ``kernels``, ``passes``, and the errors
+``Plan``, ``PlanConfig``, ``Pin``, ``RunConfig``, ``materialize``, ``models``, ``kernels``, ``passes``,
+``current_cluster`` and ``restart_count`` (elastic runs), and the errors
 ``AutoparError`` (the base, a ``ValueError``), ``ClusterError``, ``PlanError``, ``RuntimeInputError``,
 ``LaunchError``.
 Submodules are imported lazily so ``import autopar`` stays cheap and does nothing at import time.
@@ -14,7 +15,7 @@ from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError, R
 __all__ = [
     "AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError",
     "Cluster", "Plan", "PlanConfig", "Pin", "RunConfig", "plan", "compile", "launch", "init", "models", "kernels",
-    "passes", "materialize",
+    "passes", "materialize", "current_cluster", "restart_count",
 ]
 
 _LAZY = {
@@ -31,6 +32,8 @@ _LAZY = {
     "Pin": ("autopar.config", "Pin"),
     "RunConfig": ("autopar.config", "RunConfig"),
     "materialize": ("autopar.lowering.materialize", "materialize"),
+    "current_cluster": ("autopar.runtime.elastic", "current_cluster"),
+    "restart_count": ("autopar.runtime.elastic", "restart_count"),
 }
 
 

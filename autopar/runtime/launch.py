@@ -26,6 +26,19 @@ else runs in it.
 
 Each rank runs in its own process group (``setpgrp``) so that killing it also kills anything it
 started (data-loader workers); nothing is left behind.
+
+Elastic restarts (``launch(..., max_restarts=N)``, docs/elastic.md)
+- full cluster: the one given to ``launch``/``init``; the cluster in force (``RankContext.cluster``,
+  ``autopar.current_cluster()``) is the full cluster less the failed devices, renumbered 0.. in order.
+- present devices: a world of fewer ranks than the full cluster has devices runs on the full cluster
+  less the devices named in AUTOPAR_FAILED_DEVICES (ranks of the full cluster, comma-separated), or,
+  when that is unset, on its first WORLD_SIZE devices (``present_cluster``). ``launch`` sets it for
+  every restart; under ``torchrun --max-restarts`` with a smaller world, set it or rely on the rule.
+- a restart: when an attempt raises ``LaunchError`` naming a rank (it failed, died or hung), that
+  device is dropped and the job is started again on the rest, at most ``max_restarts`` times. The
+  overall timeout is not a device failure and ends the job. Attempts are numbered 0.. in
+  AUTOPAR_RESTART_COUNT (``autopar.restart_count()``); AUTOPAR_STOPPED_AT holds the wall time at
+  which the failed attempt was stopped (for the restart's time split).
 """
 
 from __future__ import annotations
@@ -56,8 +69,12 @@ from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 
 __all__ = [
     "RankContext", "launch", "init", "shutdown", "context", "is_initialized",
-    "default_backend", "subgroup_backend",
+    "default_backend", "subgroup_backend", "present_cluster", "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV",
 ]
+
+FAILED_ENV = "AUTOPAR_FAILED_DEVICES"     # ranks of the full cluster that failed, comma-separated
+RESTART_ENV = "AUTOPAR_RESTART_COUNT"     # this attempt's number, 0 for the first
+STOPPED_AT_ENV = "AUTOPAR_STOPPED_AT"     # time.time() when launch stopped the failed attempt
 
 _HOST = "127.0.0.1"
 _GRACE_S = 3.0            # how long to wait for peers to report once only secondary errors are seen
@@ -80,6 +97,7 @@ class RankContext:
     speed: float | None         # emulated devices: fraction of this CPU's speed; None otherwise
     backend: str                # backend of the default group
     local_rank: int
+    full_cluster: Any = None    # the cluster the job was started on; ``cluster`` is the part in force
 
     @property
     def spec(self):
@@ -151,9 +169,10 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     if world_size is None:
         world_size = _env_int("WORLD_SIZE") if "WORLD_SIZE" in os.environ or store is None \
             else len(cluster)
-    if world_size != len(cluster):
+    if world_size > len(cluster):
         raise LaunchError(f"init: WORLD_SIZE={world_size} but the cluster has {len(cluster)} devices; "
                           f"start one process per device")
+    full_cluster, cluster = cluster, present_cluster(cluster, world_size)
     if not 0 <= rank < world_size:
         raise LaunchError(f"init: rank={rank} is outside [0, {world_size})")
     if not step_timeout_s > 0:
@@ -187,8 +206,36 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timeout)
-    _context = RankContext(rank, world_size, cluster, device, speed, backend, local_rank)
+    _context = RankContext(rank, world_size, cluster, device, speed, backend, local_rank, full_cluster)
     return _context
+
+
+def failed_devices(cluster) -> tuple[int, ...]:
+    """The ranks of ``cluster`` that AUTOPAR_FAILED_DEVICES names (none when it is unset or empty)."""
+    text = os.environ.get(FAILED_ENV, "").strip()
+    try:
+        failed = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise LaunchError(f"init: {FAILED_ENV}={text!r} is not a comma-separated list of ranks") from None
+    bad = [r for r in failed if not 0 <= r < len(cluster)]
+    if bad:
+        raise LaunchError(f"init: {FAILED_ENV} names rank(s) {bad} but the cluster has {len(cluster)} devices")
+    return failed
+
+
+def present_cluster(cluster, world_size: int):
+    """The devices of ``cluster`` a world of ``world_size`` ranks runs on: all of them when the sizes
+    match; otherwise ``cluster`` less the devices AUTOPAR_FAILED_DEVICES names, or when it is unset its
+    first ``world_size`` devices; renumbered 0.. in order (``Cluster.subset``)."""
+    failed = failed_devices(cluster)
+    if not failed and world_size == len(cluster):
+        return cluster
+    survivors = [r for r in range(len(cluster)) if r not in failed][:None if failed else world_size]
+    if len(survivors) != world_size:
+        raise LaunchError(f"init: WORLD_SIZE={world_size} but the cluster less {FAILED_ENV}={list(failed)} has "
+                          f"{len(survivors)} devices; start one process per device that is present")
+    lost = ",".join(map(str, failed)) if failed else f"{world_size}.."
+    return cluster.subset(survivors, name=f"{cluster.name}-without-{lost}")
 
 
 def shutdown() -> None:
@@ -203,34 +250,72 @@ def shutdown() -> None:
 # launch: the parent side
 
 
+class _Final(LaunchError):
+    """A failure that no restart cures: the overall timeout, a rank that could not be started."""
+
+
 def launch(fn: Callable[..., Any], cluster, *args, timeout_s: float | None = None,
-           step_timeout_s: float = 60.0) -> list:
+           step_timeout_s: float = 60.0, max_restarts: int = 0) -> list:
     """Run ``fn(rank, *args)`` in one process per device of ``cluster`` on this machine; return what
     each rank returned, by rank (tensors come back on the CPU). Raises ``LaunchError`` naming the rank
-    when a rank fails, dies or hangs, after stopping every rank."""
-    nprocs = len(cluster)
-    if nprocs < 1:
+    when a rank fails, dies or hangs, after stopping every rank.
+
+    ``max_restarts``: when a rank fails, dies or hangs, stop every rank and start the job again on the
+    cluster without that device (``autopar.current_cluster()`` in ``fn``), at most this many times; the
+    list returned is then by rank of the last attempt's cluster. ``timeout_s`` bounds all attempts."""
+    if len(cluster) < 1:
         raise LaunchError("launch: the cluster has no devices")
     if timeout_s is not None and not timeout_s > 0:
         raise LaunchError(f"launch: timeout_s must be > 0 or None, got {timeout_s!r}")
     if not step_timeout_s > 0:
         raise LaunchError(f"launch: step_timeout_s must be > 0, got {step_timeout_s!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(f"launch: max_restarts must be an integer >= 0, got {max_restarts!r}")
     _check_picklable(fn)
 
-    start = time.monotonic()
-    deadline = None if timeout_s is None else start + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failed: list[int] = []          # ranks of ``cluster``, in the order they failed
+    history: list[str] = []
+    stopped_at = None
+    for attempt in range(max_restarts + 1):
+        survivors = [r for r in range(len(cluster)) if r not in failed]
+        env = {RESTART_ENV: str(attempt), FAILED_ENV: ",".join(map(str, sorted(failed))),
+               STOPPED_AT_ENV: "" if stopped_at is None else repr(stopped_at)}
+        try:
+            return _launch_once(fn, cluster, survivors, args, env, deadline, timeout_s, step_timeout_s)
+        except _Final:
+            raise
+        except LaunchError as exc:
+            stopped_at = time.time()
+            if exc.rank is None or attempt == max_restarts or len(survivors) == 1:
+                if history:
+                    raise LaunchError(f"{exc}\nEarlier attempts: {'; '.join(history)}", rank=exc.rank) from exc
+                raise
+            lost = survivors[exc.rank]
+            failed.append(lost)
+            history.append(f"attempt {attempt}: device {_name(cluster, lost)} failed")
+            print(f"[autopar launch] attempt {attempt}: device {_name(cluster, lost)} failed; restarting on "
+                  f"{len(survivors) - 1} devices (restart {attempt + 1} of at most {max_restarts})", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn, cluster, survivors, args, elastic_env, deadline, timeout_s, step_timeout_s) -> list:
+    """One attempt: the ranks of ``cluster``'s ``survivors`` (renumbered 0..), each in a process."""
+    nprocs = len(survivors)
+    in_force = cluster.subset(survivors) if nprocs < len(cluster) else cluster
     store = dist.TCPStore(_HOST, 0, None, True, timedelta(seconds=_RENDEZVOUS_TIMEOUT_S),
                           wait_for_workers=False)
     spawn = mp.get_context("spawn")
     procs: list = []
     with tempfile.TemporaryDirectory(prefix="autopar-launch-") as workdir:
         try:
-            gpu_ranks = [r for r in range(nprocs) if cluster.devices[r].spec.backend == "nccl"]
-            for rank in range(nprocs):
-                # Every rank is on this machine: GPU ranks take consecutive CUDA devices.
-                local_rank = gpu_ranks.index(rank) if rank in gpu_ranks else rank
+            # Every rank is on this machine: GPU ranks take consecutive CUDA devices, by full-cluster rank
+            # (a restart keeps each surviving GPU on its device).
+            gpu_ranks = [r for r in range(len(cluster)) if cluster.devices[r].spec.backend == "nccl"]
+            for rank, full_rank in enumerate(survivors):
+                local_rank = gpu_ranks.index(full_rank) if full_rank in gpu_ranks else rank
                 env = {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(local_rank),
-                       "MASTER_ADDR": _HOST, "MASTER_PORT": str(store.port)}
+                       "MASTER_ADDR": _HOST, "MASTER_PORT": str(store.port), **elastic_env}
                 proc = spawn.Process(
                     target=_worker, name=f"autopar-rank-{rank}", daemon=False,
                     args=(fn, cluster, rank, args, store.port, workdir, step_timeout_s, env,
@@ -238,10 +323,10 @@ def launch(fn: Callable[..., Any], cluster, *args, timeout_s: float | None = Non
                 try:
                     proc.start()
                 except Exception as exc:
-                    raise LaunchError(f"launch: could not start rank {rank}: {exc} (fn and args must be "
-                                      f"picklable)", rank=rank) from exc
+                    raise _Final(f"launch: could not start rank {rank}: {exc} (fn and args must be "
+                                 f"picklable)", rank=rank) from exc
                 procs.append(proc)
-            return _monitor(procs, Path(workdir), deadline, timeout_s, step_timeout_s, cluster)
+            return _monitor(procs, Path(workdir), deadline, timeout_s, step_timeout_s, in_force)
         finally:
             _kill_all(procs)
             del store
@@ -275,9 +360,8 @@ def _monitor(procs, workdir: Path, deadline, timeout_s, step_timeout_s, cluster)
         if pending and deadline is not None and time.monotonic() >= deadline:
             running = sorted(pending)
             _kill_all(procs)
-            raise LaunchError(f"launch: timed out after timeout_s={timeout_s} s with rank(s) "
-                              f"{_names(cluster, running)} still running; every rank was stopped",
-                              rank=running[0])
+            raise _Final(f"launch: timed out after timeout_s={timeout_s} s with rank(s) "
+                         f"{_names(cluster, running)} still running; every rank was stopped", rank=running[0])
     return [_load_result(workdir, r) for r in range(len(procs))]
 
 
@@ -413,10 +497,11 @@ def _worker(fn, cluster, rank, args, port, workdir, step_timeout_s, env, parent_
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # every rank is on this machine
     try:
         # Cores and torch threads of this rank: autopar.cluster.emulation.cpu_shares (the rule).
+        world_size = int(env["WORLD_SIZE"])
         cores = allowed_cores()
-        apply_cpu_share(cpu_shares(cluster, cores)[rank], len(cores))
+        apply_cpu_share(cpu_shares(present_cluster(cluster, world_size), cores)[rank], len(cores))
         store = dist.TCPStore(_HOST, port, None, False, timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))
-        init(cluster, rank=rank, world_size=len(cluster), store=store, step_timeout_s=step_timeout_s)
+        init(cluster, rank=rank, world_size=world_size, store=store, step_timeout_s=step_timeout_s)
         result = _to_cpu(fn(rank, *args))
         tmp = Path(workdir) / f"rank{rank}.result.tmp"
         torch.save(result, tmp)
