@@ -24,6 +24,7 @@ as DCP byte items (``rank_objects``), so a checkpoint needs nothing but DCP and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import warnings
@@ -267,37 +268,80 @@ def _check_signature(manifest: Manifest, pieces: Sequence[Piece]) -> None:
                                   f"this model's is {tuple(p.global_shape)}: a checkpoint of another model")
 
 
-def load(directory, pieces: Sequence[Piece], *, rank_objects: Sequence[str] = (), process_group=None
-         ) -> tuple[Manifest, dict[str, Any]]:
-    """Fill this rank's ``pieces`` from the checkpoint ``directory`` (saved under any plan), on every rank;
-    returns the manifest and the ``rank_objects`` this rank saved (those present). Nothing is written into
-    ``pieces`` unless every read succeeds."""
+def _check_coverage(manifest: Manifest, state_metadata: Mapping[str, Any], pieces: Sequence[Piece]) -> None:
+    """Every element of every wanted box lies in some saved chunk (DCP reads only the overlaps and would
+    leave the rest as it was), and the saved dtype is the piece's."""
+    for p in pieces:
+        md = state_metadata.get(p.fqn)
+        if md is None or not hasattr(md, "chunks"):
+            raise CheckpointError(f"checkpoint: {manifest.path / '.metadata'} has no tensor {p.fqn!r} (the manifest "
+                                  "lists it): the checkpoint is damaged")
+        if md.properties.dtype != p.tensor.dtype:
+            raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} has {p.fqn!r} in "
+                                  f"{str(md.properties.dtype).removeprefix('torch.')}, this run holds it in "
+                                  f"{str(p.tensor.dtype).removeprefix('torch.')}")
+        want = math.prod(p.box.sizes)
+        got = 0
+        for c in md.chunks:
+            n = 1
+            for o, s, co, cs in zip(p.box.offsets, p.box.sizes, c.offsets, c.sizes):
+                n *= max(0, min(o + s, co + cs) - max(o, co))
+            got += n
+        if got < want:
+            raise CheckpointError(f"checkpoint: {manifest.path / '.metadata'} covers {got} of the {want} elements "
+                                  f"of {p.fqn!r} at {p.box.offsets}: the checkpoint is incomplete")
+
+
+def load(directory, pieces: Sequence[Piece], *, rank_objects: Sequence[str] = (), process_group=None,
+         staged: bool = True, local: bool = False) -> tuple[Manifest, dict[str, Any]]:
+    """Fill this rank's ``pieces`` from the checkpoint ``directory`` (saved under any plan), on every rank
+    (``local``: on this rank alone, no collective); returns the manifest and the ``rank_objects`` this
+    rank saved (those present).
+
+    Everything that can be checked before reading is (the manifest, every file's size, the model's
+    signature, each piece's dtype and that the saved chunks cover it). ``staged`` (default): reads go
+    into fresh buffers, copied into ``pieces`` only when every read succeeded, so nothing is written
+    into ``pieces`` unless the whole load succeeds; it holds a second copy of the pieces meanwhile.
+    ``staged=False`` reads straight into the pieces (no second copy: what keeps a rank's memory at its
+    own share): a read that fails after the checks (an I/O error, a file corrupted at the same size)
+    then raises with the pieces partly written, and says so."""
     import torch.distributed.checkpoint as dcp
 
     manifest = read_manifest(directory)
     _check_signature(manifest, pieces)
     rank, world = _rank_world(process_group)
-    buffers = [Piece(p.fqn, p.global_shape, p.box, torch.empty_like(p.tensor, device="cpu")) for p in pieces]
     saved_objects = set()
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
         reader = FileSystemReader(str(manifest.path))
-        saved_objects = set(reader.read_metadata().state_dict_metadata)
+        state_metadata = reader.read_metadata().state_dict_metadata
+    except BaseException as exc:  # noqa: BLE001 - an unreadable .metadata: name it
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"checkpoint: {manifest.path / '.metadata'} cannot be read ({_first_line(exc)}); "
+                              "nothing was loaded") from exc
+    _check_coverage(manifest, state_metadata, pieces)
+    buffers = [Piece(p.fqn, p.global_shape, p.box, torch.empty_like(p.tensor, device="cpu")) for p in pieces] \
+        if staged else list(pieces)
+    try:
+        saved_objects = set(state_metadata)
         objects = {k: None for k in (f"rank{rank}/{n}" for n in rank_objects) if k in saved_objects}
         _, load_planner = _planners()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(objects, storage_reader=reader, planner=load_planner(buffers), process_group=process_group,
-                     no_dist=world == 1)
+                     no_dist=world == 1 or local)
     except CheckpointError:
         raise
     except BaseException as exc:  # DCP raises many kinds (CheckpointException is a BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"checkpoint: reading {manifest.path} failed ({_first_line(exc)}); "
-                              "nothing was loaded") from exc
-    with torch.no_grad():
-        for p, b in zip(pieces, buffers):
-            p.tensor.copy_(b.tensor)
+        raise CheckpointError(f"checkpoint: reading {manifest.path} failed ({_first_line(exc)}); " +
+                              ("nothing was loaded" if staged else "the state is partly overwritten: load a "
+                               "checkpoint again before training")) from exc
+    if staged:
+        with torch.no_grad():
+            for p, b in zip(pieces, buffers):
+                p.tensor.copy_(b.tensor)
     return manifest, {k.split("/", 1)[1]: v[0] for k, v in objects.items()}

@@ -1,0 +1,207 @@
+"""``compiled.save(DIR)`` / ``compiled.load(DIR)`` (api.md "Checkpoints"): a compiled job's whole state
+as one sharded checkpoint that any other plan and cluster of the same model loads and continues from.
+
+What a checkpoint holds
+- every rank's pieces of the model and the optimizer state (``autopar.runtime.state.engine_pieces``),
+  through ``autopar.checkpoint.store`` (DCP): each rank writes and reads only its own, and a load
+  under another plan reads, for each of its boxes, the overlapping parts of what the old plan wrote;
+- per rank (DCP byte items): the torch RNG state (and CUDA's, on a GPU rank) and the data loader's
+  position; a rank of the new job takes the state of the old rank of the same number, where there
+  was one (dropout draws per rank, so a job that changes its ranks cannot continue their streams);
+- in the manifest (``meta``): the step count, the plan (JSON, for ``autopar checkpoint inspect``), the
+  global batch size, the data position (every rank's loader is at the same global batch, so one
+  position serves every plan) and fp16's loss-scaler state.
+
+Loading checks everything it can before reading (``store.load``): the files and their sizes, that
+the checkpoint holds exactly this model's tensors with these shapes and dtypes, that its pieces cover
+every box this rank wants; then reads straight into the engine's tensors, so no rank holds a second
+copy of its state: its peak stays at its own share plus one saved chunk (DCP reads a saved chunk
+whole and narrows it). An optimizer that has not stepped gets its state first
+(``state.load_pieces``). A checkpoint saved before any optimizer step has no optimizer state; loading
+it leaves the optimizer fresh.
+
+Asynchronous saving (``async_save=True``): the pieces are copied (a snapshot: a second copy of the
+rank's state, on the CPU) and a thread writes them while training continues, over a process group
+of its own (created on the first asynchronous save: collective) so that its collectives never
+interleave with the step's. The returned ``SaveHandle`` says when it is done; the checkpoint counts
+only once complete (the manifest is written last and the directory renamed into place), so a crash
+during the write leaves the previous checkpoint valid.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.checkpoint.pieces import Piece
+from autopar.checkpoint.store import MANIFEST, CheckpointError, Manifest, read_manifest
+from autopar.checkpoint import store
+from autopar.runtime.communicator import pg_all_gather_objects, pg_new_group, pg_ranks
+from autopar.runtime.state import MODEL, OPTIM, engine_pieces, finish_load, load_pieces
+
+__all__ = ["SaveHandle", "save", "load", "model_signature", "CheckpointError", "piece_bytes"]
+
+
+@dataclass
+class SaveHandle:
+    """An asynchronous save in flight: ``wait()`` returns its manifest once the checkpoint is complete
+    (re-raising the writer's error, if any); ``done()`` says whether it has finished."""
+
+    directory: Path
+    _thread: threading.Thread | None = None
+    _result: list = field(default_factory=list)
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Manifest:
+        if self._thread is not None:
+            self._thread.join()
+        if not self._result:
+            raise CheckpointError(f"checkpoint: the save to {self.directory} did not finish")
+        if isinstance(self._result[0], BaseException):
+            raise self._result[0]
+        return self._result[0]
+
+
+def piece_bytes(pieces) -> int:
+    return sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)
+
+
+def _model(engine) -> torch.nn.Module:
+    return engine.inputs.model
+
+
+def model_signature(engine) -> dict[str, tuple[int, ...]]:
+    """``model.<fqn>`` -> full shape of every tensor of the user's model (its first state_dict key),
+    the same on every rank whatever the plan (meta tensors have their shapes)."""
+    out, seen = {}, set()
+    for key, t in _model(engine).state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[MODEL + key] = tuple(int(n) for n in t.shape)
+    return out
+
+
+def _rank_objects(compiled) -> dict[str, Any]:
+    objects: dict[str, Any] = {"rng": torch.get_rng_state()}
+    device = getattr(compiled.engine, "device", None)
+    if device is not None and torch.device(device).type == "cuda":
+        objects["cuda_rng"] = torch.cuda.get_rng_state(torch.device(device))
+    loader = getattr(compiled, "_loader", None)
+    if loader is not None:
+        objects["data"] = dict(loader.state_dict())
+    return objects
+
+
+def _meta(compiled, objects: dict[str, Any]) -> dict[str, Any]:
+    positions = [p for p in pg_all_gather_objects(objects.get("data")) if p is not None]
+    if len({tuple(sorted(p.items())) for p in positions}) > 1:
+        raise CheckpointError(f"checkpoint: the ranks' data loaders are at different positions {positions}; "
+                              "save between steps, after every rank took the same batches")
+    meta: dict[str, Any] = {"step_count": int(compiled.step_count), "plan": compiled.plan.to_json(),
+                            "global_batch_size": int(compiled.plan.global_batch_size),
+                            "data": positions[0] if positions else None}
+    scaler = getattr(compiled.engine, "loss_scaler", None)
+    if scaler is not None:
+        meta["loss_scaler"] = scaler.state_dict()
+    return meta
+
+
+_ASYNC_GROUPS: dict[tuple, Any] = {}     # world ranks -> the process group asynchronous saves use
+
+
+def _async_group():
+    ranks = tuple(pg_ranks(None))
+    if len(ranks) == 1:
+        return None
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), ranks)
+    group = _ASYNC_GROUPS.get(key)
+    if group is None:
+        group = _ASYNC_GROUPS[key] = pg_new_group(ranks)
+    return group
+
+
+def save(compiled, directory, *, async_save: bool = False) -> Manifest | SaveHandle:
+    """Save ``compiled``'s state into the checkpoint ``directory`` (collective: every rank calls it,
+    between steps). Returns the manifest, or with ``async_save`` a ``SaveHandle``."""
+    directory = Path(directory)
+    pieces = engine_pieces(compiled.engine)
+    objects = _rank_objects(compiled)
+    meta = _meta(compiled, objects)
+    step = int(compiled.step_count)
+    if not async_save:
+        return store.save(directory, pieces, step=step, meta=meta, rank_objects=objects)
+    group = _async_group()
+    snapshot = [Piece(p.fqn, p.global_shape, p.box, p.tensor.detach().to("cpu", copy=True)) for p in pieces]
+    handle = SaveHandle(directory)
+
+    def write() -> None:
+        try:
+            handle._result.append(store.save(directory, snapshot, step=step, meta=meta, rank_objects=objects,
+                                             process_group=group))
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            handle._result.append(exc)
+
+    handle._thread = threading.Thread(target=write, name=f"autopar-save-{step}", daemon=True)
+    handle._thread.start()
+    return handle
+
+
+def _check_model(manifest: Manifest, engine) -> None:
+    """The checkpoint holds exactly this model's tensors (names and full shapes)."""
+    ours = model_signature(engine)
+    saved = {k: tuple(v) for k, v in manifest.signature.items() if k.startswith(MODEL)}
+    where = manifest.path / MANIFEST
+    missing = sorted(set(ours) - set(saved))
+    extra = sorted(set(saved) - set(ours))
+    if missing or extra:
+        said = (f"lacks {missing[:3]}" if missing else "") + (" and " if missing and extra else "") + \
+            (f"has {extra[:3]} which this model does not" if extra else "")
+        raise CheckpointError(f"checkpoint: {where} is a checkpoint of another model: it {said}")
+    for k, shape in ours.items():
+        if saved[k] != shape:
+            raise CheckpointError(f"checkpoint: {where} has {k!r} of shape {saved[k]}, this model's is {shape}: "
+                                  "a checkpoint of another model")
+
+
+def load(compiled, directory) -> Manifest:
+    """Load the checkpoint ``directory`` (saved under any plan) into ``compiled`` (collective). Raises
+    ``CheckpointError`` naming the file before anything is written, for a missing, truncated or
+    foreign checkpoint."""
+    manifest = read_manifest(directory)
+    engine = compiled.engine
+    _check_model(manifest, engine)
+    gbs = manifest.meta.get("global_batch_size")
+    if gbs is not None and int(gbs) != int(compiled.plan.global_batch_size):
+        raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} was saved at global_batch_size={gbs}, this "
+                              f"job runs {compiled.plan.global_batch_size}: its data position and steps would not "
+                              "continue the same run")
+    with_optim = any(k.startswith(OPTIM) for k in manifest.signature)
+    pieces = load_pieces(engine, optimizer=with_optim)
+    names = ("rng", "cuda_rng", "data")
+    _, objects = store.load(manifest.path, pieces, rank_objects=names, staged=False)
+    finish_load(engine)
+    if "rng" in objects:
+        torch.set_rng_state(objects["rng"])
+    device = getattr(engine, "device", None)
+    if "cuda_rng" in objects and device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(objects["cuda_rng"], torch.device(device))
+    scaler = getattr(engine, "loss_scaler", None)
+    if scaler is not None and manifest.meta.get("loss_scaler") is not None:
+        scaler.load_state_dict(manifest.meta["loss_scaler"])
+    compiled.step_count = int(manifest.meta.get("step_count", manifest.step))
+    position = manifest.meta.get("data")
+    loader = getattr(compiled, "_loader", None)
+    if loader is not None and position is not None:
+        loader.load_state_dict(position)
+    else:                       # the next compiled.dataloader() starts there
+        compiled._data_position = position
+    return manifest
+
