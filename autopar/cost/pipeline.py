@@ -204,7 +204,8 @@ def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Ti
     timeline = simulate(make_schedule(name, len(stages), M, plan.virtual_stages), fwd, bwd, comm,
                         wgrad_time_s=wgrad)
     R = plan.rank_stages
-    ends = [timeline.stage_end_s[s % R] for s in range(len(stages))]
+    worker_ends = timeline.stage_end_s   # a property over every event: once
+    ends = [worker_ends[s % R] for s in range(len(stages))]
     return timeline, _finish_s(plan, costs, cluster, ends, rho)[0]
 
 

@@ -370,36 +370,41 @@ def _as_matrix(x, shape: tuple[int, int], name: str) -> np.ndarray:
 
 
 def _validate(schedule: PipelineSchedule, num_micro: int) -> bool:
-    """Structural checks; returns whether the schedule has explicit communication."""
+    """Structural checks; returns whether the schedule has explicit communication. Actions are compared
+    as (stage, kind, micro) tuples (an ``Action``'s equality; tuples hash without a Python call)."""
     S, nw = schedule.num_stages, schedule.num_workers
-    explicit = schedule.has_comm
-    seen: set[Action] = set()
+    explicit = False
+    seen: set[tuple[int, str, int]] = set()
     for w, acts in enumerate(schedule.actions):
         for a in acts:
-            if a.stage % nw != w or a.stage >= S:
+            s, k, m = a.stage, a.kind, a.micro
+            if s % nw != w or s >= S:
                 raise ScheduleError(f"action {a!r} is in the list of {'worker' if nw < S else 'stage'} {w}")
-            if a.micro >= num_micro:
-                raise ScheduleError(f"action {a!r}: micro-batch {a.micro} >= num_micro {num_micro}")
-            if a in seen:
+            if m >= num_micro:
+                raise ScheduleError(f"action {a!r}: micro-batch {m} >= num_micro {num_micro}")
+            key = (s, k, m)
+            if key in seen:
                 raise ScheduleError(f"action {a!r} appears twice")
-            s = a.stage
-            if (a.kind in ("RECV_F", "SEND_B") and s == 0) or (a.kind in ("SEND_F", "RECV_B") and s == S - 1):
-                raise ScheduleError(f"action {a!r}: stage {s} has no neighbour in that direction")
-            seen.add(a)
-    needed = [Action(s, "F", m) for s in range(S) for m in range(num_micro)]
+            if k in _COMM:
+                explicit = True
+                if (k in ("RECV_F", "SEND_B") and s == 0) or (k in ("SEND_F", "RECV_B") and s == S - 1):
+                    raise ScheduleError(f"action {a!r}: stage {s} has no neighbour in that direction")
+            seen.add(key)
+    needed = [(s, "F", m) for s in range(S) for m in range(num_micro)]
     for s in range(S):
         for m in range(num_micro):
-            split = Action(s, "BI", m) in seen or Action(s, "BW", m) in seen
-            if split and Action(s, "B", m) in seen:
+            split = (s, "BI", m) in seen or (s, "BW", m) in seen
+            if split and (s, "B", m) in seen:
                 raise ScheduleError(f"stage {s} micro-batch {m} has both a B and an I/W split")
-            needed += [Action(s, "BI", m), Action(s, "BW", m)] if split else [Action(s, "B", m)]
+            needed += [(s, "BI", m), (s, "BW", m)] if split else [(s, "B", m)]
     if explicit:
-        needed += [Action(s, k, m) for s in range(S) for m in range(num_micro)
+        needed += [(s, k, m) for s in range(S) for m in range(num_micro)
                    for k in (("RECV_F", "SEND_B") if s > 0 else ()) + (("SEND_F", "RECV_B") if s < S - 1 else ())]
-    missing = [a for a in needed if a not in seen]
-    if missing:
-        shown = ", ".join(map(repr, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise ScheduleError(f"schedule {schedule.name!r} is missing {len(missing)} action(s): {shown}")
+    if len(seen) != len(needed) or any(key not in seen for key in needed):
+        missing = [Action(*key) for key in needed if key not in seen]
+        if missing:
+            shown = ", ".join(map(repr, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            raise ScheduleError(f"schedule {schedule.name!r} is missing {len(missing)} action(s): {shown}")
     return explicit
 
 
@@ -426,46 +431,19 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
                                                                bwd_a)).tolist()
     explicit = _validate(schedule, M)
 
-    lists = [[(a.stage, a.kind, a.micro) for a in acts] for acts in schedule.actions]
-    done: dict[tuple[int, str, int], float] = {}   # action key -> end time (issue time for sends);
-    # (s, "G", m): when stage s's gradient of micro-batch m's input exists (its B or I ended)
+    # done[kind][s][m]: end time (issue time for sends) or None; "G": when stage s's gradient of
+    # micro-batch m's input exists (its B or I ended)
+    done: dict[str, list[list[float | None]]] = {
+        k: [[None] * M for _ in range(S)] for k in _COMPUTE + _COMM + ("G",)}
+    d_f, d_g, d_bi = done["F"], done["G"], done["BI"]
+    d_recv_f, d_recv_b, d_send_f, d_send_b = done["RECV_F"], done["RECV_B"], done["SEND_F"], done["SEND_B"]
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(nw)]
     transfers: list[list[tuple[Action, float, float]]] = [[] for _ in range(nw)]
     busy = [0.0] * nw
     free = [0.0] * nw
     ptr = [0] * nw
-
-    def ready_time(key) -> float | None:
-        """When the inputs of ``key`` are available on its worker; None if a dependency is not done."""
-        s, k, m = key
-        if k == "F":
-            if s == 0:
-                return 0.0
-            dep = (s, "RECV_F", m) if explicit else (s - 1, "F", m)
-            t = done.get(dep)
-            return None if t is None else (t if explicit else t + comm_f[s - 1][m])
-        if k == "B" or k == "BI":
-            t_f = done.get((s, "F", m))
-            if t_f is None:
-                return None
-            if s == S - 1:
-                return t_f
-            dep = (s, "RECV_B", m) if explicit else (s + 1, "G", m)
-            t = done.get(dep)
-            if t is None:
-                return None
-            return max(t_f, t if explicit else t + comm_b[s][m])
-        if k == "BW":
-            return done.get((s, "BI", m))
-        if k == "SEND_F":
-            return done.get((s, "F", m))
-        if k == "SEND_B":
-            return done.get((s, "G", m))
-        if k == "RECV_F":
-            t = done.get((s - 1, "SEND_F", m))
-            return None if t is None else t + comm_f[s - 1][m]
-        t = done.get((s + 1, "SEND_B", m))   # RECV_B
-        return None if t is None else t + comm_b[s][m]
+    lists = schedule.actions
+    last = S - 1
 
     queue = deque(range(nw))
     queued = [True] * nw
@@ -473,41 +451,78 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
         w = queue.popleft()
         queued[w] = False
         progressed = False
-        while ptr[w] < len(lists[w]):
-            key = lists[w][ptr[w]]
-            t_ready = ready_time(key)
+        acts = lists[w]
+        n_acts = len(acts)
+        ev, tr = events[w], transfers[w]
+        while ptr[w] < n_acts:
+            action = acts[ptr[w]]
+            s, k, m = action.stage, action.kind, action.micro
+            # when the inputs of the action are available on its worker (None: a dependency is not done)
+            if k == "F":
+                if s == 0:
+                    t_ready = 0.0
+                elif explicit:
+                    t_ready = d_recv_f[s][m]
+                else:
+                    t = d_f[s - 1][m]
+                    t_ready = None if t is None else t + comm_f[s - 1][m]
+            elif k == "B" or k == "BI":
+                t_f = d_f[s][m]
+                if t_f is None:
+                    t_ready = None
+                elif s == last:
+                    t_ready = t_f
+                else:
+                    t = d_recv_b[s][m] if explicit else d_g[s + 1][m]
+                    if t is None:
+                        t_ready = None
+                    else:
+                        if not explicit:
+                            t = t + comm_b[s][m]
+                        t_ready = t_f if t_f > t else t
+            elif k == "BW":
+                t_ready = d_bi[s][m]
+            elif k == "SEND_F":
+                t_ready = d_f[s][m]
+            elif k == "SEND_B":
+                t_ready = d_g[s][m]
+            elif k == "RECV_F":
+                t = d_send_f[s - 1][m]
+                t_ready = None if t is None else t + comm_f[s - 1][m]
+            else:   # RECV_B
+                t = d_send_b[s + 1][m]
+                t_ready = None if t is None else t + comm_b[s][m]
             if t_ready is None:
                 break
-            s, k, m = key
-            action = schedule.actions[w][ptr[w]]
-            if k in ("F", "B", "BI", "BW"):
-                start = max(free[w], t_ready)
+            fw = free[w]
+            if k in _COMPUTE:
+                start = fw if fw > t_ready else t_ready
                 dur = (fwd[s][m] if k == "F" else bwd[s][m] if k == "B" else wgr[s][m] if k == "BW"
                        else bwd[s][m] - wgr[s][m])
                 end = start + dur
                 busy[w] += dur
                 free[w] = end
-                events[w].append((action, start, end))
+                ev.append((action, start, end))
                 if k == "B" or k == "BI":
-                    done[(s, "G", m)] = end
+                    d_g[s][m] = end
                 if not explicit:
                     if k == "F" and s > 0:
-                        t0 = done[(s - 1, "F", m)]
-                        transfers[w].append((Action(s, "RECV_F", m), t0, t0 + comm_f[s - 1][m]))
-                    elif (k == "B" or k == "BI") and s < S - 1:
-                        t0 = done[(s + 1, "G", m)]
-                        transfers[w].append((Action(s, "RECV_B", m), t0, t0 + comm_b[s][m]))
-            elif k.startswith("SEND"):
-                end = start = max(free[w], t_ready)   # asynchronous: issued, no worker time
-                events[w].append((action, start, end))
+                        t0 = d_f[s - 1][m]
+                        tr.append((Action(s, "RECV_F", m), t0, t0 + comm_f[s - 1][m]))
+                    elif (k == "B" or k == "BI") and s < last:
+                        t0 = d_g[s + 1][m]
+                        tr.append((Action(s, "RECV_B", m), t0, t0 + comm_b[s][m]))
+            elif k == "SEND_F" or k == "SEND_B":
+                end = start = fw if fw > t_ready else t_ready   # asynchronous: issued, no worker time
+                ev.append((action, start, end))
             else:   # a blocking receive: the worker waits until the data has arrived
-                start = free[w]
-                end = max(free[w], t_ready)
+                start = fw
+                end = fw if fw > t_ready else t_ready
                 free[w] = end
-                events[w].append((action, start, end))
+                ev.append((action, start, end))
                 comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
-                transfers[w].append((action, t_ready - comm, t_ready))
-            done[key] = end
+                tr.append((action, t_ready - comm, t_ready))
+            done[k][s][m] = end
             ptr[w] += 1
             progressed = True
         if progressed:
