@@ -27,6 +27,13 @@ Terms
   launch records the count it shared out in the environment variable ``AUTOPAR_NUM_CORES`` of every
   rank (``autopar.runtime.emulate.apply_cpu_share``); without it, the cores this process may use.
 
+- emulated link (``autopar.cluster.links.EmulatedLink``): the measured gloo link between the emulated
+  ranks of a node. ``with_emulated_link`` returns the cluster carrying it (``LinkedCluster``: the same
+  devices, nodes and file figures, plus the link); ``emulated_link_nodes`` are the nodes it applies to:
+  those whose devices are all ``emulate: cpu`` and whose file declares no ``intra_bandwidth_GBps``.
+  ``link_layout`` names the core layout the ranks of a node run under (their ``cpu_shares``), which
+  the measurement reproduces and its cache is keyed by.
+
 Pure functions of their arguments; only the default core count reads this process's CPU affinity.
 """
 
@@ -34,9 +41,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-__all__ = ["CpuShare", "cpu_shares", "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
+from autopar.cluster.links import EmulatedLink
+from autopar.cluster.model import Cluster
+
+__all__ = ["LinkedCluster", "with_emulated_link", "emulated_link_nodes", "link_layout", "CpuShare", "cpu_shares", "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
            "NUM_CORES_ENV", "STEADY_ENV", "steady_emulation"]
 
 NUM_CORES_ENV = "AUTOPAR_NUM_CORES"
@@ -111,3 +121,51 @@ def steady_emulation() -> bool:
     """Whether the emulated clocks of a run (``autopar.runtime.emulate.clock_for``) are steady (default
     yes; ``AUTOPAR_EMULATION_STEADY=0`` charges every block its own CPU time)."""
     return os.environ.get(STEADY_ENV, "1").lower() not in ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LinkedCluster(Cluster):
+    """A ``Cluster`` that carries the measured link between its emulated ranks (see the module
+    docstring). Equal to, and hashed as, the plain cluster: the link is a measurement of this
+    machine, not part of the cluster's description (``to_dict`` and ``signature`` leave it out)."""
+    emulated_link: EmulatedLink | None = None
+
+    def __eq__(self, other):
+        return isinstance(other, Cluster) and all(
+            getattr(self, f.name) == getattr(other, f.name) for f in fields(Cluster))
+
+    def __hash__(self):
+        return hash(tuple(getattr(self, f.name) for f in fields(Cluster)))
+
+
+def emulated_link_nodes(cluster) -> tuple[int, ...]:
+    """The nodes of ``cluster`` whose links the measured emulated link prices (see the module docstring)."""
+    out = []
+    for n in range(cluster.num_nodes):
+        members = [d for d in cluster.devices if d.node == n]
+        if len(members) > 1 and cluster.node_intra_Bps[n] is None and all(d.spec.is_emulated for d in members):
+            out.append(n)
+    return tuple(out)
+
+
+def link_layout(cluster, node: int, cores: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Per rank of ``node`` (in rank order), the index of the first core it runs on when all of
+    ``cluster``'s ranks share this machine (``cpu_shares``), cores renumbered 0.. in order of first use."""
+    shares = cpu_shares(cluster, cores)
+    seen: dict[int, int] = {}
+    out = []
+    for d in cluster.devices:
+        if d.node == node:
+            first = shares[d.rank].cores[0] if shares[d.rank] is not None else -1
+            out.append(seen.setdefault(first, len(seen)))
+    return tuple(out)
+
+
+def with_emulated_link(cluster, link: EmulatedLink | None):
+    """``cluster`` carrying ``link`` for its ``emulated_link_nodes`` (``link`` None, or no such node:
+    ``cluster`` itself, without a link)."""
+    nodes = emulated_link_nodes(cluster) if link is not None else ()
+    base = {f.name: getattr(cluster, f.name) for f in fields(Cluster)}
+    if not nodes:
+        return Cluster(**base) if isinstance(cluster, LinkedCluster) else cluster
+    return LinkedCluster(**base, emulated_link=EmulatedLink(link.latency_s, link.bandwidth_Bps, nodes, link.layout))

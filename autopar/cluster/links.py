@@ -13,6 +13,16 @@ Terms
 - device family: "cpu" for CPU and emulated devices, else the vendor ("nvidia", "amd"); vendor
   "other" devices form one family per device type (an unknown accelerator talks only to its own kind).
 
+- emulated link (``EmulatedLink``): what gloo really achieves between the emulated CPU ranks of one
+  node on this machine, measured once per machine and core layout (``autopar.cost.calibrate.
+  measure_emulated_link``): one latency and, per operation (all-reduce, all-gather, reduce-scatter,
+  broadcast, point-to-point), the bandwidth that makes ``autopar.cost.comm``'s formula for that operation
+  give the measured time. Gloo's operations differ several-fold on one machine (its reduce-scatter is
+  slower than its all-reduce), so one bandwidth cannot price them all. It is the default link between
+  ``emulate: cpu`` devices of a node whose cluster file declares no ``intra_bandwidth_GBps``: a cluster
+  carries it once ``autopar.cluster.emulation.with_emulated_link`` attached it (the planner's clusters
+  do: ``autopar.cost.calibrate.calibrated_cluster``). GPU and native-CPU links never use it.
+
 Bandwidths are per direction, in bytes per second; latencies in seconds. The time of a transfer or a
 collective over these links is ``autopar.cost.comm``'s.
 """
@@ -30,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = [
-    "LinkModel", "DEFAULT_LINK", "LinkKind", "family", "check_rank", "link_kind", "pair_bandwidth_Bps",
+    "LinkModel", "DEFAULT_LINK", "EmulatedLink", "LINK_OPS", "emulated_link_of", "LinkKind", "family", "check_rank", "link_kind", "pair_bandwidth_Bps",
     "pair_latency_s",
 ]
 
@@ -64,6 +74,62 @@ class LinkModel:
 
 
 DEFAULT_LINK = LinkModel()
+
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedLink:
+    """The measured link between the emulated CPU ranks of a node (see the module docstring)."""
+    latency_s: float
+    bandwidth_Bps: tuple[tuple[str, float], ...]   # (operation, bytes/s) for every one of LINK_OPS
+    nodes: tuple[int, ...] = ()                     # the nodes it applies to (no declared intra link)
+    layout: str = ""                                # the core layout it was measured under, e.g. "0|1|1"
+
+    def __post_init__(self):
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ClusterError(f"EmulatedLink.latency_s: {self.latency_s!r} must be a finite number >= 0")
+        ops = dict(self.bandwidth_Bps)
+        missing = [op for op in LINK_OPS if op not in ops]
+        if missing:
+            raise ClusterError(f"EmulatedLink.bandwidth_Bps: no figure for {', '.join(missing)}")
+        bad = [op for op, bw in ops.items() if not bw > 0]
+        if bad:
+            raise ClusterError(f"EmulatedLink.bandwidth_Bps: {', '.join(bad)} must be > 0")
+
+    def bandwidth(self, op: str) -> float:
+        return dict(self.bandwidth_Bps)[op]
+
+    def scaled(self, factor: float) -> "EmulatedLink":
+        """This link with every bandwidth divided by ``factor`` (a calibrated ``comm`` factor)."""
+        return EmulatedLink(self.latency_s, tuple((op, bw / factor) for op, bw in self.bandwidth_Bps),
+                            self.nodes, self.layout)
+
+    def to_json(self) -> dict:
+        return {"latency_s": self.latency_s, "bandwidth_Bps": dict(self.bandwidth_Bps), "layout": self.layout}
+
+    @classmethod
+    def from_json(cls, d: dict, nodes: tuple[int, ...] = ()) -> "EmulatedLink":
+        return cls(float(d["latency_s"]), tuple((op, float(d["bandwidth_Bps"][op])) for op in LINK_OPS),
+                   tuple(nodes), str(d.get("layout", "")))
+
+
+def emulated_link_of(cluster: "Cluster", ranks) -> EmulatedLink | None:
+    """The measured link that prices a collective or transfer over ``ranks``: the one ``cluster``
+    carries (``emulated_link``), when every rank is an emulated device of one node it applies to;
+    else None (the nominal link model)."""
+    link = getattr(cluster, "emulated_link", None)
+    if link is None:
+        return None
+    devices = cluster.devices
+    node = devices[ranks[0]].node
+    if node not in link.nodes:
+        return None
+    for r in ranks:
+        d = devices[r]
+        if d.node != node or not d.spec.is_emulated:
+            return None
+    return link
 
 
 def family(spec: DeviceSpec) -> str:

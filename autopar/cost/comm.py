@@ -23,6 +23,11 @@ Algorithms (keyword ``algorithm``)
   NIC, as in GPU clusters), then the intra-node ring again where the collective needs it. This is
   how NCCL's many channels reach m x the per-NIC bandwidth across nodes.
 - "auto": the faster of the two (NCCL chooses its algorithm per size too).
+
+Emulated links: between the emulated CPU ranks of a node whose cluster file declares no intra-node
+link, a cluster that carries a measured ``EmulatedLink`` (``autopar.cluster.links``; the planner's do)
+prices each operation with that operation's measured bandwidth and the measured latency, in the same
+formulas. Every other link, GPU links above all, is priced as before.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import math
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from autopar.cluster.links import (
-    DEFAULT_LINK, LinkKind, LinkModel, check_rank, family, link_kind, pair_bandwidth_Bps, pair_latency_s,
+    DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, pair_bandwidth_Bps,
+    pair_latency_s,
 )
 from autopar.errors import ClusterError
 
@@ -53,6 +59,11 @@ def p2p_time_s(cluster: "Cluster", src: int, dst: int, nbytes: float,
     if src == dst:
         check_rank(cluster, src, "src")
         return 0.0
+    check_rank(cluster, src, "src")
+    check_rank(cluster, dst, "dst")
+    measured = emulated_link_of(cluster, (src, dst))
+    if measured is not None:
+        return measured.latency_s + nbytes / measured.bandwidth("p2p")
     return pair_latency_s(cluster, src, dst, link) + nbytes / pair_bandwidth_Bps(cluster, src, dst, link)
 
 
@@ -73,11 +84,15 @@ def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
 
 
 def ring_link(cluster: "Cluster", ranks: Sequence[int],
-              link: LinkModel = DEFAULT_LINK) -> tuple[float, float]:
-    """(bandwidth_Bps of the slowest link, largest latency_s) of the ring over ``ranks`` in order."""
+              link: LinkModel = DEFAULT_LINK, op: str = "all_reduce") -> tuple[float, float]:
+    """(bandwidth_Bps of the slowest link, largest latency_s) of the ring over ``ranks`` in order; over
+    a measured emulated link, ``op``'s bandwidth (one of ``autopar.cluster.links.LINK_OPS``)."""
     ranks = _ring(cluster, ranks)
     if len(ranks) == 1:
         return math.inf, 0.0
+    measured = emulated_link_of(cluster, ranks)
+    if measured is not None:
+        return measured.bandwidth(op), measured.latency_s
     # Pairs of the same (node if shared, device types) have the same link: price each such pair once.
     distinct: dict = {}
     devices = cluster.devices
@@ -93,11 +108,11 @@ def ring_link(cluster: "Cluster", ranks: Sequence[int],
 
 
 def _ring_steps_time_s(cluster, ranks: tuple[int, ...], nbytes: float, steps_per_rank: int,
-                       link: LinkModel) -> float:
+                       link: LinkModel, op: str = "all_reduce") -> float:
     n = len(ranks)
     if n == 1:
         return 0.0
-    bw, lat = ring_link(cluster, ranks, link)
+    bw, lat = ring_link(cluster, ranks, link, op)
     return steps_per_rank * (n - 1) * (lat + nbytes / n / bw)
 
 
@@ -119,14 +134,14 @@ def _hierarchical_time_s(cluster, groups: list[tuple[int, ...]], nbytes: float, 
 
 
 def _collective_time_s(cluster, ranks, nbytes, ring_steps: int, intra_steps: int, inter_steps: int,
-                       link: LinkModel, algorithm: str) -> float:
+                       link: LinkModel, algorithm: str, op: str) -> float:
     _check_nbytes(nbytes)
     ranks = _ring(cluster, ranks)
     if algorithm not in ("ring", "hierarchical", "auto"):
         raise ValueError(f"algorithm: {algorithm!r} is not one of 'ring', 'hierarchical', 'auto'")
     if len(ranks) == 1:
         return 0.0
-    ring = _ring_steps_time_s(cluster, ranks, nbytes, ring_steps, link)
+    ring = _ring_steps_time_s(cluster, ranks, nbytes, ring_steps, link, op)
     if algorithm == "ring":
         return ring
     groups = _node_groups(cluster, ranks)
@@ -140,19 +155,19 @@ def allreduce_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
                      link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
     """Allreduce of an ``nbytes`` buffer. Ring: 2 (n-1) / n * nbytes / bw + 2 (n-1) latencies;
     hierarchical: intra reduce-scatter, inter allreduce of 1/m shards, intra all-gather."""
-    return _collective_time_s(cluster, ranks, nbytes, 2, 2, 2, link, algorithm)
+    return _collective_time_s(cluster, ranks, nbytes, 2, 2, 2, link, algorithm, "all_reduce")
 
 
 def reduce_scatter_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
                           link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
     """Reduce-scatter of an ``nbytes`` buffer into n shards. Ring: (n-1)/n * nbytes/bw + (n-1) latencies."""
-    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm)
+    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm, "reduce_scatter")
 
 
 def allgather_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
                      link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
     """All-gather of n shards into an ``nbytes`` buffer. Ring: (n-1)/n * nbytes/bw + (n-1) latencies."""
-    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm)
+    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm, "all_gather")
 
 
 def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
@@ -163,6 +178,9 @@ def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
     n = len(ranks)
     if n == 1:
         return 0.0
+    measured = emulated_link_of(cluster, ranks)
+    if measured is not None:
+        return (n - 1) * measured.latency_s + nbytes / measured.bandwidth("broadcast")
     # A chain, not a ring: the link from the last rank back to the root carries nothing.
     chain = [(ranks[i], ranks[i + 1]) for i in range(n - 1)]
     bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in chain)

@@ -14,6 +14,10 @@ Terms
   measured elsewhere are never carried over. ``AUTOPAR_CALIBRATION=off`` makes ``load_calibration``
   return nothing (a run that calibrates predicts without them, so factors never compound).
 
+- emulated link: the gloo link measured between emulated ranks (``autopar.cost.calibrate.
+  measure_emulated_link``), in ``links.json`` under ``cache_dir()``, filed under ``machine_id()`` and
+  the core layout it was measured under (``load_link`` / ``save_link``), like the calibration.
+
 Used by ``autopar.cost.profile`` and ``autopar.cost.step``; neither imports the other's internals.
 """
 
@@ -28,7 +32,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
-           "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV"]
+           "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV", "links_path", "load_link",
+           "save_link"]
 
 CALIBRATION_ENV = "AUTOPAR_CALIBRATION"
 
@@ -109,4 +114,22 @@ def save_calibration(factors: dict[str, dict[str, float]], machine: str | None =
     mine = dict(data.get(machine or machine_id(), {}))
     mine.update({k: dict(v) for k, v in factors.items()})
     data[machine or machine_id()] = mine
+    save_json(path, data)
+
+
+def links_path() -> Path:
+    return cache_dir() / "links.json"
+
+
+def load_link(layout_key: str, machine: str | None = None) -> dict | None:
+    """The emulated link measured on this machine under ``layout_key`` (its JSON form), or None."""
+    found = load_json(links_path()).get(machine or machine_id(), {}).get(layout_key)
+    return dict(found) if isinstance(found, dict) else None
+
+
+def save_link(layout_key: str, link: dict, machine: str | None = None) -> None:
+    """File the emulated link ``link`` (JSON form) under this machine and ``layout_key``."""
+    path = links_path()
+    data = load_json(path)
+    data.setdefault(machine or machine_id(), {})[layout_key] = dict(link)
     save_json(path, data)

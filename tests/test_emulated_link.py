@@ -1,0 +1,86 @@
+"""The measured link between emulated CPU ranks (autopar.cluster.links.EmulatedLink): measured with
+threads over gloo, cached per machine and core layout, used only between emulate: cpu devices of a node
+whose cluster file declares no link, never for GPU or native-CPU links."""
+
+import pytest
+
+from autopar.cluster.emulation import LinkedCluster, emulated_link_nodes, link_layout, with_emulated_link
+from autopar.cluster.links import LINK_OPS, EmulatedLink
+from autopar.cluster.model import Cluster, builtin
+from autopar.cost import comm
+from autopar.errors import ClusterError
+
+SLOW = EmulatedLink(1e-3, tuple((op, 50e6 * (i + 1)) for i, op in enumerate(LINK_OPS)))
+
+
+def _emulated(declared_GBps=None, extra_gpu=False):
+    node = {"device": {"name": "e", "emulate": "cpu", "speed": 0.5, "memory_GB": 1}, "count": 3}
+    if declared_GBps is not None:
+        node["intra_bandwidth_GBps"] = declared_GBps
+    nodes = [node] + ([{"device": "A100-80GB", "count": 2}] if extra_gpu else [])
+    return Cluster.from_dict({"nodes": nodes})
+
+
+def test_the_link_prices_each_operation_with_its_own_bandwidth_between_emulated_ranks():
+    c = with_emulated_link(_emulated(extra_gpu=True), SLOW)
+    assert isinstance(c, LinkedCluster) and c == _emulated(extra_gpu=True)
+    assert c.signature() == _emulated(extra_gpu=True).signature()
+    n, nb = 3, 30e6
+    bw = dict(SLOW.bandwidth_Bps)
+    assert comm.allreduce_time_s(c, [0, 1, 2], nb) == pytest.approx(2 * (n - 1) * (1e-3 + nb / n / bw["all_reduce"]))
+    assert comm.allgather_time_s(c, [0, 1, 2], nb) == pytest.approx((n - 1) * (1e-3 + nb / n / bw["all_gather"]))
+    assert comm.reduce_scatter_time_s(c, [0, 1, 2], nb) == pytest.approx(
+        (n - 1) * (1e-3 + nb / n / bw["reduce_scatter"]))
+    assert comm.broadcast_time_s(c, [0, 1, 2], nb) == pytest.approx((n - 1) * 1e-3 + nb / bw["broadcast"])
+    assert comm.p2p_time_s(c, 0, 2, nb) == pytest.approx(1e-3 + nb / bw["p2p"])
+    # GPU links, and rings that reach a GPU, keep the nominal model
+    plain = _emulated(extra_gpu=True)
+    assert comm.allreduce_time_s(c, [3, 4], nb) == comm.allreduce_time_s(plain, [3, 4], nb)
+    assert comm.p2p_time_s(c, 0, 3, nb) == comm.p2p_time_s(plain, 0, 3, nb)
+
+
+def test_a_declared_intra_link_wins_and_gpu_clusters_carry_no_link():
+    declared = _emulated(declared_GBps=2)
+    assert emulated_link_nodes(declared) == ()
+    assert with_emulated_link(declared, SLOW) is declared
+    gpus = Cluster.homogeneous("A100-80GB", 4)
+    assert with_emulated_link(gpus, SLOW) is gpus
+    assert emulated_link_nodes(builtin("demo")) == (0,)
+
+
+def test_the_layout_follows_the_runs_cpu_shares():
+    demo = builtin("demo")                   # speeds 1 / 0.5 / 0.25 on two cores: the 1.0 rank alone
+    assert link_layout(demo, 0, [0, 1]) == (0, 1, 1)
+    assert link_layout(demo, 0, [0, 1, 2, 3]) == (0, 1, 2)
+
+
+def test_a_link_needs_every_operation():
+    with pytest.raises(ClusterError, match="reduce_scatter"):
+        EmulatedLink(1e-3, (("all_reduce", 1e9),))
+    assert EmulatedLink.from_json(SLOW.to_json(), (0,)) == EmulatedLink(SLOW.latency_s, SLOW.bandwidth_Bps, (0,))
+
+
+def test_measured_once_per_machine_and_layout_then_read_from_the_cache(tmp_path, monkeypatch):
+    from autopar.cost import calibrate, measure_cache
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_NUM_CORES", "2")
+    link = calibrate.measure_emulated_link((0, 1), repeats=1, nbytes=1 << 16)
+    assert link.latency_s > 0 and all(bw > 0 for _, bw in link.bandwidth_Bps) and link.layout == "0|1"
+    calls = []
+    monkeypatch.setattr(calibrate, "measure_emulated_link", lambda layout: calls.append(layout) or link)
+    demo = builtin("demo")
+    first = calibrate.emulated_link_for(demo)
+    again = calibrate.emulated_link_for(demo)
+    assert calls == [(0, 1, 1)] and first == again and first.nodes == (0,)
+    assert measure_cache.load_link("ranks 3|cores 0|1|1 of 2") is not None
+    planned = calibrate.calibrated_cluster(demo)
+    assert planned.emulated_link == first
+    assert comm.allgather_time_s(planned, [0, 1, 2], 1e7) != comm.allgather_time_s(demo, [0, 1, 2], 1e7)
+    # a comm factor divides the measured link's bandwidths
+    key = calibrate.device_key(demo.devices[0].spec, 3.0)
+    measure_cache.save_calibration({key: {"comm": 2.0}})
+    slowed = calibrate.calibrated_cluster(demo)
+    assert slowed.emulated_link.bandwidth("all_gather") == pytest.approx(first.bandwidth("all_gather") / 2)
+    monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")
+    assert calibrate.emulated_link_for(demo) is None
