@@ -76,14 +76,19 @@ def _model(engine) -> torch.nn.Module:
     return engine.inputs.model
 
 
-def model_signature(engine) -> dict[str, tuple[int, ...]]:
-    """``model.<fqn>`` -> full shape of every tensor of the user's model (its first state_dict key),
-    the same on every rank whatever the plan (meta tensors have their shapes)."""
+def model_signature(engine, pieces=()) -> dict[str, tuple[int, ...] | None]:
+    """``model.<fqn>`` -> full shape of every tensor of the user's model (its first state_dict key), the
+    same names on every rank whatever the plan. Shapes come from this rank's ``pieces`` where it holds
+    the tensor, else from the model (meta tensors keep theirs); None where neither says (a parameter a
+    tensor-parallel engine freed, on a rank holding no shard of it)."""
+    held = {p.fqn: tuple(p.global_shape) for p in pieces if p.fqn.startswith(MODEL)}
     out, seen = {}, set()
     for key, t in _model(engine).state_dict(keep_vars=True).items():
         if id(t) not in seen:
             seen.add(id(t))
-            out[MODEL + key] = tuple(int(n) for n in t.shape)
+            name = MODEL + key
+            freed = t.dim() == 1 and t.numel() == 0 and not t.is_meta
+            out[name] = held.get(name, None if freed else tuple(int(n) for n in t.shape))
     return out
 
 
@@ -154,9 +159,9 @@ def save(compiled, directory, *, async_save: bool = False) -> Manifest | SaveHan
     return handle
 
 
-def _check_model(manifest: Manifest, engine) -> None:
+def _check_model(manifest: Manifest, engine, pieces) -> None:
     """The checkpoint holds exactly this model's tensors (names and full shapes)."""
-    ours = model_signature(engine)
+    ours = model_signature(engine, pieces)
     saved = {k: tuple(v) for k, v in manifest.signature.items() if k.startswith(MODEL)}
     where = manifest.path / MANIFEST
     missing = sorted(set(ours) - set(saved))
@@ -166,7 +171,7 @@ def _check_model(manifest: Manifest, engine) -> None:
             (f"has {extra[:3]} which this model does not" if extra else "")
         raise CheckpointError(f"checkpoint: {where} is a checkpoint of another model: it {said}")
     for k, shape in ours.items():
-        if saved[k] != shape:
+        if shape is not None and saved[k] != shape:
             raise CheckpointError(f"checkpoint: {where} has {k!r} of shape {saved[k]}, this model's is {shape}: "
                                   "a checkpoint of another model")
 
@@ -177,7 +182,7 @@ def load(compiled, directory) -> Manifest:
     foreign checkpoint."""
     manifest = read_manifest(directory)
     engine = compiled.engine
-    _check_model(manifest, engine)
+    _check_model(manifest, engine, engine_pieces(engine, optimizer=False))
     gbs = manifest.meta.get("global_batch_size")
     if gbs is not None and int(gbs) != int(compiled.plan.global_batch_size):
         raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} was saved at global_batch_size={gbs}, this "

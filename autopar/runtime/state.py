@@ -129,13 +129,13 @@ def _tp(engine: TensorParallelEngine):
     keys = {name: ks[0] for name, ks in engine._source_keys.items() if ks}
     shards = {s.local: s for s in engine.layout.params}
     masters, opt_slots, seen = [], {}, set()
+    if engine._member is None:          # an idle rank: it never steps, and state_dict() takes rank 0's
+        return masters, opt_slots
     for local_name, p in engine.gm.named_parameters():
         if p.is_meta:
             continue
         s = shards.get(local_name)
         if s is not None:
-            if engine._member is None:
-                continue                # an idle rank holds no shard
             slot = Slot(keys[s.source], tuple(s.full_shape), "tp", dim=s.dim,
                         ranges=tuple(s.ranges[engine.layout.rank_index]))
         elif id(p) in names:
@@ -237,15 +237,45 @@ def engine_pieces(engine, *, optimizer: bool = True) -> list[Piece]:
     return out
 
 
+def _empty_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> dict | None:
+    """The state torch's SGD / Adam / AdamW give ``p`` on its first step, as zeros (a load overwrites it);
+    None for other optimizers."""
+    if type(opt) is torch.optim.SGD:
+        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)} \
+            if group.get("momentum", 0) != 0 else {}
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        state = {"step": torch.tensor(0.0, dtype=torch.float32),
+                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        if group.get("amsgrad"):
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group.get("capturable") or group.get("fused"):
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        return state
+    return None
+
+
 def ensure_optimizer_state(opt: torch.optim.Optimizer) -> bool:
-    """Give every parameter of ``opt`` that has no state its state, by one step at learning rate 0 on
-    zero gradients for those parameters only (others get no gradient, so torch skips them): each
-    parameter stays bit for bit (``p - 0 * u == p``, AdamW's ``p * (1 - 0 * wd) == p``) and the state
-    tensors are made with their shapes, to be overwritten by a load. Returns whether it stepped."""
+    """Give every parameter of ``opt`` that has no state its state: SGD's, Adam's and AdamW's made
+    directly (zeros, no gradient needed), any other optimizer's by one step at learning rate 0 on zero
+    gradients for those parameters only (others get no gradient, so torch skips them), which leaves each
+    parameter bit for bit (``p - 0 * u == p``) and makes the state tensors with their shapes. A load
+    then overwrites them. Returns whether any state was made."""
     params = [p for g in opt.param_groups for p in g["params"]]
     missing = {id(p) for p in params if not opt.state.get(p)}
     if not missing:
         return False
+    generic = False
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if id(p) in missing:
+                state = _empty_state(opt, g, p)
+                if state is None:
+                    generic = True
+                elif state:
+                    opt.state[p].update(state)
+    if not generic:
+        return True
     saved_grads = {id(p): p.grad for p in params}
     saved_lr = [g.get("lr") for g in opt.param_groups]
     try:
