@@ -159,3 +159,114 @@ class ThreeRanks(threaded_ranks(3)):
         reference = (losses, ref.state_dict())
         del ref
         resharded_run(self.rank, self.world_size, a, b, precision="bf16", reference=reference)
+
+
+def _block_bytes(model) -> int:
+    """The bytes of the model's largest block's parameters (mlp: one layer)."""
+    per = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        per[key] = per.get(key, 0) + p.numel() * p.element_size()
+    return max(per.values())
+
+
+class ThreeRanksMemory(threaded_ranks(3)):
+    def test_no_rank_holds_more_than_its_share_plus_one_block(self):
+        """ZeRO-3 at 3:2:1 saves, ZeRO-3 at 1:1:1 loads (a fresh engine: the load makes its optimizer
+        state). Tracked tensor bytes (autopar.runtime.memory.TrackedMeter: every operator's new storage)
+        stay within one block beyond what the rank holds anyway (its share, and the optimizer state the
+        load makes), and no saved chunk (which DCP reads whole, untracked) is larger than one block: no
+        rank gathers the full state, which is 2-6x a rank's share here."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from autopar.runtime.checkpointing import piece_bytes
+        from autopar.runtime.memory import TrackedMeter
+        from autopar.runtime.state import OPTIM, engine_pieces
+
+        overrides = dict(num_layers=4, hidden_size=128)
+        data, _ = oracle(overrides=overrides)
+        root = shared_dir(self.rank)
+        try:
+            a = compiled_for(_dp({0: [6], 1: [4], 2: [2]}, 3, shares=(3, 2, 1)), self.rank, 3, overrides=overrides)
+            for batch in data[:N]:
+                a.step(*batch)
+            block = _block_bytes(a.engine.model)
+            full = sum(p.numel() * 4 for p in a.engine.model.parameters()) * 3    # params + AdamW's two moments
+            share = piece_bytes(engine_pieces(a.engine))
+            with TrackedMeter(rank=self.rank) as meter:
+                a.save(root / "ckpt")
+            save_peak = meter.peak_bytes
+            b = compiled_for(_dp({0: [4], 1: [4], 2: [4]}, 3, shares=(1, 1, 1)), self.rank, 3, overrides=overrides)
+            with TrackedMeter(rank=self.rank) as meter:
+                b.load(root / "ckpt")
+            load_peak = meter.peak_bytes
+            made = piece_bytes([p for p in engine_pieces(b.engine) if p.fqn.startswith(OPTIM)])
+            chunks = FileSystemReader(str(root / "ckpt")).read_metadata().state_dict_metadata
+            largest = max(c.sizes.numel() * 4 for md in chunks.values() for c in getattr(md, "chunks", ()))
+            assert share <= 0.55 * full          # 3/6, 2/6, 1/6 of the state
+            assert save_peak <= block, (save_peak, block, share)
+            assert load_peak <= made + block, (load_peak, made, block)
+            assert largest <= block, (largest, block)
+        finally:
+            pg_barrier()
+            if self.rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+
+
+class TwoRanksDamaged(threaded_ranks(2)):
+    def test_damaged_checkpoints_raise_one_error_naming_the_file_and_load_nothing(self):
+        """Through compiled.load: a truncated shard, a checkpoint of another model, a missing file and a
+        directory without a manifest (an interrupted save) each raise CheckpointError naming the file on
+        every rank; the engine's parameters, optimizer state and step count are left as they were."""
+        import os
+
+        from autopar.runtime.state import torch_optimizer
+
+        data, _ = oracle()
+        root = shared_dir(self.rank)
+        try:
+            plan = _dp({0: [6], 1: [6]}, 1)
+            a = compiled_for(plan, self.rank, 2)
+            for batch in data[:N]:
+                a.step(*batch)
+            a.save(root / "good")
+            other = compiled_for(plan, self.rank, 2, overrides=dict(num_layers=3, hidden_size=16))
+            other.save(root / "other")
+            if self.rank == 0:
+                for name in ("truncated", "missing", "partial"):
+                    shutil.copytree(root / "good", root / name)
+                shard = max((root / "truncated").glob("__1_*.distcp"), key=lambda f: f.stat().st_size)
+                os.truncate(shard, shard.stat().st_size - 7)
+                gone = next((root / "missing").glob("__0_*.distcp"))
+                gone.unlink()
+                (root / "partial" / "autopar.json").unlink()
+            pg_barrier()
+            b = compiled_for(_dp({0: [4, 4], 1: [4]}, 2, shares=(2, 1)), self.rank, 2)
+            b.step(*data[0])
+            before = {k: v.clone() for k, v in b.state_dict().items()}
+            opt = torch_optimizer(b.engine)
+            opt_before = [{k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups
+                          for p in g["params"]]
+            cases = {"truncated": shard.name if self.rank == 0 else ".distcp", "missing": ".distcp",
+                     "partial": "autopar.json", "other": "autopar.json"}
+            for name, file_hint in cases.items():
+                with pytest.raises(CheckpointError) as info:
+                    b.load(root / name)
+                message = str(info.value)
+                assert str(root / name) in message and file_hint in message, message
+                if name == "truncated":
+                    assert "bytes" in message and "damaged" in message, message
+                if name == "other":
+                    assert "another model" in message, message
+            assert b.step_count == 1
+            after = b.state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            opt_after = [opt.state[p] for g in opt.param_groups for p in g["params"]]
+            assert all(torch.equal(s[k], t[k]) for s, t in zip(opt_before, opt_after) for k in s)
+            b.load(root / "good")        # and the good one still loads
+            assert b.step_count == N
+        finally:
+            pg_barrier()
+            if self.rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
