@@ -61,6 +61,9 @@ class DeviceSpec:
     intra_bandwidth_Bps: float    # default device-to-device link inside a node
     emulate: str | None = None    # "cpu" for an emulated device (a CPU process at `speed`); None native
     speed: float = 1.0            # emulated devices only: fraction of this CPU's speed
+    # emulated devices only: the speed it really runs at when not `speed` (None: `speed`); the planner
+    # sees `speed`, the emulated clock runs `actual_speed` (autopar.runtime.emulate, docs/emulation.md)
+    actual_speed: float | None = None
 
     def __post_init__(self):
         # A spec built in code; cluster files and dicts are validated (with field paths) in
@@ -78,10 +81,18 @@ class DeviceSpec:
             raise ClusterError(f"DeviceSpec.emulate: {self.emulate!r} must be None or 'cpu'")
         if not 0 < self.speed <= 1:
             raise ClusterError(f"DeviceSpec.speed: {self.speed!r} must be in (0, 1]")
+        if self.actual_speed is not None and (self.emulate is None or not 0 < self.actual_speed <= 1):
+            raise ClusterError(f"DeviceSpec.actual_speed: {self.actual_speed!r} must be in (0, 1], on an "
+                               "emulated device only")
 
     @property
     def is_emulated(self) -> bool:
         return self.emulate is not None
+
+    @property
+    def run_speed(self) -> float:
+        """The speed an emulated device's clock runs it at: ``actual_speed`` when given, else ``speed``."""
+        return self.speed if self.actual_speed is None else self.actual_speed
 
     @property
     def backend(self) -> str:

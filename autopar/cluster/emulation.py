@@ -18,8 +18,8 @@ Terms
   - with at most as many CPU ranks as cores, each rank gets its own disjoint block of
     ``num_cores // num_ranks`` cores;
   - with more ranks than cores, each rank is pinned to one core, heaviest first onto the least loaded
-    core, a rank weighing its compute demand: ``speed`` for an emulated rank (it sleeps the rest of the
-    time), 1 for a native one. The demo's 1.0/0.5/0.25 ranks on 2 cores: the 1.0 rank alone on one core,
+    core, a rank weighing its compute demand: the speed its clock runs it at (``actual_speed`` where the
+    file gives one) for an emulated rank (it sleeps the rest of the time), 1 for a native one. The demo's 1.0/0.5/0.25 ranks on 2 cores: the 1.0 rank alone on one core,
     the two slower ones on the other.
   GPU ranks get no share (``None``): nothing is changed for them.
 - machine cores (``machine_cores``): the cores the ranks of this machine share, which the
@@ -76,7 +76,7 @@ def cpu_shares(cluster, cores: Sequence[int] | None = None) -> tuple[CpuShare | 
             shares[r] = CpuShare(block, 1 if specs[r].is_emulated else len(block))
         return tuple(shares)
     load = {c: 0.0 for c in cores}
-    demand = {r: float(specs[r].speed) if specs[r].is_emulated else 1.0 for r in cpu_ranks}
+    demand = {r: float(specs[r].run_speed) if specs[r].is_emulated else 1.0 for r in cpu_ranks}
     for r in sorted(cpu_ranks, key=lambda r: (-demand[r], r)):
         core = min(cores, key=lambda c: (load[c], c))
         load[core] += demand[r]

@@ -16,6 +16,9 @@ Schema (YAML or dict; see shared/spec/api.md)::
         count: 8                    # custom; optional fp32_tflops, vendor, intra_bandwidth_GBps
       - device: {name: slow, emulate: cpu, speed: 0.5, memory_GB: 2}
         count: 1                    # an emulated device: a CPU process at `speed` x this CPU
+      - device: {name: hot, emulate: cpu, speed: 1.0, actual_speed: 0.5, memory_GB: 2}
+        count: 1                    # declared (and planned) at 1.0, but its clock runs it at 0.5: a
+                                    # throttled or shared device, for calibration and re-planning
       - device: cpu                 # the preset CPU: this machine's CPU at native speed, not emulated
         count: 1
       - devices:                    # extension: a node mixing several device types
@@ -33,7 +36,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.cluster.devices import GiB, PCIE4_X16_Bps, PRESETS, VENDORS, DeviceSpec, emulated_spec, preset
@@ -55,7 +58,7 @@ _NETWORK_KEYS = ("bandwidth_GBps", "latency_us")
 _CUSTOM_KEYS = ("name", "tflops", "memory_GB", "mem_bandwidth_GBps", "fp32_tflops", "vendor",
                 "intra_bandwidth_GBps")
 _CUSTOM_REQUIRED = ("name", "tflops", "memory_GB", "mem_bandwidth_GBps")
-_EMULATED_KEYS = ("name", "emulate", "speed", "memory_GB")
+_EMULATED_KEYS = ("name", "emulate", "speed", "memory_GB", "actual_speed")
 _EMULATED_REQUIRED = ("name", "emulate", "speed", "memory_GB")
 
 
@@ -180,8 +183,15 @@ def _parse_device(value: Any, path: str) -> DeviceSpec:
         if not _is_number(speed) or not 0 < speed <= 1:
             raise ClusterError(f"{path}.speed: {speed!r} must be a number in (0, 1] "
                                "(the fraction of this CPU's speed)")
-        return emulated_spec(_name(value["name"], f"{path}.name"), float(speed),
+        spec = emulated_spec(_name(value["name"], f"{path}.name"), float(speed),
                              _memory_bytes(value["memory_GB"], f"{path}.memory_GB"))
+        if "actual_speed" in value:
+            actual = value["actual_speed"]
+            if not _is_number(actual) or not 0 < actual <= 1:
+                raise ClusterError(f"{path}.actual_speed: {actual!r} must be a number in (0, 1] (the speed "
+                                   "the device really runs at; the planner sees speed)")
+            spec = replace(spec, actual_speed=float(actual))
+        return spec
     _check_keys(value, _CUSTOM_KEYS, path)
     for key in _CUSTOM_REQUIRED:
         if key not in value:
@@ -301,7 +311,9 @@ def spec_to_schema(spec: DeviceSpec) -> str | dict:
     if spec.is_emulated:
         d = {"name": spec.name, "emulate": spec.emulate, "speed": spec.speed,
              "memory_GB": unscale(spec.memory_bytes, GiB)}
-        if emulated_spec(spec.name, spec.speed, spec.memory_bytes) != spec:
+        if spec.actual_speed is not None:
+            d["actual_speed"] = spec.actual_speed
+        if replace(emulated_spec(spec.name, spec.speed, spec.memory_bytes), actual_speed=spec.actual_speed) != spec:
             raise ClusterError(f"{spec.name}: an emulated spec with custom peak figures cannot be "
                                "written in the cluster schema")
         return d

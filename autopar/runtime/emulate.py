@@ -243,11 +243,14 @@ class NullClock:
 def clock_for(device, time_scale: float = 1.0, cpu_time: Callable[[], float] = time.thread_time
               ) -> EmulatedClock | NullClock:
     """The clock for a cluster ``Device`` (or its ``DeviceSpec``): an emulated device gets an
-    ``EmulatedClock`` (stretching ``cpu_time``) unless it runs at speed 1.0 with no time scale;
-    everything else, GPUs above all, a ``NullClock``."""
+    ``EmulatedClock`` (stretching ``cpu_time``) at the speed it really runs at (``actual_speed`` when the
+    cluster file gives one, else ``speed``: the planner sees ``speed``) unless that is 1.0 with no time
+    scale; everything else, GPUs above all, a ``NullClock``."""
     spec = getattr(device, "spec", device)
-    if getattr(spec, "emulate", None) and (float(spec.speed) != 1.0 or time_scale != 1.0):
-        return EmulatedClock(spec.speed, time_scale=time_scale, steady=steady_emulation(), cpu_time=cpu_time)
+    if getattr(spec, "emulate", None):
+        speed = float(spec.run_speed)
+        if speed != 1.0 or time_scale != 1.0:
+            return EmulatedClock(speed, time_scale=time_scale, steady=steady_emulation(), cpu_time=cpu_time)
     return NullClock()
 
 
