@@ -38,8 +38,8 @@ import numpy as np
 
 from autopar.cost import tp as tp_cost
 from autopar.cost.memory import usable_bytes
-from autopar.cost.stage import MemberLoad, StageLink, micro_sizes, p2p_alpha_beta, span_sums, stage_cost_row, \
-    stage_cost_tensor
+from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
+    stage_cost_tensor, stage_row_parts
 from autopar.cost.tp import Member
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
 
@@ -47,6 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "split_lower_bound"]
+
+_ROW_CACHE = 512   # stage row parts kept per search (~0.2 MB each at 82 blocks)
 
 
 # -- the cost tensor of one grouping -----------------------------------------------------------------
@@ -124,7 +126,14 @@ class JointContext:
         return self.cache["spans"]
 
     def shares(self, prep: "StagePrep", samples: int) -> tuple[int, ...]:
-        """``prep.shares(samples)``, cached (a stage's prep lives as long as its grouping's entry)."""
+        """``prep.shares(samples)``, cached: by the prep's load id (``prepare_stages``: stages of the same
+        members' kinds and counts share it), else by the prep (it lives as long as its grouping's entry)."""
+        if prep.load_id >= 0:
+            key = ("shares", prep.load_id, samples)
+            hit = self.cache.get(key)
+            if hit is None:
+                hit = self.cache[key] = prep.shares(samples)
+            return hit
         key = ("shares", id(prep), samples)
         hit = self.cache.get(key)
         if hit is None or hit[0] is not prep:
@@ -174,6 +183,7 @@ class StagePrep:
     p2p: StageLink | None                         # the link to the next stage
     counts: tuple[int, ...] = ()                  # members of each ``kinds`` entry
     tp: bool = False                              # a member is a tensor-parallel group
+    load_id: int = -1                             # equal for preps of equal loads (-1: not interned)
 
     def shares(self, samples: int) -> tuple[int, ...]:
         """Per ``kinds`` entry, the most samples of a micro-batch of ``samples`` any of its members
@@ -213,7 +223,10 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
             nxt = stages[s + 1]
             p2p = StageLink(*p2p_alpha_beta(ctx.cluster, members[0].ranks[0], nxt[0].ranks[0]),
                             min(len(members), len(nxt)))
-        out.append(StagePrep(len(members), kinds, p2p, counts, any(len(m.ranks) > 1 for m in members)))
+        tp = any(len(m.ranks) > 1 for m in members)
+        ids = ctx.cache.setdefault("load_ids", {})
+        load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
+        out.append(StagePrep(len(members), kinds, p2p, counts, tp, load_id))
     return out
 
 
@@ -227,24 +240,32 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     valid = ctx.upper()
     input_bytes = ctx.out_bytes0()
     zero = ctx.zero_for(num_micro)
-    row_cache: dict = {}
+    rows = ctx.cache.setdefault("row_parts", {})   # shared by every grouping and count of the search
+    force = recompute and ctx.force_recompute
+    # the state as the engines hold it (``cost.memory.stage_state_bytes``): ZeRO-0 on a stage with a
+    # TP member, and the whole gradient under ZeRO-2 (the same bytes as ZeRO-1)
+    zs = [0 if st.tp else min(zero, 1) for st in prep]
+    local: dict = {}
 
-    def row(s: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
+    def parts(s: int) -> RowParts:
         st = prep[s]
+        lk = (id(st), zs[s])
+        if lk in local:
+            return local[lk]
         shares = tuple((i, k, room, caps) for (i, _, room, caps), k in zip(st.kinds, ctx.shares(st, b)))
-        force = recompute and ctx.force_recompute
-        # the state as the engines hold it (``cost.memory.stage_state_bytes``): ZeRO-0 on a stage
-        # with a TP member, and the whole gradient under ZeRO-2 (the same bytes as ZeRO-1)
-        zs = 0 if st.tp else min(zero, 1)
-        sig = (shares, st.num_members, in_flight, recompute, zs, force)
-        if sig not in row_cache:
+        sig = (shares, st.num_members, recompute, zs[s], force)
+        hit = rows.get(sig)
+        if hit is None:
             loads = [MemberLoad(k, ctx.span_time(kid, k), ctx.span_time(kid, k, True) if recompute else None,
                                 room, caps) for kid, k, room, caps in shares]
-            row_cache[sig] = stage_cost_row(ctx.state(st.num_members, zs), act, input_bytes, valid, loads,
-                                            in_flight, recompute, force)
-        return row_cache[sig]
+            if len(rows) >= _ROW_CACHE:
+                rows.pop(next(iter(rows)))   # the oldest: the search moves on through the counts
+            hit = rows[sig] = stage_row_parts(ctx.state(st.num_members, zs[s]), act, input_bytes, valid, loads,
+                                              recompute, force)
+        local[lk] = hit
+        return hit
 
-    return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule, row)
+    return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule, parts)
 
 
 def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int) -> float:
@@ -254,12 +275,21 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     q_s = ``T_p`` x the least per-block ratio of its slowest kind's time at its share to ``p``. Then
     max_s x_s q_s >= c* = 1 / sum_s (1 / q_s) (as sum x_s = 1) and sum_s x_s q_s >= min_s q_s."""
     b = micro_sizes(ctx.global_batch, num_micro)[0]
+    key = ("slb_ids", id(prep))
+    hit = ctx.cache.get(key)
+    if hit is None or hit[0] is not prep:
+        hit = ctx.cache[key] = (prep, [st.load_id if st.load_id >= 0 else ("prep", id(st)) for st in prep])
+    qs = ctx.cache.setdefault(("slb_q", b), {})   # per load id: q_s (the same for stages of equal loads)
     inv, low = 0.0, math.inf
-    for st in prep:
-        q = 0.0
-        for (kid, _f, _room, _caps), k in zip(st.kinds, ctx.shares(st, b)):
-            if k > 0:
-                q = max(q, ctx.ratio(kid, k))
+    for st, lid in zip(prep, hit[1]):
+        q = qs.get(lid)
+        if q is None:
+            q = 0.0
+            for (kid, _f, _room, _caps), k in zip(st.kinds, ctx.shares(st, b)):
+                if k > 0:
+                    q = max(q, ctx.ratio(kid, k))
+            if st.load_id >= 0:
+                qs[lid] = q
         if q <= 0:
             return 0.0
         inv += 1.0 / q

@@ -39,6 +39,7 @@ Terms
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -48,8 +49,8 @@ import numpy as np
 from autopar.config import SCHEDULES
 from autopar.cost.comm import allgather_time_s, allreduce_time_s, p2p_time_s
 from autopar.cost.memory import stage_input_bytes, usable_bytes
-from autopar.cost.stage import MemberLoad, StageLink, micro_sizes, p2p_alpha_beta, span_sums, stage_cost_row, \
-    stage_cost_tensor
+from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
+    stage_cost_tensor, stage_row_parts
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
 from autopar.ir.plan import Plan, Stage
 from autopar.ir.schedule import Timeline, in_flight_micro_batches, make_schedule, simulate
@@ -97,12 +98,18 @@ def pipeline_cost_tensor(ctx: PipelineContext, stages: Sequence[Sequence[tuple[i
     links = [StageLink(*p2p_alpha_beta(ctx.cluster, st[0][0], nxt[0][0]), min(len(st), len(nxt)))
              for st, nxt in zip(stages, stages[1:])] + [None]
 
-    def row(s: int, in_flight: int) -> tuple[np.ndarray, np.ndarray]:
+    cache: dict = {}   # stages of the same member types, counts and memory share one row
+
+    def parts(s: int) -> RowParts:
         members = stages[s]
         nm = len(members)
         by_type: dict[str, list[int]] = {}
         for m in members:
             by_type.setdefault(ctx.type_of(m[0]), []).append(m[0])
+        caps = {t: min(ctx.cap_bytes(r) for r in rs) for t, rs in by_type.items()}
+        key = (nm, tuple((t, len(rs), caps[t]) for t, rs in by_type.items()))
+        if key in cache:
+            return cache[key]
         state = sharded_state_bytes(wbytes, params, c.grad_bytes_per_param, c.optimizer_bytes_per_param,
                                     ctx.zero_stage, 1.0 / nm)
         # Each member's share of a micro-batch is proportional to its speed on the blocks (as the
@@ -122,12 +129,12 @@ def pipeline_cost_tensor(ctx: PipelineContext, stages: Sequence[Sequence[tuple[i
                     bwd_k = span_sums(c.bwd_time(t, int(k))) + c.call_overhead(t)
                     time_t = np.where(share == k, fwd_k + bwd_k, time_t)
                     time_rc = np.where(share == k, 2 * fwd_k + bwd_k, time_rc)
-            cap = min(ctx.cap_bytes(r) for r in rs)
-            loads.append(MemberLoad(share, time_t, time_rc, cap, ((cap, 1.0),)))
-        return stage_cost_row(state, act, input_bytes, valid, loads, in_flight, recompute)
+            loads.append(MemberLoad(share, time_t, time_rc, caps[t], ((caps[t], 1.0),)))
+        cache[key] = stage_row_parts(state, act, input_bytes, valid, loads, recompute)
+        return cache[key]
 
     with np.errstate(divide="ignore", invalid="ignore"):
-        return stage_cost_tensor(c, links, num_micro, b, schedule, row)
+        return stage_cost_tensor(c, links, num_micro, b, schedule, parts)
 
 
 # -- exact stage durations, memory and the simulated prediction -------------------------------------
@@ -147,6 +154,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
         seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
+        done: set = set()
         for g, members in enumerate(st.groups):
             t = cluster.devices[members[0]].spec.name
             kind = None
@@ -156,7 +164,12 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                 kind = tp_cost.group_kind(cluster, members, st.tp_shares[g])
                 t = tp_ids.setdefault(kind, len(tp_ids))
             call = max(costs.call_overhead(cluster.devices[r].spec.name) for r in members)
-            for m, x in enumerate(st.micro_batches[g]):
+            xs = st.micro_batches[g]
+            if (t, call, xs) in done:
+                continue   # a member priced as one already seen, on the same micro-batches
+            done.add((t, call, xs))
+            arr = np.asarray(xs)
+            for x in dict.fromkeys(xs):
                 if (t, x) not in seen:
                     if kind is None:
                         seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
@@ -169,16 +182,20 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                     f, b = f + call, b + call
                     if st.recompute:   # the backward reruns the forward (another call)
                         b = b + f
-                fwd[s, m] = max(fwd[s, m], f)
-                bwd[s, m] = max(bwd[s, m], b)
+                at = np.flatnonzero(arr == x)
+                fwd[s, at] = np.maximum(fwd[s, at], f)
+                bwd[s, at] = np.maximum(bwd[s, at], b)
         if s < S - 1:
             nxt = stages[s + 1]
             links = min(len(st.groups), len(nxt.groups))
             per_sample = float(costs.out_bytes[st.block_stop - 1])
-            for m in range(M):
-                size = sum(mb[m] for mb in st.micro_batches if m < len(mb))
-                comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0],
-                                        per_sample * math.ceil(size / links))
+            sent: dict[float, float] = {}   # bytes -> seconds over this boundary
+            sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
+            for m, size in enumerate(sizes + [0] * (M - len(sizes))):
+                nbytes = per_sample * math.ceil(size / links)
+                if nbytes not in sent:
+                    sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes)
+                comm[s, m] = sent[nbytes]
     return fwd, bwd, comm
 
 
@@ -269,6 +286,7 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
     nm = len(stage.groups)
     tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
     worst = 0.0
+    seen: set = set()   # (device type, parameters): ranks that step alike
     for g, members in enumerate(stage.groups):
         for i, r in enumerate(members):
             n = p
@@ -280,8 +298,11 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
                 n = p * (rho + (1 - rho) * shares[i] / max(sum(shares), 1))
             elif zero_stage >= 1 and nm > 1 and not tp:
                 n = p / nm
-            worst = max(worst, costs.optimizer_time(cluster.devices[r].spec.name, n)
-                        + (costs.call_overhead(cluster.devices[r].spec.name) if n > 0 else 0.0))
+            t = cluster.devices[r].spec.name
+            if (t, n) in seen:
+                continue
+            seen.add((t, n))
+            worst = max(worst, costs.optimizer_time(t, n) + (costs.call_overhead(t) if n > 0 else 0.0))
     return worst
 
 

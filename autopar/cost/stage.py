@@ -40,8 +40,8 @@ from autopar.ir.schedule import in_flight_micro_batches
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["micro_sizes", "span_sums", "p2p_alpha_beta", "StageLink", "MemberLoad", "stage_cost_row",
-           "stage_cost_tensor"]
+__all__ = ["micro_sizes", "span_sums", "p2p_alpha_beta", "StageLink", "MemberLoad", "RowParts", "stage_row_parts",
+           "stage_cost_row", "stage_cost_tensor"]
 
 
 def micro_sizes(batch: int, num_micro: int) -> tuple[int, ...]:
@@ -82,6 +82,72 @@ class MemberLoad:
     rank_caps: tuple[tuple[float, float], ...]
 
 
+_FITS_ANY = float(2 ** 31)   # an in-flight cap this large fits every micro-batch count
+
+
+def _in_flight_cap(holds, num: np.ndarray, per: np.ndarray) -> np.ndarray:
+    """[i, j] the largest in-flight count f >= 0 with ``holds(f)`` true (-1 where none), where
+    ``holds(f)`` is ``num - per * f >= 0`` up to rounding: the quotient, then checked against
+    ``holds`` itself one count either side, so that the cap is exactly the largest f the comparison
+    the row is defined by accepts; ``_FITS_ANY`` where ``per`` <= 0 and ``num`` >= 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(per > 0, np.floor(num / np.where(per > 0, per, 1.0)), np.where(num >= 0, _FITS_ANY, -1.0))
+    q = np.clip(np.nan_to_num(q, nan=-1.0, posinf=_FITS_ANY, neginf=-1.0), -1.0, _FITS_ANY)
+    exact = q < _FITS_ANY
+    q = np.where(exact & holds(q + 1), q + 1, q)
+    for _ in range(2):
+        q = np.where(exact & (q >= 0) & ~holds(np.maximum(q, 0.0)), q - 1, q)
+    return q
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RowParts:
+    """What a stage row is at any in-flight count (``stage_row_parts``): the seconds keeping and
+    recomputing activations, and per entry the most micro-batches in flight each way fits (-1: none)."""
+
+    time_s: np.ndarray
+    recompute_time_s: np.ndarray
+    keep_cap: np.ndarray
+    recompute_cap: np.ndarray | None
+    valid: np.ndarray
+
+    def at(self, in_flight) -> tuple[np.ndarray, np.ndarray]:
+        """(the row, whether each entry recomputes) at ``in_flight`` micro-batches (a number, or an
+        array [k, 1, 1] for k rows at once)."""
+        fits = self.valid & (in_flight <= self.keep_cap)
+        if self.recompute_cap is None:
+            return np.where(fits, self.time_s, np.inf), np.zeros(fits.shape, dtype=bool)
+        use_rc = self.valid & (in_flight <= self.recompute_cap) & ~fits
+        return np.where(fits, self.time_s, np.where(use_rc, self.recompute_time_s, np.inf)), use_rc
+
+
+def stage_row_parts(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: np.ndarray, valid: np.ndarray,
+                    loads: Sequence[MemberLoad], recompute: bool, force_recompute: bool = False) -> RowParts:
+    """The ``RowParts`` of ``stage_cost_row`` (same arguments but the in-flight count): its rows at
+    every in-flight count from one pass over the loads."""
+    t = np.zeros(valid.shape)
+    t_rc = np.zeros(valid.shape)
+    keep = np.full(valid.shape, -1.0 if force_recompute else _FITS_ANY)
+    rc_cap = np.full(valid.shape, _FITS_ANY) if recompute else None
+    for load in loads:
+        k = load.samples
+        t = np.maximum(t, load.time_s)
+        if not force_recompute:
+            room = load.room_bytes
+            keep = np.minimum(keep, _in_flight_cap(lambda f: state_bytes + act_bytes * (k * f) <= room,
+                                                   room - state_bytes, act_bytes * k))
+        if recompute:
+            t_rc = np.maximum(t_rc, load.recompute_time_s)
+            # per rank: its work factor of the state and of one micro-batch's activations, and the
+            # whole stage input of every micro-batch in flight.
+            for cap, factor in load.rank_caps:
+                base = (state_bytes + act_bytes * k) * factor
+                col = input_bytes[:, None]
+                rc_cap = np.minimum(rc_cap, _in_flight_cap(lambda f: base + col * (k * f) <= cap,
+                                                           cap - base, col * k + np.zeros(valid.shape)))
+    return RowParts(t, t_rc, keep, rc_cap, valid)
+
+
 def stage_cost_row(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: np.ndarray, valid: np.ndarray,
                    loads: Sequence[MemberLoad], in_flight: int, recompute: bool,
                    force_recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -89,43 +155,41 @@ def stage_cost_row(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: 
     ``force_recompute`` (a pinned ``recompute=True``): every entry recomputes, none keeps.
 
     ``state_bytes``, ``act_bytes``: [i, j] spans of the stage's (sharded) state and of its activations
-    per sample; ``input_bytes``: [i] bytes per sample of the stage input at boundary i."""
-    t = np.zeros(valid.shape)
-    t_rc = np.zeros(valid.shape)
-    fits = valid.copy()
-    fits_rc = valid.copy() if recompute else np.zeros_like(valid)
-    for load in loads:
-        k = load.samples
-        t = np.maximum(t, load.time_s)
-        fits &= state_bytes + act_bytes * (k * in_flight) <= load.room_bytes
-        if recompute:
-            t_rc = np.maximum(t_rc, load.recompute_time_s)
-            # per rank: its work factor of the state and of one micro-batch's activations, and the
-            # whole stage input of every micro-batch in flight.
-            held = input_bytes[:, None] * (k * in_flight)
-            for cap, factor in load.rank_caps:
-                fits_rc &= (state_bytes + act_bytes * k) * factor + held <= cap
-    if force_recompute:
-        fits &= False
-    use_rc = fits_rc & ~fits
-    return np.where(fits, t, np.where(use_rc, t_rc, np.inf)), use_rc
+    per sample; ``input_bytes``: [i] bytes per sample of the stage input at boundary i. An entry
+    keeps where every load fits ``state + act * samples * in_flight`` in its room; else, with
+    ``recompute``, it recomputes where each rank fits ``(state + act * samples) * work factor +
+    input * samples * in_flight`` in its usable bytes (``stage_row_parts``, ``RowParts.at``)."""
+    return stage_row_parts(state_bytes, act_bytes, input_bytes, valid, loads, recompute,
+                           force_recompute).at(in_flight)
 
 
 def stage_cost_tensor(costs: ModelCosts, links: Sequence[StageLink | None], num_micro: int, micro_batch: int,
-                      schedule: str, row: Callable[[int, int], tuple[np.ndarray, np.ndarray]],
+                      schedule: str, parts: Callable[[int], RowParts],
                       ) -> tuple[np.ndarray, np.ndarray]:
     """([s, i, j] seconds of stage s on blocks [i, j) at ``micro_batch`` samples, inf where it does not
     fit; [s, i, j] whether that entry recomputes). ``links[s]``: stage s's link to the next (None for
-    the last); ``row(s, in_flight)``: the ``stage_cost_row`` of stage s."""
+    the last); ``parts(s)``: the ``stage_row_parts`` of stage s (stages given the same object are
+    evaluated together, at their own in-flight counts)."""
     n = costs.num_blocks
     S = len(links)
     out = np.empty((S, n + 1, n + 1))
-    rc = np.zeros((S, n + 1, n + 1), dtype=bool)
+    rc = np.empty((S, n + 1, n + 1), dtype=bool)
     out_bytes = np.concatenate([[0.0], costs.out_bytes])
+    groups: dict[int, tuple[RowParts, list[int]]] = {}
+    for s in range(S):
+        p = parts(s)
+        groups.setdefault(id(p), (p, []))[1].append(s)
+    for p, idx in groups.values():
+        fly = np.array([in_flight_micro_batches(schedule, s, S, num_micro) for s in idx], dtype=float)
+        if len(set(fly.tolist())) == 1:
+            row, use = p.at(float(fly[0]))
+            out[idx], rc[idx] = row, use
+        else:
+            out[idx], rc[idx] = p.at(fly[:, None, None])
+    sends = np.zeros((S, n + 1))
     for s, link in enumerate(links):
-        t_s, rc[s] = row(s, in_flight_micro_batches(schedule, s, S, num_micro))
         if link is not None:
             per_link = math.ceil(micro_batch / link.num_links)
-            t_s = t_s + (link.alpha_s + link.beta_s_per_byte * per_link * out_bytes)[None, :]
-        out[s] = t_s
+            sends[s] = link.alpha_s + link.beta_s_per_byte * per_link * out_bytes
+    out += sends[:, None, :]
     return out, rc
