@@ -104,11 +104,15 @@ def _build(ctx: JointContext, stages: Sequence[Sequence[Member]], sizes: Sequenc
     tp = any(len(m.ranks) > 1 for st in stages for m in st)
     out, start = [], 0
     recompute = tuple(recompute) or (False,) * len(stages)
+    split: dict = {}   # (samples, speeds, rotation) -> shares: stages of equal members split alike
     for members, k, rc in zip(stages, sizes, recompute):
-        speeds = [ctx.kind_speed(m.kind) for m in members]
+        speeds = tuple(ctx.kind_speed(m.kind) for m in members)
         per_micro, rotate = [], 0
         for b in micro:
-            per_micro.append(member_shares(b, speeds, rotate))
+            key = (b, speeds, rotate % len(speeds))
+            if key not in split:
+                split[key] = member_shares(b, speeds, rotate)
+            per_micro.append(split[key])
             rotate += b
         out.append(Stage(
             block_start=start, block_stop=start + k, groups=tuple(m.ranks for m in members),
@@ -180,10 +184,18 @@ def _stage_tail_s(ctx: JointContext, groups: Sequence[tuple[int, ...]], start: i
     cum_p, cum_w = ctx.cache.get("cum_params") or ctx.cache.setdefault(
         "cum_params", (np.concatenate([[0.0], np.cumsum(c.params)]), np.concatenate([[0.0], np.cumsum(c.param_bytes)])))
     key = ("tail", _tail_signature(ctx, groups), float(cum_p[stop] - cum_p[start]),
-           float(cum_w[stop] - cum_w[start]), zero)
+           float(cum_w[stop] - cum_w[start]), _tail_zero(zero))
     if key not in ctx.cache:
         ctx.cache[key] = _stage_tail_uncached(ctx, groups, start, stop, zero)
     return ctx.cache[key]
+
+
+def _tail_zero(zero: int) -> int:
+    """The ZeRO stage as far as a stage's tail depends on it: ZeRO-1 and ZeRO-2 shard the optimizer
+    step and gather the parameters alike (``_stage_tail_uncached``: ZeRO-2's per-micro-batch reduce
+    moves ZeRO-1's bytes), so they share one cache entry. A tail that comes to differ between them
+    (ZeRO in tensor-parallel stages) returns ``zero`` here."""
+    return min(zero, 1)
 
 
 def _tail_lower_bound(ctx: JointContext, entry: "_GroupingState", num_micro: int) -> float:
