@@ -30,9 +30,10 @@ ENV = (launch_mod.FAILED_ENV, launch_mod.RESTART_ENV, launch_mod.STOPPED_AT_ENV,
 
 
 def _three(speeds=(1.0, 0.5, 0.75)) -> Cluster:
-    """Three emulated devices of different types (each its own spec name)."""
-    return Cluster.from_dict({"nodes": [{"device": {"name": f"d{i}", "emulate": "cpu", "speed": s, "memory_GB": 2},
-                                         "count": 1} for i, s in enumerate(speeds)]})
+    """Three emulated devices of different types (each its own spec name) in one node."""
+    return Cluster.from_dict({"nodes": [{"devices": [
+        {"device": {"name": f"d{i}", "emulate": "cpu", "speed": s, "memory_GB": 2}, "count": 1}
+        for i, s in enumerate(speeds)]}]})
 
 
 def _names(cluster) -> list[str]:
@@ -117,6 +118,7 @@ def test_launch_and_checkpoint_options_are_checked_before_anything_starts(tmp_pa
 # -- the rank function of the launch test (module level: the ranks import it) -----------------------
 
 STEPS, KILL_AT, EVERY, BATCH = 12, 5, 2, 12
+MODEL = "mlp"     # the planner cuts it into a 3-stage pipeline on three devices, a 2-stage one on two
 
 
 def _sgd(params):
@@ -125,20 +127,75 @@ def _sgd(params):
 
 def _train(rank, directory):
     directory = Path(directory)
-    case = autopar.models.build("mlp-tiny", device="cpu", seed=0)
+    case = autopar.models.build(MODEL, device="cpu", seed=0)
     attempt = autopar.restart_count()
     compiled = autopar.compile(case.model, _three(), case.example_inputs, BATCH, case.loss_fn, optimizer=_sgd,
-                               strategy="dp", measure=False, checkpoint_dir=directory / "ck",
+                               measure=False, checkpoint_dir=directory / "ck",
                                checkpoint_every=EVERY)
     resumed = compiled.elastic.resumed
     if rank == 0:
         (directory / f"attempt{attempt}.json").write_text(json.dumps(
             {"plan": compiled.plan.to_json(), "cluster": _names(autopar.current_cluster()),
              "resumed_step": None if resumed is None else resumed.step}))
-    data = batches("mlp-tiny", BATCH, STEPS, seed=0)
+    data = batches(MODEL, BATCH, STEPS, seed=0)
     losses = {}
     for s in range(compiled.step_count, STEPS):
         if attempt == 0 and rank == 1 and s == KILL_AT - 1:       # the device of rank 1 fails in step 5
             os._exit(17)
         losses[s] = compiled.step(*data[s])
     return {"state": compiled.state_dict(), "losses": losses, "steps": compiled.step_count}
+
+
+# -- the save cadence and the resume, on one device (the real save and load) ------------------------
+
+def _one_device() -> Cluster:
+    return Cluster.from_dict({"nodes": [{"device": {"name": "cpu", "emulate": "cpu", "speed": 1.0, "memory_GB": 2},
+                                         "count": 1}]})
+
+
+def _compile_mlp(cluster, directory, every=2):
+    case = autopar.models.build("mlp-tiny", device="cpu", seed=0)
+    return autopar.compile(case.model, cluster, case.example_inputs, 12, case.loss_fn, optimizer=_sgd,
+                           strategy="dp", measure=False, checkpoint_dir=directory, checkpoint_every=every)
+
+
+@pytest.mark.slow
+def test_checkpoint_every_saves_and_compile_resumes_from_the_newest(tmp_path):
+    ck = tmp_path / "ck"
+    data = batches("mlp-tiny", 12, 6, seed=0)
+    oracle = single_device_run("mlp-tiny", 12, 6, optimizer="sgd", seed=0)
+    first = _compile_mlp(_one_device(), ck)
+    assert first.elastic.resumed is None and first.step_count == 0
+    losses = [first.step(*data[s]) for s in range(5)]
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4"] and latest(ck) == ck / "step-4"
+    assert first.elastic.saved == [ck / "step-2", ck / "step-4"]
+
+    (ck / "step-6").mkdir()                  # an interrupted save: no manifest, so it does not count
+    again = _compile_mlp(_one_device(), ck)  # a restart: resumes from step 4, re-does step 5
+    assert again.step_count == 4 and again.elastic.resumed.step == 4
+    assert again.elastic.resumed.path == ck / "step-4"
+    losses[4:] = [again.step(*data[s]) for s in range(again.step_count, 6)]
+    assert again.step_count == 6 and latest(ck) == ck / "step-6"
+    assert_state_close(again.state_dict(), oracle.state, RTOL["sgd"])
+    assert losses == pytest.approx(oracle.losses, rel=1e-5)
+
+
+# -- the job that loses a device (real processes) --------------------------------------------------
+
+@pytest.mark.launch
+def test_a_job_that_loses_one_of_three_ranks_resumes_on_two_and_equals_the_oracle(tmp_path):
+    results = autopar.launch(_train, _three(), str(tmp_path), max_restarts=1, timeout_s=300)
+    first = json.loads((tmp_path / "attempt0.json").read_text())
+    second = json.loads((tmp_path / "attempt1.json").read_text())
+    assert first["cluster"] == ["d0", "d1", "d2"] and first["resumed_step"] is None
+    assert second["cluster"] == ["d0", "d2"]                       # rank 1's device is gone
+    assert second["resumed_step"] == (KILL_AT - 1) // EVERY * EVERY     # step 4: the last checkpoint
+    old, new = autopar.Plan.from_json(first["plan"]), autopar.Plan.from_json(second["plan"])
+    assert sorted(old.rank_batch) == [0, 1, 2] and sorted(new.rank_batch) == [0, 1]   # re-planned for two
+    assert [s.num_layers for s in old.stages] != [s.num_layers for s in new.stages]
+    assert len(results) == 2
+    oracle = single_device_run(MODEL, BATCH, STEPS, optimizer="sgd", seed=0)
+    for result in results:
+        assert result["steps"] == STEPS and sorted(result["losses"]) == list(range(4, STEPS))
+        assert_state_close(result["state"], oracle.state, RTOL["sgd"])
+        assert [result["losses"][s] for s in range(4, STEPS)] == pytest.approx(oracle.losses[4:], rel=1e-5)
