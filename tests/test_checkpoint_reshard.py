@@ -270,3 +270,59 @@ class TwoRanksDamaged(threaded_ranks(2)):
             pg_barrier()
             if self.rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
+
+
+def test_compile_save_async_then_load_continues_the_data_rng_and_steps(tmp_path):
+    """The api path on one device (autopar.compile, compiled.dataloader, local=True steps): an asynchronous
+    save at step N, taken while the next step runs, holds step N; a new job that loads it continues with
+    the same global batches (the loader's position), the same RNG state and step count, and ends where
+    the uninterrupted run ends, loss by loss."""
+    import autopar
+    from autopar.cluster.model import Cluster
+    from autopar.ir.plan import Plan as _Plan
+    from autopar.models import build
+
+    cluster = Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
+                                                       "memory_GB": 4}, "count": 1}]})
+    plan = _dp({0: [6, 6]}, 0)
+    (x,), y = build("mlp-tiny", seed=0, **MLP).batch(5 * B, seed=77)
+    dataset = torch.utils.data.TensorDataset(x, y)
+
+    def job():
+        case = build("mlp-tiny", seed=0, **MLP)
+        return autopar.compile(case.model, cluster, case.example_inputs, B, case.loss_fn, strategy=plan,
+                               optimizer=optimizer_factory("adamw"))
+
+    def steps(compiled, loader, n):
+        out = []
+        for inputs, targets in loader:
+            out.append(compiled.step(inputs, targets, local=True))
+            if len(out) == n:
+                break
+        return out
+
+    from autopar.runtime.data import global_batch_order
+
+    order = global_batch_order(len(dataset), 3, 0)
+    case = build("mlp-tiny", seed=0, **MLP)
+    ref = train_one_device(case.model, case.loss_fn, [((x[idx],), y[idx]) for idx in
+                                                      (order[s * B:(s + 1) * B] for s in range(2 * N + 1))], "adamw")
+    ref_losses, ref_state = ref.losses, ref.state
+
+    a = job()
+    loader = a.dataloader(dataset, seed=3)
+    losses = steps(a, loader, N)
+    rng = torch.get_rng_state()
+    handle = a.save(tmp_path / "ckpt", async_save=True)
+    steps(a, loader, 1)                       # trains while the checkpoint is written
+    manifest = handle.wait()
+    assert handle.done() and manifest.step == N and manifest.meta["data"] == {"epoch": 0, "batch": N}
+    assert _Plan.from_json(manifest.meta["plan"]) == a.plan
+
+    torch.manual_seed(12345)
+    b = job()
+    b.load(tmp_path / "ckpt")
+    assert b.step_count == N and torch.equal(torch.get_rng_state(), rng)
+    losses += steps(b, b.dataloader(dataset, seed=3), N + 1)
+    assert losses == pytest.approx(list(ref_losses), rel=1e-5)
+    assert_state_close(b.state_dict(), ref_state, RTOL["adamw"])
