@@ -323,6 +323,11 @@ def test_compile_save_async_then_load_continues_the_data_rng_and_steps(tmp_path)
     b = job()
     b.load(tmp_path / "ckpt")
     assert b.step_count == N and torch.equal(torch.get_rng_state(), rng)
+    loaded = b.state_dict()
+    meta = build("mlp-tiny", device="meta", **MLP)        # weights= an autopar checkpoint: its model state
+    c = autopar.compile(meta.model, cluster, case.example_inputs, B, meta.loss_fn, strategy=plan,
+                        weights=tmp_path / "ckpt")
+    assert all(torch.equal(v, loaded[k]) for k, v in c.state_dict().items())
     losses += steps(b, b.dataloader(dataset, seed=3), N + 1)
     assert losses == pytest.approx(list(ref_losses), rel=1e-5)
     assert_state_close(b.state_dict(), ref_state, RTOL["adamw"])

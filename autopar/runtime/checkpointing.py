@@ -37,13 +37,15 @@ from typing import Any
 
 import torch
 
-from autopar.checkpoint.pieces import Piece
+from autopar.checkpoint.pieces import Piece, whole_piece
 from autopar.checkpoint.store import MANIFEST, CheckpointError, Manifest, read_manifest
 from autopar.checkpoint import store
+from autopar.lowering.weights import WeightSource, open_weights
 from autopar.runtime.communicator import pg_all_gather_objects, pg_new_group, pg_ranks
 from autopar.runtime.state import MODEL, OPTIM, engine_pieces, finish_load, load_pieces
 
-__all__ = ["SaveHandle", "save", "load", "model_signature", "CheckpointError", "piece_bytes"]
+__all__ = ["SaveHandle", "save", "load", "model_signature", "CheckpointError", "piece_bytes", "CheckpointWeights",
+           "weight_source"]
 
 
 @dataclass
@@ -210,3 +212,44 @@ def load(compiled, directory) -> Manifest:
         compiled._data_position = position
     return manifest
 
+
+
+class CheckpointWeights(WeightSource):
+    """``compile(..., weights=DIR)`` for an autopar checkpoint ``DIR``: the model tensors ``model.<name>``
+    it holds, each read whole when asked for (this rank alone, no collective; DCP reads only the
+    chunks it needs), so a rank reads only the tensors it materialises. Names are the model's
+    ``state_dict()`` keys, as for safetensors sources."""
+
+    def __init__(self, path):    # noqa: D107 - no safetensors headers to read: the manifest instead
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self._shapes = {k[len(MODEL):]: tuple(v) for k, v in self.manifest.signature.items() if k.startswith(MODEL)}
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self._metadata = FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        self.reads: list[str] = []
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._shapes)
+
+    def find(self, aliases) -> str | None:
+        return next((a for a in aliases if a in self._shapes), None)
+
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        shape = self._shapes[name]
+        if shape != tuple(like.shape):
+            raise CheckpointError(f"checkpoint: {self.path / MANIFEST} has {name!r} of shape {shape}, the model's is "
+                                  f"{tuple(like.shape)}: a checkpoint of another model")
+        out = torch.empty(shape, dtype=self._metadata[MODEL + name].properties.dtype)
+        store.load(self.path, [whole_piece(MODEL + name, out)], local=True, staged=False)
+        self.reads.append(name)
+        return out.to(like.dtype)
+
+
+def weight_source(weights) -> WeightSource | None:
+    """What ``compile(weights=)`` reads: an autopar checkpoint directory (it has a manifest) through
+    ``CheckpointWeights``, anything else through ``autopar.lowering.weights.open_weights``."""
+    if weights is not None and not isinstance(weights, WeightSource) and (Path(weights) / MANIFEST).is_file():
+        return CheckpointWeights(weights)
+    return open_weights(weights)
