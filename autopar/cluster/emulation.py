@@ -5,7 +5,8 @@ step times are in the same units.
 Terms
 - oversubscription: ``max(1, num_ranks / num_cores)``, how many rank processes share each core of this
   machine. A speed-1.0 emulated rank already runs that much slower than the CPU.
-- emulation time scale: twice the oversubscription. Every emulated device's target time is
+- emulation time scale: twice the oversubscription, times ``AUTOPAR_EMULATION_SLOWDOWN`` (default 1;
+  ``SLOWDOWN_ENV``) where a machine shared with other jobs needs more room. Every emulated device's target time is
   ``cpu_time / speed * time_scale``, so the ranks' CPU demand (sum of speed / scale) stays well under
   the cores and the speed *ratios* between devices survive some contention.
 - CPU share (``CpuShare``, ``cpu_shares``): which cores a CPU rank launched on this machine may run on
@@ -47,9 +48,10 @@ from autopar.cluster.links import EmulatedLink
 from autopar.cluster.model import Cluster
 
 __all__ = ["LinkedCluster", "with_emulated_link", "emulated_link_nodes", "link_layout", "CpuShare", "cpu_shares", "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
-           "NUM_CORES_ENV", "STEADY_ENV", "steady_emulation"]
+           "NUM_CORES_ENV", "STEADY_ENV", "steady_emulation", "SLOWDOWN_ENV"]
 
 NUM_CORES_ENV = "AUTOPAR_NUM_CORES"
+SLOWDOWN_ENV = "AUTOPAR_EMULATION_SLOWDOWN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +103,19 @@ def allowed_cores() -> list[int]:
 
 
 def emulation_time_scale(num_ranks: int, num_cores: int | None = None) -> float:
-    """The ``time_scale`` of a run's emulated devices: twice the oversubscription (see the module
-    docstring)."""
-    return 2.0 * oversubscription(num_ranks, num_cores)
+    """The ``time_scale`` of a run's emulated devices: twice the oversubscription, times the slowdown
+    (see the module docstring)."""
+    return 2.0 * oversubscription(num_ranks, num_cores) * _slowdown()
+
+
+def _slowdown() -> float:
+    try:
+        value = float(os.environ.get(SLOWDOWN_ENV, "1") or 1)
+    except ValueError:
+        raise ValueError(f"{SLOWDOWN_ENV}: {os.environ.get(SLOWDOWN_ENV)!r} is not a number >= 1") from None
+    if not value >= 1:
+        raise ValueError(f"{SLOWDOWN_ENV}: {value!r} is not a number >= 1")
+    return value
 
 
 def oversubscription(num_ranks: int, num_cores: int | None = None) -> float:

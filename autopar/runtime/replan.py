@@ -53,7 +53,7 @@ class ReplanPolicy:
     warmup: int = 1               # steps left out of the profile looked at
     detect_ratio: float = 1.25    # measured / predicted compute beyond this (or below its inverse): detected
     min_gain: float = 0.05        # the new plan must be at least this much faster per step
-    horizon_steps: int = 100      # steps the gain is counted over against the switch cost
+    horizon_steps: int = 500      # steps the gain is counted over against the switch cost (the job's rest)
     copy_Bps: float = 500e6       # bytes per second a rank saves and loads its state at
 
     def __post_init__(self):
