@@ -39,6 +39,7 @@ __all__ = [
     "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "allreduce_alpha_beta",
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
+    "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -302,3 +303,51 @@ def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
         return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
     grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
     return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
+
+
+# -- ZeRO-1 inside tensor-parallel stages (``runtime.tp_zero``: Megatron's distributed optimizer) -----
+
+def _member_shares(stage) -> list[tuple[int, ...]]:
+    """Each member's head shares (even when the stage gives none)."""
+    if stage.tp_shares:
+        return [tuple(int(x) for x in s) for s in stage.tp_shares]
+    return [(1,) * len(m) for m in stage.groups]
+
+
+def tp_zero_stage(stage, zero_stage: int) -> int:
+    """The ZeRO stage a ``Stage`` with tensor-parallel members holds, as ``runtime.tp`` runs it: 1 for
+    ``zero_stage >= 1`` when the stage has at least two members, all with the same head shares
+    (each TP index's ranks then share one flat layout; ``runtime.tp_zero.tp_zero_applies`` is the
+    runtime's side of this rule), else 0 (different shardings reduce full-model buffers)."""
+    shares = _member_shares(stage)
+    return 1 if zero_stage >= 1 and len(shares) > 1 and len(set(shares)) == 1 else 0
+
+
+def tp_zero_saving_bytes(costs: ModelCosts, stage, zero_stage: int,
+                         replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> dict[int, float]:
+    """Per rank of a TP ``stage``, the bytes ZeRO-1 saves against ZeRO-0 (0 where ``tp_zero_stage``
+    is 0): ``(D - 1) / D`` of its optimizer state over ``D`` members, the state sharded like the
+    work (``work_factors``). Weights and the accumulated gradient stay whole; the reduce-scatter and
+    all-gather run in place in the two flat buffers, so nothing is added."""
+    z = tp_zero_stage(stage, zero_stage)
+    params = float(costs.params[stage.block_start:stage.block_stop].sum())
+    d = len(stage.groups)
+    out = {}
+    for ranks, shares in zip(stage.groups, _member_shares(stage)):
+        factors = work_factors(np.asarray(shares, float) / sum(shares), _check_rho(replicated_fraction))
+        for r, k in zip(ranks, factors):
+            out[r] = params * costs.optimizer_bytes_per_param * k * (1.0 - 1.0 / d) if z >= 1 else 0.0
+    return out
+
+
+def tp_optimizer_params(stage, params: float, replicated_fraction: float = DEFAULT_REPLICATED_FRACTION,
+                        zero_stage: int = 0) -> dict[int, float]:
+    """Per rank of a TP ``stage`` holding ``params`` parameters, the parameters its optimizer steps: its
+    shard (``work_factors``), and under ZeRO-1 (``tp_zero_stage``) 1/D of it over D members."""
+    d = len(stage.groups) if tp_zero_stage(stage, zero_stage) else 1
+    out = {}
+    for ranks, shares in zip(stage.groups, _member_shares(stage)):
+        factors = work_factors(np.asarray(shares, float) / sum(shares), _check_rho(replicated_fraction))
+        for r, k in zip(ranks, factors):
+            out[r] = params * float(k) / d
+    return out

@@ -23,8 +23,11 @@ Gradient reduction across members, once per step after the member's micro-steps:
   is summed exactly once per member. This costs a full-model all-reduce on every rank.
 
 The optimizer steps the local parameters (shards and replicas): exact for elementwise optimizers
-(SGD, Adam, AdamW...). ZeRO is not applied on top of tensor parallelism: ``plan.zero_stage`` > 0 runs
-as 0 (recorded in ``zero_stage_applied``). ``state_dict()`` gathers the shards (a collective inside
+(SGD, Adam, AdamW...). ZeRO: with ``plan.zero_stage >= 1`` and equal shardings over at least two
+members, ZeRO-1 as Megatron's distributed optimizer (``runtime.tp_zero``): each data-parallel group
+of one TP index reduce-scatters its flat gradient, each rank steps its chunk and the group
+all-gathers the parameters (the bytes of the all-reduce it replaces). ZeRO-2/3 run as 1, different
+shardings and a single member as 0; ``zero_stage_applied`` records what ran. ``state_dict()`` gathers the shards (a collective inside
 each member) and returns the full state on every rank.
 
 The rewrite itself is lowered (``RankProgram.tp_module``, ``passes.tp.tp_rewrite``); the engine binds its
@@ -60,6 +63,7 @@ from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
+from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
            "gather_full_params", "flat_full_grad"]
@@ -256,7 +260,16 @@ class TensorParallelEngine:
             keys_of.setdefault(id(t), []).append(key)
         self._source_keys = {name: keys_of.get(id(p), []) for name, p in source.named_parameters()}
         self._params = [p for p in self.gm.parameters() if p.requires_grad]
-        self.optimizer = inputs.optimizer_factory(self._params)
+        # ZeRO-1 over the members (``runtime.tp_zero``): each rank's optimizer state is its chunk of its
+        # TP index's flat buffers, when every member has the same shares; else ZeRO-0.
+        self.zero = None
+        if self._member is not None and self.dp_group is not None and tp_zero_applies(plan.zero_stage, shares):
+            self.zero = TPDistributedOptimizer(self._params, inputs.optimizer_factory, self.dp_group, inputs.rank,
+                                               self.device)
+            self.optimizer = self.zero.optimizer
+            self.zero_stage_applied = 1
+        else:
+            self.optimizer = inputs.optimizer_factory(self._params)
 
     def _load_shards(self, source: fx.GraphModule) -> None:
         """Each sharded parameter's values, cut from its full parameter of ``source``; a full parameter
@@ -327,8 +340,11 @@ class TensorParallelEngine:
         else:
             self._rows = StepRows(self.plan.global_batch_size)
             inputs = global_batch_inputs(inputs, self.plan.global_batch_size, TensorParallelError)
-        for p in self._params:
-            p.grad = None
+        if self.zero is not None:
+            self.zero.bind_grads()
+        else:
+            for p in self._params:
+                p.grad = None
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for rows in self._micro:
             if rows.stop > rows.start:
@@ -336,11 +352,13 @@ class TensorParallelEngine:
         if self._tp_index != 0:
             loss_sum.zero_()      # each member's loss counts once
         pg_all_reduce(loss_sum, group=self.group)
-        if not self._equal:
+        if self.zero is not None:
+            self.zero.reduce_and_step(self.clock.compute)
+        elif not self._equal:
             self._reduce_padded()
         elif self._member is not None:
             self._reduce_equal()
-        if self._member is not None:
+        if self._member is not None and self.zero is None:
             with self.clock.compute():
                 self.optimizer.step()
         return float(loss_sum)
