@@ -76,6 +76,14 @@ class JointContext:
             self.cache.setdefault("kind_list", []).append(kind)
         return ids[kind]
 
+    def member_kind_id(self, member: Member) -> int:
+        """``kind_id`` of a member's kind, cached by its ranks (hashing a kind is slow)."""
+        ids = self.cache.setdefault("member_kind_ids", {})
+        hit = ids.get(member.ranks)
+        if hit is None or hit[0] is not member:
+            hit = ids[member.ranks] = (member, self.kind_id(member.kind))
+        return hit[1]
+
     def upper(self) -> np.ndarray:
         if "upper" not in self.cache:
             n = self.costs.num_blocks
@@ -211,18 +219,26 @@ class StagePrep:
 def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> list[StagePrep]:
     """The ``StagePrep`` of every stage of a grouping (members: ``Member``s)."""
     out = []
+    facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (kind id, speed, room, rank caps)
+    links = ctx.cache.setdefault("p2p", {})            # (src, dst) -> alpha-beta terms
     for s, members in enumerate(stages):
-        ids = [ctx.kind_id(m.kind) for m in members]
-        v = [ctx.kind_speed(m.kind) for m in members]
-        total = sum(v)
-        per = [(i, x / total, ctx.room(m), ctx.rank_caps(m)) for i, x, m in zip(ids, v, members)]
+        got = []
+        for m in members:
+            f = facts.get(m.ranks)
+            if f is None or f[0] is not m:
+                f = facts[m.ranks] = (m, ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
+            got.append(f)
+        total = sum(f[2] for f in got)
+        per = [(i, x / total, room, caps) for _, i, x, room, caps in got]
         kinds = tuple(sorted(set(per)))
         counts = tuple(per.count(k) for k in kinds)
         p2p = None
         if s < len(stages) - 1:
             nxt = stages[s + 1]
-            p2p = StageLink(*p2p_alpha_beta(ctx.cluster, members[0].ranks[0], nxt[0].ranks[0]),
-                            min(len(members), len(nxt)))
+            pair = (members[0].ranks[0], nxt[0].ranks[0])
+            if pair not in links:
+                links[pair] = p2p_alpha_beta(ctx.cluster, *pair)
+            p2p = StageLink(*links[pair], min(len(members), len(nxt)))
         tp = any(len(m.ranks) > 1 for m in members)
         ids = ctx.cache.setdefault("load_ids", {})
         load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))

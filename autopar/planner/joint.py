@@ -171,7 +171,7 @@ def _tail_signature(ctx: JointContext, groups: Sequence[tuple[int, ...]]) -> tup
     per_node: dict[int, int] = {}
     for g in groups:
         per_node[ctx.members[g].node] = per_node.get(ctx.members[g].node, 0) + 1
-    sig = tuple(ctx.kind_id(ctx.members[g].kind) for g in groups), tuple(sorted(per_node.values()))
+    sig = tuple(ctx.member_kind_id(ctx.members[g]) for g in groups), tuple(sorted(per_node.values()))
     ctx.cache[key] = (groups, sig)   # keeps ``groups`` alive, so its id is not reused
     return sig
 
