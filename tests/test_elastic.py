@@ -118,7 +118,7 @@ def test_launch_and_checkpoint_options_are_checked_before_anything_starts(tmp_pa
 # -- the rank function of the launch test (module level: the ranks import it) -----------------------
 
 STEPS, KILL_AT, EVERY, BATCH = 12, 5, 2, 12
-MODEL = "mlp"     # cut 5/1/4 on three devices (roofline tables, nominal links), 6/4 on the two left
+MODEL, SIZE = "mlp", {"hidden_size": 256}   # the planner cuts it into stages on three devices and on two
 
 
 def _sgd(params):
@@ -127,7 +127,7 @@ def _sgd(params):
 
 def _train(rank, directory):
     directory = Path(directory)
-    case = autopar.models.build(MODEL, device="cpu", seed=0)
+    case = autopar.models.build(MODEL, device="cpu", seed=0, **SIZE)
     attempt = autopar.restart_count()
     compiled = autopar.compile(case.model, _three(), case.example_inputs, BATCH, case.loss_fn, optimizer=_sgd,
                                strategy="pp", measure=False, checkpoint_dir=directory / "ck",
@@ -137,7 +137,7 @@ def _train(rank, directory):
         (directory / f"attempt{attempt}.json").write_text(json.dumps(
             {"plan": compiled.plan.to_json(), "cluster": _names(autopar.current_cluster()),
              "resumed_step": None if resumed is None else resumed.step}))
-    data = batches(MODEL, BATCH, STEPS, seed=0)
+    data = batches(MODEL, BATCH, STEPS, seed=0, **SIZE)
     losses = {}
     for s in range(compiled.step_count, STEPS):
         if attempt == 0 and rank == 1 and s == KILL_AT - 1:       # the device of rank 1 fails in step 5
@@ -195,7 +195,7 @@ def test_a_job_that_loses_one_of_three_ranks_resumes_on_two_and_equals_the_oracl
     assert sorted(old.rank_batch) == [0, 1, 2] and sorted(new.rank_batch) == [0, 1]   # re-planned for two
     assert [s.num_layers for s in old.stages] != [s.num_layers for s in new.stages]
     assert len(results) == 2
-    oracle = single_device_run(MODEL, BATCH, STEPS, optimizer="sgd", seed=0)
+    oracle = single_device_run(MODEL, BATCH, STEPS, optimizer="sgd", seed=0, **SIZE)
     for result in results:
         assert result["steps"] == STEPS and sorted(result["losses"]) == list(range(4, STEPS))
         assert_state_close(result["state"], oracle.state, RTOL["sgd"])
