@@ -10,7 +10,9 @@ Terms
   block statistics where known (``replicated_fraction_of``), else ``DEFAULT_REPLICATED_FRACTION``.
 - TP communication: Megatron-style, ``TP_ALLREDUCES_PER_BLOCK`` all-reduces per block per micro-step
   (2 in forward, 2 in backward), each of the block's output (``out_bytes`` per sample x samples) over
-  the group's ring (``autopar.cost.comm.allreduce_time_s``). Every block counts as a transformer layer.
+  the group's ring (``autopar.cost.comm.allreduce_time_s``). Every block counts as a transformer layer
+  unless the cost tables carry per-block Linear pair counts (``tp_pairs_of``): then 2 all-reduces per
+  pair, and a block without a pair runs whole on every rank.
 - member (``Member``): one data-parallel participant of a pipeline stage: a TP group (its ranks, head
   shares, kind and node; a single rank when its degree is 1), as the joint planner lays them out.
 - group time of a block: the slowest rank's share of it (ranks synchronise at every all-reduce, so the
@@ -39,7 +41,8 @@ __all__ = [
     "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "allreduce_alpha_beta",
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
-    "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params",
+    "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
+    "replicated_fraction_of_graph",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -147,6 +150,36 @@ def replicated_fraction_of(stats, flop_per_byte: float = 150.0) -> float:
     return float(min(0.5, light / (heavy + light)))
 
 
+def replicated_fraction_of_graph(gm, flop_per_byte: float = 150.0) -> float | None:
+    """``replicated_fraction_of`` measured on the analysed graph itself (``passes.meta.COST`` and
+    ``BLOCK`` on its nodes), counting only what tensor parallelism really leaves whole: the
+    memory-class work of the nodes outside every Linear pair's region (norms, residual adds), in the
+    blocks that have a pair. The elementwise work inside a region (an MLP's activation, attention's
+    softmax) runs on sharded tensors, and so does its matmul work; the block statistics count all
+    memory-class work as replicated. None when the graph has no pairs or no costs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    pairs = find_tp_pairs(gm)
+    if not pairs:
+        return None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    inside = {name for p in pairs for name in (*p.region, p.row_node)}
+    blocks = {nodes[p.row_node].meta.get(BLOCK) for p in pairs}
+    heavy = light = 0.0
+    for n in gm.graph.nodes:
+        cost = n.meta.get(COST)
+        if cost is None or n.meta.get(BLOCK) not in blocks:
+            continue
+        if cost.op_class in ("matmul", "attention"):
+            heavy += cost.fwd_flops
+        elif n.name not in inside:
+            light += cost.act_bytes * flop_per_byte
+    if heavy + light <= 0:
+        return None
+    return float(min(0.5, light / (heavy + light)))
+
+
 def allreduce_alpha_beta(cluster: "Cluster", ranks: Sequence[int]) -> tuple[float, float]:
     """(seconds, seconds per byte) of a ring all-reduce over ``ranks``: time = alpha + beta * nbytes."""
     ranks = tuple(ranks)
@@ -199,16 +232,48 @@ def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
         return np.zeros(n), np.zeros(n)
     s = np.asarray(kind.shares, dtype=np.float64)
     factors = work_factors(s / s.sum(), rho)
+    pairs = tp_pairs_of(costs)
+    sharded = np.ones(n, dtype=bool) if pairs is None else pairs > 0
     fwd = np.zeros(n)
     bwd = np.zeros(n)
     for t, k in zip(kind.types, factors):
-        fwd = np.maximum(fwd, k * costs.fwd_time(t, micro_batch))
-        bwd = np.maximum(bwd, k * costs.bwd_time(t, micro_batch))
+        k_b = np.where(sharded, k, 1.0)     # a block without a Linear pair runs whole on every rank
+        fwd = np.maximum(fwd, k_b * costs.fwd_time(t, micro_batch))
+        bwd = np.maximum(bwd, k_b * costs.bwd_time(t, micro_batch))
     if len(kind.types) > 1:
-        per_dir = TP_ALLREDUCES_PER_BLOCK / 2 * (kind.alpha_s + kind.beta_s_per_byte * costs.out_bytes * micro_batch)
+        per_dir = (TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs) * (
+            kind.alpha_s + kind.beta_s_per_byte * costs.out_bytes * micro_batch)
         fwd = fwd + per_dir
         bwd = bwd + per_dir
     return fwd, bwd
+
+
+def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
+    """Per block of an analysed graph (``passes.meta.BLOCK`` on its nodes), the Linear pairs tensor
+    parallelism shards in it (``passes.tp_match.find_tp_pairs``, the rewrite's own matcher). Each pair
+    costs one all-reduce in forward (its g, after the row Linear) and one in backward (its f, before
+    the columns): a transformer layer has two (attention and MLP), an MLP block one, an embedding or
+    a head none (it runs whole on every TP rank)."""
+    from autopar.passes.meta import BLOCK
+    from autopar.passes.tp_match import find_tp_pairs
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = np.zeros(int(num_blocks))
+    for pair in find_tp_pairs(gm):
+        b = nodes[pair.row_node].meta.get(BLOCK)
+        if b is not None and 0 <= int(b) < num_blocks:
+            out[int(b)] += 1
+    return out
+
+
+def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
+    """The per-block pair counts a ``ModelCosts`` carries (``tp_pairs``, from ``tp_pairs_per_block``),
+    or None for tables without them: every block is then priced as a transformer layer
+    (``TP_ALLREDUCES_PER_BLOCK`` all-reduces, sharded by the work factors)."""
+    pairs = getattr(costs, "tp_pairs", None)
+    if pairs is None or len(pairs) != costs.num_blocks:
+        return None
+    return np.asarray(pairs, dtype=np.float64)
 
 
 def kind_times(costs: ModelCosts, cluster: "Cluster", kind: GroupKind, micro_batch: float, blocks: slice,
