@@ -54,7 +54,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from scipy.interpolate import PchipInterpolator
 
 from autopar.config import DP_STRATEGIES, GRAD_BUCKET_BYTES, MEMORY_FRACTION, ZERO_STAGES, PlanConfig
 from autopar.cost import comm
@@ -68,6 +67,8 @@ from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.planner.allocate import allocate, balanced_split
 
 if TYPE_CHECKING:  # pragma: no cover
+    from scipy.interpolate import PchipInterpolator
+
     from autopar.cluster.model import Cluster
 
 __all__ = [
@@ -153,6 +154,8 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     extra = (comm_cost.per_micro_step_s if comm_cost is not None else 0.0) + costs.call_overhead(device_type)
     y = np.array([costs.step_time(device_type, b)
                   + (float(costs.fwd_time(device_type, b).sum()) if recompute else 0.0) for b in x]) + extra
+    from scipy.interpolate import PchipInterpolator   # local: scipy.interpolate takes ~0.5 s to import
+
     return PchipInterpolator(x, y, extrapolate=True)
 
 
