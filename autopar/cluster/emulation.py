@@ -138,9 +138,19 @@ def steady_emulation() -> bool:
 @dataclass(frozen=True, slots=True, eq=False)
 class LinkedCluster(Cluster):
     """A ``Cluster`` that carries the measured link between its emulated ranks (see the module
-    docstring). Equal to, and hashed as, the plain cluster: the link is a measurement of this
-    machine, not part of the cluster's description (``to_dict`` and ``signature`` leave it out)."""
+    docstring). Equal to, and hashed as, the plain cluster, and written the same (``to_dict``): the link
+    is a measurement of this machine, not part of the cluster's description; but its ``signature``
+    (what affects performance: the plan cache's key) covers the link too."""
     emulated_link: EmulatedLink | None = None
+
+    def signature(self) -> str:
+        import hashlib
+        import json
+
+        link = self.emulated_link.to_json() if self.emulated_link is not None else None
+        text = json.dumps([Cluster.signature(self), link, list(self.emulated_link.nodes) if link else []],
+                          sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __eq__(self, other):
         return isinstance(other, Cluster) and all(
