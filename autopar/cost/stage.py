@@ -186,10 +186,10 @@ def stage_cost_tensor(costs: ModelCosts, links: Sequence[StageLink | None], num_
             out[idx], rc[idx] = row, use
         else:
             out[idx], rc[idx] = p.at(fly[:, None, None])
-    sends = np.zeros((S, n + 1))
+    alpha, beta = np.zeros(S), np.zeros(S)   # the send of the span's output to the next stage
     for s, link in enumerate(links):
         if link is not None:
-            per_link = math.ceil(micro_batch / link.num_links)
-            sends[s] = link.alpha_s + link.beta_s_per_byte * per_link * out_bytes
-    out += sends[:, None, :]
+            alpha[s] = link.alpha_s
+            beta[s] = link.beta_s_per_byte * math.ceil(micro_batch / link.num_links)
+    out += (alpha[:, None] + beta[:, None] * out_bytes[None, :])[:, None, :]
     return out, rc
