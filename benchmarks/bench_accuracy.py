@@ -229,6 +229,7 @@ def main(argv=None) -> int:
     os.environ["AUTOPAR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="autopar-accuracy-")
     torch.set_num_threads(1)     # plan here with the one-thread block times the emulated ranks measure
     cluster = builtin("demo")
+    load0 = os.getloadavg()[0]
     models = [m for m in args.models.split(",") if m]
     track = True if args.track_memory else False
     print(f"before calibration (cache {os.environ['AUTOPAR_CACHE_DIR']}):", flush=True)
@@ -254,12 +255,19 @@ def main(argv=None) -> int:
         return max((abs(r["ratio"]["median"] - 1) for r in rows), default=float("nan"))
 
     held = [r for r in before if r["model"] != args.calibrate_on]
+    load1 = os.getloadavg()[0]
+
+    def within(rows, tol):
+        return f"{sum(abs(r['ratio']['median'] - 1) <= tol for r in rows)} of {len(rows)}"
     md = (f"# Prediction accuracy (emulated demo cluster: speeds 1 / 0.5 / 0.25)\n\n"
           f"Measured: emulated devices on this machine, {args.warmup} warm-up + {args.steps} measured steps per "
           f"strategy, strategies interleaved; memory tracking {'on' if track else 'off'}. Predicted: the cost "
           f"model. Ratio: median over steps of step time / predicted step time.\n\n"
           f"Worst |ratio - 1| before calibration: {worst(before):.1%} (all models), {worst(held):.1%} (models not "
-          f"used to calibrate); after calibration on {args.calibrate_on}: {worst(after):.1%}.\n\n"
+          f"used to calibrate); after calibration on {args.calibrate_on}: {worst(after):.1%}. Within 25% before "
+          f"calibration: {within(before, 0.25)}; within 10% after: {within(after, 0.10)} (15%: "
+          f"{within(after, 0.15)}). Load average {load0:.1f} at the start, {load1:.1f} at the end (2 cores "
+          f"shared with other jobs). Emulated links: measured on this machine (docs/emulation.md).\n\n"
           f"## Before calibration\n\n{table(before)}\n\n## Calibration factors (fitted on {args.calibrate_on})\n\n"
           + md_table(["device type", "factors"], [[k, ", ".join(f"{t} {v:.3f}" if t != "call" else
                                                                  f"call +{v * 1e3:.2f} ms" for t, v in f.items())]
@@ -270,7 +278,7 @@ def main(argv=None) -> int:
     strip = [{k: v for k, v in r.items() if k not in ("plan_json", "profile_json")} for r in before + after]
     write_results(args.name, dict(before=strip[:len(before)], after=strip[len(before):], factors=factors,
                                   calibrate_on=args.calibrate_on, steps=args.steps, warmup=args.warmup,
-                                  track_memory=track), md)
+                                  track_memory=track, load=[load0, load1]), md)
     _scatter(before, after, RESULTS / f"{args.name}.png")
     print(md)
     return 0

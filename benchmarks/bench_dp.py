@@ -123,7 +123,11 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=RUN_BATCH)
     ap.add_argument("--skip-predicted", action="store_true", help="the measured run only (keeps the predicted "
                     "rows of the last results file)")
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="AUTOPAR_EMULATION_SLOWDOWN for the measured run: every emulated device (and the cost "
+                         "model) this much slower, so the ranks keep room on a machine shared with other jobs")
     args = ap.parse_args()
+    os.environ["AUTOPAR_EMULATION_SLOWDOWN"] = f"{args.slowdown:g}"      # the ranks inherit it
     if args.skip_predicted:
         import json
 
@@ -161,8 +165,11 @@ def main() -> None:
                  f"{m['speedup_predicted']:.2f}x; ideal 1.75/0.75 = 2.33x. Emulated devices. Machine load (1-minute "
                  f"average) {m['load'][0]:.1f} before, {m['load'][1]:.1f} after, on {os.cpu_count()} cores: emulation "
                  "needs the ranks' CPU demand to fit the cores, so a loaded machine slows the fast rank (dp's "
-                 "critical path) and not the sleeping slow one (uniform-dp's), and the measured speedup drops.\n\n"
-                 f"Command: `python benchmarks/bench_dp.py --steps {args.steps} --global-batch {args.global_batch}`")
+                 "critical path) and not the sleeping slow one (uniform-dp's), and the measured speedup drops. "
+                 f"Emulation slowdown {args.slowdown:g} (`AUTOPAR_EMULATION_SLOWDOWN`, docs/emulation.md); links "
+                 "between the emulated ranks priced as measured on this machine.\n\n"
+                 f"Command: `python benchmarks/bench_dp.py --steps {args.steps} --global-batch {args.global_batch} "
+                 f"--slowdown {args.slowdown:g}{' --skip-predicted' if args.skip_predicted else ''}`")
         print(f"demo: dp over uniform-dp measured {m['speedup_measured']:.2f}x (IQR {sp['q1']:.2f}-{sp['q3']:.2f}), "
               f"predicted {m['speedup_predicted']:.2f}x")
     write_results("dp", data, md)
