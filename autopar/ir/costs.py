@@ -1,7 +1,8 @@
 """Cost tables: what the planners read about a model on a cluster.
 
 ``ModelCosts`` holds, for one captured model, device-independent per-block facts (parameter bytes,
-activation bytes saved for backward per sample, output bytes per sample, FLOPs per sample) and, per
+activation bytes saved for backward per sample, output bytes per sample, FLOPs per sample; and the
+bytes per sample of the graph's output, which the loss reads: ``output_bytes``) and, per
 device type, the forward and backward time of every block sampled at a few micro-batch sizes.
 Times between samples are interpolated linearly; above the largest sample they are extrapolated
 linearly from the last two samples (time grows at least linearly with the batch once a device is
@@ -32,10 +33,35 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes"]
+from autopar.config import GRAD_BUCKET_BYTES
+
+__all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes", "ZERO_STAGING_FRACTION",
+           "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel"]
 
 # Optimizer state per parameter, fp32.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
+
+
+# The data-parallel engine's ZeRO chunk: at most 1/ZERO_STAGING_FRACTION of a unit's elements and a
+# gradient bucket (GRAD_BUCKET_BYTES), but at least ZERO_STAGING_MIN_NUMEL (fewer, larger pieces).
+ZERO_STAGING_FRACTION = 16
+ZERO_STAGING_MIN_NUMEL = 4096
+
+
+def zero_chunk_numel(total_numel: int, element_size: int) -> int:
+    """Elements of one ZeRO chunk of a unit of ``total_numel`` elements (``autopar.runtime.dp_flat``):
+    the most a shard Parameter holds (so the optimizer step's temporaries stay this small) and the
+    size of a reduce-scatter round's staging buffer (``zero_staging_numel``)."""
+    return max(1, min(GRAD_BUCKET_BYTES // max(1, int(element_size)),
+                      max(ZERO_STAGING_MIN_NUMEL, int(total_numel) // ZERO_STAGING_FRACTION)))
+
+
+def zero_staging_numel(total_numel: int, num_shards: int, max_shard_numel: int, element_size: int) -> int:
+    """Elements per position of one round of the data-parallel engine's reduce-scatter: its staging
+    buffer holds ``num_shards`` times this many elements, at most one ZeRO chunk
+    (``zero_chunk_numel``); the cost model prices the same buffer (``autopar.cost.memory``)."""
+    chunk = zero_chunk_numel(total_numel, element_size)
+    return max(1, min(int(max_shard_numel), chunk // max(1, int(num_shards))))
 
 
 def sharded_state_bytes(weight_bytes, num_params, grad_bytes_per_param: float, optimizer_bytes_per_param: float,
@@ -67,6 +93,7 @@ class ModelCosts:
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)  # device type -> optimizer step s/param
     call_overhead_s: dict[str, float] = field(default_factory=dict)        # device type -> s per compute call
     optimizer_flat_s_per_param: dict[str, float] = field(default_factory=dict)  # ... over one flat buffer
+    output_bytes: float = 0.0         # bytes of the graph's output (what the loss reads), per sample
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):

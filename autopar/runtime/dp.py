@@ -30,7 +30,7 @@ Terms
 ZeRO stages (per step, after the member's micro-steps)
 - 0: all-reduce the flat gradient; every rank steps the full optimizer.
 - 1: all-reduce the flat gradient; each rank keeps optimizer state for its shard only and steps one
-  flat shard Parameter per optimizer parameter group (a leaf tensor holding that rank's slice, so
+  flat shard Parameter per optimizer parameter group and ZeRO chunk (a leaf tensor holding that rank's slice, so
   the state is shard-sized); then all-gather the updated shards into the full parameters.
 - 2: gradients are sharded: after every micro-step round each rank reduce-scatters its flat
   gradient (zeros without a micro-step in the round) and adds its shard to the shard's sum, and the
@@ -445,11 +445,9 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
                 if rows is not None and rows.stop > rows.start:
                     loss_sum += self._micro_step(inputs, targets, rows).double()
                 for u in range(len(self.units)):
-                    flat_grad = self._flatten_grads(u)
+                    self._reduce_scatter_grads(u, shard_grads[u])
                     for p in self._unit(u)[1]:
                         p.grad = None
-                    shard_grads[u] += self._reduce_scatter_grad(u, flat_grad)
-                    del flat_grad
         else:
             active = [i for i, rows in enumerate(self._micro) if rows.stop > rows.start]
             for i in active:

@@ -10,18 +10,31 @@ Terms
   root unit (``autopar.runtime.dp_units``), or a single unit.
 - shard: a contiguous range of a unit's flat buffer owned by one position, even or proportional to
   the stage's ``zero_shares`` (memory-proportional sharding; a share of 0 gives an empty shard).
-  ``shard_bounds`` computes the ranges. gloo's all-gather / reduce-scatter need equal sizes, so
-  every shard travels padded to the largest shard (``FlatLayout.padded_numel``).
-- shard Parameter: under ZeRO >= 1 each rank steps one flat leaf Parameter per (unit, optimizer
-  parameter group) that intersects its shard, so the optimizer state is shard-sized.
+  ``shard_bounds`` computes the ranges.
+- shard Parameter: under ZeRO >= 1 each rank steps flat leaf Parameters covering the part of its
+  shard in each (unit, optimizer parameter group), so the optimizer state is shard-sized; each holds
+  at most one ZeRO chunk (``autopar.ir.costs.zero_chunk_numel``), so the temporaries of an optimizer
+  that steps tensor by tensor (torch's on CPU: Adam's square root and division) stay chunk-sized
+  instead of shard-sized. Under ZeRO 1/2
+  it is a view of the unit's parameter buffer (the optimizer updates the weights in place: no second
+  copy of the shard); under ZeRO-3 it holds the shard (the full buffer is freed).
 - parameter buffer (ZeRO 0-2, more than one rank): each unit's parameters are views of one flat
   buffer (``_bind_param_views``), which the ZeRO-1/2 all-gather writes straight into.
 - kept buffers (``_setup_buffers``, allocated once): ZeRO 0/1 keep each unit's flat gradient, with
   every parameter's ``.grad`` a view of it (``_bind_grad_views``); ZeRO 2/3 keep the shard's gradient
-  sum; ZeRO >= 1 keeps the padded shard values it sends in all-gathers. ZeRO 2/3 still flatten each
-  round's gradient into a fresh buffer, which they free at once (they hold no full gradient).
-  When every shard has the same size the padded layout is the flat layout itself, and no padding
-  copy is made.
+  sum. ZeRO 1/2 send their shard from the parameter buffer itself (``_shard_out``: views of it).
+
+Collectives without padding (memory as planned, ``autopar.cost.memory``). gloo's all-gather and
+reduce-scatter need equal sizes per position; padding every shard to the largest would make a rank
+with a small shard hold buffers of ``ranks x largest shard``. Instead:
+- all-gather of uneven shards: one broadcast per position, from its owner, straight into the full
+  buffer (the parameter buffer, or ZeRO-3's unit buffer): no buffer at all. Even shards: one
+  all-gather in place (every rank's shard already sits at its place in the output).
+- reduce-scatter: in rounds of at most ``staging_numel`` elements per position, read from the
+  parameters' ``.grad`` (no flattened copy of the gradient): each round stages one chunk of every
+  position's shard (padded to the chunk) in a buffer of ``positions x chunk`` elements, reduce-scatters
+  it and adds this position's chunk to the shard's sum. The staging buffer is
+  ``autopar.ir.costs.zero_staging_numel`` (the cost model prices the same).
 
 Exactness: sharded optimizer states are exact only for elementwise optimizers (SGD with or without
 momentum, Adam, AdamW, ...: the update of each element depends only on that element and step-level
@@ -43,7 +56,10 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.runtime.communicator import pg_all_gather_into, pg_all_gather_into_async, pg_reduce_scatter_into
+from autopar.ir.costs import zero_chunk_numel, zero_staging_numel
+from autopar.runtime.communicator import (
+    PendingCollective, pg_all_gather_into, pg_all_gather_into_async, pg_broadcast, pg_ranks, pg_reduce_scatter_into,
+)
 
 __all__ = ["DataParallelError", "FlatLayout", "shard_bounds", "ELEMENTWISE_OPTIMIZERS", "FlatBuffersMixin"]
 
@@ -144,7 +160,7 @@ class FlatBuffersMixin:
                 f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); use zero_stage=0")
 
     def _sharded_optimizer(self, probe: torch.optim.Optimizer, shards: list[torch.Tensor]):
-        """A flat shard Parameter per (unit, optimizer group) that intersects this rank's shard, and an
+        """A flat shard Parameter per (unit, optimizer group, ZeRO chunk) that intersects this rank's shard, and an
         optimizer of the probe's class over them with each group's hyperparameters. ``shards[u]``:
         this rank's shard of unit ``u``'s flat parameters (``[lo, hi)`` of the flat buffer)."""
         shard_params = []
@@ -152,10 +168,12 @@ class FlatBuffersMixin:
         for u, layout in enumerate(self.units):
             lo, hi = layout.shard(self._position)
             gb = layout.group_bounds
+            chunk = zero_chunk_numel(layout.total_numel, self.dtype.itemsize)
             for k in range(len(probe.param_groups)):
-                a, b = max(gb[k], lo), min(gb[k + 1], hi)
-                if a < b:
-                    sp = nn.Parameter(shards[u][a - lo:b - lo].detach().clone())
+                for a in range(max(gb[k], lo), min(gb[k + 1], hi), chunk):
+                    b = min(a + chunk, gb[k + 1], hi)
+                    piece = shards[u][a - lo:b - lo].detach()    # ZeRO 1/2: a view of the weights
+                    sp = nn.Parameter(piece if self.zero_stage in (1, 2) else piece.clone())
                     shard_params.append((sp, u, (a, b)))
                     by_group.setdefault(k, []).append(sp)
         if not by_group:                   # an empty shard still gets an optimizer
@@ -184,8 +202,9 @@ class FlatBuffersMixin:
         else:
             self._shard_grads = [torch.zeros(hi - lo, **new)
                                  for lo, hi in (layout.shard(self._position) for layout in self.units)]
-        if self.zero_stage >= 1:
-            self._shard_out = [torch.zeros(layout.max_shard_numel, **new) for layout in self.units]
+        if self.zero_stage in (1, 2):       # the shard is sent from the parameter buffer itself
+            self._shard_out = [self._param_flats[u][slice(*layout.shard(self._position))]
+                               for u, layout in enumerate(self.units)]
 
     def _bind_grad_views(self) -> None:
         """Zero the kept flat gradients and make every parameter's ``.grad`` its view into them, so
@@ -212,82 +231,83 @@ class FlatBuffersMixin:
             return torch.zeros(0, dtype=self.dtype, device=self.device)
         return torch.cat([p.detach().reshape(-1) for p in params]).to(self.dtype)
 
-    def _flatten_grads(self, u: int) -> torch.Tensor:
+    def _grads_into(self, u: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of unit ``u``'s flat gradient (its parameters' ``.grad``; zeros where a
+        parameter has none) copied into ``out`` (``hi - lo`` elements)."""
         layout, params = self._unit(u)
-        flat = torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
         for p, o, n in zip(params, layout.offsets, layout.numels):
-            if p.grad is not None:
-                flat[o:o + n].copy_(p.grad.reshape(-1))
+            a, b = max(lo, o), min(hi, o + n)
+            if a >= b:
+                continue
+            if p.grad is None:
+                out[a - lo:b - lo].zero_()
             else:
-                flat[o:o + n].zero_()
-        return flat
+                out[a - lo:b - lo].copy_(p.grad.reshape(-1)[a - o:b - o])
 
-    def _padded(self, u: int, flat: torch.Tensor) -> torch.Tensor:
-        """Unit ``u``'s ``flat`` laid out position by position, each shard padded to the largest."""
-        layout = self.units[u]
-        if layout.padded_numel == layout.total_numel:      # even shards: already laid out
-            return flat
-        m = layout.max_shard_numel
-        out = torch.zeros(layout.padded_numel, dtype=flat.dtype, device=flat.device)
-        for p in range(layout.num_shards):
-            a, b = layout.shard(p)
-            out[p * m:p * m + (b - a)].copy_(flat[a:b])
-        return out
-
-    def _unpadded(self, u: int, padded: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        layout = self.units[u]
-        m = layout.max_shard_numel
-        if out is None:
-            out = torch.empty(layout.total_numel, dtype=padded.dtype, device=padded.device)
-        for p in range(layout.num_shards):
-            a, b = layout.shard(p)
-            out[a:b].copy_(padded[p * m:p * m + (b - a)])
-        return out
-
-    def _my_shard_values(self, u: int) -> torch.Tensor:
-        """This rank's shard of unit ``u``'s flat parameters, from the shard Parameters (padded)."""
-        layout = self.units[u]
-        out = self._shard_out[u]        # kept: the padding past this shard stays zero
-        lo, _ = layout.shard(self._position)
+    def _write_my_shard(self, u: int, out: torch.Tensor) -> None:
+        """This rank's shard of unit ``u``'s flat parameters into its place in ``out`` (from the shard
+        Parameters; nothing to copy where they are views of ``out`` already, as under ZeRO 1/2)."""
         for sp, su, (a, b) in self._shard_params:
             if su == u:
-                out[a - lo:b - lo].copy_(sp.detach())
-        return out
+                dst = out[a:b]
+                if dst.data_ptr() != sp.data_ptr():
+                    dst.copy_(sp.detach())
 
     # -- collectives -----------------------------------------------------------------------------
+    def _even(self, u: int) -> bool:
+        layout = self.units[u]
+        return layout.padded_numel == layout.total_numel
+
     def _all_gather_flat(self, u: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Unit ``u``'s full flat parameters gathered from every position's shard (into ``out``)."""
+        """Unit ``u``'s full flat parameters gathered from every position's shard, into ``out`` (a new
+        buffer when None): even shards in one all-gather in place, uneven ones by one broadcast from
+        each owner (module docstring: no padded buffer)."""
         layout = self.units[u]
-        if layout.padded_numel == layout.total_numel:      # even shards: gather straight into out
-            if out is None:
-                out = torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
-            pg_all_gather_into(out, self._my_shard_values(u), group=self.group)
+        if out is None:
+            out = torch.empty(layout.total_numel, dtype=self.dtype, device=self.device)
+        self._write_my_shard(u, out)
+        if self._even(u):
+            pg_all_gather_into(out, out[slice(*layout.shard(self._position))], group=self.group)
             return out
-        padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
-        pg_all_gather_into(padded, self._my_shard_values(u), group=self.group)
-        return self._unpadded(u, padded, out)
+        ranks = pg_ranks(self.group)
+        for p in range(layout.num_shards):
+            a, b = layout.shard(p)
+            if a < b:
+                pg_broadcast(out[a:b], src=ranks[p], group=self.group)
+        return out
 
-    def _all_gather_flat_start(self, u: int, out: torch.Tensor):
-        """``_all_gather_flat(u, out)`` started without waiting; ``_all_gather_flat_finish`` completes it
-        (``out`` holds the full flat parameters after). Until then, unit ``u``'s send buffer is busy."""
+    def _all_gather_flat_start(self, u: int, out: torch.Tensor) -> PendingCollective:
+        """``_all_gather_flat(u, out)`` started without waiting where the shards are even (one
+        asynchronous all-gather); uneven shards are gathered at once (their broadcasts block), so the
+        returned collective has nothing left to wait for. ``_all_gather_flat_finish`` completes it."""
         layout = self.units[u]
-        if layout.padded_numel == layout.total_numel:
-            return pg_all_gather_into_async(out, self._my_shard_values(u), group=self.group), None
-        padded = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
-        return pg_all_gather_into_async(padded, self._my_shard_values(u), group=self.group), padded
+        if not self._even(u):
+            self._all_gather_flat(u, out)
+            return PendingCollective()
+        self._write_my_shard(u, out)
+        return pg_all_gather_into_async(out, out[slice(*layout.shard(self._position))], group=self.group)
 
-    def _all_gather_flat_finish(self, u: int, started, out: torch.Tensor) -> None:
-        pending, padded = started
-        pending.wait()
-        if padded is not None:
-            self._unpadded(u, padded, out)
+    def _all_gather_flat_finish(self, u: int, started: PendingCollective, out: torch.Tensor) -> None:
+        started.wait()
 
-    def _reduce_scatter_grad(self, u: int, flat_grad: torch.Tensor) -> torch.Tensor:
-        """This position's shard of the sum over ranks of unit ``u``'s ``flat_grad``. gloo implements
-        the real reduce-scatter on CPU (checked on torch 2.13 with 3 processes), so there is no
-        all-reduce + slice fallback."""
+    def _reduce_scatter_grads(self, u: int, acc: torch.Tensor) -> None:
+        """Add to ``acc`` (this position's shard of unit ``u``) the sum over ranks of that shard of the
+        unit's gradient (its parameters' ``.grad``), in rounds through a small staging buffer (module
+        docstring). gloo implements the real reduce-scatter on CPU (checked on torch 2.13 with 3
+        processes), so there is no all-reduce + slice fallback."""
         layout = self.units[u]
-        out = torch.empty(layout.max_shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
-        pg_reduce_scatter_into(out, self._padded(u, flat_grad), group=self.group)
-        lo, hi = layout.shard(self._position)
-        return out[:hi - lo]
+        n = layout.num_shards
+        c = zero_staging_numel(layout.total_numel, n, layout.max_shard_numel, self.dtype.itemsize)
+        stage = torch.empty(n * c, dtype=self.dtype, device=self.device)
+        got = torch.empty(c, dtype=self.dtype, device=self.device)
+        mine = layout.shard(self._position)
+        for k in range(0, layout.max_shard_numel, c):
+            for p in range(n):
+                a, b = layout.shard(p)
+                lo, hi = min(a + k, b), min(a + k + c, b)
+                self._grads_into(u, lo, hi, stage[p * c:p * c + hi - lo])
+                stage[p * c + hi - lo:(p + 1) * c].zero_()
+            pg_reduce_scatter_into(got, stage, group=self.group)
+            m = max(0, min(c, mine[1] - mine[0] - k))
+            if m:
+                acc[k:k + m] += got[:m]

@@ -49,7 +49,7 @@ Zero3Granularity = Literal["block", "micro_step"]
 class Zero3Mixin:
     """The ZeRO-3 half of ``DataParallelEngine``: gathering and freeing units in place, and one round.
     Uses the engine's flat buffers (``FlatBuffersMixin``: ``units``, ``_unit``, ``_all_gather_flat``,
-    ``_flatten_grads``, ``_reduce_scatter_grad``), its ``_unit_params``, ``_shapes``, ``gm``, ``zero3_granularity``, and
+    ``_reduce_scatter_grads``), its ``_unit_params``, ``_shapes``, ``gm``, ``zero3_granularity``, and
     its micro-step (``_micro_step``, ``_segment``, ``_segment_begin``, ``_segment_end``) and its lowered
     ``program`` (``zero3_gm``)."""
 
@@ -202,9 +202,7 @@ class Zero3Mixin:
                 loss_sum += self._micro_step(inputs, targets, rows).double()
         for u in units:
             self._free(u)
-            flat_grad = self._flatten_grads(u)
+            if self.units[u].total_numel:
+                self._reduce_scatter_grads(u, shard_grads[u])
             for p in self._unit(u)[1]:
                 p.grad = None
-            if self.units[u].total_numel:
-                shard_grads[u] += self._reduce_scatter_grad(u, flat_grad)
-            del flat_grad
