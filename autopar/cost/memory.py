@@ -8,23 +8,33 @@ Terms
   (``autopar.ir.costs.sharded_state_bytes``).
 - in flight: the micro-batches whose activations a pipeline stage holds at its peak
   (``autopar.ir.schedule.in_flight_micro_batches``).
-- state as run (``stage_state_bytes``): what the engines hold, not what ZeRO could save. A stage with
-  a tensor-parallel member runs ZeRO-0 (``stage_zero_stage``: the TP and pipeline engines shard no
-  state over members there); under ZeRO-2/3 the gradient is priced whole, since each micro-step's
-  full gradient exists before it is reduce-scattered (the transient full gradient).
-- not counted yet: what a loss function outside the graph holds on the last stage (cross-entropy's
-  log-softmax of the output, and two gradients of that size in its backward): the cost tables carry
-  no size of the graph's output (``out_bytes`` of the last block is 0, nothing crosses a cut there).
+- state as run (``stage_state_bytes``): what the engines hold, not what ZeRO could save. The
+  pipeline engine (``autopar.runtime.pipeline``) runs ZeRO-1 at most (``stage_zero_stage``): on a
+  stage of several one-rank members each keeps the optimizer state of its part of the parameters
+  and the gradients are all-reduced whole (ZeRO-2/3 run as 1); a stage with a tensor-parallel
+  member runs ZeRO-0. A stage of several members also holds, after backward, the flat copy of its
+  gradients that the all-reduce sends (``Communicator.all_reduce``): ``stage_reduce_bytes``.
+- loss (``loss_bytes_per_sample``): what the loss function holds outside the graph, on the rank that
+  computes it (a data-parallel rank, a pipeline's last stage): ``LOSS_OUTPUT_COPIES`` tensors the size
+  of the graph's output (``ModelCosts.output_bytes``): cross-entropy keeps its log-softmax, and its
+  backward makes two gradients of that size.
 - stage memory per rank (``stage_memory_bytes``): for every rank of a pipeline plan (its ``Stage``
   tuple), the stage's state as run, times the rank's tensor-parallel work factor
   (``autopar.cost.tp.work_factors``; 1 for a member of one rank), plus the activations of its largest
   micro-batch share: every in-flight micro-batch's (sharded like the work), or with recomputation one
   micro-batch's (sharded) plus the stage input (``stage_input_bytes``, whole on every TP rank) of
-  every micro-batch in flight. A pipeline of one-rank members is the case of every work factor 1.
-- data-parallel rank memory (``rank_memory``): one rank holding every block: its ZeRO state, under
-  ZeRO-3 the largest block's gathered weights, a fixed workspace (``DEFAULT_WORKSPACE_BYTES`` on real
-  devices, none on emulated ones: ``device_workspace_bytes``) and ``activation_bytes_per_sample`` per
-  sample of its micro-batch.
+  every micro-batch in flight; the last stage adds the loss of one micro-batch (whole on every TP
+  rank). A pipeline of one-rank members is the case of every work factor 1.
+- data-parallel rank memory (``rank_memory``): one rank holding every block: its ZeRO state; under
+  ZeRO-3 the gathered weights (``zero3_gathered_bytes``: a block and the next one it prefetches);
+  under ZeRO-2/3 the reduce-scatter's staging buffer (``zero_staging_bytes``); a fixed workspace
+  (``DEFAULT_WORKSPACE_BYTES`` on real devices, none on emulated ones: ``device_workspace_bytes``);
+  and ``activation_bytes_per_sample`` (the loss's included) per sample of its micro-batch, or under
+  ZeRO-2/3 the transient full gradient where that is more (``transient_grad_bytes``: a micro-step's
+  backward makes every parameter's gradient before the engine reduce-scatters them, while the
+  activations are freed; ``RankMemory``). A rank without a micro-step holds neither. The engine's
+  collectives need no padded buffers (``autopar.runtime.dp_flat``: uneven shards are gathered by
+  per-owner broadcasts).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import numpy as np
 from autopar.config import MEMORY_FRACTION, ZERO_STAGES
 from autopar.cost import tp as tp_cost
 from autopar.errors import PlanError
-from autopar.ir.costs import ModelCosts, sharded_state_bytes
+from autopar.ir.costs import ModelCosts, sharded_state_bytes, zero_staging_numel
 from autopar.ir.plan import Stage
 from autopar.ir.schedule import in_flight_micro_batches
 
@@ -50,13 +60,17 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
     "stage_input_bytes", "stage_memory_bytes",
-    "stage_zero_stage", "stage_state_bytes", "transient_grad_bytes", "fits_memory",
+    "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "transient_grad_bytes", "fits_memory",
+    "LOSS_OUTPUT_COPIES", "loss_bytes_per_sample", "zero_staging_bytes", "zero3_gathered_bytes",
     "RankMemory", "activation_bytes_per_sample", "rank_memory", "max_micro_batch", "check_zero_stage",
 ]
 
 # Kept free on every device besides states and activations: CUDA context, library workspaces,
 # collective buffers. memory_fraction leaves room for fragmentation on top of it.
 DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+# Tensors of the graph output's size a loss function holds (cross-entropy: its log-softmax, and in its
+# backward the gradients of the log-softmax and of the output).
+LOSS_OUTPUT_COPIES = 3
 # Upper limit of a max micro-batch when activations cost (almost) nothing.
 _MICRO_LIMIT = 1 << 20
 
@@ -88,24 +102,33 @@ def stage_input_bytes(costs: ModelCosts, stage: Stage) -> float:
     return float(costs.out_bytes[stage.block_start - 1]) if stage.block_start > 0 else 0.0
 
 
+def loss_bytes_per_sample(costs: ModelCosts) -> float:
+    """Bytes per sample the loss function holds outside the graph (module docstring)."""
+    return LOSS_OUTPUT_COPIES * float(costs.output_bytes)
+
+
 def stage_zero_stage(stage: Stage, zero_stage: int) -> int:
-    """The ZeRO stage whose state a stage's ranks hold, as the engines run it: 0 on a stage with a
-    tensor-parallel member (the TP and pipeline engines run ZeRO-0 there), else ``zero_stage``."""
-    return 0 if any(len(m) > 1 for m in stage.groups) else zero_stage
+    """The ZeRO stage whose state a stage's ranks hold, as the pipeline engine runs it: 0 on a stage
+    with a tensor-parallel member, else at most 1 (its gradients are all-reduced whole)."""
+    return 0 if any(len(m) > 1 for m in stage.groups) else min(int(zero_stage), 1)
 
 
 def stage_state_bytes(costs: ModelCosts, stage: Stage, zero_stage: int) -> float:
     """Weights + gradients + optimizer state one member of ``stage`` holds at its peak (before the
-    tensor-parallel work factor): sharded over its members under ``stage_zero_stage``, except that
-    the gradient is whole: under ZeRO-2/3 a micro-step's full gradient exists before it is
-    reduce-scattered (the transient full gradient; the engines do not reduce it bucket by bucket
-    during backward)."""
+    tensor-parallel work factor), sharded over its members under ``stage_zero_stage``."""
     blocks = slice(stage.block_start, stage.block_stop)
     z = stage_zero_stage(stage, zero_stage)
     weights, params = float(costs.param_bytes[blocks].sum()), float(costs.params[blocks].sum())
     f = 1.0 / len(stage.groups)
-    state = sharded_state_bytes(weights, params, costs.grad_bytes_per_param, costs.optimizer_bytes_per_param, z, f)
-    return state + (params * costs.grad_bytes_per_param * (1.0 - f) if z >= 2 else 0.0)
+    return sharded_state_bytes(weights, params, costs.grad_bytes_per_param, costs.optimizer_bytes_per_param, z, f)
+
+
+def stage_reduce_bytes(costs: ModelCosts, stage: Stage) -> float:
+    """The flat copy of a stage's gradients its members all-reduce after backward (0 for a stage of
+    one member, which reduces nothing); before the tensor-parallel work factor."""
+    if len(stage.groups) < 2:
+        return 0.0
+    return float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
 
 
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
@@ -120,13 +143,16 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
         act = float(costs.act_bytes[blocks].sum())
         fly = in_flight_micro_batches(schedule, s, len(stages), len(st.micro_batches[0]))
         held = stage_input_bytes(costs, st) if st.recompute else 0.0
+        loss = loss_bytes_per_sample(costs) if s == len(stages) - 1 else 0.0
+        reduce = stage_reduce_bytes(costs, st)
         for g, ranks in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares else (1,)
             factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
             x = max(st.micro_batches[g])
-            need = state + act * x * (1 if st.recompute else fly)
+            # after backward the activations are freed and the gradients' flat copy is made
+            need = state + max(act * x * (1 if st.recompute else fly), reduce)
             for r, k in zip(ranks, factors):
-                out[r] = int(math.ceil(need * k + held * x * fly))
+                out[r] = int(math.ceil(need * k + (held * fly + loss) * x))
     return dict(sorted(out.items()))
 
 
@@ -139,49 +165,79 @@ def fits_memory(cluster: "Cluster", memory: dict[int, int], memory_fraction: flo
 
 @dataclass(frozen=True, slots=True)
 class RankMemory:
-    """Memory of one data-parallel rank under a ZeRO stage, bytes."""
+    """Memory of one data-parallel rank under a ZeRO stage, bytes. A micro-step's activations are
+    freed as its backward makes the gradients, so its peak is the larger of the two
+    (``micro_bytes``), not their sum."""
 
     usable_bytes: float        # memory_fraction * device memory
     state_bytes: float         # weights + gradients + optimizer state kept (sharded per the stage)
-    gathered_bytes: float      # ZeRO-3: the largest block's full weights while gathered
+    gathered_bytes: float      # ZeRO-3: full weights while gathered (zero3_gathered_bytes)
     workspace_bytes: float
     act_bytes_per_sample: float
-    transient_bytes: float = 0.0   # ZeRO-2/3: the full gradient of a micro-step before its reduce-scatter
+    transient_bytes: float = 0.0   # ZeRO-2/3: a micro-step's full gradient before its reduce-scatter
+    staging_bytes: float = 0.0     # ZeRO-2/3: the reduce-scatter's staging buffer (every rank)
 
     @property
     def fixed_bytes(self) -> float:
-        return self.state_bytes + self.gathered_bytes + self.workspace_bytes + self.transient_bytes
+        """What the rank holds whatever its micro-batch (one sample's transient not included)."""
+        return self.state_bytes + self.gathered_bytes + self.workspace_bytes + self.staging_bytes
+
+    def micro_bytes(self, micro_batch: int) -> float:
+        """Besides ``fixed_bytes``: a micro-step of ``micro_batch`` samples (nothing for 0)."""
+        if micro_batch <= 0:
+            return 0.0
+        return max(self.act_bytes_per_sample * micro_batch, self.transient_bytes)
 
     def peak_bytes(self, micro_batch: int) -> int:
-        return int(math.ceil(self.fixed_bytes + self.act_bytes_per_sample * micro_batch))
+        return int(math.ceil(self.fixed_bytes + self.micro_bytes(micro_batch)))
 
     @property
     def max_micro(self) -> int:
         room = self.usable_bytes - self.fixed_bytes
-        if room < self.act_bytes_per_sample or room < 0:
+        if room < 0 or room < self.micro_bytes(1):
             return 0
         if self.act_bytes_per_sample <= 0:
             return _MICRO_LIMIT
         return min(_MICRO_LIMIT, int(room // self.act_bytes_per_sample))
 
 
-def transient_grad_bytes(costs: ModelCosts, zero_stage: int, num_shards: int) -> float:
-    """Under ZeRO-2/3 the part of a micro-step's full gradient a rank holds beyond its shard before the
-    reduce-scatter (the data-parallel engine reduce-scatters after backward, unit by unit); 0 below.
-    Not yet in ``rank_memory`` (``RankMemory.transient_bytes``): the data-parallel planner's tests
-    pin the formula without it."""
+def zero_staging_bytes(costs: ModelCosts, zero_stage: int, num_shards: int) -> float:
+    """Under ZeRO-2/3 the staging buffer of the engine's reduce-scatter rounds (``num_shards`` times
+    ``autopar.ir.costs.zero_staging_numel`` elements; the largest shard taken as the whole unit); 0
+    below, or for one rank."""
+    if zero_stage < 2 or num_shards < 1:
+        return 0.0
+    total, g = int(costs.params.sum()), int(costs.grad_bytes_per_param)
+    return float(num_shards * zero_staging_numel(total, num_shards, total, g) * g)
+
+
+def transient_grad_bytes(costs: ModelCosts, zero_stage: int) -> float:
+    """Under ZeRO-2/3 the full gradient a rank's micro-step makes (its backward makes every
+    parameter's gradient before the engine reduce-scatters them); 0 below (ZeRO-0/1 keep it, in the
+    state)."""
     check_zero_stage(zero_stage)
-    return float(costs.params.sum()) * costs.grad_bytes_per_param * (1.0 - 1.0 / num_shards) \
-        if zero_stage >= 2 else 0.0
+    return float(costs.params.sum()) * costs.grad_bytes_per_param if zero_stage >= 2 else 0.0
+
+
+def zero3_gathered_bytes(costs: ModelCosts, recompute: bool = False) -> float:
+    """Full weights a ZeRO-3 rank holds gathered at once (``autopar.runtime.dp_zero3``): block by block
+    the largest block's and the next one it prefetches (two largest blocks), or with ``recompute``
+    (gathered per micro-step) every block's."""
+    if not costs.num_blocks:
+        return 0.0
+    if recompute:
+        return float(costs.param_bytes.sum())
+    return float(np.sort(costs.param_bytes)[-2:].sum())
 
 
 def activation_bytes_per_sample(costs: ModelCosts, recompute: bool = False) -> float:
     """Activation bytes a micro-step holds per sample: every block's saved activations, or with
     ``recompute`` (block by block, as ``runtime.dp`` does) every block's input plus the largest
-    block's activations while it is recomputed."""
+    block's activations while it is recomputed; and the loss's (``loss_bytes_per_sample``)."""
+    loss = loss_bytes_per_sample(costs)
     if not recompute or not costs.num_blocks:
-        return float(costs.act_bytes.sum())
-    return float(costs.out_bytes[:-1].sum() + costs.act_bytes.max())
+        return float(costs.act_bytes.sum()) + loss
+    return float(costs.out_bytes[:-1].sum() + costs.act_bytes.max()) + loss
 
 
 def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shards: int,
@@ -193,12 +249,14 @@ def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shar
         raise ValueError(f"num_shards: {num_shards!r} must be an integer >= 1")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
-    gathered = float(costs.param_bytes.max()) if zero_stage == 3 and costs.num_blocks else 0.0
+    gathered = zero3_gathered_bytes(costs, recompute) if zero_stage == 3 else 0.0
     return RankMemory(
         usable_bytes=usable_bytes(spec, memory_fraction),
         state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
         gathered_bytes=gathered, workspace_bytes=device_workspace_bytes(spec, workspace_bytes),
         act_bytes_per_sample=activation_bytes_per_sample(costs, recompute),
+        transient_bytes=transient_grad_bytes(costs, zero_stage),
+        staging_bytes=zero_staging_bytes(costs, zero_stage, num_shards),
     )
 
 

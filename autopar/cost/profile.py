@@ -271,6 +271,19 @@ def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=
     return out if found else None
 
 
+def _output_bytes(analysis) -> float:
+    """Bytes per sample of the captured graph's output tensors (what the loss function reads)."""
+    from autopar.passes.meta import TENSOR
+
+    total = 0.0
+    for node in analysis.captured.graph.nodes:
+        if node.op == "output":
+            for v in node.all_input_nodes:
+                ti = v.meta.get(TENSOR)
+                total += float(ti.nbytes) if ti is not None else 0.0
+    return total / max(1, analysis.batch_size)
+
+
 def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
                 efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
@@ -351,7 +364,8 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
         sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table,
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
-        tied_groups=analysis.tied_groups, sources=sources, **terms,
+        tied_groups=analysis.tied_groups, sources=sources,
+        output_bytes=_output_bytes(analysis) * act_scale, **terms,
     )
     if precision not in (None, "fp32"):
         from dataclasses import replace

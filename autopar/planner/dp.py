@@ -290,7 +290,7 @@ def balanced_zero_shares(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[
             spec = cluster.devices[r].spec
             m0, m1 = (shard_memory(costs, spec, zero_stage, f, memory_fraction, workspace_bytes=workspace_bytes,
                                    recompute=recompute) for f in (0.0, 1.0))
-            room = m0.usable_bytes - m0.fixed_bytes - (m0.act_bytes_per_sample if one_sample else 0.0)
+            room = m0.usable_bytes - m0.fixed_bytes - (m0.micro_bytes(1) if one_sample else 0.0)
             slope = m1.state_bytes - m0.state_bytes
             got.append(1.0 if slope <= 0 and room >= 0 else min(1.0, max(0.0, room / slope)) if slope > 0 else 0.0)
         if sum(got) >= 1.0:
