@@ -118,6 +118,34 @@ def phases_of(results: list, failed_at: float) -> dict:
     return out
 
 
+_PLAN_ALONE = """
+import json, sys, time
+t0 = time.perf_counter()
+import autopar, autopar.api, autopar.planner.entry, autopar.runtime.engine, torch.distributed.checkpoint
+from autopar.models import build
+t1 = time.perf_counter()
+sys.path.insert(0, {here!r})
+from bench_elastic import make_cluster
+case = build({model!r}, device="cpu", seed=0)
+t2 = time.perf_counter()
+autopar.plan(case.model, make_cluster({speeds!r}), case.example_inputs, {batch}, case.loss_fn, strategy={strategy!r},
+             measure=False, optimizer="sgd")
+print(json.dumps(dict(imports=t1 - t0, model=t2 - t1, plan=time.perf_counter() - t2)))
+"""
+
+
+def plan_alone(args, speeds) -> dict:
+    """Seconds of a cold process's imports, model build and ``autopar.plan`` (analysis, cost tables, planner)
+    for the cluster left after the failure: what rank 0's compile spends before building its engine."""
+    import subprocess
+
+    code = _PLAN_ALONE.format(here=os.path.dirname(os.path.abspath(__file__)), model=args.model,
+                              speeds=[s for i, s in enumerate(speeds) if i != 1], batch=args.global_batch,
+                              strategy=args.strategy)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_once(args, speeds) -> dict:
     import autopar
     from autopar.ir.plan import Plan
@@ -165,10 +193,12 @@ def main(argv=None) -> dict:
         p = runs[-1]["phases"]
         print(f"repeat {i}: total {p['total']:.2f} s = " + " + ".join(f"{k} {p[k]:.2f}" for k in PHASES)
               + f" (wall {runs[-1]['wall_s']:.1f} s, load {os.getloadavg()[0]:.1f})", flush=True)
+    alone = [plan_alone(args, speeds) for _ in range(args.repeats)]
     load = (load0, os.getloadavg()[0])
     ref = one_device_state(args.model, args.global_batch, args.steps)
     errors = [max_rel_error(r.pop("state"), ref) for r in runs]
     stats = {k: spread([r["phases"][k] for r in runs]) for k in (*PHASES, "total")}
+    alone_stats = {k: spread([a[k] for a in alone]) for k in ("imports", "model", "plan")}
     rows = [[k.replace("_", " + " if k == "plan_build" else " "), f"{s.median:.2f}", f"{s.q1:.2f}-{s.q3:.2f}",
              f"{s.min:.2f}-{s.max:.2f}"] for k, s in stats.items()]
     r0 = runs[0]
@@ -178,9 +208,18 @@ def main(argv=None) -> dict:
           f"momentum, on three emulated CPU devices at speeds {args.speeds} in one node; the device of rank 1 "
           f"fails (os._exit) in step {args.kill_at} of {args.steps}, checkpoint_every={args.every}; "
           f"autopar.launch(max_restarts=1) restarts on the other two, compile re-plans (layers per stage "
-          f"{r0['stages_before']} -> {r0['stages']}, rank batch {r0['rank_batch_before']} -> {r0['rank_batch']}) and resumes from step {r0['resumed_step']} "
-          f"(the step in flight and {r0['redone']} completed step(s) after that checkpoint redone). {args.repeats} whole jobs; seconds, median and IQR over them.\n\n"
+          f"{r0['stages_before']} -> {r0['stages']}, rank batch {r0['rank_batch_before']} -> {r0['rank_batch']}) and resumes from the step-{r0['resumed_step']} "
+          f"checkpoint: step {args.kill_at}, in flight when the device failed, is done again, as are the "
+          f"{r0['redone']} completed step(s) after that checkpoint. {args.repeats} whole jobs; seconds, median and IQR over them.\n\n"
           + md_table(["phase", "median s", "IQR s", "min-max s"], rows)
+          + "\n\nFor scale, measured apart in a fresh process (same model, the two devices left, "
+            f"{args.repeats} times): imports of torch and autopar's modules (a restarted rank pays them partly in "
+            f"restart, partly in plan + build) {alone_stats['imports'].median:.2f} s (IQR "
+            f"{alone_stats['imports'].q1:.2f}-{alone_stats['imports'].q3:.2f}), building the model "
+            f"{alone_stats['model'].median:.2f} s, autopar.plan (capture, analysis, cost tables, planner) "
+            f"{alone_stats['plan'].median:.2f} s (IQR {alone_stats['plan'].q1:.2f}-{alone_stats['plan'].q3:.2f}); "
+            "the rest of plan + build is the plan's broadcast, each rank's own capture and lowering, and the "
+            "engine build."
           + f"\n\nFinal state against one device stepping the same {args.steps} global batches: max relative "
             f"error per tensor {max(errors):.2e} (api.md: <= 1e-4 for SGD + momentum). Checkpoints written: "
             f"{r0['checkpoint_bytes'] / 2**20:.1f} MiB on disk at the end ({', '.join(r0['saved'])} by the "
@@ -190,7 +229,7 @@ def main(argv=None) -> dict:
             f"--strategy {args.strategy} --global-batch {args.global_batch} --steps {args.steps} "
             f"--kill-at {args.kill_at} --every {args.every} --speeds {args.speeds}"
             f"{' --measured-links' if args.measured_links else ''}`")
-    data = dict(args=vars(args), runs=runs, errors=errors, load=load,
+    data = dict(args=vars(args), runs=runs, errors=errors, load=load, plan_alone=alone,
                 phases={k: dict(median=s.median, q1=s.q1, q3=s.q3, min=s.min, max=s.max) for k, s in stats.items()})
     print(md)
     if not args.no_write:
