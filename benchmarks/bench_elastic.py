@@ -199,6 +199,12 @@ def main(argv=None) -> dict:
     errors = [max_rel_error(r.pop("state"), ref) for r in runs]
     stats = {k: spread([r["phases"][k] for r in runs]) for k in (*PHASES, "total")}
     alone_stats = {k: spread([a[k] for a in alone]) for k in ("imports", "model", "plan")}
+    # the restarted job's steps after its first, split by whether the step ended in a checkpoint save
+    saving = {True: [], False: []}
+    for r in runs:
+        for i, t in enumerate(r["step_s"][1:], start=1):
+            saving[(r["resumed_step"] + 1 + i) % args.every == 0].append(t)
+    save_cost = {k: spread(v) for k, v in saving.items() if v}
     rows = [[k.replace("_", " + " if k == "plan_build" else " "), f"{s.median:.2f}", f"{s.q1:.2f}-{s.q3:.2f}",
              f"{s.min:.2f}-{s.max:.2f}"] for k, s in stats.items()]
     r0 = runs[0]
@@ -220,6 +226,11 @@ def main(argv=None) -> dict:
             f"{alone_stats['plan'].median:.2f} s (IQR {alone_stats['plan'].q1:.2f}-{alone_stats['plan'].q3:.2f}); "
             "the rest of plan + build is the plan's broadcast, each rank's own capture and lowering, and the "
             "engine build."
+          + ("\n\nSteps of the restarted job after its first: those that end in a synchronous checkpoint save "
+             f"{save_cost[True].median:.3f} s median (IQR {save_cost[True].q1:.3f}-{save_cost[True].q3:.3f}, "
+             f"{save_cost[True].num} steps), the others {save_cost[False].median:.3f} s (IQR "
+             f"{save_cost[False].q1:.3f}-{save_cost[False].q3:.3f}, {save_cost[False].num} steps)."
+             if len(save_cost) == 2 else "")
           + f"\n\nFinal state against one device stepping the same {args.steps} global batches: max relative "
             f"error per tensor {max(errors):.2e} (api.md: <= 1e-4 for SGD + momentum). Checkpoints written: "
             f"{r0['checkpoint_bytes'] / 2**20:.1f} MiB on disk at the end ({', '.join(r0['saved'])} by the "
@@ -230,6 +241,7 @@ def main(argv=None) -> dict:
             f"--kill-at {args.kill_at} --every {args.every} --speeds {args.speeds}"
             f"{' --measured-links' if args.measured_links else ''}`")
     data = dict(args=vars(args), runs=runs, errors=errors, load=load, plan_alone=alone,
+                save_step_s={str(k): dict(median=v.median, q1=v.q1, q3=v.q3, num=v.num) for k, v in save_cost.items()},
                 phases={k: dict(median=s.median, q1=s.q1, q3=s.q3, min=s.min, max=s.max) for k, s in stats.items()})
     print(md)
     if not args.no_write:
