@@ -214,9 +214,10 @@ def main(argv=None) -> dict:
           f"momentum, on three emulated CPU devices at speeds {args.speeds} in one node; the device of rank 1 "
           f"fails (os._exit) in step {args.kill_at} of {args.steps}, checkpoint_every={args.every}; "
           f"autopar.launch(max_restarts=1) restarts on the other two, compile re-plans (layers per stage "
-          f"{r0['stages_before']} -> {r0['stages']}, rank batch {r0['rank_batch_before']} -> {r0['rank_batch']}) and resumes from the step-{r0['resumed_step']} "
-          f"checkpoint: step {args.kill_at}, in flight when the device failed, is done again, as are the "
-          f"{r0['redone']} completed step(s) after that checkpoint. {args.repeats} whole jobs; seconds, median and IQR over them.\n\n"
+          f"{r0['stages_before']} -> {r0['stages']}, rank batch {r0['rank_batch_before']} -> {r0['rank_batch']}) "
+          f"and resumes from the step-{r0['resumed_step']} checkpoint: step {args.kill_at}, in flight when the "
+          f"device failed, is done again, as are the {r0['redone']} completed step(s) after that checkpoint. "
+          f"{args.repeats} whole jobs; seconds, median and IQR over them.\n\n"
           + md_table(["phase", "median s", "IQR s", "min-max s"], rows)
           + "\n\nFor scale, measured apart in a fresh process (same model, the two devices left, "
             f"{args.repeats} times): imports of torch and autopar's modules (a restarted rank pays them partly in "

@@ -69,7 +69,8 @@ from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 
 __all__ = [
     "RankContext", "launch", "init", "shutdown", "context", "is_initialized",
-    "default_backend", "subgroup_backend", "present_cluster", "failed_devices", "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV",
+    "default_backend", "subgroup_backend", "present_cluster", "failed_devices",
+    "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV",
 ]
 
 FAILED_ENV = "AUTOPAR_FAILED_DEVICES"     # ranks of the full cluster that failed, comma-separated
