@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import Any
 
 from autopar.errors import LaunchError, PlanError
 
