@@ -1,0 +1,135 @@
+"""Cold planning time, before and after: ``autopar plan --model llama-140b --cluster hethub-768.yaml
+--global-batch 1024`` as a user runs it (a fresh process, an empty cache directory: no plan cache, no
+profile cache), end to end: interpreter start, imports, model build on the meta device, analysis,
+cost tables, planning, bounds and the printed plan. The plans' figures are PREDICTED by the cost model
+(roofline tables; nothing runs a model).
+
+"before" is a source tree of an older commit (``git archive``, with ``autopar.passes`` and
+``autopar.kernels`` linked into its package as the editable install maps them), "after" this
+checkout. Runs alternate before/after so that both see the same load; each side reports the median
+and IQR of its wall times, and the chosen plan's figures (samples/s, MFU, homogeneous MFU,
+efficiency against the compute bound and the upper bound) so that a faster planner shows it chose no
+worse a plan.
+
+Usage::
+
+    python benchmarks/bench_planner_cold.py --before e73fe6d [--repeats 3]
+
+Writes ``benchmarks/results/planner_cold.json`` and ``planner_cold.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _tree(rev: str) -> Path:
+    """A source tree of ``rev`` under the temp directory (made once)."""
+    dest = Path(tempfile.gettempdir()) / f"autopar-src-{rev}"
+    if not (dest / "autopar").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        arch = subprocess.run(["git", "archive", rev, "autopar", "passes", "kernels"], cwd=ROOT,
+                              capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
+        for sub in ("passes", "kernels"):
+            link = dest / "autopar" / sub
+            if not link.exists():
+                link.symlink_to(dest / sub, target_is_directory=True)
+    return dest
+
+
+def cold_run(tree: Path | None, args) -> dict:
+    """One cold ``autopar plan`` in a fresh process on ``tree`` (None: this checkout)."""
+    cache = tempfile.mkdtemp(prefix="autopar-cold-")
+    out = Path(cache) / "plan.json"
+    env = dict(os.environ, AUTOPAR_CACHE_DIR=cache)
+    cwd = ROOT
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+        cwd = tree
+    cmd = [sys.executable, "-m", "autopar", "plan", "--model", args.model, "--cluster", args.cluster,
+           "--global-batch", str(args.global_batch), "--json", str(out)]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{cmd} failed:\n{done.stderr[-2000:]}")
+    d = json.loads(out.read_text())
+    pr = d["predicted"]
+    tail = [ln for ln in done.stdout.splitlines() if ln.startswith("planning ")]
+    return dict(wall_s=wall, load=load, planning_s=d.get("planning_s"), bounds_s=d.get("bounds_s"),
+                printed=tail[-1] if tail else "", samples_per_s=pr["samples_per_s"], mfu=pr.get("mfu"),
+                homogeneous_mfu=pr.get("homogeneous_mfu"), compute_efficiency=pr.get("compute_efficiency"),
+                efficiency=pr.get("efficiency"),
+                chosen=next((n for n in d.get("notes", []) if n.startswith("chosen")), ""))
+
+
+def _spread(xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return dict(median=statistics.median(xs), iqr=[q[0], q[2]], all=xs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", required=True, help="the commit to compare with")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "hethub-768.yaml"))
+    ap.add_argument("--model", default="llama-140b")
+    ap.add_argument("--global-batch", type=int, default=1024)
+    args = ap.parse_args(argv)
+    tree = _tree(args.before)
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(args.repeats):
+        runs["before"].append(cold_run(tree, args))
+        runs["after"].append(cold_run(None, args))
+        print(runs["before"][-1]["wall_s"], runs["after"][-1]["wall_s"], flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    result = dict(scenario=dict(model=args.model, cluster=Path(args.cluster).name, global_batch=args.global_batch),
+                  machine=f"{platform.platform()}, {os.cpu_count()} CPUs", before=args.before, after=commit,
+                  sides={k: dict(wall_s=_spread([r["wall_s"] for r in v]), runs=v) for k, v in runs.items()})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner_cold.json").write_text(json.dumps(result, indent=2) + "\n")
+    loads = [r["load"] for v in runs.values() for r in v]
+    md = ["# Cold `autopar plan`: llama-140b on hethub-768, global batch 1024", "",
+          f"`python benchmarks/bench_planner_cold.py --before {args.before} --repeats {args.repeats}` at commit "
+          f"{commit}; {result['machine']}, 1-minute load {min(loads):.1f}-{max(loads):.1f} during the runs "
+          f"(shared by other jobs). Each run is a fresh `python -m autopar plan ... --json` with an empty "
+          f"cache directory, timed from outside (interpreter start to exit); before and after alternate. "
+          f"Plan figures are PREDICTED by the cost model.", "",
+          "| | cold wall s (median) | IQR | runs | planning s | bounds s | samples/s | MFU | homog. MFU | "
+          "eff. vs compute | eff. vs upper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for side, v in runs.items():
+        w = result["sides"][side]["wall_s"]
+        last = v[-1]
+        md.append(f"| {side} ({args.before if side == 'before' else commit}) | {w['median']:.1f} | "
+                  f"{w['iqr'][0]:.1f}-{w['iqr'][1]:.1f} | {', '.join(f'{x:.1f}' for x in w['all'])} | "
+                  f"{statistics.median(r['planning_s'] for r in v):.1f} | "
+                  f"{statistics.median(r['bounds_s'] for r in v):.1f} | {last['samples_per_s']:.6g} | "
+                  f"{last['mfu']:.1%} | {last['homogeneous_mfu']:.1%} | {last['compute_efficiency']:.1%} | "
+                  f"{last['efficiency']:.1%} |")
+    b, a = (statistics.median(r["wall_s"] for r in runs[k]) for k in ("before", "after"))
+    md += ["", f"Speedup of the median: {b / a:.2f}x. Target (issue 14): <= 5 s.", "",
+           "Last run's own report (`autopar plan`'s last line):", "",
+           f"- before: {runs['before'][-1]['printed']}", f"- after: {runs['after'][-1]['printed']}", "",
+           f"Chosen before: {runs['before'][-1]['chosen']}", "", f"Chosen after: {runs['after'][-1]['chosen']}"]
+    (RESULTS / "planner_cold.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
