@@ -288,7 +288,7 @@ def cmd_train(args) -> int:
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
                    steps=args.steps, strategies=strategies, warmup_steps=args.warmup,
                    zero_stage=args.zero if args.zero == "auto" else int(args.zero),
-                   recompute=getattr(args, "recompute", False))
+                   recompute=getattr(args, "recompute", False), replan=getattr(args, "replan", "off"))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
           f"+ {args.steps} measured steps" + (", strategies interleaved step by step" if len(strategies) > 1 else ""))
@@ -303,6 +303,9 @@ def cmd_train(args) -> int:
 
     print(Plan.from_json(results[0].plan_json).summary(cluster), end="")
     summary = _print_run(results, cluster, strategies[1] if len(strategies) > 1 else None)
+    for r in results:        # --replan auto: what each strategy's check found (emulated where the cluster is)
+        for line in r.replans:
+            print(f"{r.strategy}: {line}")
     if args.json:
         _write_json(summary, args.json)
     if getattr(args, "timeline", None):
@@ -394,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
     t.add_argument("--timeline", metavar="OUT.png",
                    help="Gantt chart of the last measured step of every strategy, by phase and rank")
+    t.add_argument("--replan", choices=("off", "auto"), default="off",
+                   help="auto: after a few steps, re-plan on costs calibrated from the measured steps and switch "
+                        "in place when that pays (compile(replan=); a device's actual_speed shows it)")
     t.add_argument("--calibrate", action="store_true",
                    help="fit this machine's cost-model correction factors from the measured profiles and save "
                         "them in the profile cache (later plans use them)")

@@ -49,6 +49,7 @@ class RunSpec:
     schedule: str = "auto"
     recompute: bool = False
     track_memory: bool | None = None    # RunConfig.track_memory (None: as the device says)
+    replan: str = "off"                 # compile's replan= (autopar.runtime.replan)
 
     def __post_init__(self):
         if self.steps < 1:
@@ -101,6 +102,7 @@ class StrategyResult:
     warmup_times_s: tuple[float, ...] = ()   # the warm-up steps, excluded from every figure
     clock_stats: tuple = ()             # per rank: emulate.ClockStats totals over the measured steps
     profile_json: str = ""              # compiled.profile() of the measured steps (autopar.ir.profile)
+    replans: tuple[str, ...] = ()       # replan="auto": each check's ReplanReport.summary()
 
     @property
     def profile(self):
@@ -148,7 +150,8 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
                                 track_memory=spec.track_memory)
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
                                    run=run, strategy=strategy,
-                                   zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute)
+                                   zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute,
+                                   **({"replan": spec.replan} if spec.replan != "off" else {}))
         runs.append(dict(strategy=strategy, case=case, compiled=compiled, losses=[], times=[], warmup=[],
                          clock0=None))
     for step in range(spec.warmup_steps + spec.steps):
@@ -176,7 +179,8 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
                         step_times_s=tuple(run["times"]), predicted_step_s=compiled.plan.predicted.step_time_s,
                         warmup_times_s=tuple(run["warmup"]),
                         clock=_clock_delta(_clock(compiled).stats(), run["clock0"]),
-                        trace=tuple(getattr(compiled.engine, "last_trace", ()))))
+                        trace=tuple(getattr(compiled.engine, "last_trace", ())),
+                        replans=tuple(r.summary() for r in getattr(compiled, "replans", ()))))
     return out
 
 
