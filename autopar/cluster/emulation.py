@@ -6,9 +6,9 @@ Terms
 - oversubscription: ``max(1, num_ranks / num_cores)``, how many rank processes share each core of this
   machine. A speed-1.0 emulated rank already runs that much slower than the CPU.
 - emulation time scale: twice the oversubscription, times ``AUTOPAR_EMULATION_SLOWDOWN`` (default 1;
-  ``SLOWDOWN_ENV``) where a machine shared with other jobs needs more room. Every emulated device's target time is
-  ``cpu_time / speed * time_scale``, so the ranks' CPU demand (sum of speed / scale) stays well under
-  the cores and the speed *ratios* between devices survive some contention.
+  ``SLOWDOWN_ENV``) where a machine shared with other jobs needs more room. Every emulated device's
+  target time is ``cpu_time / speed * time_scale``, so the ranks' CPU demand (sum of speed / scale)
+  stays well under the cores and the speed *ratios* between devices survive some contention.
 - CPU share (``CpuShare``, ``cpu_shares``): which cores a CPU rank launched on this machine may run on
   (its affinity) and how many torch threads it uses. The rule (``docs/architecture.md``, "Emulation"):
   - every CPU rank runs one inter-op thread;
@@ -20,8 +20,8 @@ Terms
     ``num_cores // num_ranks`` cores;
   - with more ranks than cores, each rank is pinned to one core, heaviest first onto the least loaded
     core, a rank weighing its compute demand: the speed its clock runs it at (``actual_speed`` where the
-    file gives one) for an emulated rank (it sleeps the rest of the time), 1 for a native one. The demo's 1.0/0.5/0.25 ranks on 2 cores: the 1.0 rank alone on one core,
-    the two slower ones on the other.
+    file gives one) for an emulated rank (it sleeps the rest of the time), 1 for a native one. The demo's
+    1.0/0.5/0.25 ranks on 2 cores: the 1.0 rank alone on one core, the two slower ones on the other.
   GPU ranks get no share (``None``): nothing is changed for them.
 - machine cores (``machine_cores``): the cores the ranks of this machine share, which the
   oversubscription counts. A rank pinned to one core would see one core in its own affinity, so the
@@ -47,7 +47,8 @@ from dataclasses import dataclass, fields
 from autopar.cluster.links import EmulatedLink
 from autopar.cluster.model import Cluster
 
-__all__ = ["LinkedCluster", "with_emulated_link", "emulated_link_nodes", "link_layout", "CpuShare", "cpu_shares", "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
+__all__ = ["LinkedCluster", "with_emulated_link", "emulated_link_nodes", "link_layout", "CpuShare", "cpu_shares",
+           "emulation_time_scale", "machine_cores", "allowed_cores", "oversubscription",
            "NUM_CORES_ENV", "STEADY_ENV", "steady_emulation", "SLOWDOWN_ENV"]
 
 NUM_CORES_ENV = "AUTOPAR_NUM_CORES"

@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = [
-    "LinkModel", "DEFAULT_LINK", "EmulatedLink", "LINK_OPS", "emulated_link_of", "LinkKind", "family", "check_rank", "link_kind", "pair_bandwidth_Bps",
+    "LinkModel", "DEFAULT_LINK", "EmulatedLink", "LINK_OPS", "emulated_link_of", "LinkKind", "family", "check_rank",
+    "link_kind", "pair_bandwidth_Bps",
     "pair_latency_s",
 ]
 

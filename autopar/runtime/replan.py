@@ -8,7 +8,8 @@ Terms
 - proposal (``Proposal``): what rank 0 works out from the profile (``autopar.planner.replan.propose``:
   calibration factors fitted to the measured phases, the plan re-planned on the calibrated costs):
   the device types whose compute, measured over predicted, runs more than ``ReplanPolicy.detect_ratio``
-  times that of the type closest to its prediction (``slow``: ``autopar.planner.replan.slow_devices``), the current plan's step re-priced on the calibrated costs
+  times that of the type closest to its prediction (``slow``: ``autopar.planner.replan.slow_devices``),
+  the current plan's step re-priced on the calibrated costs
   (``current_s``), the new plan (JSON) and its predicted step (``proposed_s``).
 - switch cost (``switch_cost_s``): saving this rank's state, building the new plan's engine (measured:
   as long as this rank's ``compile`` took) and loading the state resharded: ``state_bytes`` written and
