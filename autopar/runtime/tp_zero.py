@@ -43,7 +43,7 @@ from autopar.errors import AutoparError
 from autopar.runtime.communicator import pg_all_gather_into, pg_ranks, pg_reduce_scatter_into
 from autopar.runtime.dp_flat import ELEMENTWISE_OPTIMIZERS
 
-__all__ = ["TensorParallelZeroError", "tp_zero_applies", "TPDistributedOptimizer"]
+__all__ = ["TensorParallelZeroError", "tp_zero_applies", "tp_zero_groups", "TPDistributedOptimizer"]
 
 
 class TensorParallelZeroError(AutoparError):
@@ -57,6 +57,21 @@ def tp_zero_applies(zero_stage: int, tp_shares: Sequence[Sequence[int]]) -> bool
     instead: ZeRO-0)."""
     shares = [tuple(s) for s in tp_shares]
     return zero_stage >= 1 and len(shares) > 1 and len(set(shares)) == 1
+
+
+def tp_zero_groups(new_group: Callable, plan) -> dict[tuple[int, int], object]:
+    """The data-parallel peer groups of every stage of ``plan`` that runs ZeRO-1 (``tp_zero_applies``),
+    keyed by (stage, TP index): ``new_group(ranks)`` for the ranks at that index of every member.
+    Every rank must call it (process groups are made collectively), in the same place of its setup."""
+    out = {}
+    for s, st in enumerate(plan.stages):
+        if not any(len(m) > 1 for m in st.groups):
+            continue
+        shares = st.tp_shares or tuple((1,) * len(m) for m in st.groups)
+        if tp_zero_applies(plan.zero_stage, shares):
+            for i in range(len(st.groups[0])):
+                out[(s, i)] = new_group([m[i] for m in st.groups])
+    return out
 
 
 class TPDistributedOptimizer:
