@@ -39,14 +39,15 @@ import numpy as np
 from autopar.cost import tp as tp_cost
 from autopar.cost.memory import usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
-    stage_cost_tensor, stage_row_parts
+    stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.cost.tp import Member
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "split_lower_bound"]
+__all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "joint_split_feasible",
+           "split_lower_bound"]
 
 _ROW_CACHE = 512   # stage row parts kept per search (~0.2 MB each at 82 blocks)
 
@@ -252,6 +253,23 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     (member loads: see the module docstring); ``recompute``: whether entries that do not fit keeping
     every activation may recompute them. Stages of the same loads share one row."""
     b = micro_sizes(ctx.global_batch, num_micro)[0]
+    return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule,
+                             _grouping_parts(ctx, prep, num_micro, recompute))
+
+
+def joint_split_feasible(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, schedule: str,
+                         recompute: bool = True) -> bool:
+    """Whether some split of the grouping fits at ``num_micro`` micro-batches: exactly whether
+    ``joint_cost_tensor``'s least bottleneck is finite, without building it
+    (``autopar.cost.stage.stage_split_feasible``)."""
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
+    return stage_split_feasible(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule,
+                                _grouping_parts(ctx, prep, num_micro, recompute))
+
+
+def _grouping_parts(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, recompute: bool):
+    """``parts(s)``: the ``RowParts`` of stage s of a prepared grouping at ``num_micro`` micro-batches."""
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
     _, _, act = ctx.spans()
     valid = ctx.upper()
     input_bytes = ctx.out_bytes0()
@@ -281,7 +299,7 @@ def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
         local[lk] = hit
         return hit
 
-    return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule, parts)
+    return parts
 
 
 def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int) -> float:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["micro_sizes", "span_sums", "p2p_alpha_beta", "StageLink", "MemberLoad", "RowParts", "stage_row_parts",
-           "stage_cost_row", "stage_cost_tensor"]
+           "stage_cost_row", "stage_cost_tensor", "stage_split_feasible"]
 
 
 def micro_sizes(batch: int, num_micro: int) -> tuple[int, ...]:
@@ -110,6 +110,15 @@ class RowParts:
     keep_cap: np.ndarray
     recompute_cap: np.ndarray | None
     valid: np.ndarray
+
+    def finite_at(self, in_flight) -> np.ndarray:
+        """[i, j] whether ``at(in_flight)``'s row is finite there (it fits, keeping or recomputing)."""
+        fits = self.valid & (in_flight <= self.keep_cap)
+        finite = fits & np.isfinite(self.time_s)
+        if self.recompute_cap is None:
+            return finite
+        use_rc = self.valid & (in_flight <= self.recompute_cap) & ~fits
+        return finite | (use_rc & np.isfinite(self.recompute_time_s))
 
     def at(self, in_flight) -> tuple[np.ndarray, np.ndarray]:
         """(the row, whether each entry recomputes) at ``in_flight`` micro-batches (a number, or an
@@ -193,3 +202,30 @@ def stage_cost_tensor(costs: ModelCosts, links: Sequence[StageLink | None], num_
             beta[s] = link.beta_s_per_byte * math.ceil(micro_batch / link.num_links)
     out += (alpha[:, None] + beta[:, None] * out_bytes[None, :])[:, None, :]
     return out, rc
+
+
+def stage_split_feasible(costs: ModelCosts, links: Sequence[StageLink | None], num_micro: int, micro_batch: int,
+                         schedule: str, parts: Callable[[int], RowParts]) -> bool:
+    """Whether ``stage_cost_tensor`` (same arguments) has a split whose every stage is finite, i.e.
+    whether ``autopar.planner.pp.min_bottleneck`` of it is finite: the boundaries reachable after each
+    stage, from the rows' fit masks alone (no seconds), stopping at the first stage that reaches none."""
+    n = costs.num_blocks
+    S = len(links)
+    out_bytes = np.concatenate([[0.0], costs.out_bytes])
+    reach = np.zeros(n + 1, dtype=bool)
+    reach[0] = True
+    masks: dict = {}
+    for s, link in enumerate(links):
+        p = parts(s)
+        fly = in_flight_micro_batches(schedule, s, S, num_micro)
+        key = (id(p), fly)
+        if key not in masks:
+            masks[key] = (p, p.finite_at(float(fly)))
+        mask = masks[key][1]
+        if link is not None:
+            send = link.alpha_s + link.beta_s_per_byte * math.ceil(micro_batch / link.num_links) * out_bytes
+            mask = mask & np.isfinite(send)[None, :]
+        reach = mask[reach].any(axis=0)
+        if not reach.any():
+            return False
+    return bool(reach[n])

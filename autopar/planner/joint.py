@@ -67,7 +67,8 @@ from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, PP_STRATEGIES, PlanCo
 from autopar.cost import tp as tp_cost
 from autopar.cost.comm import allgather_time_s
 from autopar.cost.pipeline import stage_optimizer_s
-from autopar.cost.joint import JointContext, joint_cost_tensor, prepare_stages, split_lower_bound
+from autopar.cost.joint import JointContext, joint_cost_tensor, joint_split_feasible, prepare_stages, \
+    split_lower_bound
 from autopar.cost.memory import check_zero_stage, fits_memory, stage_memory_bytes
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
@@ -282,6 +283,8 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
         return out
 
     def solve(entry, M):
+        if not joint_split_feasible(ctx, entry.prep, M, schedule, ctx.recompute):
+            return "infeasible"   # most (grouping, M) of a large model: no tensor needed to know
         cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
         floor = min_bottleneck(cost)
         if not math.isfinite(floor):
