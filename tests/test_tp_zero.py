@@ -154,3 +154,50 @@ def _costs(name):
 
 if __name__ == "__main__":
     run_tests()
+
+
+def _peaks(rank: int, zeros) -> dict:
+    """One process rank: the tracked step peak of the TP engine under each ZeRO stage (launch)."""
+    from autopar.runtime.memory import TrackedMeter
+
+    out = {}
+    for zero in zeros:
+        meter = TrackedMeter(rank)
+        with meter:
+            engine = _engine("llama-tiny", ((1, 1), (1, 1)), zero, "adamw", rank, 4)
+        data = batches("llama-tiny", engine.plan.global_batch_size, STEPS)
+        meter.reset_peak()
+        with meter:
+            for inputs, targets in data:
+                engine.step(inputs, targets)
+        out[zero] = (meter.peak_bytes, engine.zero_stage_applied)
+        del engine
+    return out
+
+
+@pytest.mark.launch
+def test_launch_step_peak_within_15_percent_of_predicted():
+    """Four gloo processes, each tracking only its own tensors (on threads, collectives' temporaries
+    are counted by whichever thread runs them): the step peak under ZeRO-0 and ZeRO-1 against
+    ``cost.memory.stage_memory_bytes`` for ZeRO-0, less ``cost.tp.tp_zero_saving_bytes`` for ZeRO-1
+    (what ``cost.memory`` gives once its TP stages take ``cost.tp.tp_zero_stage``)."""
+    import autopar
+    from autopar.cluster.model import Cluster
+    from autopar.cost import tp as tp_cost
+    from autopar.cost.memory import stage_memory_bytes
+
+    cluster = Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
+                                                       "memory_GB": 4}, "count": 4}]})
+    results = autopar.launch(_peaks, cluster, (0, 1), timeout_s=240)
+    costs = _costs("llama-tiny")
+    stages = _plan(((1, 1), (1, 1)), 1, costs.num_blocks).stages
+    rho = tp_cost.DEFAULT_REPLICATED_FRACTION
+    zero0 = stage_memory_bytes(costs, stages, "none", 0, rho)
+    saving = tp_cost.tp_zero_saving_bytes(costs, stages[0], 1, rho)
+    for rank, got in enumerate(results):
+        assert got[1][1] == 1 and got[0][1] == 0
+        for zero, predicted in ((0, zero0[rank]), (1, zero0[rank] - saving[rank])):
+            ratio = got[zero][0] / predicted
+            print(f"rank {rank} ZeRO-{zero}: measured {got[zero][0]} predicted {predicted:.0f} ratio {ratio:.3f}")
+            assert 0.85 <= ratio <= 1.15, (rank, zero, got[zero][0], predicted)
+        assert got[1][0] < got[0][0]
