@@ -156,6 +156,16 @@ class Compiled:
     # for profile(): the cluster, and on rank 0 the cost tables the plan was priced with (None elsewhere)
     cluster: Any = None
     costs: Any = None
+    # steps taken (restored by load); the loader dataloader() made last, and a loaded data position
+    # it has not taken yet (autopar.runtime.checkpointing)
+    step_count: int = 0
+    _loader: Any = None
+    _data_position: Any = None
+    # compile's checkpoint_dir/checkpoint_every: autopar.runtime.elastic.Elastic (None without them)
+    elastic: Any = None
+    # compile's replan="auto": autopar.runtime.replan.Replanner, and the reports of its checks
+    replanner: Any = None
+    replans: list = field(default_factory=list)
 
     def step(self, inputs, targets=None, *, local: bool = False) -> float:
         """One optimizer step (forward, backward, optimizer); returns the global mean loss, the same on
@@ -177,6 +187,11 @@ class Compiled:
                 recorded_step(getattr(self.engine, "clock", None)):
             loss = self.engine.step(inputs, targets, local=local)
         self.step_times_s.append(time.perf_counter() - t0)
+        self.step_count += 1
+        if self.elastic is not None:      # saves every checkpoint_every steps (autopar.runtime.elastic)
+            self.elastic.after_step(self)
+        if self.replanner is not None:    # re-plans from the measured steps, once (autopar.runtime.replan)
+            self.replanner.after_step(self)
         return loss
 
     def profile(self, last: int | None = None):
@@ -214,6 +229,23 @@ class Compiled:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.engine.state_dict()
 
+    def save(self, directory, *, async_save: bool = False):
+        """Save the job's state (this rank's pieces of the model and optimizer, its RNG state, the data
+        position, the step count, the plan) into the checkpoint ``directory``; collective: call on every
+        rank between steps. Returns the manifest, or with ``async_save`` a handle whose ``wait()`` does
+        (``autopar.runtime.checkpointing``)."""
+        from autopar.runtime.checkpointing import save
+
+        return save(self, directory, async_save=async_save)
+
+    def load(self, directory):
+        """Load the checkpoint ``directory``, saved under any plan and cluster of the same model, so
+        that training continues exactly; collective. Raises ``CheckpointError`` naming the file, with
+        nothing loaded, for a missing, truncated or foreign checkpoint."""
+        from autopar.runtime.checkpointing import load
+
+        return load(self, directory)
+
     def dataloader(self, dataset, seed: int = 0, **loader_kwargs: Any):
         """A ``torch.utils.data.DataLoader`` over this rank's rows of each global batch, for
         ``step(inputs, targets, local=True)``.
@@ -232,8 +264,13 @@ class Compiled:
         decides (see ``autopar.runtime.data.rank_dataloader``)."""
         from autopar.runtime.data import rank_dataloader
 
-        return rank_dataloader(dataset, self.engine.local_rows, self.plan.global_batch_size, seed,
-                               **loader_kwargs)
+        loader = rank_dataloader(dataset, self.engine.local_rows, self.plan.global_batch_size, seed,
+                                 **loader_kwargs)
+        if self._data_position is not None:    # a loaded checkpoint's position (compiled.load)
+            loader.load_state_dict(self._data_position)
+            self._data_position = None
+        self._loader = loader                  # compiled.save records its position
+        return loader
 
 
 def _default_optimizer(params):
@@ -256,7 +293,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
             recompute: bool = False, zero3_granularity: Zero3Granularity = "block",
             config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
-            init="reset_parameters", weights=None, precision: str = "fp32", pin=None) -> Compiled:
+            init="reset_parameters", weights=None, precision: str = "fp32", pin=None,
+            checkpoint_dir=None, checkpoint_every: int | None = None, replan: str = "off") -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
 
@@ -278,7 +316,15 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     generator seeded from ``seed`` and its qualified name, or read from ``weights`` (a safetensors file
     or a directory of shards; each rank reads only its tensors): the weights of
     ``autopar.materialize(model, seed=seed, init=init, weights=weights)`` on one device, with no
-    broadcast to make them equal (``autopar.lowering.materialize``). ``weights`` needs a meta model."""
+    broadcast to make them equal (``autopar.lowering.materialize``). ``weights`` needs a meta model.
+
+    ``checkpoint_dir`` / ``checkpoint_every`` (api.md, "Elastic runs"): save into ``checkpoint_dir/step-N``
+    every ``checkpoint_every`` steps, and resume from the newest complete checkpoint there, resharded onto
+    this plan (``autopar.runtime.elastic``). Under a restarted ``launch``, a ``cluster`` that is the one
+    the job was started on means the cluster in force (``autopar.current_cluster()``).
+
+    ``replan="auto"`` (api.md): after a few steps, re-plan on costs calibrated from the measured profile
+    and switch in place when that pays (``autopar.runtime.replan``; reports in ``compiled.replans``)."""
     import torch.distributed as dist
 
     from importlib import import_module
@@ -303,6 +349,9 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     elif (optimizer, use_triton, measure, zero3_granularity) != (None, False, None, "block"):
         raise PlanError("run: given together with optimizer/use_triton/measure/zero3_granularity keywords; "
                         "set those fields in the RunConfig")
+    checkpoints = import_module("autopar.runtime.elastic").checkpoint_policy(checkpoint_dir, checkpoint_every)
+    if replan not in ("off", "auto"):
+        raise PlanError(f"replan: {replan!r} is not one of 'off', 'auto'")
     plan_options = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule,
                                pp_layers=pp_layers, dp_batch=dp_batch, recompute=recompute, precision=precision,
                                pin=pin) \
@@ -314,6 +363,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     if weights is not None and not on_meta:
         raise PlanError("weights: given for a model that is not on meta; build the model under "
                         "torch.device('meta') so that no rank allocates weights it then overwrites")
+    weights = import_module("autopar.runtime.checkpointing").weight_source(weights)   # or an autopar checkpoint
     weights = open_weights(weights)     # reads the headers only: a bad path fails on every rank, early
     _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
     optimizer = optimizer or _default_optimizer
@@ -326,6 +376,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                                "under torchrun")
         _launch.init(cluster, rank=0, world_size=1, store=dist.HashStore())
     ctx = _launch.context()
+    cluster = import_module("autopar.runtime.elastic").cluster_in_force(cluster)   # after a restart
     if len(cluster) != ctx.world_size:
         raise ClusterError(f"cluster: has {len(cluster)} devices but {ctx.world_size} ranks are running")
     # Plan on rank 0 and broadcast it: measured timings differ between processes.
@@ -350,6 +401,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     if isinstance(payload[0], BaseException):
         raise payload[0]
     the_plan = Plan.from_json(payload[0])
+    compile_t0 = time.perf_counter()     # building this plan's engine: what a re-plan's switch repeats
     if ctx.device.type != "cpu" and not on_meta:
         model = model.to(ctx.device)
     analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
@@ -380,5 +432,35 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                                            device=ctx.device, clock=clock, precision=precision), program,
                               zero3_granularity=zero3_granularity, overlap=run.overlap, **engine_options)
     import_module("autopar.runtime.recorder").record_engine(engine, ctx.rank)     # compiled.profile()'s recorder
-    return Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter, cluster=cluster,
-                    costs=prepared.costs if ctx.rank == 0 and prepared is not None else None)
+    compiled = Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter, cluster=cluster,
+                        costs=prepared.costs if ctx.rank == 0 and prepared is not None else None)
+    if replan == "auto":
+        if plan_options is not None and prepared is not None:     # rank 0 re-plans: the model's facts, as plan()
+            plan_options = plan_options.with_(
+                num_heads=plan_options.num_heads if plan_options.num_heads is not None else model_num_heads(model),
+                replicated_fraction=(plan_options.replicated_fraction if plan_options.replicated_fraction is not None
+                                     else prepared.replicated_fraction))
+        def rebuild(plan_json: str) -> Compiled:     # the switch: this rank's engine for the new plan, no planning
+            return compile(model, cluster, example_inputs, global_batch_size, loss_fn,
+                           strategy=Plan.from_json(plan_json), run=run, seed=seed, init=init, weights=weights,
+                           precision=precision)
+
+        compiled.replanner = _replanner(compiled, plan_options, time.perf_counter() - compile_t0, rebuild)
+    return import_module("autopar.runtime.elastic").attach(compiled, checkpoints)   # resumes, if it can
+
+
+def _replanner(compiled: Compiled, config, build_s: float, rebuild):
+    """compile(replan="auto")'s ``autopar.runtime.replan.Replanner``: rank 0 proposes with the planner."""
+    from autopar.planner.replan import propose
+    from autopar.runtime.replan import Proposal, Replanner, ReplanPolicy
+
+    policy = ReplanPolicy()
+    config = config or PlanConfig()
+
+    def plan_fn(costs, cluster, global_batch, cfg):
+        return plan_from_costs(costs, cluster, global_batch, config=cfg)
+
+    def proposal(profile):
+        return Proposal(**propose(profile, compiled.plan, compiled.costs, compiled.cluster,
+                                  compiled.plan.global_batch_size, config, plan_fn, detect_ratio=policy.detect_ratio))
+    return Replanner(policy, proposal, rebuild, build_s)
