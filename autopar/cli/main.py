@@ -288,7 +288,9 @@ def cmd_train(args) -> int:
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
                    steps=args.steps, strategies=strategies, warmup_steps=args.warmup,
                    zero_stage=args.zero if args.zero == "auto" else int(args.zero),
-                   recompute=getattr(args, "recompute", False), replan=getattr(args, "replan", "off"))
+                   recompute=getattr(args, "recompute", False), replan=getattr(args, "replan", "off"),
+                   max_restarts=getattr(args, "max_restarts", 0), checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                   checkpoint_every=getattr(args, "checkpoint_every", None))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
           f"+ {args.steps} measured steps" + (", strategies interleaved step by step" if len(strategies) > 1 else ""))
@@ -400,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--replan", choices=("off", "auto"), default="off",
                    help="auto: after a few steps, re-plan on costs calibrated from the measured steps and switch "
                         "in place when that pays (compile(replan=); a device's actual_speed shows it)")
+    t.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save every --checkpoint-every steps under DIR/STRATEGY/step-N and resume from the newest "
+                        "complete checkpoint there (compile(checkpoint_dir=); docs/elastic.md)")
+    t.add_argument("--checkpoint-every", type=int, metavar="K", help="steps between checkpoints (with --checkpoint-dir)")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a device fails, restart on the others, re-planned, at most N times, resuming from "
+                        "--checkpoint-dir (launch(max_restarts=))")
     t.add_argument("--calibrate", action="store_true",
                    help="fit this machine's cost-model correction factors from the measured profiles and save "
                         "them in the profile cache (later plans use them)")

@@ -50,6 +50,9 @@ class RunSpec:
     recompute: bool = False
     track_memory: bool | None = None    # RunConfig.track_memory (None: as the device says)
     replan: str = "off"                 # compile's replan= (autopar.runtime.replan)
+    max_restarts: int = 0               # launch's max_restarts= (autopar.runtime.elastic, docs/elastic.md)
+    checkpoint_dir: str | None = None   # compile's checkpoint_dir= (one sub-directory per strategy)
+    checkpoint_every: int | None = None
 
     def __post_init__(self):
         if self.steps < 1:
@@ -151,14 +154,19 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
                                    run=run, strategy=strategy,
                                    zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute,
-                                   **({"replan": spec.replan} if spec.replan != "off" else {}))
+                                   **({"replan": spec.replan} if spec.replan != "off" else {}),
+                                   **({"checkpoint_dir": f"{spec.checkpoint_dir}/{strategy}",
+                                       "checkpoint_every": spec.checkpoint_every} if spec.checkpoint_dir else {}))
         runs.append(dict(strategy=strategy, case=case, compiled=compiled, losses=[], times=[], warmup=[],
                          clock0=None))
-    for step in range(spec.warmup_steps + spec.steps):
+    start = min(run["compiled"].step_count for run in runs)   # > 0 after resuming from a checkpoint
+    for step in range(start, spec.warmup_steps + spec.steps):
         for run in (runs if step % 2 == 0 else runs[::-1]):
             compiled = run["compiled"]
+            if compiled.step_count > step:       # resumed past this step
+                continue
             inputs, targets = run["case"].batch(spec.global_batch, seed=step)
-            if step == spec.warmup_steps:
+            if step >= spec.warmup_steps and run["clock0"] is None:
                 run["clock0"] = _clock(compiled).stats()
             pg_barrier()
             t0 = time.perf_counter()
@@ -187,7 +195,7 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
 def run_comparison(spec: RunSpec, cluster) -> list[StrategyResult]:
     import autopar
 
-    results = autopar.launch(train_worker, cluster, spec)
+    results = autopar.launch(train_worker, cluster, spec, max_restarts=spec.max_restarts)
     out = []
     for i, r in enumerate(results[0]):
         r = dict(r)
