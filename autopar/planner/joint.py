@@ -181,6 +181,11 @@ def _stage_tail_s(ctx: JointContext, groups: Sequence[tuple[int, ...]], start: i
     """Gradient all-reduce + optimizer step + ZeRO gather of a stage of ``groups`` on blocks [start, stop)
     (what ``cost.pipeline`` adds after the schedule), cached by the stage's ``_tail_signature`` and the
     span's parameter count and bytes (all the tail depends on: spans of as many identical blocks share it)."""
+    seen = ctx.cache.setdefault("tail_at", {})   # (groups object, span, zero) -> seconds: before the key
+    at = (id(groups), start, stop, _tail_zero(zero))
+    hit = seen.get(at)
+    if hit is not None and hit[0] is groups:
+        return hit[1]
     c = ctx.costs
     cum_p, cum_w = ctx.cache.get("cum_params") or ctx.cache.setdefault(
         "cum_params", (np.concatenate([[0.0], np.cumsum(c.params)]), np.concatenate([[0.0], np.cumsum(c.param_bytes)])))
@@ -188,6 +193,7 @@ def _stage_tail_s(ctx: JointContext, groups: Sequence[tuple[int, ...]], start: i
            float(cum_w[stop] - cum_w[start]), _tail_zero(zero))
     if key not in ctx.cache:
         ctx.cache[key] = _stage_tail_uncached(ctx, groups, start, stop, zero)
+    seen[at] = (groups, ctx.cache[key])   # keeps ``groups`` alive, so its id is not reused
     return ctx.cache[key]
 
 
