@@ -222,7 +222,11 @@ def main(argv=None) -> int:
     ap.add_argument("--track-memory", action="store_true", help="run with the emulated memory tracking on")
     ap.add_argument("--cache-dir", help="profile cache of this benchmark (default: a new temporary folder)")
     ap.add_argument("--name", default="accuracy")
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="AUTOPAR_EMULATION_SLOWDOWN: every emulated device (and the cost model) this much slower, "
+                         "so the ranks keep room on a machine shared with other jobs")
     args = ap.parse_args(argv)
+    os.environ["AUTOPAR_EMULATION_SLOWDOWN"] = f"{args.slowdown:g}"      # the ranks inherit it
     from autopar.cluster.model import builtin
     from autopar.cost.measure_cache import CALIBRATION_ENV, save_calibration
 
@@ -267,14 +271,15 @@ def main(argv=None) -> int:
           f"used to calibrate); after calibration on {args.calibrate_on}: {worst(after):.1%}. Within 25% before "
           f"calibration: {within(before, 0.25)}; within 10% after: {within(after, 0.10)} (15%: "
           f"{within(after, 0.15)}). Load average {load0:.1f} at the start, {load1:.1f} at the end (2 cores "
-          f"shared with other jobs). Emulated links: measured on this machine (docs/emulation.md).\n\n"
+          f"shared with other jobs); emulation slowdown {args.slowdown:g}. Emulated links: measured on this machine "
+          f"(docs/emulation.md).\n\n"
           f"## Before calibration\n\n{table(before)}\n\n## Calibration factors (fitted on {args.calibrate_on})\n\n"
           + md_table(["device type", "factors"], [[k, ", ".join(f"{t} {v:.3f}" if t != "call" else
                                                                  f"call +{v * 1e3:.2f} ms" for t, v in f.items())]
                                                   for k, f in factors.items()])
           + f"\n\n## After calibration (models not used to calibrate)\n\n{table(after)}\n\n"
           f"Command: `python benchmarks/bench_accuracy.py --models {','.join(models)} --steps {args.steps} "
-          f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''}`\n")
+          f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''} --slowdown {args.slowdown:g}`\n")
     strip = [{k: v for k, v in r.items() if k not in ("plan_json", "profile_json")} for r in before + after]
     write_results(args.name, dict(before=strip[:len(before)], after=strip[len(before):], factors=factors,
                                   calibrate_on=args.calibrate_on, steps=args.steps, warmup=args.warmup,
