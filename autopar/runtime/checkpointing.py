@@ -139,12 +139,15 @@ def save(compiled, directory, *, async_save: bool = False) -> Manifest | SaveHan
     """Save ``compiled``'s state into the checkpoint ``directory`` (collective: every rank calls it,
     between steps). Returns the manifest, or with ``async_save`` a ``SaveHandle``."""
     directory = Path(directory)
-    pieces = engine_pieces(compiled.engine)
-    objects = _rank_objects(compiled)
+    # a rank whose state cannot be described fails every rank before any collective of the save
+    pieces, objects = store.agreed(lambda: (engine_pieces(compiled.engine), _rank_objects(compiled)))
     meta = _meta(compiled, objects)
     step = int(compiled.step_count)
+    # files of at most the largest piece (at least one piece each): a save holds at most that much
+    # beyond the rank's own state, and a piece is at most one tensor, so at most one block
+    bucket = max((p.tensor.numel() * p.tensor.element_size() for p in pieces), default=0)
     if not async_save:
-        return store.save(directory, pieces, step=step, meta=meta, rank_objects=objects)
+        return store.save(directory, pieces, step=step, meta=meta, rank_objects=objects, bucket_bytes=bucket)
     group = _async_group()
     snapshot = [Piece(p.fqn, p.global_shape, p.box, p.tensor.detach().to("cpu", copy=True)) for p in pieces]
     handle = SaveHandle(directory)
@@ -152,7 +155,7 @@ def save(compiled, directory, *, async_save: bool = False) -> Manifest | SaveHan
     def write() -> None:
         try:
             handle._result.append(store.save(directory, snapshot, step=step, meta=meta, rank_objects=objects,
-                                             process_group=group))
+                                             process_group=group, bucket_bytes=bucket))
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             handle._result.append(exc)
 
@@ -182,14 +185,19 @@ def load(compiled, directory) -> Manifest:
     """Load the checkpoint ``directory`` (saved under any plan) into ``compiled`` (collective). Raises
     ``CheckpointError`` naming the file before anything is written, for a missing, truncated or
     foreign checkpoint."""
-    manifest = read_manifest(directory)
     engine = compiled.engine
-    _check_model(manifest, engine, engine_pieces(engine, optimizer=False))
-    gbs = manifest.meta.get("global_batch_size")
-    if gbs is not None and int(gbs) != int(compiled.plan.global_batch_size):
-        raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} was saved at global_batch_size={gbs}, this "
-                              f"job runs {compiled.plan.global_batch_size}: its data position and steps would not "
-                              "continue the same run")
+
+    def check() -> Manifest:
+        manifest = read_manifest(directory)
+        _check_model(manifest, engine, engine_pieces(engine, optimizer=False))
+        gbs = manifest.meta.get("global_batch_size")
+        if gbs is not None and int(gbs) != int(compiled.plan.global_batch_size):
+            raise CheckpointError(f"checkpoint: {manifest.path / MANIFEST} was saved at global_batch_size={gbs}, "
+                                  f"this job runs {compiled.plan.global_batch_size}: its data position and steps "
+                                  "would not continue the same run")
+        return manifest
+
+    manifest = store.agreed(check)     # a check failing on one rank fails every rank, none waits
     with_optim = any(k.startswith(OPTIM) for k in manifest.signature)
     pieces = load_pieces(engine, optimizer=with_optim)
     names = ("rng", "cuda_rng", "data")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from autopar.checkpoint.pieces import Box, Piece, flat_range_pieces, whole_piece
+from autopar.checkpoint.pieces import Box, Piece, box_volume, flat_range_boxes, flat_range_pieces, whole_piece
 from autopar.checkpoint.store import CheckpointError
 from autopar.runtime.dp import DataParallelEngine
 from autopar.runtime.pipeline import PipelineEngine
@@ -59,19 +59,43 @@ class Slot:
     hi: int = 0
     dim: int = 0                   # tp: the sharded dim and the runs along it
     ranges: tuple[tuple[int, int], ...] = ()
+    local_shape: tuple[int, ...] = ()   # flat over a TP shard (ranges set): the shard's shape
 
     def pieces(self, name: str, tensor: torch.Tensor) -> list[Piece]:
         """The pieces named ``name`` that ``tensor`` (the holder, or a state tensor of its shape) holds."""
         if self.kind == "whole":
             return [whole_piece(name, tensor)]
         if self.kind == "flat":
-            return flat_range_pieces(name, self.shape, self.start, tensor.narrow(0, self.lo, self.hi - self.lo))
+            flat = tensor.narrow(0, self.lo, self.hi - self.lo)
+            if not self.ranges:
+                return flat_range_pieces(name, self.shape, self.start, flat)
+            return self._flat_of_shard(name, flat)
         out, at = [], 0
         for a, b in self.ranges:
             offsets = tuple(a if d == self.dim else 0 for d in range(len(self.shape)))
             sizes = tuple(b - a if d == self.dim else n for d, n in enumerate(self.shape))
             out.append(Piece(name, self.shape, Box(offsets, sizes), tensor.narrow(self.dim, at, b - a)))
             at += b - a
+        return out
+
+    def _flat_of_shard(self, name: str, flat: torch.Tensor) -> list[Piece]:
+        """``flat`` holds elements ``[start, ...)`` of a TP shard of shape ``local_shape``, which is the
+        runs ``ranges`` along ``dim`` of the full tensor laid end to end: each box of the shard's flat
+        range splits where it crosses from one run to the next."""
+        out = []
+        for box, pos in flat_range_boxes(self.local_shape, self.start, self.start + flat.numel()):
+            view = flat.narrow(0, pos, box_volume(box)).view(box.sizes)
+            o, n, at = box.offsets[self.dim], box.sizes[self.dim], 0
+            for a, b in self.ranges:
+                lo, hi = max(o, at), min(o + n, at + b - a)
+                if lo < hi:
+                    offsets = list(box.offsets)
+                    offsets[self.dim] = a + lo - at
+                    sizes = list(box.sizes)
+                    sizes[self.dim] = hi - lo
+                    out.append(Piece(name, self.shape, Box(tuple(offsets), tuple(sizes)),
+                                     view.narrow(self.dim, lo - o, hi - lo)))
+                at += b - a
         return out
 
 
@@ -95,7 +119,7 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in t.shape)
 
 
-# -- per engine: (masters: [(tensor, [Slot])], optimizer slots: {id(param): [Slot]}) -----------------
+# -- per engine: (masters: [(tensor, [Slot])], optimizer slots: {id(param): [Slot]}, or None: saves none)
 def _dp(engine: DataParallelEngine):
     names = _names(engine.model)
     masters, opt_slots = [], {}
@@ -130,7 +154,7 @@ def _tp(engine: TensorParallelEngine):
     shards = {s.local: s for s in engine.layout.params}
     masters, opt_slots, seen = [], {}, set()
     if engine._member is None:          # an idle rank: it never steps, and state_dict() takes rank 0's
-        return masters, opt_slots
+        return masters, None
     for local_name, p in engine.gm.named_parameters():
         if p.is_meta:
             continue
@@ -146,6 +170,20 @@ def _tp(engine: TensorParallelEngine):
         seen.add(id(p))
         masters.append((p.data, [slot]))
         opt_slots[id(p)] = [slot]
+    zero = getattr(engine, "zero", None)     # ZeRO-1 over the members (autopar.runtime.tp_zero)
+    if zero is not None:
+        base = dict(opt_slots)
+        for sp in zero.shards:             # a view of the flat parameter buffer over the owned chunk
+            a = sp.storage_offset() - zero.flat_params.storage_offset()
+            b = a + sp.numel()
+            slots = []
+            for p, o in zip(zero.params, zero.offsets):
+                lo, hi = max(a, o), min(b, o + p.numel())
+                if lo < hi:
+                    bs = base[id(p)][0]
+                    slots.append(Slot(bs.fqn, bs.shape, "flat", start=lo - o, lo=lo - a, hi=hi - a, dim=bs.dim,
+                                      ranges=bs.ranges if bs.kind == "tp" else (), local_shape=_shape(p)))
+            opt_slots[id(sp)] = slots
     for key, t in engine.model.state_dict(keep_vars=True).items():   # buffers, frozen parameters
         if names[id(t)] != key or t.is_meta or id(t) in seen or t.numel() == 0:
             continue
@@ -200,6 +238,10 @@ def _optim_pieces(opt: torch.optim.Optimizer, opt_slots: dict[int, list[Slot]]) 
         for p in group["params"]:
             slots = opt_slots.get(id(p))
             state = opt.state.get(p)
+            if slots is None and p.numel() > 0:
+                raise CheckpointError("checkpoint: the optimizer steps a tensor of shape "
+                                      f"{tuple(p.shape)} that no parameter of the checkpoint layout "
+                                      "(autopar.runtime.state) accounts for; its state cannot be saved")
             if not slots or not state:
                 continue          # an empty shard's placeholder, or a parameter that has not stepped
             for key, value in sorted(state.items()):
@@ -232,7 +274,7 @@ def engine_pieces(engine, *, optimizer: bool = True) -> list[Piece]:
         for slot in slots:
             out += slot.pieces(MODEL + slot.fqn, tensor)
     opt = torch_optimizer(engine)
-    if optimizer and opt is not None:
+    if optimizer and opt is not None and opt_slots is not None:    # None: a rank that never steps
         out += _optim_pieces(opt, opt_slots)
     return out
 
