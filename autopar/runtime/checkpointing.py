@@ -110,7 +110,12 @@ def _meta(compiled, objects: dict[str, Any]) -> dict[str, Any]:
     if len({tuple(sorted(p.items())) for p in positions}) > 1:
         raise CheckpointError(f"checkpoint: the ranks' data loaders are at different positions {positions}; "
                               "save between steps, after every rank took the same batches")
-    meta: dict[str, Any] = {"step_count": int(compiled.step_count), "plan": compiled.plan.to_json(),
+    plan = compiled.plan
+    strategy = (f"{plan.strategy}, ZeRO-{plan.zero_stage}, {len(plan.stages)} stage(s): " +
+                "; ".join(f"{st.num_layers} blocks on ranks {list(st.ranks)}" +
+                          (f" (TP shares {list(st.tp_shares)})" if st.tp_shares else "") for st in plan.stages))
+    meta: dict[str, Any] = {"step_count": int(compiled.step_count), "plan": plan.to_json(), "strategy": strategy,
+                            "world_size": len(pg_ranks(None)),
                             "global_batch_size": int(compiled.plan.global_batch_size),
                             "data": positions[0] if positions else None}
     scaler = getattr(compiled.engine, "loss_scaler", None)
