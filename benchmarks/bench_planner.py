@@ -269,12 +269,135 @@ def machine() -> dict:
             "numpy": np.__version__, "cpus": os.cpu_count(), "commit": commit}
 
 
+_AB_CHILD = r"""
+import json, sys, time, os, tempfile
+os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp()
+import numpy as np
+from autopar.cluster.model import Cluster
+from autopar.ir.costs import ModelCosts
+from autopar.planner.joint import plan_auto
+import scipy.interpolate   # imported before the clock: one tree imports it with the planner, the other on use
+exec(sys.argv[3])   # llama_like_costs and mixed_cluster, the same source on both trees
+kind, n = sys.argv[1], int(sys.argv[2])
+if kind == "devices":
+    cluster = mixed_cluster(n); costs = llama_like_costs(cluster, 32); B = max(64, n)
+else:
+    cluster = mixed_cluster(64); costs = llama_like_costs(cluster, n - 2); B = 256
+t0, c0 = time.perf_counter(), time.process_time()
+p = plan_auto(costs, cluster, B, num_heads=32, use_cache=False)
+print(json.dumps(dict(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0,
+                      samples_per_s=p.predicted.samples_per_s, blocks=costs.num_blocks, global_batch=B)))
+"""
+
+
+def _ab_point(tree, kind: str, n: int, funcs: str) -> dict:
+    env, cwd = dict(os.environ), ROOT
+    if tree is not None:
+        env["PYTHONPATH"], cwd = str(tree), tree
+    out = subprocess.run([sys.executable, "-c", _AB_CHILD, kind, str(n), funcs], env=env, cwd=cwd,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def scaling_ab(rev: str, device_counts, block_counts, repeats: int) -> dict:
+    """``scaling``'s sweep, each point in fresh processes on this checkout and on ``rev``'s tree, alternating
+    (median CPU seconds of ``repeats`` each)."""
+    import inspect
+
+    from bench_planner_cold import _tree   # noqa: E402 - the benchmarks folder is on sys.path when run
+
+    tree = _tree(rev)
+    funcs = inspect.getsource(llama_like_costs) + "\n" + inspect.getsource(mixed_cluster)
+    out = {"devices": [], "blocks": []}
+    for kind, counts in (("devices", device_counts), ("blocks", block_counts)):
+        for n in counts:
+            now, old = [], []
+            for _ in range(repeats):
+                old.append(_ab_point(tree, kind, n, funcs))
+                now.append(_ab_point(None, kind, n, funcs))
+            med = lambda xs, k: statistics.median(x[k] for x in xs)   # noqa: E731
+            out[kind].append({"devices": n if kind == "devices" else 64, "blocks": now[-1]["blocks"],
+                              "global_batch": now[-1]["global_batch"], "plan_s": med(now, "wall_s"),
+                              "cpu_s": med(now, "cpu_s"), "samples_per_s": now[-1]["samples_per_s"],
+                              "before_cpu_s": med(old, "cpu_s"), "before_samples_per_s": old[-1]["samples_per_s"]})
+            print(f"  scaling {kind}={n}: {med(now, 'cpu_s'):.2f} s CPU (before {med(old, 'cpu_s'):.2f})", flush=True)
+    return out
+
+
+def scaling_only(args) -> int:
+    """The full scaling sweep alone, with the previous record's times (``planner.json``) beside it;
+    ``--render-only`` re-renders planner_scaling.md from planner_scaling.json."""
+    if args.render_only:
+        result = json.loads((args.out / "planner_scaling.json").read_text())
+    else:
+        prev_path = args.out / "planner.json"
+        prev = json.loads(prev_path.read_text()) if prev_path.exists() else {}
+        prev_scale = prev.get("scaling", {"devices": [], "blocks": []})
+        prev_commit = prev.get("machine", {}).get("commit", "?")
+        sweep = ((8, 16, 32, 64, 128, 256, 512, 1024), (12, 34, 66, 98, 128))
+        scale = (scaling_ab(args.before, *sweep, args.repeats) if args.before else scaling(*sweep, args.repeats))
+        result = {"benchmark": "planner-scaling", "machine": machine(), "load_at_end": os.getloadavg()[0],
+                  "scaling": scale, "previous": {"commit": prev_commit, "scaling": prev_scale},
+                  "repeats": args.repeats, "before": args.before}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "planner_scaling.json").write_text(json.dumps(result, indent=2, default=str))
+        plot(scale, args.out / "planner_scaling.png")
+    md = scaling_markdown(result)
+    (args.out / "planner_scaling.md").write_text(md)
+    print(md)
+    return 0
+
+
+def scaling_markdown(result: dict) -> str:
+    m, scale, rev, reps = result["machine"], result["scaling"], result.get("before"), result["repeats"]
+    prev_commit, prev_scale = result["previous"]["commit"], result["previous"]["scaling"]
+    earlier = {("d", x["devices"]): x["plan_s"] for x in prev_scale["devices"]}
+    earlier.update({("b", x["blocks"]): x["plan_s"] for x in prev_scale["blocks"]})
+    md = ["# Planning time against devices and blocks (plan_auto, cache off; plans PREDICTED by the cost model)", "",
+          f"`python benchmarks/bench_planner.py --scaling-only --repeats {reps}"
+          f"{(' --before ' + rev) if rev else ''}`; {m.get('platform', '')}, commit {m.get('commit', '?')}, "
+          f"1-minute load {result['load_at_end']:.1f} at the end (a shared machine). Devices: half A100-80GB, half "
+          f"V100S-32GB, a Llama-shaped model of 34 blocks (32 layers); blocks: 64 such devices. "
+          + (f"Each point runs in fresh processes on this checkout and on {rev}'s source tree, alternating; "
+             f"'CPU s' is plan_auto's CPU time there (median of {reps}), 'wall s' this checkout's wall time. "
+             if rev else f"Wall seconds, median of {reps}. ")
+          + f"'earlier wall s' is the sweep of the last full `bench_planner.py` run (commit {prev_commit}, "
+          f"planner.json), on another day's load and before the pipeline planner searched interleaved and "
+          f"zero-bubble schedules: not comparable.", ""]
+    if rev:
+        md += [f"| devices | blocks | CPU s | {rev} CPU s | speedup | wall s | earlier wall s | samples/s | "
+               f"{rev} samples/s |", "|---|---|---|---|---|---|---|---|---|"]
+    else:
+        md += ["| devices | blocks | wall s | earlier wall s | samples/s |", "|---|---|---|---|---|"]
+    for kind, rows in (("d", scale["devices"]), ("b", scale["blocks"])):
+        for x in rows:
+            old = earlier.get((kind, x["devices"] if kind == "d" else x["blocks"]))
+            old = "-" if old is None else f"{old:.2f}"
+            if rev:
+                md.append(f"| {x['devices']} | {x['blocks']} | {x['cpu_s']:.2f} | {x['before_cpu_s']:.2f} | "
+                          f"{x['before_cpu_s'] / x['cpu_s']:.2f}x | {x['plan_s']:.2f} | {old} | "
+                          f"{x['samples_per_s']:.4g} | {x['before_samples_per_s']:.4g} |")
+            else:
+                md.append(f"| {x['devices']} | {x['blocks']} | {x['plan_s']:.2f} | {old} | {x['samples_per_s']:.4g} |")
+    return "\n".join(md) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer scenarios and a smaller scaling sweep")
     ap.add_argument("--repeats", type=int, default=3, help="planning runs per timing (median)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--before", metavar="REV",
+                    help="with --scaling-only: also time every sweep point on the source tree of commit REV "
+                         "(fresh processes, alternating with this checkout)")
+    ap.add_argument("--render-only", action="store_true",
+                    help="with --scaling-only: re-render planner_scaling.md from planner_scaling.json")
+    ap.add_argument("--scaling-only", action="store_true",
+                    help="only the planning-time sweep over devices and blocks (planner_scaling.json/.md/.png), "
+                         "next to the sweep of the last full run (planner.json)")
     args = ap.parse_args(argv)
+    if args.scaling_only:
+        return scaling_only(args)
     clusters_names = ("poplar-v100-t4", "mixed-3", "hethub-768") if args.quick else CLUSTERS
     models = ("gpt2-xl", "llama-140b") if args.quick else tuple(MODELS)
     clusters = {}

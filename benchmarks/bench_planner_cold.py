@@ -13,7 +13,7 @@ worse a plan.
 
 Usage::
 
-    python benchmarks/bench_planner_cold.py --before e73fe6d [--repeats 3]
+    python benchmarks/bench_planner_cold.py --before e73fe6d [--repeats 3] [--after-only]
 
 Writes ``benchmarks/results/planner_cold.json`` and ``planner_cold.md``.
 """
@@ -89,13 +89,24 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "hethub-768.yaml"))
     ap.add_argument("--model", default="llama-140b")
     ap.add_argument("--global-batch", type=int, default=1024)
+    ap.add_argument("--after-only", action="store_true",
+                    help="rerun this checkout only; keep the before runs of the last planner_cold.json")
     args = ap.parse_args(argv)
-    tree = _tree(args.before)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for _ in range(args.repeats):
-        runs["before"].append(cold_run(tree, args))
-        runs["after"].append(cold_run(None, args))
-        print(runs["before"][-1]["wall_s"], runs["after"][-1]["wall_s"], flush=True)
+    if args.after_only:
+        prev = json.loads((RESULTS / "planner_cold.json").read_text())
+        if prev.get("before") != args.before:
+            raise SystemExit(f"planner_cold.json holds before runs of {prev.get('before')}, not {args.before}")
+        runs["before"] = prev["sides"]["before"]["runs"]
+        for _ in range(args.repeats):
+            runs["after"].append(cold_run(None, args))
+            print(runs["after"][-1]["wall_s"], flush=True)
+    else:
+        tree = _tree(args.before)
+        for _ in range(args.repeats):
+            runs["before"].append(cold_run(tree, args))
+            runs["after"].append(cold_run(None, args))
+            print(runs["before"][-1]["wall_s"], runs["after"][-1]["wall_s"], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     result = dict(scenario=dict(model=args.model, cluster=Path(args.cluster).name, global_batch=args.global_batch),
@@ -103,13 +114,16 @@ def main(argv=None) -> int:
                   sides={k: dict(wall_s=_spread([r["wall_s"] for r in v]), runs=v) for k, v in runs.items()})
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "planner_cold.json").write_text(json.dumps(result, indent=2) + "\n")
-    loads = [r["load"] for v in runs.values() for r in v]
+    load_b = [r["load"] for r in runs["before"]]
+    load_a = [r["load"] for r in runs["after"]]
     md = ["# Cold `autopar plan`: llama-140b on hethub-768, global batch 1024", "",
           f"`python benchmarks/bench_planner_cold.py --before {args.before} --repeats {args.repeats}` at commit "
-          f"{commit}; {result['machine']}, 1-minute load {min(loads):.1f}-{max(loads):.1f} during the runs "
-          f"(shared by other jobs). Each run is a fresh `python -m autopar plan ... --json` with an empty "
-          f"cache directory, timed from outside (interpreter start to exit); before and after alternate. "
-          f"Plan figures are PREDICTED by the cost model.", "",
+          f"{commit}{' --after-only' if args.after_only else ''}; {result['machine']}, 1-minute load at the "
+          f"start of each run {min(load_b):.1f}-{max(load_b):.1f} (before), {min(load_a):.1f}-{max(load_a):.1f} "
+          f"(after) (shared by other jobs). Each run is a fresh `python -m autopar plan ... --json` with an "
+          f"empty cache directory, timed from outside (interpreter start to exit); "
+          + ("the before runs are kept from the last interleaved run. " if args.after_only
+             else "before and after alternate. ") + "Plan figures are PREDICTED by the cost model.", "",
           "| | cold wall s (median) | IQR | runs | planning s | bounds s | samples/s | MFU | homog. MFU | "
           "eff. vs compute | eff. vs upper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for side, v in runs.items():
