@@ -195,3 +195,16 @@ def test_cli_inspects_and_consolidates(tmp_path, capsys):
     (path / store.MANIFEST).unlink()
     assert main(["checkpoint", "inspect", str(path)]) == 2
     assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_pieces_of_the_same_box_on_one_rank_all_load(tmp_path, staged):
+    """Several holders of one saved piece on a rank (Adam's 0-d ``step`` of each ZeRO chunk Parameter of
+    one tensor) each take its value: the checkpoint holds it once (a regression: only one was filled,
+    and under staging the others took an uninitialised buffer)."""
+    store.save(tmp_path / "ck", [whole_piece("step", torch.tensor(5.0)), whole_piece("w", torch.arange(4.0))],
+               step=5)
+    holders = [torch.tensor(-1.0) for _ in range(3)]
+    store.load(tmp_path / "ck", [whole_piece("step", h) for h in holders] + [whole_piece("w", torch.zeros(4))],
+               staged=staged)
+    assert [float(h) for h in holders] == [5.0, 5.0, 5.0]

@@ -415,8 +415,14 @@ def load(directory, pieces: Sequence[Piece], *, rank_objects: Sequence[str] = ()
         return manifest, reader, state_metadata
 
     manifest, reader, state_metadata = agreed(check, process_group=process_group, alone=local)
-    buffers = [Piece(p.fqn, p.global_shape, p.box, torch.empty_like(p.tensor, device="cpu")) for p in pieces] \
-        if staged else list(pieces)
+    # Pieces of the same tensor and box (a 0-d state such as Adam's ``step`` that several shard
+    # Parameters of one rank each hold) are read once, into the first, and copied into the others.
+    first: dict[tuple, int] = {}
+    for i, p in enumerate(pieces):
+        first.setdefault((p.fqn, p.box.offsets, p.box.sizes), i)
+    unique = [pieces[i] for i in first.values()]
+    buffers = [Piece(p.fqn, p.global_shape, p.box, torch.empty_like(p.tensor, device="cpu")) for p in unique] \
+        if staged else list(unique)
     try:
         saved_objects = set(state_metadata)
         objects = {k: None for k in (f"rank{rank}/{n}" for n in rank_objects) if k in saved_objects}
@@ -433,8 +439,10 @@ def load(directory, pieces: Sequence[Piece], *, rank_objects: Sequence[str] = ()
         raise CheckpointError(f"checkpoint: reading {manifest.path} failed ({_first_line(exc)}); " +
                               ("nothing was loaded" if staged else "the state is partly overwritten: load a "
                                "checkpoint again before training")) from exc
-    if staged:
-        with torch.no_grad():
-            for p, b in zip(pieces, buffers):
-                p.tensor.copy_(b.tensor)
+    read = {(b.fqn, b.box.offsets, b.box.sizes): b.tensor for b in buffers}
+    with torch.no_grad():
+        for p in pieces:
+            src = read[(p.fqn, p.box.offsets, p.box.sizes)]
+            if src is not p.tensor:
+                p.tensor.copy_(src)
     return manifest, {k.split("/", 1)[1]: v[0] for k, v in objects.items()}
