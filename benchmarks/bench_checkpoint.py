@@ -7,7 +7,9 @@ an ``mlp`` (8 layers, the hidden size varied) as data parallel at ZeRO-3 (memory
 uneven), takes a step, then per repeat:
 - ``save``: ``compiled.save(DIR)`` (the checkpoint complete on disk, fsynced);
 - ``load``: ``compiled.load(DIR)`` into the same plan;
-- ``reshard``: ``compiled.load(DIR)`` into a second compile of the model as a pipeline (``strategy="pp"``).
+- ``reshard``: ``compiled.load(DIR)`` into a second compile of the model as a pipeline (``strategy="pp"``);
+- ``async``: ``compiled.save(DIR2, async_save=True)`` then one training step while it writes: the time
+  until ``save`` returns (the snapshot) and until ``handle.wait()`` returns (the step and the write).
 Per rank: the median and IQR of each time over the repeats, the bytes it wrote (its DCP files), its
 own share of the state (parameters and optimizer state it holds), and the tracked peak of new tensor
 bytes during save and load (``autopar.runtime.memory.TrackedMeter``) against one layer's bytes.
@@ -94,6 +96,16 @@ def rank_job(rank: int, hidden: int, root: str, repeats: int) -> dict:
         peaks["load"] = max(peaks["load"], peak)
     out["written_bytes"] = sum(f.stat().st_size for f in directory.glob(f"__{rank}_*.distcp"))
     out["num_files"] = len(list(directory.glob(f"__{rank}_*.distcp")))
+    out["async_return_s"], out["async_total_s"] = [], []
+    for i in range(repeats):            # async: the save returns after the snapshot; a step runs meanwhile
+        pg_barrier()
+        t0 = time.perf_counter()
+        handle = a.save(Path(root) / f"h{hidden}-async", async_save=True)
+        out["async_return_s"].append(time.perf_counter() - t0)
+        a.step(inputs, targets)
+        manifest = handle.wait()
+        out["async_total_s"].append(time.perf_counter() - t0)
+        assert manifest.step == a.step_count - 1, (manifest.step, a.step_count)
     del a
     case_b = autopar.models.build("mlp", device="cpu", num_layers=NUM_LAYERS, hidden_size=hidden, seed=5)
     b = autopar.compile(case_b.model, cluster, case_b.example_inputs, GLOBAL_BATCH, case_b.loss_fn, strategy="pp",
@@ -139,13 +151,15 @@ def main(argv=None) -> None:
             after = _load()
             for r in results:
                 r.update(hidden=hidden, load_before=before, load_after=after,
-                         **{k.replace("_s", ""): _quartiles(r[k]) for k in ("save_s", "load_s", "reshard_s")})
+                         **{k.replace("_s", ""): _quartiles(r[k]) for k in ("save_s", "load_s", "reshard_s",
+                                                                            "async_return_s", "async_total_s")})
                 raw.append(r)
-                q = {k: r[k.replace("_s", "")] for k in ("save_s", "load_s", "reshard_s")}
+                q = {k: r[k.replace("_s", "")] for k in ("save_s", "load_s", "reshard_s", "async_return_s",
+                                                           "async_total_s")}
                 rows.append([hidden, f"{r['params'] / 1e6:.2f}M", r["rank"], f"{r['share_bytes'] / 2**20:.2f}",
                              f"{r['written_bytes'] / 2**20:.2f}", r["num_files"],
                              *(f"{q[k]['median']:.3f} ({q[k]['q1']:.3f}-{q[k]['q3']:.3f})"
-                               for k in ("save_s", "load_s", "reshard_s")),
+                               for k in ("save_s", "load_s", "reshard_s", "async_return_s", "async_total_s")),
                              f"{r['peak_bytes']['save'] / 2**20:.2f} / {r['peak_bytes']['load'] / 2**20:.2f} / "
                              f"{r['peak_bytes']['reshard'] / 2**20:.2f}", f"{r['layer_bytes'] / 2**20:.2f}",
                              f"{before} -> {after}"])
@@ -162,7 +176,8 @@ def main(argv=None) -> None:
           "reshard (TrackedMeter; DCP's reads of a saved chunk are not tracked, each is at most one layer), "
           "against one layer's bytes: no rank gathers the full state.\n\n")
     md += md_table(["hidden", "params", "rank", "own share MiB", "written MiB", "files", "save s", "load s",
-                    "reshard s", "peak MiB save/load/reshard", "layer MiB", "load avg"], rows)
+                    "reshard s", "async save: returns s", "async save + 1 step: done s",
+                    "peak MiB save/load/reshard", "layer MiB", "load avg"], rows)
     write_results("checkpoint", {"model": "mlp", "num_layers": NUM_LAYERS, "repeats": args.repeats,
                                  "speeds_emulated": SPEEDS, "rows": raw}, md)
     if args.recovery:
