@@ -7,6 +7,7 @@ error naming the file and nothing loaded. Threaded ranks (tests/oracle.py), tiny
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import shutil
 import tempfile
@@ -331,3 +332,31 @@ def test_compile_save_async_then_load_continues_the_data_rng_and_steps(tmp_path)
     losses += steps(b, b.dataloader(dataset, seed=3), N + 1)
     assert losses == pytest.approx(list(ref_losses), rel=1e-5)
     assert_state_close(b.state_dict(), ref_state, RTOL["adamw"])
+
+
+@pytest.mark.parametrize("shape,dim,ranges,start,stop", [
+    ((6, 4), 0, ((0, 2), (4, 6)), 0, 16),       # a fused weight's two runs of rows, the whole shard
+    ((6, 4), 0, ((0, 2), (4, 6)), 3, 14),       # a flat range that starts and ends mid-row
+    ((5, 6), 1, ((1, 3), (4, 6)), 2, 17),       # runs of columns: every row crosses both runs
+    ((3, 2, 4), 2, ((0, 1), (2, 4)), 1, 16),
+])
+def test_flat_ranges_of_a_tp_shard_map_to_boxes_of_the_full_tensor(shape, dim, ranges, start, stop):
+    """ZeRO-1 over tensor-parallel members (runtime.tp_zero) steps flat ranges of each TP shard: the
+    pieces of such a range (runtime.state.Slot) must be exactly the full tensor's elements at their
+    boxes, and views of the flat buffer."""
+    from autopar.runtime.state import Slot
+
+    full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    shard = torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+    flat = shard.reshape(-1)[start:stop].clone()
+    slot = Slot("w", shape, "flat", start=start, lo=0, hi=stop - start, dim=dim, ranges=ranges,
+                local_shape=tuple(shard.shape))
+    pieces = slot.pieces("w", flat)
+    covered = 0
+    for p in pieces:
+        index = tuple(slice(o, o + s) for o, s in zip(p.box.offsets, p.box.sizes))
+        assert torch.equal(p.tensor, full[index]), p.box
+        covered += p.tensor.numel()
+        p.tensor.add_(0.5)                      # a view: writes reach the flat buffer
+    assert covered == stop - start
+    assert torch.equal(flat, shard.reshape(-1)[start:stop] + 0.5)
