@@ -278,8 +278,7 @@ def rank_tensors(plan: Plan, gm: fx.GraphModule, rank: int, model: nn.Module) ->
     stages = split_stages(gm, [(st.block_start, st.block_stop) for st in plan.stages])
     used = {id(t) for st in stages for t in _graph_tensors(st.gm)}
     out = [t for t in everything if id(t) not in used]
-    stage = rank_position(plan, rank)[0]
-    if stage is not None:
+    for stage in plan.chunks_of(rank):     # every chunk of an interleaved schedule
         out += _graph_tensors(stages[stage].gm)
     return out
 

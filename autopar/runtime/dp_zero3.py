@@ -2,7 +2,9 @@
 after it, in place, so parameters stay sharded between steps.
 
 Each full parameter is a view of its unit's full buffer, whose storage is resized to 0 bytes while
-the unit is freed (the tensors keep their shapes; reading one then fails). Terms (unit, position,
+the unit is freed (the tensors keep their shapes; reading one then fails). Every resize is reported
+to the memory meters (``autopar.runtime.memory.storage_resized``), so an emulated rank's tracked
+bytes hold a unit's weights only while it is gathered. Terms (unit, position,
 shard) as in ``autopar.runtime.dp_flat``; a round is one micro-step slot that every rank joins (ranks
 without a micro-step in it contribute zero gradients). Each round:
 
@@ -40,6 +42,7 @@ from typing import Any, Literal
 import torch
 
 from autopar.lowering.zero3_units import POST_HOOK, PRE_HOOK
+from autopar.runtime.memory import storage_resized
 
 __all__ = ["Zero3Granularity", "Zero3Mixin"]
 
@@ -63,6 +66,7 @@ class Zero3Mixin:
         for p, o, n, i in zip(self._unit(u)[1], layout.offsets, layout.numels, self._unit_params[u]):
             p.data = full[o:o + n].view(self._shapes[i])
         full.untyped_storage().resize_(0)
+        storage_resized(full)                         # a tracking meter counts it freed
         self._full.append(full)
 
     def _setup_zero3(self, units) -> None:
@@ -112,6 +116,7 @@ class Zero3Mixin:
     def _allocate(self, u: int) -> None:
         storage = self._full[u].untyped_storage()
         storage.resize_(self._full[u].numel() * self._full[u].element_size())
+        storage_resized(self._full[u])
         self._storage_unit[storage.data_ptr()] = u
 
     def _prefetch(self, u: int) -> None:
@@ -132,6 +137,7 @@ class Zero3Mixin:
         storage = self._full[u].untyped_storage()
         self._storage_unit.pop(storage.data_ptr(), None)
         storage.resize_(0)
+        storage_resized(self._full[u])
         self._gathered[u] = False
 
     def _forward_next(self, u: int) -> int | None:

@@ -32,9 +32,10 @@ a ``TorchDispatchMode`` (``torch.utils._python_dispatch``), whose stack is threa
 autograd into its engine threads), so each thread-rank tracks only its own tensors.
 
 Operators whose outputs alias their inputs (views, in-place and ``out=`` operators) are not looked at:
-they make no new storage. Not seen either: a storage resized in place after it was first counted
-(``UntypedStorage.resize_``, as ZeRO-3's unit buffers are freed and regathered): it keeps the size it
-had when first seen.
+they make no new storage. A storage resized in place after it was first counted
+(``UntypedStorage.resize_``, as ZeRO-3's unit buffers are freed and regathered) is no operator either:
+whoever resizes one calls ``storage_resized(tensor)``, and every meter active on this thread recounts
+it at its new size.
 
 Cost: a Python call per operator while a ``TrackedMeter`` is active. On gpt-tiny (batch 8, one
 thread) a training step took 1.97x and 2.05x the CPU time with tracking in two runs (median of 20
@@ -59,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.errors import AutoparError
 
 __all__ = ["MemoryLimitError", "TrackedMeter", "CudaMeter", "NullMeter", "meter_for", "module_tensors",
-           "tracking_cost_per_op_s", "cpu_time_less_tracking"]
+           "tracking_cost_per_op_s", "cpu_time_less_tracking", "storage_resized"]
 
 
 class MemoryLimitError(AutoparError, RuntimeError):
@@ -71,6 +72,14 @@ class MemoryLimitError(AutoparError, RuntimeError):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ACTIVE = threading.local()         # .meters: the TrackedMeters active on this thread
+
+
+def storage_resized(t: torch.Tensor) -> None:
+    """After ``t.untyped_storage().resize_(...)``: every ``TrackedMeter`` active on this thread counts
+    that storage at its size now (a storage it has not seen yet is left alone)."""
+    for meter in getattr(_ACTIVE, "meters", ()):
+        meter.resized(t)
 
 
 def _mib(n: float) -> str:
@@ -168,6 +177,7 @@ class TrackedMeter:
         self.peak_bytes = 0
         self.num_ops = 0                      # operators dispatched through the tracking (see overhead_s)
         self._live: dict[int, Any] = {}       # storage key -> weak reference (its callback frees it)
+        self._sizes: dict[int, int] = {}      # storage key -> bytes counted for it
         self._lock = threading.Lock()
         self._mode: _Tracking | None = None
         self._depth = 0
@@ -196,7 +206,8 @@ class TrackedMeter:
         with self._lock:
             if key in self._live:
                 return
-            self._live[key] = weakref.ref(st, lambda _ref, key=key, n=n: self._free(key, n))
+            self._live[key] = weakref.ref(st, lambda _ref, key=key: self._free(key))
+            self._sizes[key] = n
             self.current_bytes += n
             if self._record:
                 self._made_by[key] = (str(func) if func is not None else "track", tuple(t.shape), n)
@@ -208,11 +219,31 @@ class TrackedMeter:
         if over:
             raise self._error(n)
 
-    def _free(self, key: int, n: int) -> None:
+    def _free(self, key: int) -> None:
         with self._lock:
             if self._live.pop(key, None) is not None:
-                self.current_bytes -= n
+                self.current_bytes -= self._sizes.pop(key, 0)
                 self._made_by.pop(key, None)
+
+    def resized(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage at its size now, if this meter counts it (``storage_resized``)."""
+        st = t.untyped_storage()
+        key, n = st._cdata, st.nbytes()
+        with self._lock:
+            if key not in self._live:
+                return
+            self.current_bytes += n - self._sizes.get(key, 0)
+            self._sizes[key] = n
+            if self._record and key in self._made_by:
+                op, shape, _ = self._made_by[key]
+                self._made_by[key] = (op, shape, n)
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+                if self._record:
+                    self.peak_snapshot = sorted(self._made_by.values(), key=lambda v: -v[2])
+            over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
+        if over:
+            raise self._error(n)
 
     def _error(self, n: int) -> MemoryLimitError:
         who = f"rank {self.rank}" + (f" ({self.device_name})" if self.device_name else "")
@@ -240,12 +271,14 @@ class TrackedMeter:
         if self._depth == 1:
             self._mode = _Tracking(self)
             self._mode.__enter__()
+            _ACTIVE.meters = (*getattr(_ACTIVE, "meters", ()), self)
         return self
 
     def __exit__(self, *exc) -> None:
         self._depth -= 1
         if self._depth == 0 and self._mode is not None:
             mode, self._mode = self._mode, None
+            _ACTIVE.meters = tuple(m for m in getattr(_ACTIVE, "meters", ()) if m is not self)
             mode.__exit__(*exc)
 
 
