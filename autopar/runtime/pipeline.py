@@ -95,6 +95,7 @@ from autopar.runtime.pipeline_msg import PipelineMessages
 from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
 from autopar.runtime.pipeline_zb import backward_input, backward_weight
 from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout
+from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_groups
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
 
@@ -204,7 +205,19 @@ class PipelineEngine(PipelineMessages):
         self._zero_groups = self._partition_for_zero()
         skip = {id(p) for _, owned in self._zero_groups for j, ps in enumerate(owned)
                 if j != self.member for p in ps}
-        self.zero_stage_applied = 1 if self._zero_groups else 0
+        # ZeRO-1 inside tensor-parallel stages (runtime.tp_zero): the stage's own gradients leave the
+        # all-reduce groups for the peers' reduce-scatter; shared (tied) ones stay on both paths' left.
+        self._tp_zero = None
+        peers = tp_zero_groups(self.comm.new_group, plan)      # every rank: groups are collective
+        if self.stage is not None and (self.stage, self.tp_index) in peers:
+            ranks = tuple(sorted(plan.stages[self.stage].ranks))
+            own = [p for g, ps in self._grad_groups if g is not None and g.ranks == ranks for p in ps]
+            local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in own]
+            self._tp_zero = TPDistributedOptimizer(local, inputs.optimizer_factory,
+                                                   peers[(self.stage, self.tp_index)].pg, inputs.rank, self.device)
+            self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is None or g.ranks != ranks]
+            skip |= {id(p) for p in local}
+        self.zero_stage_applied = 1 if self._zero_groups or self._tp_zero is not None else 0
         stepped = [p for p in self.params if id(p) not in skip]
         self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
         # Activation recomputation (``Stage.recompute``): each micro-batch's forward runs under
@@ -260,6 +273,8 @@ class PipelineEngine(PipelineMessages):
         t_step = time.perf_counter()
         trace: list[tuple[str, int, float, float]] = []
         worker = self.stage if self.stage is not None else None
+        if self._tp_zero is not None:     # backward accumulates into the flat gradient buffer
+            self._tp_zero.bind_grads()
         for action in self.schedule.actions[worker] if worker is not None else ():
             m, s = action.micro, action.stage
             a, b = self.layout[s][self.member][m]
@@ -328,6 +343,8 @@ class PipelineEngine(PipelineMessages):
         # Gradients, the optimizer step and ZeRO-1's parameter broadcasts, then the loss: a stage that
         # finishes early steps its optimizer while the others still compute.
         self._reduce_gradients()
+        if self._tp_zero is not None:
+            self._tp_zero.reduce_and_step(self.clock.compute)
         if self.optimizer is not None:
             with self.clock.compute():
                 self.optimizer.step()

@@ -1,0 +1,76 @@
+"""ZeRO-1 inside the tensor-parallel stages of a pipeline (``autopar.runtime.pipeline`` with
+``autopar.runtime.tp_zero``): exact against the one-device oracle on threaded ranks, and each TP
+rank's optimizer state is its chunk of its shard, as ``autopar.cost.tp`` prices it.
+
+Plan: gpt-tiny (4 heads, 6 blocks), stage 0 = blocks 0-3 on two TP members (0, 1) and (2, 3), stage 1
+= blocks 4-5 on rank 4; 1F1B, micro-batches (3, 2) / (2, 3) in stage 0 and (5, 5) in stage 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import torch
+from torch.testing._internal.common_utils import run_tests
+
+from autopar.ir.plan import Plan, Predicted
+from autopar.lowering import lower
+from autopar.runtime.emulate import NullClock
+from autopar.runtime.engine import EngineInputs
+from autopar.runtime.pipeline import PipelineEngine
+from oracle import RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run, stages_of, threaded_ranks
+
+B, STEPS = 10, 2
+_LOCK = threading.Lock()
+
+
+def _plan(shares, zero) -> Plan:
+    stages = stages_of([(4, {(0, 1): (3, 2), (2, 3): (2, 3)}, shares), (6, {4: (5, 5)})])
+    return Plan(strategy="pp", global_batch_size=B, zero_stage=zero, schedule="1f1b", stages=stages,
+                predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
+
+
+def _run(rank, world_size, shares, zero, optimizer) -> PipelineEngine:
+    with _LOCK:
+        model, gm, loss_fn, _ = prepared_case("gpt-tiny")
+        model, gm = copy.deepcopy((model, gm))
+    plan = _plan(shares, zero)
+    engine = PipelineEngine(EngineInputs(
+        gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
+        rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()), lower(plan, gm, rank))
+    with _LOCK:
+        data = batches("gpt-tiny", B, STEPS)
+        ref = single_device_run("gpt-tiny", B, STEPS, optimizer)
+    losses = [engine.step(inputs, targets) for inputs, targets in data]
+    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
+    for got, want in zip(losses, ref.losses):
+        assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
+    return engine
+
+
+class FiveRanks(threaded_ranks(5)):
+    def test_tp_members_shard_their_optimizer_state_sgd_and_adamw(self):
+        for optimizer in ("sgd", "adamw"):
+            engine = _run(self.rank, self.world_size, ((3, 1), (3, 1)), 1, optimizer)
+            assert engine.zero_stage_applied == (1 if self.rank < 4 else 0)
+            if self.rank < 4:
+                z = engine._tp_zero
+                local = sum(p.numel() for p in z.params)
+                # the chunk: half of this rank's local (shard + replicated) parameters
+                assert abs(sum(s.numel() for s in z.shards) - local / 2) <= 1
+                # the stage's own gradients left the all-reduce groups (no double sum)
+                ranks = tuple(sorted(engine.plan.stages[0].ranks))
+                assert all(g is None or g.ranks != ranks for g, _ in engine._grad_groups)
+                if optimizer == "adamw":
+                    moments = z.state_bytes() - 4 * len(z.shards)
+                    assert moments == 2 * 4 * sum(s.numel() for s in z.shards)
+
+    def test_different_shardings_fall_back_to_zero_0(self):
+        engine = _run(self.rank, self.world_size, ((3, 1), (2, 2)), 1, "sgd")
+        assert engine.zero_stage_applied == 0 and engine._tp_zero is None
+
+
+if __name__ == "__main__":
+    run_tests()
