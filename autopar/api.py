@@ -34,9 +34,12 @@ class Prepared:
 
     @property
     def replicated_fraction(self) -> float:
-        from autopar.cost.tp import replicated_fraction_of
+        from autopar.cost.tp import replicated_fraction_of, replicated_fraction_of_graph
 
-        return replicated_fraction_of(self.analysis.stats)
+        # what lies outside every Linear pair's region (the graph's own measure), else the block stats'
+        gm = getattr(getattr(self.analysis, "captured", None), "gm", None)
+        rho = replicated_fraction_of_graph(gm) if gm is not None else None
+        return replicated_fraction_of(self.analysis.stats) if rho is None else rho
 
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",

@@ -34,6 +34,7 @@ import torch
 from autopar.cluster.emulation import emulation_time_scale
 from autopar.cost.measure_cache import cache_dir, load_json, measure_cache_path, save_json, tile_batch
 from autopar.cost.precision import is_mixed_precision, priced_peak_flops
+from autopar.cost.tp import tp_pairs_per_block
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
@@ -271,6 +272,13 @@ def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=
     return out if found else None
 
 
+def _tp_pairs(analysis, num_blocks: int) -> np.ndarray | None:
+    """The Linear pairs tensor parallelism shards per block (``cost.tp.tp_pairs_per_block``), or None
+    where the analysis has no graph to match them on."""
+    gm = getattr(getattr(analysis, "captured", None), "gm", None)
+    return None if gm is None else tp_pairs_per_block(gm, num_blocks)
+
+
 def _output_bytes(analysis) -> float:
     """Bytes per sample of the captured graph's output tensors (what the loss function reads)."""
     from autopar.passes.meta import TENSOR
@@ -366,6 +374,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
         tied_groups=analysis.tied_groups, sources=sources,
         output_bytes=_output_bytes(analysis) * act_scale, **terms,
+        tp_pairs=_tp_pairs(analysis, len(stats)),
     )
     if precision not in (None, "fp32"):
         from dataclasses import replace
