@@ -24,6 +24,19 @@ Algorithms (keyword ``algorithm``)
   how NCCL's many channels reach m x the per-NIC bandwidth across nodes.
 - "auto": the faster of the two (NCCL chooses its algorithm per size too).
 
+ZeRO collectives as the data-parallel engine runs them (``autopar.runtime.dp_flat``), on one *unit*
+(a flat buffer of ``numel`` elements of ``element_size`` bytes, sharded by ``shares`` into contiguous
+shards by largest remainder, as ``autopar.runtime.dp_flat.shard_bounds``):
+  zero_gather_s          even shards: one all-gather in place; uneven shards: one broadcast per owner
+                         of a non-empty shard, of that shard, from the owner (``zero_shards_even``)
+  zero_reduce_scatter_s  rounds of reduce-scatters through a staging buffer of ``positions x c``
+                         elements (``autopar.ir.costs.zero_staging_numel``), each padded to the full
+                         staging buffer: ceil(largest shard / c) rounds, each paying its latencies
+  zero_units             the units a step gathers and reduce-scatters: one of every parameter, or
+                         under ZeRO-3 one per block with parameters (forward and backward gathers)
+  zero_collectives       the per-step and per-round seconds of a ZeRO stage over all of them (the
+                         planner's ``zero_comm`` and ``autopar.cost.step.predicted_phases`` both read it)
+
 Emulated links: between the emulated CPU ranks of a node whose cluster file declares no intra-node
 link, a cluster that carries a measured ``EmulatedLink`` (``autopar.cluster.links``; the planner's do)
 prices each operation with that operation's measured bandwidth and the measured latency, in the same
@@ -33,13 +46,17 @@ formulas. Every other link, GPU links above all, is priced as before.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
+
+import numpy as np
 
 from autopar.cluster.links import (
     DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, pair_bandwidth_Bps,
     pair_latency_s,
 )
 from autopar.errors import ClusterError
+from autopar.ir.costs import ModelCosts, zero_staging_numel
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -47,7 +64,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "LinkModel", "DEFAULT_LINK", "LinkKind", "Algorithm", "link_kind", "family", "pair_bandwidth_Bps",
     "pair_latency_s", "ring_link", "p2p_time_s", "allreduce_time_s", "reduce_scatter_time_s",
-    "allgather_time_s", "broadcast_time_s",
+    "allgather_time_s", "broadcast_time_s", "zero_shard_sizes", "zero_shards_even", "zero_gather_s",
+    "zero_reduce_scatter_rounds", "zero_reduce_scatter_s", "zero_units", "ZeroCollectives", "zero_collectives",
 ]
 
 Algorithm = Literal["ring", "hierarchical", "auto"]
@@ -186,3 +204,122 @@ def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
     bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in chain)
     lat = max(pair_latency_s(cluster, a, b, link) for a, b in chain)
     return (n - 1) * lat + nbytes / bw
+
+
+# -- ZeRO collectives as the data-parallel engine runs them ------------------------------------------
+def zero_shard_sizes(numel: int, num_shards: int, shares: Sequence[float] | None = None) -> tuple[int, ...]:
+    """Elements of each contiguous shard of ``numel`` elements split in proportion to ``shares``
+    (None: even), largest-remainder rounding with ties to the lower index: the sizes of
+    ``autopar.runtime.dp_flat.shard_bounds`` (tests check the two agree)."""
+    numel = int(numel)
+    if numel < 0 or num_shards < 1:
+        raise ValueError(f"zero_shard_sizes: numel {numel} must be >= 0 and num_shards {num_shards} >= 1")
+    w = [1.0] * num_shards if shares is None or len(shares) == 0 else [float(x) for x in shares]
+    if len(w) != num_shards or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"zero_shares: need {num_shards} finite shares >= 0 with a positive sum, got {shares}")
+    total = sum(w)
+    exact = [numel * x / total for x in w]
+    sizes = [math.floor(e) for e in exact]
+    order = sorted(range(num_shards), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:numel - sum(sizes)]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+def zero_shards_even(numel: int, num_shards: int, shares: Sequence[float] | None = None) -> bool:
+    """Whether every shard has the same size: the engine then all-gathers in place, else it broadcasts."""
+    return len(set(zero_shard_sizes(numel, num_shards, shares))) == 1
+
+
+def zero_gather_s(cluster: "Cluster", ranks: Sequence[int], numel: int, element_size: float,
+                  shares: Sequence[float] | None = None, link: LinkModel = DEFAULT_LINK,
+                  algorithm: Algorithm = "auto") -> float:
+    """Seconds to gather one unit's ZeRO shards onto every rank of ``ranks`` (positions in order), as
+    the engine does: even shards one all-gather of the unit, uneven ones a broadcast of each non-empty
+    shard from its owner (a chain rooted at the owner). One rank: 0."""
+    ranks = _ring(cluster, ranks)
+    n = len(ranks)
+    if n == 1 or numel <= 0:
+        return 0.0
+    sizes = zero_shard_sizes(numel, n, shares)
+    if len(set(sizes)) == 1:
+        return allgather_time_s(cluster, ranks, float(numel) * element_size, link=link, algorithm=algorithm)
+    return sum(broadcast_time_s(cluster, ranks[p:] + ranks[:p], float(size) * element_size, link=link)
+               for p, size in enumerate(sizes) if size > 0)
+
+
+def zero_reduce_scatter_rounds(numel: int, num_shards: int, element_size: int,
+                               shares: Sequence[float] | None = None) -> tuple[int, int]:
+    """(rounds, elements per position of a round) of the engine's reduce-scatter of one unit."""
+    if num_shards < 2 or numel <= 0:
+        return 0, 0
+    largest = max(zero_shard_sizes(numel, num_shards, shares))
+    c = zero_staging_numel(int(numel), num_shards, largest, int(element_size))
+    return (-(-largest // c) if largest else 0), c
+
+
+def zero_reduce_scatter_s(cluster: "Cluster", ranks: Sequence[int], numel: int, element_size: int,
+                          shares: Sequence[float] | None = None, link: LinkModel = DEFAULT_LINK,
+                          algorithm: Algorithm = "auto") -> float:
+    """Seconds of the engine's reduce-scatter of one unit's gradient into its ZeRO shards: its rounds
+    (``zero_reduce_scatter_rounds``), each a reduce-scatter of the whole staging buffer
+    (``positions x c`` elements, padded). One rank: 0."""
+    ranks = _ring(cluster, ranks)
+    rounds, c = zero_reduce_scatter_rounds(numel, len(ranks), element_size, shares)
+    if not rounds:
+        return 0.0
+    return rounds * reduce_scatter_time_s(cluster, ranks, float(len(ranks) * c * element_size), link=link,
+                                          algorithm=algorithm)
+
+
+def zero_units(costs: ModelCosts, zero_stage: int, recompute: bool = False,
+               blocks: slice = slice(None)) -> tuple[tuple[int, int], ...]:
+    """(elements, gathers per round) of each unit the engine gathers and reduce-scatters over the
+    ``blocks`` of ``costs``: ZeRO-3 without recomputation one unit per block with parameters, gathered
+    for forward and again for backward (``"block"`` granularity); otherwise one unit of every
+    parameter (ZeRO-3 with recomputation gathers it once per round: ``"micro_step"``). The engine's
+    root unit (parameters of several blocks, e.g. a tied embedding) is priced as its block's."""
+    params = np.asarray(costs.params[blocks], dtype=np.float64)
+    if zero_stage >= 3 and not recompute:
+        return tuple((int(round(p)), 2) for p in params if p > 0)
+    total = int(round(float(params.sum())))
+    return ((total, 1),) if total > 0 else ()
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroCollectives:
+    """Seconds of a ZeRO stage's sharded collectives over one ring (the all-reduces are apart).
+    ``gather_op``: the phase they record, "all_gather" (even shards) or "broadcast" (uneven)."""
+    step_gather_s: float = 0.0          # after the optimizer (ZeRO-1/2): the updated weights
+    round_gather_s: float = 0.0         # every round (ZeRO-3): forward and backward gathers
+    round_reduce_scatter_s: float = 0.0  # every round (ZeRO-2/3)
+    gather_op: str = "all_gather"
+    round_reduce_scatter_bytes: float = 0.0   # staged bytes reduce-scattered per round (padded)
+
+
+def zero_collectives(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
+                     shares: Sequence[float] | None = None, *, recompute: bool = False,
+                     blocks: slice = slice(None), link: LinkModel = DEFAULT_LINK,
+                     algorithm: Algorithm = "auto") -> ZeroCollectives:
+    """The gathers and reduce-scatters of ``zero_stage`` over ``ranks`` with shard ``shares``, unit
+    by unit (``zero_units``), as the engine runs them (``zero_gather_s``, ``zero_reduce_scatter_s``)."""
+    ranks = _ring(cluster, ranks)
+    n = len(ranks)
+    if zero_stage < 1 or n == 1:
+        return ZeroCollectives()
+    params = float(np.asarray(costs.params[blocks]).sum())
+    size = int(round(float(np.asarray(costs.param_bytes[blocks]).sum()) / params)) if params > 0 else 4
+    units = zero_units(costs, zero_stage, recompute, blocks)
+    gather = sum(k * zero_gather_s(cluster, ranks, u, size, shares, link, algorithm) for u, k in units)
+    uneven = any(not zero_shards_even(u, n, shares) for u, _ in units)
+    op = "broadcast" if uneven else "all_gather"
+    if zero_stage == 1:
+        return ZeroCollectives(step_gather_s=gather, gather_op=op)
+    rs = sum(zero_reduce_scatter_s(cluster, ranks, u, size, shares, link, algorithm) for u, _ in units)
+    staged = 0.0
+    for u, _ in units:
+        rounds, c = zero_reduce_scatter_rounds(u, n, size, shares)
+        staged += rounds * n * c * size
+    if zero_stage == 2:
+        return ZeroCollectives(gather, 0.0, rs, op, staged)
+    return ZeroCollectives(0.0, gather, rs, op, staged)

@@ -24,7 +24,8 @@ Predicted phases (``predicted_phases``): per rank of a plan, the cost model's se
 of a step that ``autopar.ir.profile`` measures: forward and backward (the rank's micro-batches on its
 stage's blocks, a tensor-parallel rank its work factor, each compute call's overhead split between
 them), optimizer (its parameters or its ZeRO shard, plus one call), the collectives by kind (data
-parallel: the ZeRO stage's all-reduce / reduce-scatter / all-gather; pipelines: a stage's gradient
+parallel: the ZeRO stage's all-reduce / reduce-scatter / all-gather, or broadcasts where the shards are uneven, as
+``autopar.cost.comm.zero_collectives`` prices the engine's; pipelines: a stage's gradient
 all-reduce; tensor parallelism: the in-block all-reduces), ``p2p`` (a pipeline rank's activations and
 gradients sent and received) and ``wait`` (the predicted step time less all of the above). The planners
 price the same terms with the same functions; this only lays them out per rank.
@@ -211,11 +212,11 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
         blocks = slice(st.block_start, st.block_stop)
         params = float(costs.params[blocks].sum())
         grad_bytes = params * costs.grad_bytes_per_param
-        param_bytes = float(costs.param_bytes[blocks].sum())
         firsts = [g[0] for g in st.groups]
         nm = len(st.groups)
         tp_any = any(len(g) > 1 for g in st.groups)
         rounds = max(len(mb) for mb in st.micro_batches)
+        zc = None                                   # the stage's ZeRO collectives, priced once
         for g, members in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares and len(st.tp_shares) > g else (1,) * len(members)
             factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
@@ -259,14 +260,15 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     ring = firsts
                     if zero <= 1:
                         _add(d, "all_reduce", comm.allreduce_time_s(cluster, ring, grad_bytes, algorithm="auto"))
-                    if zero == 1 or zero == 2:
-                        _add(d, "all_gather", comm.allgather_time_s(cluster, ring, param_bytes, algorithm="auto"))
-                    if zero >= 2:
-                        _add(d, "reduce_scatter", rounds * comm.reduce_scatter_time_s(
-                            cluster, ring, grad_bytes, algorithm="auto"))
-                    if zero == 3:
-                        _add(d, "all_gather", 2 * rounds * comm.allgather_time_s(
-                            cluster, ring, param_bytes, algorithm="auto"))
+                    if zc is None:                         # as the engine runs them (one function: comm's)
+                        zc = comm.zero_collectives(costs, cluster, ring, zero, st.zero_shares or None,
+                                                   recompute=st.recompute, blocks=blocks)
+                    if zc.step_gather_s > 0:
+                        _add(d, zc.gather_op, zc.step_gather_s)
+                    if zc.round_reduce_scatter_s > 0:
+                        _add(d, "reduce_scatter", rounds * zc.round_reduce_scatter_s)
+                    if zc.round_gather_s > 0:
+                        _add(d, zc.gather_op, rounds * zc.round_gather_s)
                 elif tp_any:
                     _add(d, "all_reduce", tp_cost.stage_allreduce_time_s(costs, cluster, st, rho))
                 else:

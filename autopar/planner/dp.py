@@ -18,7 +18,8 @@ Terms
 - max micro-batch: the largest micro-batch a rank holds in ``memory_fraction`` of its memory next to
   its states, ZeRO-3's gathered block and a fixed workspace (``max_micro_batch``; the rank memory is
   ``autopar.cost.memory.rank_memory``, re-exported here).
-- ZeRO communication, per step, among the plan's ranks (``autopar.cost.comm``, flat or hierarchical rings):
+- ZeRO communication, per step, among the plan's ranks (``autopar.cost.comm``, flat or hierarchical rings;
+  the sharded collectives as the engine runs them, ``autopar.cost.comm.zero_collectives``):
   ZeRO-0 all-reduce of the gradients after the last micro-step; ZeRO-1 the same, then an all-gather
   of the updated parameters; ZeRO-2, on every micro-step, a reduce-scatter of the gradients (they are
   sharded, so they cannot be accumulated whole across micro-steps: DeepSpeed's ZeRO-2 reduces after
@@ -101,31 +102,33 @@ class ZeroComm:
 
 def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
               link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto",
-              fractions: Sequence[float] | None = None) -> ZeroComm:
+              fractions: Sequence[float] | None = None, *, recompute: bool = False) -> ZeroComm:
     """The collectives of ``zero_stage`` over ``ranks`` (see the module docstring); ``algorithm`` as in
     ``autopar.cost.comm`` ("auto": the faster of a flat ring and a hierarchical one, as NCCL picks).
-    ``fractions``: uneven shards; the engines' all-gathers and reduce-scatters move every shard
-    padded to the largest (``autopar.runtime.dp_flat``), so they cost ``N * max(fractions)`` times
-    the even ones."""
+    ``fractions``: the shards (None: even). The sharded collectives are priced as the engine runs
+    them (``autopar.cost.comm.zero_collectives``): uneven shards gathered by one broadcast per owner,
+    reduce-scatters in rounds of one staging buffer, ZeRO-3 unit by unit (``recompute``: one unit)."""
     check_zero_stage(zero_stage)
     ranks = tuple(ranks)
     n = len(ranks)
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
     param_bytes = float(costs.param_bytes.sum())
-    pad = n * max(fractions) if fractions is not None and zero_stage >= 1 and n else 1.0
     ring = (n - 1) / n if n else 0.0   # fraction of a buffer each rank sends in a ring RS / AG
     ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link=link, algorithm=algorithm)
-    rs = comm.reduce_scatter_time_s(cluster, ranks, grad_bytes * pad, link=link, algorithm=algorithm)
-    ag = comm.allgather_time_s(cluster, ranks, param_bytes * pad, link=link, algorithm=algorithm)
+    zc = comm.zero_collectives(costs, cluster, ranks, zero_stage, fractions, recompute=recompute, link=link,
+                               algorithm=algorithm) if n else comm.ZeroCollectives()
     bucket = min(grad_bytes, float(GRAD_BUCKET_BYTES))
     last = comm.allreduce_time_s(cluster, ranks, bucket, link=link, algorithm=algorithm) if bucket > 0 else 0.0
+    rs_bytes = ring * zc.round_reduce_scatter_bytes
     if zero_stage == 0:
         return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0, ar, last)
     if zero_stage == 1:
-        return ZeroComm(1, ar + ag, 0.0, ring * (2 * grad_bytes + pad * param_bytes), 0.0, ar, last)
+        return ZeroComm(1, ar + zc.step_gather_s, 0.0, ring * (2 * grad_bytes + param_bytes), 0.0, ar, last)
     if zero_stage == 2:
-        return ZeroComm(2, ag, rs, ring * pad * param_bytes, ring * pad * grad_bytes)
-    return ZeroComm(3, 0.0, 2 * ag + rs, 0.0, ring * pad * (2 * param_bytes + grad_bytes))
+        return ZeroComm(2, zc.step_gather_s, zc.round_reduce_scatter_s, ring * param_bytes, rs_bytes)
+    gathers = 2 if not recompute else 1
+    return ZeroComm(3, 0.0, zc.round_gather_s + zc.round_reduce_scatter_s, 0.0,
+                    ring * gathers * param_bytes + rs_bytes)
 
 
 # -- profiling curves and memory -------------------------------------------------------------------
@@ -376,7 +379,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
     if why:
         raise PlanError(why)
     caps = [m.max_micro for m in mems]
-    zc = zero_comm(costs, cluster, ranks, zero_stage, link, algorithm, fractions)
+    zc = zero_comm(costs, cluster, ranks, zero_stage, link, algorithm, fractions, recompute=recompute)
     # One curve (and so one allocation table) per device type.
     by_type: dict[str, tuple] = {}
     fns = []
