@@ -123,8 +123,10 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                         # each member's most samples of a micro-batch over the rotations of the
                         # largest-remainder split (what a built plan gives it in some micro-batch)
                         speeds = [speed[g] for g in st]
-                        # state as the engines hold it: ZeRO-0 beside a TP member, whole gradient at ZeRO-2
-                        zm = 0 if any(len(g) > 1 for g in st) else min(z, 1)
+                        # state as the engines hold it: whole gradient at ZeRO-2; beside a TP member,
+                        # ZeRO-1 only where every member has the same shares (runtime.tp_zero)
+                        even = len(st) > 1 and len({tuple(members[g].shares) for g in st}) == 1
+                        zm = 0 if any(len(g) > 1 for g in st) and not even else min(z, 1)
                         share = {g: max(member_shares(b, speeds, rot)[i] for rot in range(len(st)))
                                  for i, g in enumerate(st)}
                         t_s = 0.0

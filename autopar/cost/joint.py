@@ -193,6 +193,7 @@ class StagePrep:
     counts: tuple[int, ...] = ()                  # members of each ``kinds`` entry
     tp: bool = False                              # a member is a tensor-parallel group
     load_id: int = -1                             # equal for preps of equal loads (-1: not interned)
+    tp_even: bool = False                         # TP members all of the same shares (ZeRO-1 runs)
 
     def shares(self, samples: int) -> tuple[int, ...]:
         """Per ``kinds`` entry, the most samples of a micro-batch of ``samples`` any of its members
@@ -243,7 +244,8 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
         tp = any(len(m.ranks) > 1 for m in members)
         ids = ctx.cache.setdefault("load_ids", {})
         load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
-        out.append(StagePrep(len(members), kinds, p2p, counts, tp, load_id))
+        tp_even = tp and len(members) > 1 and len({tuple(m.shares) for m in members}) == 1
+        out.append(StagePrep(len(members), kinds, p2p, counts, tp, load_id, tp_even))
     return out
 
 
@@ -276,9 +278,10 @@ def _grouping_parts(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int
     zero = ctx.zero_for(num_micro)
     rows = ctx.cache.setdefault("row_parts", {})   # shared by every grouping and count of the search
     force = recompute and ctx.force_recompute
-    # the state as the engines hold it (``cost.memory.stage_state_bytes``): ZeRO-0 on a stage with a
-    # TP member, and the whole gradient under ZeRO-2 (the same bytes as ZeRO-1)
-    zs = [0 if st.tp else min(zero, 1) for st in prep]
+    # the state as the engines hold it (``cost.memory.stage_state_bytes``): ZeRO-1 at most (the whole
+    # gradient under ZeRO-2: the same bytes as ZeRO-1); on a stage with a TP member only where its
+    # members have the same shares (``cost.tp.tp_zero_stage``), else ZeRO-0
+    zs = [0 if st.tp and not st.tp_even else min(zero, 1) for st in prep]
     local: dict = {}
 
     def parts(s: int) -> RowParts:

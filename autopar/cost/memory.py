@@ -11,8 +11,8 @@ Terms
 - state as run (``stage_state_bytes``): what the engines hold, not what ZeRO could save. The
   pipeline engine (``autopar.runtime.pipeline``) runs ZeRO-1 at most (``stage_zero_stage``): on a
   stage of several one-rank members each keeps the optimizer state of its part of the parameters
-  and the gradients are all-reduced whole (ZeRO-2/3 run as 1); a stage with a tensor-parallel
-  member runs ZeRO-0. A stage of several members also holds, after backward, the flat copy of its
+  and the gradients are all-reduced whole (ZeRO-2/3 run as 1); a stage with tensor-parallel
+  members runs ZeRO-1 over them where they all have the same shares (``runtime.tp_zero``), else 0. A stage of several members also holds, after backward, the flat copy of its
   gradients that the all-reduce sends (``Communicator.all_reduce``): ``stage_reduce_bytes``.
 - loss (``loss_bytes_per_sample``): what the loss function holds outside the graph, on the rank that
   computes it (a data-parallel rank, a pipeline's last stage): ``LOSS_OUTPUT_COPIES`` tensors the size
@@ -108,9 +108,12 @@ def loss_bytes_per_sample(costs: ModelCosts) -> float:
 
 
 def stage_zero_stage(stage: Stage, zero_stage: int) -> int:
-    """The ZeRO stage whose state a stage's ranks hold, as the pipeline engine runs it: 0 on a stage
-    with a tensor-parallel member, else at most 1 (its gradients are all-reduced whole)."""
-    return 0 if any(len(m) > 1 for m in stage.groups) else min(int(zero_stage), 1)
+    """The ZeRO stage whose state a stage's ranks hold, as the pipeline engine runs it: at most 1 (its
+    gradients are all-reduced, or reduce-scattered, whole); on a stage with a tensor-parallel member
+    ``cost.tp.tp_zero_stage`` (1 where its members have the same shares, else 0)."""
+    if any(len(m) > 1 for m in stage.groups):
+        return tp_cost.tp_zero_stage(stage, zero_stage)
+    return min(int(zero_stage), 1)
 
 
 def stage_state_bytes(costs: ModelCosts, stage: Stage, zero_stage: int) -> float:
@@ -128,7 +131,10 @@ def stage_reduce_bytes(costs: ModelCosts, stage: Stage) -> float:
     one member, which reduces nothing); before the tensor-parallel work factor."""
     if len(stage.groups) < 2:
         return 0.0
-    return float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
+    full = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
+    if any(len(m) > 1 for m in stage.groups) and tp_cost.tp_zero_stage(stage, 1):
+        return full / len(stage.groups)    # ZeRO-1 over TP members: one chunk, the reduce-scatter's output
+    return full
 
 
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,

@@ -281,7 +281,8 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
                       replicated_fraction: float | None = None) -> float:
     """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
     1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
-    a tensor-parallel rank its shard (``rho + (1 - rho) * share / total`` of them)."""
+    a tensor-parallel rank its shard (``rho + (1 - rho) * share / total`` of them; 1/k of that under
+    ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1)."""
     p = float(costs.params[stage.block_start:stage.block_stop].sum())
     nm = len(stage.groups)
     tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
@@ -296,6 +297,8 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
                 rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
                 shares = stage.tp_shares[g]
                 n = p * (rho + (1 - rho) * shares[i] / max(sum(shares), 1))
+                if tp_cost.tp_zero_stage(stage, zero_stage):   # ZeRO-1 over the members (runtime.tp_zero)
+                    n /= nm
             elif zero_stage >= 1 and nm > 1 and not tp:
                 n = p / nm
             t = cluster.devices[r].spec.name
