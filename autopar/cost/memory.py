@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.devices import DeviceSpec
     from autopar.cluster.model import Cluster
 
-__all__ = [
+__all__ = ["tp_memory_fractions", 
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
     "stage_input_bytes", "stage_memory_bytes",
     "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "transient_grad_bytes", "fits_memory",
@@ -137,6 +137,22 @@ def stage_reduce_bytes(costs: ModelCosts, stage: Stage) -> float:
     return full
 
 
+def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[float, float]:
+    """(state, activations) replicated fractions of a stage's blocks under tensor parallelism: the
+    memory TP leaves whole on every TP rank, from the layout (``ModelCosts.tp_param_replicated`` /
+    ``tp_act_replicated``, weighted by the blocks' parameters and activations); ``rho`` (the time
+    fraction) where the costs carry none."""
+    blocks = slice(stage.block_start, stage.block_stop)
+    out = []
+    for frac, weight in ((costs.tp_param_replicated, costs.params), (costs.tp_act_replicated, costs.act_bytes)):
+        w = float(weight[blocks].sum())
+        if frac is None or len(frac) != costs.num_blocks or w <= 0:
+            out.append(rho)
+        else:
+            out.append(min(float((frac[blocks] * weight[blocks]).sum()) / w, 0.999))
+    return out[0], out[1]
+
+
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
                        replicated_fraction: float | None = None) -> dict[int, int]:
     """Peak bytes of every rank of a pipeline plan under ``schedule`` and ``zero_stage`` (see the module
@@ -151,14 +167,16 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
         held = stage_input_bytes(costs, st) if st.recompute else 0.0
         loss = loss_bytes_per_sample(costs) if s == len(stages) - 1 else 0.0
         reduce = stage_reduce_bytes(costs, st)
+        rho_p, rho_a = tp_memory_fractions(costs, st, rho)
         for g, ranks in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares else (1,)
-            factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
+            fractions = np.asarray(shares, float) / sum(shares)
+            ks, ka = tp_cost.work_factors(fractions, rho_p), tp_cost.work_factors(fractions, rho_a)
             x = max(st.micro_batches[g])
             # after backward the activations are freed and the gradients' flat copy is made
-            need = state + max(act * x * (1 if st.recompute else fly), reduce)
-            for r, k in zip(ranks, factors):
-                out[r] = int(math.ceil(need * k + (held * fly + loss) * x))
+            for r, k, kx in zip(ranks, ks, ka):
+                need = state * k + max(act * x * (1 if st.recompute else fly) * kx, reduce * k)
+                out[r] = int(math.ceil(need + (held * fly + loss) * x))
     return dict(sorted(out.items()))
 
 

@@ -34,7 +34,7 @@ import torch
 from autopar.cluster.emulation import emulation_time_scale
 from autopar.cost.measure_cache import cache_dir, load_json, measure_cache_path, save_json, tile_batch
 from autopar.cost.precision import is_mixed_precision, priced_peak_flops
-from autopar.cost.tp import tp_pairs_per_block
+from autopar.cost.tp import tp_memory_replicated_per_block, tp_pairs_per_block
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
@@ -279,6 +279,13 @@ def _tp_pairs(analysis, num_blocks: int) -> np.ndarray | None:
     return None if gm is None else tp_pairs_per_block(gm, num_blocks)
 
 
+def _tp_memory(analysis, num_blocks: int) -> dict:
+    """``ModelCosts``' per-block TP memory fractions (``cost.tp.tp_memory_replicated_per_block``)."""
+    gm = getattr(getattr(analysis, "captured", None), "gm", None)
+    got = None if gm is None else tp_memory_replicated_per_block(gm, num_blocks)
+    return {} if got is None else {"tp_param_replicated": got[0], "tp_act_replicated": got[1]}
+
+
 def _output_bytes(analysis) -> float:
     """Bytes per sample of the captured graph's output tensors (what the loss function reads)."""
     from autopar.passes.meta import TENSOR
@@ -374,7 +381,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
         tied_groups=analysis.tied_groups, sources=sources,
         output_bytes=_output_bytes(analysis) * act_scale, **terms,
-        tp_pairs=_tp_pairs(analysis, len(stats)),
+        tp_pairs=_tp_pairs(analysis, len(stats)), **_tp_memory(analysis, len(stats)),
     )
     if precision not in (None, "fp32"):
         from dataclasses import replace

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "stage_sync_time_s", "DEFAULT_REPLICATED_FRACTION", "TP_ALLREDUCES_PER_BLOCK", "DEFAULT_NUM_UNITS", "TpGroup",
-    "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "allreduce_alpha_beta",
+    "work_factors", "best_shares", "brute_force_shares", "replicated_fraction_of", "tp_memory_replicated_per_block", "allreduce_alpha_beta",
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
@@ -178,6 +178,71 @@ def replicated_fraction_of_graph(gm, flop_per_byte: float = 150.0) -> float | No
     if heavy + light <= 0:
         return None
     return float(min(0.5, light / (heavy + light)))
+
+
+def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per block of an analysed graph, the fractions of its parameters and of its saved activations
+    that tensor parallelism leaves whole on every TP rank, from the rewrite's own layout
+    (``passes.tp_match.find_tp_pairs``): a pair's column weights and biases and its row weight are
+    sharded (the row bias is not); activations are priced by the nodes' outputs (what backward keeps
+    is mostly their outputs: the Linears' and norms' inputs), sharded where a node of a pair's region
+    made them (the columns' outputs and what follows them up to the row Linear), whole otherwise (the
+    columns' input, norms, residual adds, the row Linear's all-reduced output). A block without a pair is whole (1, 1). The memory counterpart of
+    ``replicated_fraction_of_graph``, which is a fraction of time. None without pairs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    pairs = find_tp_pairs(gm)
+    if not pairs:
+        return None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    params = dict(gm.named_parameters())
+    total_p, sharded_p = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
+    for name, t in params.items():
+        b = _block_of_param(name, gm, num_blocks)
+        if b is not None:
+            total_p[b] += t.numel()
+    region: set[str] = set()
+    for pair in pairs:
+        b = nodes[pair.row_node].meta.get(BLOCK)
+        region |= set(pair.region)
+        names = [f"{c}.{k}" for c in pair.columns for k in ("weight", "bias")] + [f"{pair.row}.weight"]
+        if b is not None and 0 <= b < num_blocks:
+            sharded_p[b] += sum(params[n].numel() for n in names if n in params)
+    total_a, sharded_a = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
+    for n in gm.graph.nodes:     # the nodes' outputs, which backward keeps (the Linears' inputs among them)
+        cost, b = n.meta.get(COST), n.meta.get(BLOCK)
+        if cost is None or b is None or not 0 <= b < num_blocks or cost.out_bytes <= 0:
+            continue
+        total_a[b] += cost.out_bytes
+        if n.name in region:
+            sharded_a[b] += cost.out_bytes
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rep_p = np.where(total_p > 0, 1.0 - sharded_p / np.maximum(total_p, 1.0), 1.0)
+        rep_a = np.where(total_a > 0, 1.0 - sharded_a / np.maximum(total_a, 1.0), 1.0)
+    return np.clip(rep_p, 0.0, 1.0), np.clip(rep_a, 0.0, 1.0)
+
+
+def _block_of_param(name: str, gm, num_blocks: int) -> int | None:
+    """The block of the first node that reads parameter ``name`` (``passes.meta.BLOCK``)."""
+    from autopar.passes.meta import BLOCK
+
+    cache = gm.__dict__.setdefault("_autopar_param_blocks", None)
+    if cache is None:
+        cache = {}
+        for n in gm.graph.nodes:
+            b = n.meta.get(BLOCK)
+            if b is None and n.op == "get_attr":
+                b = next((u.meta.get(BLOCK) for u in n.users if u.meta.get(BLOCK) is not None), None)
+            if b is None:
+                continue
+            if n.op == "get_attr":
+                cache.setdefault(str(n.target), b)
+            elif n.op == "call_module":
+                for pname, _ in gm.get_submodule(str(n.target)).named_parameters():
+                    cache.setdefault(f"{n.target}.{pname}", b)
+        gm.__dict__["_autopar_param_blocks"] = cache
+    return cache.get(name)
 
 
 def allreduce_alpha_beta(cluster: "Cluster", ranks: Sequence[int]) -> tuple[float, float]:

@@ -95,13 +95,18 @@ class ModelCosts:
     optimizer_flat_s_per_param: dict[str, float] = field(default_factory=dict)  # ... over one flat buffer
     output_bytes: float = 0.0         # bytes of the graph's output (what the loss reads), per sample
     tp_pairs: np.ndarray | None = None  # Linear pairs TP shards per block (cost.tp.tp_pairs_per_block)
+    # per block, the fractions of its parameters / saved activations TP leaves whole on every TP rank
+    # (cost.tp.tp_memory_replicated_per_block); None: the TP work factors' rho prices memory too
+    tp_param_replicated: np.ndarray | None = None
+    tp_act_replicated: np.ndarray | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
-        if self.tp_pairs is not None:
-            self.tp_pairs = np.asarray(self.tp_pairs, dtype=np.float64)
+        for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated"):
+            if getattr(self, name) is not None:
+                setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 
     @property
     def num_blocks(self) -> int:

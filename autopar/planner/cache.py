@@ -59,7 +59,8 @@ def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
             h.update(np.ascontiguousarray(table[t], dtype=np.float64).tobytes())
     h.update(json.dumps([list(costs.block_names), costs.optimizer_bytes_per_param, costs.grad_bytes_per_param,
                          [list(g) for g in costs.tied_groups], float(costs.output_bytes),
-                         None if costs.tp_pairs is None else [float(x) for x in costs.tp_pairs]]).encode())
+                         *[None if getattr(costs, k) is None else [float(x) for x in getattr(costs, k)]
+                           for k in ("tp_pairs", "tp_param_replicated", "tp_act_replicated")]]).encode())
     h.update(cluster.signature().encode())
     h.update(json.dumps(args, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
