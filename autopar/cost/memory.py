@@ -141,15 +141,22 @@ def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[fl
     """(state, activations) replicated fractions of a stage's blocks under tensor parallelism: the
     memory TP leaves whole on every TP rank, from the layout (``ModelCosts.tp_param_replicated`` /
     ``tp_act_replicated``, weighted by the blocks' parameters and activations); ``rho`` (the time
-    fraction) where the costs carry none."""
+    fraction) where the costs carry none, and for blocks without a Linear pair (see the comment)."""
     blocks = slice(stage.block_start, stage.block_stop)
+    pairs = tp_cost.tp_pairs_of(costs)
     out = []
     for frac, weight in ((costs.tp_param_replicated, costs.params), (costs.tp_act_replicated, costs.act_bytes)):
         w = float(weight[blocks].sum())
         if frac is None or len(frac) != costs.num_blocks or w <= 0:
             out.append(rho)
-        else:
-            out.append(min(float((frac[blocks] * weight[blocks]).sum()) / w, 0.999))
+            continue
+        frac = np.asarray(frac, float)[blocks]
+        if pairs is not None:
+            # A block without a pair (an embedding, a head) is whole on every TP rank, but the joint
+            # search's memory caps price every block with ``rho``: so does this, until the search
+            # takes per-block fractions (a plan priced whole here would fail the search's own check).
+            frac = np.where(pairs[blocks] > 0, frac, rho)
+        out.append(min(float((frac * weight[blocks]).sum()) / w, 0.999))
     return out[0], out[1]
 
 
