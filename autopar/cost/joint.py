@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost import tp as tp_cost
-from autopar.cost.memory import usable_bytes
+from autopar.cost.memory import tp_search_memory_rho, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.cost.tp import Member
@@ -164,12 +164,19 @@ class JointContext:
                                                   c.optimizer_bytes_per_param, z, 1.0 / num_members)
         return self.cache[key]
 
+    def memory_rho(self) -> float:
+        """The replicated fraction of the memory caps (``cost.memory.tp_search_memory_rho``): no smaller
+        than what ``stage_memory_bytes`` prices, so a plan the search accepts passes its final check."""
+        if "memory_rho" not in self.cache:
+            self.cache["memory_rho"] = tp_search_memory_rho(self.costs, self.rho)
+        return self.cache["memory_rho"]
+
     def rank_caps(self, member: Member) -> tuple[tuple[float, float], ...]:
         """Distinct (usable bytes, work factor) of the member's ranks."""
         key = ("caps", member.ranks)
         if key in self.cache:
             return self.cache[key]
-        factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.rho)
+        factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.memory_rho())
         self.cache[key] = tuple(sorted({(self.cap(r), float(k)) for r, k in zip(member.ranks, factors)}))
         return self.cache[key]
 
@@ -177,7 +184,7 @@ class JointContext:
         """Bytes of (unsharded) block state + activations the member's tightest rank can hold."""
         key = ("room", member.ranks)
         if key not in self.cache:
-            factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.rho)
+            factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.memory_rho())
             self.cache[key] = min(self.cap(r) / k for r, k in zip(member.ranks, factors))
         return self.cache[key]
 

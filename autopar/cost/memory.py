@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.devices import DeviceSpec
     from autopar.cluster.model import Cluster
 
-__all__ = ["tp_memory_fractions", 
+__all__ = ["tp_memory_fractions", "tp_search_memory_rho", 
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
     "stage_input_bytes", "stage_memory_bytes",
     "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "transient_grad_bytes", "fits_memory",
@@ -158,6 +158,24 @@ def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[fl
             frac = np.where(pairs[blocks] > 0, frac, rho)
         out.append(min(float((frac * weight[blocks]).sum()) / w, 0.999))
     return out[0], out[1]
+
+
+def tp_search_memory_rho(costs: ModelCosts, rho: float) -> float:
+    """The one replicated fraction a search that prices every block alike (``cost.joint``'s memory
+    caps) must use for memory so that ``stage_memory_bytes`` of any stage it accepts is no larger:
+    the largest of ``rho`` and the layout's parameter and activation fractions over the blocks with
+    a Linear pair (``tp_memory_fractions`` prices the others with ``rho``)."""
+    pairs = tp_cost.tp_pairs_of(costs)
+    out = float(rho)
+    for frac in (costs.tp_param_replicated, costs.tp_act_replicated):
+        if frac is None or len(frac) != costs.num_blocks:
+            continue
+        frac = np.asarray(frac, float)
+        if pairs is not None:
+            frac = frac[pairs > 0]
+        if len(frac):
+            out = max(out, float(frac.max()))
+    return min(out, 0.999)
 
 
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,
