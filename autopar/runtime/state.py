@@ -194,6 +194,10 @@ def _tp(engine: TensorParallelEngine):
 
 
 def _pipeline(engine: PipelineEngine):
+    if getattr(engine, "_tp_zero", None) is not None:
+        raise CheckpointError("checkpoint: zero_stage: ZeRO-1 inside a pipeline's tensor-parallel stages "
+                              "(runtime.tp_zero) keeps optimizer state this layout does not describe yet; "
+                              "save and load it with zero_stage=0")
     names = _names(engine.inputs.model)
     by_local = {id(local): (shard, source) for source_id, (shard, local) in engine._shards.items()
                 for source in [engine._tensors[source_id]]}
