@@ -20,7 +20,6 @@ import torch
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.api import Compiled
-from autopar.checkpoint.store import CheckpointError
 from autopar.ir.plan import Plan, Predicted
 from autopar.lowering import lower
 from autopar.runtime.emulate import NullClock
@@ -38,14 +37,18 @@ def _plan(shares, zero) -> Plan:
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
-def _run(rank, world_size, shares, zero, optimizer) -> PipelineEngine:
+def _engine(rank, world_size, shares, zero, optimizer) -> PipelineEngine:
     with _LOCK:
         model, gm, loss_fn, _ = prepared_case("gpt-tiny")
         model, gm = copy.deepcopy((model, gm))
     plan = _plan(shares, zero)
-    engine = PipelineEngine(EngineInputs(
+    return PipelineEngine(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
         rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()), lower(plan, gm, rank))
+
+
+def _run(rank, world_size, shares, zero, optimizer) -> PipelineEngine:
+    engine = _engine(rank, world_size, shares, zero, optimizer)
     with _LOCK:
         data = batches("gpt-tiny", B, STEPS)
         ref = single_device_run("gpt-tiny", B, STEPS, optimizer)
@@ -72,10 +75,20 @@ class FiveRanks(threaded_ranks(5)):
                 if optimizer == "adamw":
                     moments = z.state_bytes() - 4 * len(z.shards)
                     assert moments == 2 * 4 * sum(s.numel() for s in z.shards)
-        # its optimizer state is not in the checkpoint layout yet: every rank refuses, none writes
-        with pytest.raises(CheckpointError, match="zero_stage"):
-            Compiled(plan=engine.plan, engine=engine, rank=self.rank).save(
-                Path(tempfile.gettempdir()) / f"autopar-tpz-{os.getpid()}")
+        # its TP ranks' optimizer chunks are checkpoint pieces: saved after 2 AdamW steps, loaded into a
+        # fresh ZeRO-0 engine and a fresh ZeRO-1 one, 2 more steps each equal the 4-step oracle
+        root = Path(tempfile.gettempdir()) / f"autopar-tpz-{os.getpid()}"
+        Compiled(plan=engine.plan, engine=engine, rank=self.rank).save(root / "ck")
+        with _LOCK:
+            data = batches("gpt-tiny", B, 2 * STEPS)
+            ref = single_device_run("gpt-tiny", B, 2 * STEPS, "adamw")
+        for zero in (0, 1):
+            resumed = _engine(self.rank, self.world_size, ((3, 1), (3, 1)), zero, "adamw")
+            Compiled(plan=resumed.plan, engine=resumed, rank=self.rank).load(root / "ck")
+            losses = [resumed.step(inputs, targets) for inputs, targets in data[STEPS:]]
+            assert_state_close(resumed.state_dict(), ref.state, RTOL["adamw"])
+            for got, want in zip(losses, ref.losses[STEPS:]):
+                assert math.isclose(got, want, rel_tol=1e-5), (zero, losses, ref.losses)
 
     def test_different_shardings_fall_back_to_zero_0(self):
         engine = _run(self.rank, self.world_size, ((3, 1), (2, 2)), 1, "sgd")

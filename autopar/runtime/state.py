@@ -170,20 +170,7 @@ def _tp(engine: TensorParallelEngine):
         seen.add(id(p))
         masters.append((p.data, [slot]))
         opt_slots[id(p)] = [slot]
-    zero = getattr(engine, "zero", None)     # ZeRO-1 over the members (autopar.runtime.tp_zero)
-    if zero is not None:
-        base = dict(opt_slots)
-        for sp in zero.shards:             # a view of the flat parameter buffer over the owned chunk
-            a = sp.storage_offset() - zero.flat_params.storage_offset()
-            b = a + sp.numel()
-            slots = []
-            for p, o in zip(zero.params, zero.offsets):
-                lo, hi = max(a, o), min(b, o + p.numel())
-                if lo < hi:
-                    bs = base[id(p)][0]
-                    slots.append(Slot(bs.fqn, bs.shape, "flat", start=lo - o, lo=lo - a, hi=hi - a, dim=bs.dim,
-                                      ranges=bs.ranges if bs.kind == "tp" else (), local_shape=_shape(p)))
-            opt_slots[id(sp)] = slots
+    _add_tp_zero_slots(getattr(engine, "zero", None), opt_slots)   # ZeRO-1 over the members
     for key, t in engine.model.state_dict(keep_vars=True).items():   # buffers, frozen parameters
         if names[id(t)] != key or t.is_meta or id(t) in seen or t.numel() == 0:
             continue
@@ -193,11 +180,28 @@ def _tp(engine: TensorParallelEngine):
     return masters, opt_slots
 
 
+def _add_tp_zero_slots(zero, opt_slots: dict[int, list[Slot]]) -> None:
+    """The optimizer slots of ZeRO-1 over a TP stage's data-parallel peers (``autopar.runtime.tp_zero``):
+    each shard Parameter is a view of the flat buffer over the owned chunk, which runs across the local
+    tensors (TP shards or replicated parameters) laid end to end; ``opt_slots`` must hold those tensors'
+    own slots already."""
+    if zero is None:
+        return
+    base = dict(opt_slots)
+    for sp in zero.shards:
+        a = sp.storage_offset() - zero.flat_params.storage_offset()
+        b = a + sp.numel()
+        slots = []
+        for p, o in zip(zero.params, zero.offsets):
+            lo, hi = max(a, o), min(b, o + p.numel())
+            if lo < hi:
+                bs = base[id(p)][0]
+                slots.append(Slot(bs.fqn, bs.shape, "flat", start=lo - o, lo=lo - a, hi=hi - a, dim=bs.dim,
+                                  ranges=bs.ranges if bs.kind == "tp" else (), local_shape=_shape(p)))
+        opt_slots[id(sp)] = slots
+
+
 def _pipeline(engine: PipelineEngine):
-    if getattr(engine, "_tp_zero", None) is not None:
-        raise CheckpointError("checkpoint: zero_stage: ZeRO-1 inside a pipeline's tensor-parallel stages "
-                              "(runtime.tp_zero) keeps optimizer state this layout does not describe yet; "
-                              "save and load it with zero_stage=0")
     names = _names(engine.inputs.model)
     by_local = {id(local): (shard, source) for source_id, (shard, local) in engine._shards.items()
                 for source in [engine._tensors[source_id]]}
@@ -223,6 +227,7 @@ def _pipeline(engine: PipelineEngine):
         masters.append((t.data, [slot]))
         if isinstance(t, torch.nn.Parameter):
             opt_slots[id(t)] = [slot]
+    _add_tp_zero_slots(getattr(engine, "_tp_zero", None), opt_slots)   # ZeRO-1 in its TP stage
     return masters, opt_slots
 
 
@@ -277,10 +282,20 @@ def engine_pieces(engine, *, optimizer: bool = True) -> list[Piece]:
     for tensor, slots in masters:
         for slot in slots:
             out += slot.pieces(MODEL + slot.fqn, tensor)
-    opt = torch_optimizer(engine)
-    if optimizer and opt is not None and opt_slots is not None:    # None: a rank that never steps
-        out += _optim_pieces(opt, opt_slots)
+    if optimizer and opt_slots is not None:     # None: a rank that never steps
+        for opt in _optimizers(engine):
+            out += _optim_pieces(opt, opt_slots)
     return out
+
+
+def _optimizers(engine) -> list[torch.optim.Optimizer]:
+    """Every optimizer the engine steps: its own and, in a pipeline whose TP stage runs ZeRO-1, that
+    stage's (``engine._tp_zero``)."""
+    out = [torch_optimizer(engine)]
+    zero = getattr(engine, "_tp_zero", None) if isinstance(engine, PipelineEngine) else None
+    if zero is not None:
+        out.append(zero.optimizer)
+    return [o for o in out if o is not None]
 
 
 def _empty_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> dict | None:
@@ -343,9 +358,9 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> bool:
 
 def load_pieces(engine, *, optimizer: bool = True) -> list[Piece]:
     """The pieces a load fills: ``engine_pieces`` after the optimizer's state exists (``optimizer``)."""
-    opt = torch_optimizer(engine)
-    if optimizer and opt is not None:
-        ensure_optimizer_state(opt)
+    if optimizer:
+        for opt in _optimizers(engine):
+            ensure_optimizer_state(opt)
     return engine_pieces(engine, optimizer=optimizer)
 
 
