@@ -211,13 +211,17 @@ class TrackedMeter:
             self.current_bytes += n
             if self._record:
                 self._made_by[key] = (str(func) if func is not None else "track", tuple(t.shape), n)
-            if self.current_bytes > self.peak_bytes:
-                self.peak_bytes = self.current_bytes
-                if self._record:
-                    self.peak_snapshot = sorted(self._made_by.values(), key=lambda v: -v[2])
-            over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
+            over = self._grew_locked()
         if over:
             raise self._error(n)
+
+    def _grew_locked(self) -> bool:
+        """After ``current_bytes`` grew (the lock held): the peak and its snapshot; whether the limit is passed."""
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            if self._record:
+                self.peak_snapshot = sorted(self._made_by.values(), key=lambda v: -v[2])
+        return self.limit_bytes is not None and self.current_bytes > self.limit_bytes
 
     def _free(self, key: int) -> None:
         with self._lock:
@@ -237,11 +241,7 @@ class TrackedMeter:
             if self._record and key in self._made_by:
                 op, shape, _ = self._made_by[key]
                 self._made_by[key] = (op, shape, n)
-            if self.current_bytes > self.peak_bytes:
-                self.peak_bytes = self.current_bytes
-                if self._record:
-                    self.peak_snapshot = sorted(self._made_by.values(), key=lambda v: -v[2])
-            over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
+            over = self._grew_locked()
         if over:
             raise self._error(n)
 
