@@ -56,7 +56,7 @@ from autopar.cluster.links import (
     pair_latency_s,
 )
 from autopar.errors import ClusterError
-from autopar.ir.costs import ModelCosts, zero_staging_numel
+from autopar.ir.costs import ModelCosts, zero_shard_numels, zero_staging_numel
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -209,21 +209,15 @@ def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
 # -- ZeRO collectives as the data-parallel engine runs them ------------------------------------------
 def zero_shard_sizes(numel: int, num_shards: int, shares: Sequence[float] | None = None) -> tuple[int, ...]:
     """Elements of each contiguous shard of ``numel`` elements split in proportion to ``shares``
-    (None: even), largest-remainder rounding with ties to the lower index: the sizes of
-    ``autopar.runtime.dp_flat.shard_bounds`` (tests check the two agree)."""
+    (None: even), as the engine's ``autopar.runtime.dp_flat.shard_bounds`` cuts them
+    (``ir.costs.zero_shard_numels``)."""
     numel = int(numel)
     if numel < 0 or num_shards < 1:
         raise ValueError(f"zero_shard_sizes: numel {numel} must be >= 0 and num_shards {num_shards} >= 1")
     w = [1.0] * num_shards if shares is None or len(shares) == 0 else [float(x) for x in shares]
     if len(w) != num_shards or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
         raise ValueError(f"zero_shares: need {num_shards} finite shares >= 0 with a positive sum, got {shares}")
-    total = sum(w)
-    exact = [numel * x / total for x in w]
-    sizes = [math.floor(e) for e in exact]
-    order = sorted(range(num_shards), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[:numel - sum(sizes)]:
-        sizes[i] += 1
-    return tuple(sizes)
+    return zero_shard_numels(numel, w)
 
 
 def zero_shards_even(numel: int, num_shards: int, shares: Sequence[float] | None = None) -> bool:

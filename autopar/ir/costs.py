@@ -29,6 +29,7 @@ Time terms besides the block tables, per device type (a type missing from a dict
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,7 @@ import numpy as np
 from autopar.config import GRAD_BUCKET_BYTES
 
 __all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes", "ZERO_STAGING_FRACTION",
-           "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel"]
+           "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel", "zero_shard_numels"]
 
 # Optimizer state per parameter, fp32.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
@@ -46,6 +47,20 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
 # gradient bucket (GRAD_BUCKET_BYTES), but at least ZERO_STAGING_MIN_NUMEL (fewer, larger pieces).
 ZERO_STAGING_FRACTION = 16
 ZERO_STAGING_MIN_NUMEL = 4096
+
+
+def zero_shard_numels(total_numel: int, shares) -> tuple[int, ...]:
+    """Elements of each contiguous ZeRO shard of ``total_numel`` elements split in proportion to
+    ``shares`` (validated by the caller: finite, >= 0, positive sum): largest-remainder rounding, ties
+    to the lower index. The engine's ``shard_bounds`` and the cost model's ``zero_shard_sizes`` both cut
+    by it."""
+    total = sum(shares)
+    exact = [total_numel * s / total for s in shares]
+    sizes = [math.floor(e) for e in exact]
+    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:total_numel - sum(sizes)]:
+        sizes[i] += 1
+    return tuple(sizes)
 
 
 def zero_chunk_numel(total_numel: int, element_size: int) -> int:

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.ir.costs import zero_chunk_numel, zero_staging_numel
+from autopar.ir.costs import zero_chunk_numel, zero_shard_numels, zero_staging_numel
 from autopar.runtime.communicator import (
     PendingCollective, pg_all_gather_into, pg_all_gather_into_async, pg_broadcast, pg_ranks, pg_reduce_scatter_into,
 )
@@ -86,15 +86,8 @@ def shard_bounds(total_numel: int, shares: Sequence[float]) -> tuple[int, ...]:
         raise DataParallelError("shard_bounds: need at least one share")
     if any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
         raise DataParallelError(f"zero_shares: need finite shares >= 0 with a positive sum, got {shares}")
-    total = sum(shares)
-    exact = [total_numel * s / total for s in shares]
-    sizes = [math.floor(e) for e in exact]
-    rest = total_numel - sum(sizes)
-    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - sizes[i]), i))
-    for i in order[:rest]:
-        sizes[i] += 1
     bounds = [0]
-    for n in sizes:
+    for n in zero_shard_numels(total_numel, shares):
         bounds.append(bounds[-1] + n)
     return tuple(bounds)
 
