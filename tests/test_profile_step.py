@@ -173,17 +173,24 @@ class TwoRanksAsync(threaded_ranks(2)):
         assert prof.measured(0)["all_reduce"] >= 0 and prof.measured(1).get("wait", 0.0) < 0.01
 
 
-def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
+class _FakeTime:
+    """CPU and wall time a test advances by hand; sleeping advances the wall only."""
+    cpu = wall = 0.0
+
+    def sleep(self, s):
+        self.wall += s
+
+
+def _fake_timed_clock(**options):
+    """An emulated clock at speed 0.5 on a ``_FakeTime``."""
     from autopar.runtime.emulate import EmulatedClock
 
-    class Fake:
-        cpu = wall = 0.0
+    ft = _FakeTime()
+    return ft, EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep, **options)
 
-        def sleep(self, s):
-            self.wall += s
 
-    ft = Fake()
-    clock = EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep, steady=True)
+def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
+    ft, clock = _fake_timed_clock(steady=True)
     walls = []
     for work in ((0.010, 0.005), (0.020, 0.004), (0.012, 0.006)):   # step 2's first block was inflated
         clock.begin_step()
@@ -200,16 +207,7 @@ def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
 
 
 def test_communication_inside_a_block_is_not_counted_towards_its_target():
-    from autopar.runtime.emulate import EmulatedClock
-
-    class Fake:
-        cpu = wall = 0.0
-
-        def sleep(self, s):
-            self.wall += s
-
-    ft = Fake()
-    clock = EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep)
+    ft, clock = _fake_timed_clock()
     with clock.compute():
         ft.cpu += 0.01
         ft.wall += 0.01
