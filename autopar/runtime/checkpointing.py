@@ -42,7 +42,7 @@ from autopar.checkpoint.store import MANIFEST, CheckpointError, Manifest, read_m
 from autopar.checkpoint import store
 from autopar.lowering.weights import WeightSource, open_weights
 from autopar.runtime.communicator import pg_all_gather_objects, pg_new_group, pg_ranks
-from autopar.runtime.state import MODEL, OPTIM, engine_pieces, finish_load, load_pieces
+from autopar.runtime.state import MODEL, OPTIM, engine_pieces, load_pieces
 
 __all__ = ["SaveHandle", "save", "load", "model_signature", "CheckpointError", "piece_bytes", "CheckpointWeights",
            "weight_source"]
@@ -207,7 +207,6 @@ def load(compiled, directory) -> Manifest:
     pieces = load_pieces(engine, optimizer=with_optim)
     names = ("rng", "cuda_rng", "data")
     _, objects = store.load(manifest.path, pieces, rank_objects=names, staged=False)
-    finish_load(engine)
     if "rng" in objects:
         torch.set_rng_state(objects["rng"])
     device = getattr(engine, "device", None)

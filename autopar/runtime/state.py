@@ -18,10 +18,10 @@ Terms
   straight into the engine, no rank ever holds a tensor it does not own.
 
 ``engine_pieces(engine)`` lists them (optimizer state only where the optimizer has state);
-``load_pieces(engine)`` first gives an optimizer that has not stepped its state (one step at learning
-rate 0 on zero gradients: every parameter is left bit for bit as it was, the state tensors take their
-shapes, then the load overwrites them), so a fresh engine loads; ``finish_load(engine)`` makes the
-copies that follow a master agree with it (ZeRO 1/2's shard Parameters).
+``load_pieces(engine)`` first gives an optimizer that has not stepped its state
+(``ensure_optimizer_state``: SGD's, Adam's and AdamW's made directly, any other's by one step at learning
+rate 0; the load then overwrites them), so a fresh engine loads. ZeRO 1/2's shard Parameters are views
+of the weights' flat buffer, so nothing has to follow a master after a load.
 
 Accessors read the engines' existing attributes (``autopar.runtime.dp``, ``tp``, ``pipeline``); an
 engine changing those names breaks the tests of ``tests/test_checkpoint_reshard.py``, not silently.
@@ -40,7 +40,7 @@ from autopar.runtime.dp import DataParallelEngine
 from autopar.runtime.pipeline import PipelineEngine
 from autopar.runtime.tp import TensorParallelEngine
 
-__all__ = ["Slot", "engine_pieces", "load_pieces", "finish_load", "torch_optimizer", "MODEL", "OPTIM",
+__all__ = ["Slot", "engine_pieces", "load_pieces", "torch_optimizer", "MODEL", "OPTIM",
            "ensure_optimizer_state"]
 
 MODEL = "model."
@@ -362,13 +362,4 @@ def load_pieces(engine, *, optimizer: bool = True) -> list[Piece]:
         for opt in _optimizers(engine):
             ensure_optimizer_state(opt)
     return engine_pieces(engine, optimizer=optimizer)
-
-
-def finish_load(engine) -> None:
-    """After a load into ``load_pieces``: the copies that follow a master take its new values (ZeRO 1/2:
-    each shard Parameter from the parameters' flat buffer)."""
-    if isinstance(engine, DataParallelEngine) and engine.zero_stage in (1, 2) and engine._shard_params:
-        with torch.no_grad():
-            for sp, u, (a, b) in engine._shard_params:
-                sp.copy_(engine._param_flats[u][a:b])
 
