@@ -288,16 +288,18 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
     tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
     worst = 0.0
     seen: set = set()   # (device type, parameters): ranks that step alike
+    if tp:
+        from autopar.cost import tp as tp_cost
+
+        rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
+        tp_zero = bool(tp_cost.tp_zero_stage(stage, zero_stage))   # ZeRO-1 over the members (runtime.tp_zero)
     for g, members in enumerate(stage.groups):
         for i, r in enumerate(members):
             n = p
             if tp and len(members) > 1:
-                from autopar.cost import tp as tp_cost
-
-                rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
                 shares = stage.tp_shares[g]
                 n = p * (rho + (1 - rho) * shares[i] / max(sum(shares), 1))
-                if tp_cost.tp_zero_stage(stage, zero_stage):   # ZeRO-1 over the members (runtime.tp_zero)
+                if tp_zero:
                     n /= nm
             elif zero_stage >= 1 and nm > 1 and not tp:
                 n = p / nm
