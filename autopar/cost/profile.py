@@ -3,9 +3,10 @@
 Three sources, in order of preference (``ModelCosts.sources`` records which one each type got):
 
 1. **measured** on a real local device of that type (a CUDA GPU whose name matches, or this CPU):
-   each *distinct* block (``struct_hash``) is split out of the graph, fed real activations, and timed
-   forward and backward (warm-up, repeats, min or median); results are cached on disk keyed by block
-   signature, micro-batch, device name and dtype.
+   in situ, as a training step runs the blocks (``measure_blocks``): the whole graph, split into its
+   blocks, forward with autograd on and every block's activations alive, then one whole backward,
+   each block's share read from hooks (warm-up, repeats, min or median); results are cached on disk
+   keyed by the graph's block signatures, micro-batch, device name, threads and dtype.
 2. **emulated**: an emulated CPU device (``emulate: cpu, speed: s``) costs the CPU measurement divided
    by ``s`` and multiplied by the run's emulation time scale (``autopar.cluster.emulation.emulation_time_scale``), which
    the runtime's clocks use too. This is emulation: the figures say so wherever they are printed.
@@ -24,7 +25,6 @@ rule lives in ``autopar.cost.precision``, which the MFU of ``autopar.planner.bou
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -39,7 +39,7 @@ from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
-           "measure_blocks", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
+           "measure_blocks", "graph_signature", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -117,31 +117,26 @@ def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
 
 
 # -- measurement ---------------------------------------------------------------------------------
-def _time(fn, repeats: int, sync, stat: str = "median", setup=None, clock=time.perf_counter) -> float:
-    """Time ``fn(setup())`` (``setup`` untimed, e.g. the forward whose backward is timed) on ``clock``."""
-    setup = setup or (lambda: None)
-    fn(setup())
-    sync()
-    ts = []
-    for _ in range(repeats):
-        arg = setup()
-        sync()
-        t0 = clock()
-        fn(arg)
-        sync()
-        ts.append(clock() - t0)
-    return statistics.median(ts) if stat == "median" else min(ts)
-
-
 def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: torch.device | None = None,
                    repeats: int = 5, use_cache: bool = True, progress=None,
                    stat: str = "min") -> dict[int, np.ndarray]:
-    """Measured forward and backward seconds of every block at each micro-batch in ``batches``.
+    """Measured forward and backward seconds of every block at each micro-batch in ``batches``, as a
+    training step runs them (in situ).
 
-    Returns {micro_batch: array (2, num_blocks)} (row 0 forward, row 1 backward). Each distinct block is
-    timed once and its time copied to the identical ones. ``stat``: "min" of the repeats (default: the
+    Returns {micro_batch: array (2, num_blocks)} (row 0 forward, row 1 backward). Each repeat runs the
+    whole graph, split into its blocks, forward with autograd on (every block's saved activations kept
+    alive until the backward, as in a step), then one whole backward from the outputs (gradients
+    accumulated into the parameters' ``.grad``, as a micro-step after the first does). A block's forward
+    is the clock from its forward pre-hook to the next block's (the last: to the end of the forward);
+    its backward is the clock from when its outputs' gradients are complete (tensor hooks) to when the
+    preceding block's are (the first: to the end of the backward), so the blocks add up to the whole
+    forward and the whole backward. Each block takes ``stat`` over the repeats ("min", default: the
     uncontended time, robust when other processes share the cores, and what an emulated device's
-    CPU-time clock sees) or "median".
+    steady CPU-time clock charges; or "median"), then the rows are scaled so that they add up to the
+    same statistic of the whole forward and of the whole backward. Identical blocks (``struct_hash``)
+    share the mean of their in-situ times. A row is made non-decreasing in the micro-batch (a larger
+    micro-batch never costs less; timing noise at small ones otherwise inverts neighbours).
+    Not counted: the loss (the graph's outputs get unit gradients), which a step runs after the graph.
     """
     from torch.fx.passes.split_module import split_module
 
@@ -155,66 +150,124 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
     n = len(analysis.blocks)
     cache_file = measure_cache_path()
     cache = load_json(cache_file) if use_cache else {}
-    split = split_module(gm, model, lambda node: node.meta[BLOCK], keep_original_order=True)
-    subs = {int(name.split("_")[1]): mod for name, mod in split.named_children() if name.startswith("submod_")}
-    rep: dict[str, int] = {}
-    for s in analysis.stats:
-        rep.setdefault(s.struct_hash, s.index)
+    sig = graph_signature(analysis)
+    split = subs = None
     out: dict[int, np.ndarray] = {}
     for b in batches:
-        res = np.zeros((2, n))
-        todo = [i for i in rep.values() if _key(analysis.stats[i].struct_hash, b, dev_name, threads()) not in cache]
-        captured_inputs: dict[int, tuple] = {}
-        if todo:
-            hooks = [subs[i].register_forward_pre_hook(
-                lambda m, args, i=i: captured_inputs.__setitem__(i, tuple(
-                    a.detach() if isinstance(a, torch.Tensor) else a for a in args))) for i in todo if i in subs]
-            with torch.no_grad():
-                split(*tile_batch(example_inputs, b))
-            for h in hooks:
-                h.remove()
-        for i in todo:
-            if i not in subs or i not in captured_inputs:
-                continue
-            mod, args = subs[i], captured_inputs[i]
-
-            def fwd(_):
-                return mod(*args)
-
-            def forward_for_backward():
-                a2 = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-                      for a in args]
-                outs = [o for o in torch.utils._pytree.tree_flatten(mod(*a2))[0]
-                        if isinstance(o, torch.Tensor) and o.requires_grad]
-                return outs, [torch.ones_like(o) for o in outs]
-
-            def bwd(outs_grads):
-                if outs_grads[0]:
-                    torch.autograd.backward(*outs_grads)
-
-            with torch.no_grad():
-                tf = _time(fwd, repeats, sync, stat, clock=clock)
-            tb = _time(bwd, repeats, sync, stat, setup=forward_for_backward, clock=clock)
-            mod.zero_grad(set_to_none=True)
-            cache[_key(analysis.stats[i].struct_hash, b, dev_name, threads())] = [tf, tb]
+        k = _key(sig, b, dev_name, threads())
+        if k not in cache:
+            if split is None:
+                split = split_module(gm, model, lambda node: node.meta[BLOCK], keep_original_order=True)
+                subs = {int(name.split("_")[1]): mod for name, mod in split.named_children()
+                        if name.startswith("submod_")}
+            res = _in_situ(split, subs, n, tile_batch(example_inputs, b), repeats, sync, clock, stat)
+            groups: dict[str, list[int]] = {}
+            for s in analysis.stats:
+                groups.setdefault(s.struct_hash, []).append(s.index)
+            for idx in groups.values():
+                res[:, idx] = res[:, idx].mean(axis=1, keepdims=True)
+            cache[k] = res.tolist()
             if progress is not None:
                 progress()
-        for s in analysis.stats:
-            k = _key(s.struct_hash, b, dev_name, threads())
-            if k in cache:
-                res[:, s.index] = cache[k]
-        out[b] = res
+        out[b] = np.array(cache[k], float).reshape(2, n)
+    for lo, hi in zip(sorted(out), sorted(out)[1:]):
+        out[hi] = np.maximum(out[hi], out[lo])
     if use_cache:
         save_json(cache_file, cache)
     return out
+
+
+_WARMUP = 2
+
+
+def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock, stat: str) -> np.ndarray:
+    """(2, n) forward / backward seconds of the blocks of ``split`` on ``inputs`` (``measure_blocks``)."""
+    fwd_marks: list[tuple[float, int]] = []
+    grad_marks: dict[int, float] = {}
+
+    def stamp() -> float:
+        sync()
+        return clock()
+
+    def on_grad(i: int):
+        def hook(_grad):
+            grad_marks[i] = stamp()        # the last of its outputs' gradients completes the block's
+        return hook
+
+    def pre(i: int):
+        return lambda m, args: fwd_marks.append((stamp(), i))
+
+    def post(i: int):
+        def hook(m, args, result):
+            for o in torch.utils._pytree.tree_flatten(result)[0]:
+                if isinstance(o, torch.Tensor) and o.requires_grad:
+                    o.register_hook(on_grad(i))
+        return hook
+
+    hooks = [h for i, mod in subs.items()
+             for h in (mod.register_forward_pre_hook(pre(i)), mod.register_forward_hook(post(i)))]
+    fwd_runs, bwd_runs, fwd_total, bwd_total = [], [], [], []
+    try:
+        for r in range(repeats + _WARMUP):            # the first runs warm up (allocations of a new size)
+            fwd_marks.clear()
+            grad_marks.clear()
+            t0 = stamp()
+            outs = [o for o in torch.utils._pytree.tree_flatten(split(*inputs))[0]
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            t1 = stamp()
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            t2 = stamp()
+            del outs
+            if r < _WARMUP:
+                continue
+            f = np.zeros(n)
+            marks = sorted(fwd_marks) + [(t1, -1)]
+            f[marks[0][1]] += marks[0][0] - t0        # before the first block: the graph's own glue
+            for (ta, i), (tb, _) in zip(marks, marks[1:]):
+                f[i] += tb - ta
+            g = np.zeros(n)
+            order = sorted((t, i) for i, t in grad_marks.items())   # last block first
+            if order:
+                g[order[0][1]] += order[0][0] - t1    # the outputs' gradients up to the last block's
+                for (ta, i), (tb, _) in zip(order, order[1:] + [(t2, -1)]):
+                    g[i] += tb - ta
+            fwd_runs.append(f)
+            bwd_runs.append(g)
+            fwd_total.append(t1 - t0)
+            bwd_total.append(t2 - t1)
+    finally:
+        for h in hooks:
+            h.remove()
+        split.zero_grad(set_to_none=True)
+    pick = np.min if stat == "min" else np.median
+    res = np.stack([pick(np.stack(fwd_runs), axis=0), pick(np.stack(bwd_runs), axis=0)])
+    for row, total in ((0, fwd_total), (1, bwd_total)):
+        s = res[row].sum()
+        if s > 0:
+            res[row] *= float(pick(total)) / s
+    return res
+
+
+def graph_signature(analysis) -> str:
+    """The blocks' structure hashes in order, hashed: what identifies a graph's in-situ timings."""
+    import hashlib
+
+    return hashlib.sha1("/".join(s.struct_hash for s in analysis.stats).encode()).hexdigest()[:16]
 
 
 def threads() -> int:
     return torch.get_num_threads()
 
 
-def _key(h: str, b: int, dev: str, nthreads: int) -> str:
-    return f"{h}|b{b}|{dev}|t{nthreads}|fp32" + ("|cpu-time" if dev == "cpu" and nthreads == 1 else "")
+# Bumped whenever what a cached table means changes (v2: in situ, whole graph with grad; v1 were
+# isolated per-block timings keyed by the block alone).
+MEASURE_VERSION = "insitu-v2"
+
+
+def _key(sig: str, b: int, dev: str, nthreads: int) -> str:
+    return (f"{MEASURE_VERSION}|{sig}|b{b}|{dev}|t{nthreads}|fp32"
+            + ("|cpu-time" if dev == "cpu" and nthreads == 1 else ""))
 
 
 # -- the cost tables -----------------------------------------------------------------------------
