@@ -165,19 +165,17 @@ def linear_use(gm: fx.GraphModule, node: fx.Node) -> LinearUse | None:
     return None
 
 
-def _is_probe(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Nodes that read only shape-independent facts or a size (checked against the sharded dim)."""
-    return _kind(gm, node) == "probe"
-
-
-def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, LinearUse]):
+def _closure(seed: fx.Node, linears: dict[fx.Node, LinearUse], kinds: dict[fx.Node, str | None]):
     """Nodes reachable from ``seed`` without passing a Linear; (nodes, terminal Linear nodes) or None
-    when the flow reaches the output or enters a Linear other than as its input."""
+    when the flow reaches the output, enters a Linear other than as its input, or reaches a second
+    Linear: only a column whose flow ends in one row Linear makes a pair, and stopping at the second
+    keeps a row Linear's closure (which runs down the residual stream into every later block) to one
+    block, so the search is linear in the graph, not quadratic."""
     seen, terms, todo = {seed}, set(), [seed]
     while todo:
         n = todo.pop()
         for u in n.users:
-            if u in seen or _is_probe(gm, u):
+            if u in seen or kinds[u] == "probe":   # reads a size: checked by the matcher
                 continue
             if u.op == "output":
                 return None
@@ -185,6 +183,8 @@ def _closure(gm: fx.GraphModule, seed: fx.Node, linears: dict[fx.Node, LinearUse
                 if u.args[0] is not n or n in u.args[1:]:
                     return None
                 terms.add(u)
+                if len(terms) > 1:
+                    return None
                 continue
             seen.add(u)
             todo.append(u)
@@ -204,8 +204,10 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 class _Matcher:
     """State propagation over one candidate pair's region (raises ``_Reject``)."""
 
-    def __init__(self, gm: fx.GraphModule, region: set[fx.Node], columns: list[fx.Node]):
+    def __init__(self, gm: fx.GraphModule, region: set[fx.Node], columns: list[fx.Node],
+                 kinds: dict[fx.Node, str | None]):
         self.gm = gm
+        self.kinds = kinds   # ``_kind`` of every node of the graph
         self.region = region
         self.columns = columns
         self.state: dict[fx.Node, Any] = {}
@@ -231,7 +233,7 @@ class _Matcher:
                 self.state[n] = self.visit(n)
         for n in order:  # probes read sizes: never of the sharded dim
             for u in n.users:
-                if _is_probe(self.gm, u) and u.target not in (getattr, "dim"):
+                if self.kinds[u] == "probe" and u.target not in (getattr, "dim"):
                     sh = self.state[n]
                     d = _arg(u, 1, "dim")
                     shape = _shape(n)
@@ -246,9 +248,9 @@ class _Matcher:
         out = shape[-1]
         parts = 1
         users = list(n.users)
-        if len(users) == 1 and _kind(self.gm, users[0]) in ("chunk", "split"):
+        if len(users) == 1 and self.kinds[users[0]] in ("chunk", "split"):
             u = users[0]
-            is_chunk = _kind(self.gm, u) == "chunk"
+            is_chunk = self.kinds[u] == "chunk"
             d = _arg(u, 2, "dim", 0)
             if _norm_dim(d, len(shape)) == len(shape) - 1:
                 k = _arg(u, 1, "chunks" if is_chunk else "split_size")
@@ -267,7 +269,7 @@ class _Matcher:
         if not ins:
             raise _Reject(f"{n} has no sharded input")
         shs = [self.state[a] for a in ins]
-        kind = _kind(self.gm, n)
+        kind = self.kinds[n]
         if kind == "getitem":
             return self.getitem(n)
         if kind in ("chunk", "split"):
@@ -452,12 +454,12 @@ class _Matcher:
         return s
 
 
-def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node) -> TPPair:
+def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node, kinds, index) -> TPPair:
     x = group[0].args[0]
     if any(c.args[0] is not x for c in group) or not isinstance(x, fx.Node):
         raise _Reject("columns read different inputs")
-    order = [n for n in gm.graph.nodes if n in region]
-    m = _Matcher(gm, region, group)
+    order = sorted(region, key=index.__getitem__)
+    m = _Matcher(gm, region, group, kinds)
     m.run(order)
     s = m.state.get(row.args[0])
     in_shape = _shape(row.args[0])
@@ -520,10 +522,11 @@ def find_tp_pairs(gm: fx.GraphModule) -> list[TPPair]:
     """
     linears = {n: mod for n in gm.graph.nodes if (mod := linear_use(gm, n)) is not None}
     usable = _params_used_once(gm, linears)
+    kinds = {n: _kind(gm, n) for n in gm.graph.nodes}
     closures = {}
     for n in linears:
         if n in usable:
-            c = _closure(gm, n, linears)
+            c = _closure(n, linears, kinds)
             if c is not None and len(c[1]) == 1:
                 closures[n] = c
     # merge the columns whose regions meet
@@ -547,7 +550,7 @@ def find_tp_pairs(gm: fx.GraphModule) -> list[TPPair]:
         if row not in usable or row in used or any(c in used for c in cols):
             continue
         try:
-            pair = _match(gm, linears, cols, region, row)
+            pair = _match(gm, linears, cols, region, row, kinds, index)
         except (_Reject, KeyError, IndexError, TypeError, ValueError, AttributeError):
             continue
         pairs.append(pair)
