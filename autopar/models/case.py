@@ -91,6 +91,30 @@ def batch_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if dev.type == "meta" else dev
 
 
+# In-place initialisers: on a meta tensor they would set values it does not hold.
+_INIT_FUNCS = frozenset(
+    [getattr(nn.init, n) for n in ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+                                   "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                                   "kaiming_normal_", "orthogonal_", "sparse_") if hasattr(nn.init, n)]
+    + [getattr(torch.Tensor, n) for n in ("uniform_", "normal_", "fill_", "zero_", "random_", "exponential_",
+                                          "bernoulli_", "cauchy_", "log_normal_", "geometric_")])
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Skips in-place initialisation of ``meta`` tensors while a model is built on ``meta``. Meta tensors hold
+    no values, so the result is the same module; but torch implements the random initialisers on meta in
+    Python behind a lazy ``import torch._dynamo`` (with triton, sympy and inductor: 1.5-5 s of a cold
+    ``autopar plan``, 10x the llama-140b build itself)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INIT_FUNCS:
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
 def instantiate(factory: Callable[[], nn.Module], *, device: str | torch.device, seed: int) -> nn.Module:
     """Build ``factory()`` deterministically from ``seed`` without touching the caller's RNG state.
 
@@ -98,7 +122,7 @@ def instantiate(factory: Callable[[], nn.Module], *, device: str | torch.device,
     elsewhere it is built on ``cpu`` and moved, so every device gets the same weights for a seed."""
     device = torch.device(device)
     if device.type == "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipMetaInit():
             return factory()
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
