@@ -13,11 +13,17 @@ Terms
   link) in the order first seen; members of one kind share every cost.
 - span: blocks [i, j); ``[i, j]`` arrays over n + 1 block boundaries hold a span's sum (seconds,
   parameters, bytes) and are zero below the diagonal.
-- room: the bytes of (unsharded) block state + activations that a member's tightest rank can hold
-  (its usable bytes over its TP work factor, ``tp_cost.work_factors``).
+- room: the usable bytes of a member's tightest rank (reports).
+- rank caps: the distinct (usable bytes, share fraction) of a member's ranks. The rows price each
+  rank's state and activations with their own work factors (``cost.memory.tp_span_factors``, from the
+  TP layout's per-block replicated fractions: a llama layer's parameters are all but whole sharded,
+  22% of its activations are whole on every TP rank), exactly as ``stage_memory_bytes`` prices the
+  built stage, with the flat gradient copy of the stage's all-reduce after backward and the last
+  stage's loss (``cost.memory.loss_bytes_per_sample``) too: a plan the search accepts passes its
+  final memory check.
 - stage prep (``StagePrep``, ``prepare_stages``): what the cost tensor needs of one stage, independent of
-  the micro-batch count: its member count, its distinct kinds (speed fraction of the stage, room, the
-  (usable bytes, work factor) of its ranks) and the alpha-beta p2p link to the next stage.
+  the micro-batch count: its member count, its distinct kinds (speed fraction of the stage, room, rank
+  caps) and the alpha-beta p2p link to the next stage.
 - cost tensor (``joint_cost_tensor``): ``autopar.cost.stage.stage_cost_tensor`` with one member load
   per kind: its speed's share of the largest micro-batch (``StagePrep.shares``: largest remainder, as
   the built plan splits it), the kind's span times
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost import tp as tp_cost
-from autopar.cost.memory import tp_search_memory_rho, usable_bytes
+from autopar.cost.memory import loss_bytes_per_sample, tp_span_factors, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.cost.tp import Member
@@ -164,28 +170,42 @@ class JointContext:
                                                   c.optimizer_bytes_per_param, z, 1.0 / num_members)
         return self.cache[key]
 
-    def memory_rho(self) -> float:
-        """The replicated fraction of the memory caps (``cost.memory.tp_search_memory_rho``): no smaller
-        than what ``stage_memory_bytes`` prices, so a plan the search accepts passes its final check."""
-        if "memory_rho" not in self.cache:
-            self.cache["memory_rho"] = tp_search_memory_rho(self.costs, self.rho)
-        return self.cache["memory_rho"]
-
     def rank_caps(self, member: Member) -> tuple[tuple[float, float], ...]:
-        """Distinct (usable bytes, work factor) of the member's ranks."""
+        """Distinct (usable bytes, share fraction) of the member's ranks (fraction 1 for one rank)."""
         key = ("caps", member.ranks)
         if key in self.cache:
             return self.cache[key]
-        factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.memory_rho())
-        self.cache[key] = tuple(sorted({(self.cap(r), float(k)) for r, k in zip(member.ranks, factors)}))
+        n = len(member.ranks)
+        fracs = np.asarray(member.shares, float) / sum(member.shares) if n > 1 else np.ones(1)
+        self.cache[key] = tuple(sorted({(self.cap(r), float(f)) for r, f in zip(member.ranks, fracs)}))
+        return self.cache[key]
+
+    def span_factors(self, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+        """([i, j] state, [i, j] activation) work factors of a TP rank holding ``fraction`` of its
+        group's units (``cost.memory.tp_span_factors``: what ``stage_memory_bytes`` prices a built
+        stage's ranks with, so a plan the search accepts passes its final check)."""
+        key = ("span_factors", fraction)
+        if key not in self.cache:
+            self.cache[key] = tp_span_factors(self.costs, self.rho, fraction)
         return self.cache[key]
 
     def room(self, member: Member) -> float:
-        """Bytes of (unsharded) block state + activations the member's tightest rank can hold."""
+        """The usable bytes of the member's tightest rank (for reports; the rows price every rank)."""
         key = ("room", member.ranks)
         if key not in self.cache:
-            factors = tp_cost.work_factors(np.asarray(member.shares, float) / sum(member.shares), self.memory_rho())
-            self.cache[key] = min(self.cap(r) / k for r, k in zip(member.ranks, factors))
+            self.cache[key] = min(self.cap(r) for r in member.ranks)
+        return self.cache[key]
+
+    def reduce_span(self, num_members: int, tp_even: bool) -> np.ndarray | float:
+        """[i, j] the flat gradient copy a stage's all-reduce makes after backward
+        (``cost.memory.stage_reduce_bytes``): none for one member, one chunk for TP members that run
+        ZeRO-1 (equal shares), else the whole gradient of the span."""
+        if num_members < 2:
+            return 0.0
+        key = ("reduce", num_members, tp_even)
+        if key not in self.cache:
+            full = self.spans()[0] * self.costs.grad_bytes_per_param
+            self.cache[key] = full / num_members if tp_even else full
         return self.cache[key]
 
 
@@ -194,7 +214,7 @@ class StagePrep:
     """What the cost tensor needs of one stage, independent of the micro-batch count."""
 
     num_members: int
-    # distinct (kind id, speed fraction of the stage, room, distinct (cap bytes, work factor) of its ranks)
+    # distinct (kind id, speed fraction of the stage, room, distinct (cap bytes, share fraction) of its ranks)
     kinds: tuple[tuple[int, float, float, tuple[tuple[float, float], ...]], ...]
     p2p: StageLink | None                         # the link to the next stage
     counts: tuple[int, ...] = ()                  # members of each ``kinds`` entry
@@ -291,21 +311,27 @@ def _grouping_parts(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int
     zs = [0 if st.tp and not st.tp_even else min(zero, 1) for st in prep]
     local: dict = {}
 
+    last = len(prep) - 1
+    loss = loss_bytes_per_sample(ctx.costs)
+
     def parts(s: int) -> RowParts:
         st = prep[s]
-        lk = (id(st), zs[s])
+        lk = (id(st), zs[s], s == last)
         if lk in local:
             return local[lk]
         shares = tuple((i, k, room, caps) for (i, _, room, caps), k in zip(st.kinds, ctx.shares(st, b)))
-        sig = (shares, st.num_members, recompute, zs[s], force)
+        sig = (shares, st.num_members, recompute, zs[s], force, s == last, st.tp_even)
         hit = rows.get(sig)
         if hit is None:
+            # per rank: its usable bytes and the state / activation work factors of its share fraction
             loads = [MemberLoad(k, ctx.span_time(kid, k), ctx.span_time(kid, k, True) if recompute else None,
-                                room, caps) for kid, k, room, caps in shares]
+                                room, tuple((cap, *ctx.span_factors(f)) for cap, f in caps))
+                     for kid, k, room, caps in shares]
             if len(rows) >= _ROW_CACHE:
                 rows.pop(next(iter(rows)))   # the oldest: the search moves on through the counts
             hit = rows[sig] = stage_row_parts(ctx.state(st.num_members, zs[s]), act, input_bytes, valid, loads,
-                                              recompute, force)
+                                              recompute, force, loss if s == last else 0.0,
+                                              ctx.reduce_span(st.num_members, st.tp_even))
         local[lk] = hit
         return hit
 

@@ -18,13 +18,19 @@ Terms
   computes it (a data-parallel rank, a pipeline's last stage): ``LOSS_OUTPUT_COPIES`` tensors the size
   of the graph's output (``ModelCosts.output_bytes``): cross-entropy keeps its log-softmax, and its
   backward makes two gradients of that size.
+- TP replicated fractions (``tp_replicated_per_block``): per block, the part of its state and the part
+  of its activations that tensor parallelism leaves whole on every TP rank, each from the TP layout
+  (a llama layer: 0.001% of its parameters, its norms; 22% of its activations: norms, residuals, the
+  row Linears' outputs); a block without a Linear pair is whole. State and activations each get their
+  own work factor ``rho_x + (1 - rho_x) * fraction`` (``tp_memory_fractions`` for a stage,
+  ``tp_span_factors`` for every span at once: the joint search's caps), never one for both.
 - stage memory per rank (``stage_memory_bytes``): for every rank of a pipeline plan (its ``Stage``
-  tuple), the stage's state as run, times the rank's tensor-parallel work factor
-  (``autopar.cost.tp.work_factors``; 1 for a member of one rank), plus the activations of its largest
-  micro-batch share: every in-flight micro-batch's (sharded like the work), or with recomputation one
-  micro-batch's (sharded) plus the stage input (``stage_input_bytes``, whole on every TP rank) of
-  every micro-batch in flight; the last stage adds the loss of one micro-batch (whole on every TP
-  rank). A pipeline of one-rank members is the case of every work factor 1.
+  tuple), the stage's state as run, times the rank's state work factor (1 for a member of one rank),
+  plus the activations of its largest micro-batch share, times its activation work factor: every
+  in-flight micro-batch's, or with recomputation one micro-batch's plus the stage input
+  (``stage_input_bytes``, whole on every TP rank) of every micro-batch in flight; the last stage adds
+  the loss of one micro-batch (whole on every TP rank). A pipeline of one-rank members is the case
+  of every work factor 1.
 - data-parallel rank memory (``rank_memory``): one rank holding every block: its ZeRO state; under
   ZeRO-3 the gathered weights (``zero3_gathered_bytes``: a block and the next one it prefetches);
   under ZeRO-2/3 the reduce-scatter's staging buffer (``zero_staging_bytes``); a fixed workspace
@@ -57,7 +63,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.devices import DeviceSpec
     from autopar.cluster.model import Cluster
 
-__all__ = ["tp_memory_fractions", "tp_search_memory_rho", 
+__all__ = [
+    "tp_replicated_per_block", "tp_memory_fractions", "tp_span_factors",
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
     "stage_input_bytes", "stage_memory_bytes",
     "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "transient_grad_bytes", "fits_memory",
@@ -137,45 +144,61 @@ def stage_reduce_bytes(costs: ModelCosts, stage: Stage) -> float:
     return full
 
 
-def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[float, float]:
-    """(state, activations) replicated fractions of a stage's blocks under tensor parallelism: the
-    memory TP leaves whole on every TP rank, from the layout (``ModelCosts.tp_param_replicated`` /
-    ``tp_act_replicated``, weighted by the blocks' parameters and activations); ``rho`` (the time
-    fraction) where the costs carry none, and for blocks without a Linear pair (see the comment)."""
-    blocks = slice(stage.block_start, stage.block_stop)
+def tp_replicated_per_block(costs: ModelCosts, rho: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the (state, activation) fractions tensor parallelism leaves whole on every TP rank:
+    the layout's (``ModelCosts.tp_param_replicated`` / ``tp_act_replicated``, from
+    ``cost.tp.tp_memory_replicated_per_block``) where the costs carry them, else ``rho`` (the time
+    fraction). A block without a Linear pair (an embedding, a head) runs whole on every TP rank and
+    its parameters stay whole there (``runtime.tp``): 1. The one per-block source of TP memory: a
+    stage's fractions (``tp_memory_fractions``) and the joint search's caps (``tp_span_factors``)
+    are weighted sums of it."""
+    n = costs.num_blocks
     pairs = tp_cost.tp_pairs_of(costs)
     out = []
-    for frac, weight in ((costs.tp_param_replicated, costs.params), (costs.tp_act_replicated, costs.act_bytes)):
-        w = float(weight[blocks].sum())
-        if frac is None or len(frac) != costs.num_blocks or w <= 0:
-            out.append(rho)
-            continue
-        frac = np.asarray(frac, float)[blocks]
-        if pairs is not None:
-            # A block without a pair (an embedding, a head) is whole on every TP rank, but the joint
-            # search's memory caps price every block with ``rho``: so does this, until the search
-            # takes per-block fractions (a plan priced whole here would fail the search's own check).
-            frac = np.where(pairs[blocks] > 0, frac, rho)
-        out.append(min(float((frac * weight[blocks]).sum()) / w, 0.999))
+    for frac in (costs.tp_param_replicated, costs.tp_act_replicated):
+        if frac is None or len(frac) != n:
+            f = np.full(n, float(rho))
+            if pairs is not None:
+                f = np.where(pairs > 0, f, 1.0)
+        else:
+            f = np.clip(np.asarray(frac, float), 0.0, 1.0)
+            if pairs is not None:
+                f = np.where(pairs > 0, f, 1.0)
+        out.append(f)
     return out[0], out[1]
 
 
-def tp_search_memory_rho(costs: ModelCosts, rho: float) -> float:
-    """The one replicated fraction a search that prices every block alike (``cost.joint``'s memory
-    caps) must use for memory so that ``stage_memory_bytes`` of any stage it accepts is no larger:
-    the largest of ``rho`` and the layout's parameter and activation fractions over the blocks with
-    a Linear pair (``tp_memory_fractions`` prices the others with ``rho``)."""
-    pairs = tp_cost.tp_pairs_of(costs)
-    out = float(rho)
-    for frac in (costs.tp_param_replicated, costs.tp_act_replicated):
-        if frac is None or len(frac) != costs.num_blocks:
-            continue
-        frac = np.asarray(frac, float)
-        if pairs is not None:
-            frac = frac[pairs > 0]
-        if len(frac):
-            out = max(out, float(frac.max()))
-    return min(out, 0.999)
+def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[float, float]:
+    """(state, activations) replicated fractions of a stage's blocks under tensor parallelism: the
+    memory TP leaves whole on every TP rank (``tp_replicated_per_block``), weighted by the blocks'
+    parameters and activations; ``rho`` for a stage with neither."""
+    blocks = slice(stage.block_start, stage.block_stop)
+    out = []
+    for frac, weight in zip(tp_replicated_per_block(costs, rho), (costs.params, costs.act_bytes)):
+        w = float(weight[blocks].sum())
+        out.append(float((frac[blocks] * weight[blocks]).sum()) / w if w > 0 else float(rho))
+    return out[0], out[1]
+
+
+def tp_span_factors(costs: ModelCosts, rho: float, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """([i, j] state work factor, [i, j] activation work factor) of a TP rank holding ``fraction`` of
+    its group's shard units on blocks [i, j): ``rho_x + (1 - rho_x) * fraction`` with ``rho_x`` the
+    stage's fractions of ``tp_memory_fractions`` on that span (so ``stage_memory_bytes`` of a built
+    stage prices its ranks with these same factors); 1 for ``fraction`` 1 (a one-rank member) and
+    on the diagonal. What the joint search's memory caps use (``cost.joint``): the state and the
+    activations of a TP layer are sharded very differently (a llama layer: 0.001% of its
+    parameters whole, 22% of its activations), so one factor for both would over-price the state."""
+    n = costs.num_blocks
+    out = []
+    for frac, weight in zip(tp_replicated_per_block(costs, rho), (costs.params, costs.act_bytes)):
+        w = np.concatenate([[0.0], np.cumsum(np.asarray(weight, float))])
+        r = np.concatenate([[0.0], np.cumsum(frac * np.asarray(weight, float))])
+        span_w, span_r = w[None, :] - w[:, None], r[None, :] - r[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rep = np.where(span_w > 0, span_r / np.where(span_w > 0, span_w, 1.0), float(rho))
+        k = np.ones((n + 1, n + 1)) if fraction >= 1.0 else rep + (1.0 - rep) * float(fraction)
+        out.append(k)
+    return out[0], out[1]
 
 
 def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str, zero_stage: int,

@@ -10,12 +10,15 @@ Terms
   first; the tensor prices the largest.
 - member load (``MemberLoad``): one kind of data-parallel member of a stage at that micro-batch: its
   samples ([i, j] or one number), its forward + backward seconds keeping and recomputing activations
-  ([i, j]), the bytes of state + activations its tightest rank holds (``room_bytes``) and the distinct
-  (usable bytes, TP work factor) of its ranks. How a planner's members split a micro-batch and what
+  ([i, j]), the bytes of state + activations its tightest rank holds (``room_bytes``, for reports)
+  and the distinct (usable bytes, TP work factor) of its ranks, or (usable bytes, state work factor,
+  activation work factor) where TP shards the two differently (numbers or [i, j] arrays: the joint
+  search's ``cost.memory.tp_span_factors``). How a planner's members split a micro-batch and what
   their times are is the planner's cost model (``cost.pipeline``: devices, shares by speed on each span;
   ``cost.joint``: tensor-parallel kinds, shares by whole-model speed).
-- stage row (``stage_cost_row``): [i, j] = seconds of the stage's slowest member, inf where a member
-  cannot hold its state plus the activations of the micro-batches in flight
+- stage row (``stage_cost_row``): [i, j] = seconds of the stage's slowest member, inf where a rank
+  cannot hold its state (times its state factor) plus the activations of the micro-batches in flight
+  (times its activation factor) plus what it holds whole per sample (``fixed_bytes``: a last stage's loss)
   (``autopar.ir.schedule.in_flight_micro_batches``); with recomputation, where keeping does not fit,
   the entry keeps per micro-batch in flight only the stage input (the output of block i - 1, whole on
   every TP rank) plus one micro-batch's activations, and pays the recomputing time. Keeping is never
@@ -78,8 +81,8 @@ class MemberLoad:
     samples: float | np.ndarray
     time_s: np.ndarray
     recompute_time_s: np.ndarray | None
-    room_bytes: float
-    rank_caps: tuple[tuple[float, float], ...]
+    room_bytes: float                      # the tightest rank's room at one factor (reports; rows use rank_caps)
+    rank_caps: tuple[tuple, ...]           # (cap, factor) or (cap, state factor, activation factor) per rank
 
 
 _FITS_ANY = float(2 ** 31)   # an in-flight cap this large fits every micro-batch count
@@ -130,28 +133,48 @@ class RowParts:
         return np.where(fits, self.time_s, np.where(use_rc, self.recompute_time_s, np.inf)), use_rc
 
 
+def _rank_factors(entry) -> tuple[float, object, object]:
+    """(usable bytes, state work factor, activation work factor) of a ``MemberLoad.rank_caps`` entry:
+    ``(cap, factor)`` prices state and activations alike, ``(cap, state, act)`` apart (numbers or
+    [i, j] arrays)."""
+    if len(entry) == 2:
+        return entry[0], entry[1], entry[1]
+    return entry[0], entry[1], entry[2]
+
+
 def stage_row_parts(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: np.ndarray, valid: np.ndarray,
-                    loads: Sequence[MemberLoad], recompute: bool, force_recompute: bool = False) -> RowParts:
+                    loads: Sequence[MemberLoad], recompute: bool, force_recompute: bool = False,
+                    fixed_bytes: float = 0.0, reduce_bytes: float | np.ndarray = 0.0) -> RowParts:
     """The ``RowParts`` of ``stage_cost_row`` (same arguments but the in-flight count): its rows at
-    every in-flight count from one pass over the loads."""
+    every in-flight count from one pass over the loads. ``fixed_bytes``: bytes per sample of the
+    member's share that every rank holds whole besides (the loss of a last stage); ``reduce_bytes``
+    ([i, j] or a number): the flat gradient copy the stage's all-reduce makes after backward, when
+    the activations are freed (``cost.memory.stage_reduce_bytes``; sharded like the state)."""
     t = np.zeros(valid.shape)
     t_rc = np.zeros(valid.shape)
     keep = np.full(valid.shape, -1.0 if force_recompute else _FITS_ANY)
     rc_cap = np.full(valid.shape, _FITS_ANY) if recompute else None
+    col = input_bytes[:, None]
     for load in loads:
         k = load.samples
         t = np.maximum(t, load.time_s)
-        if not force_recompute:
-            room = load.room_bytes
-            keep = np.minimum(keep, _in_flight_cap(lambda f: state_bytes + act_bytes * (k * f) <= room,
-                                                   room - state_bytes, act_bytes * k))
         if recompute:
             t_rc = np.maximum(t_rc, load.recompute_time_s)
-            # per rank: its work factor of the state and of one micro-batch's activations, and the
-            # whole stage input of every micro-batch in flight.
-            for cap, factor in load.rank_caps:
-                base = (state_bytes + act_bytes * k) * factor
-                col = input_bytes[:, None]
+        fixed = fixed_bytes * k
+        for entry in load.rank_caps:
+            cap, kp, ka = _rank_factors(entry)
+            state = state_bytes * kp + fixed
+            after = reduce_bytes * kp          # after backward: the gradient copy, not the activations
+            short = state + after > cap        # entries the reduce alone does not fit
+            if not force_recompute:
+                # every in-flight micro-batch's activations (sharded like the work) on the state
+                per = act_bytes * ka * k + np.zeros(valid.shape)
+                got = _in_flight_cap(lambda f: state + per * f <= cap, cap - state, per)
+                keep = np.minimum(keep, np.where(short, -1.0, got))
+            if recompute:
+                # one micro-batch's activations (sharded), and the whole stage input of every
+                # micro-batch in flight
+                base = state + np.maximum(act_bytes * ka * k, after)
                 rc_cap = np.minimum(rc_cap, _in_flight_cap(lambda f: base + col * (k * f) <= cap,
                                                            cap - base, col * k + np.zeros(valid.shape)))
     return RowParts(t, t_rc, keep, rc_cap, valid)
@@ -159,17 +182,20 @@ def stage_row_parts(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes:
 
 def stage_cost_row(state_bytes: np.ndarray, act_bytes: np.ndarray, input_bytes: np.ndarray, valid: np.ndarray,
                    loads: Sequence[MemberLoad], in_flight: int, recompute: bool,
-                   force_recompute: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                   force_recompute: bool = False, fixed_bytes: float = 0.0,
+                   reduce_bytes: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """([i, j] seconds of the stage, inf where it does not fit; [i, j] whether the entry recomputes).
     ``force_recompute`` (a pinned ``recompute=True``): every entry recomputes, none keeps.
 
     ``state_bytes``, ``act_bytes``: [i, j] spans of the stage's (sharded) state and of its activations
     per sample; ``input_bytes``: [i] bytes per sample of the stage input at boundary i. An entry
-    keeps where every load fits ``state + act * samples * in_flight`` in its room; else, with
-    ``recompute``, it recomputes where each rank fits ``(state + act * samples) * work factor +
-    input * samples * in_flight`` in its usable bytes (``stage_row_parts``, ``RowParts.at``)."""
+    keeps where each rank of every load fits ``state * state factor + act * act factor * samples *
+    in_flight + fixed * samples`` in its usable bytes; else, with ``recompute``, it recomputes where each
+    rank fits ``state * state factor + act * act factor * samples + input * samples * in_flight + fixed
+    * samples`` (``stage_row_parts``, ``RowParts.at``); either way the flat gradient copy of the
+    all-reduce (``reduce_bytes`` x state factor) must fit in place of the activations."""
     return stage_row_parts(state_bytes, act_bytes, input_bytes, valid, loads, recompute,
-                           force_recompute).at(in_flight)
+                           force_recompute, fixed_bytes, reduce_bytes).at(in_flight)
 
 
 def stage_cost_tensor(costs: ModelCosts, links: Sequence[StageLink | None], num_micro: int, micro_batch: int,
