@@ -5,6 +5,8 @@ Terms
 - measurement cache: one JSON file per kind under ``cache_dir()`` (``$AUTOPAR_CACHE_DIR``, default
   ``~/.cache/autopar``); block timings and the step terms (``autopar.cost.step``) both live in
   ``measure.json``. A cache that cannot be read is empty; one that cannot be written is skipped.
+- graph signature (``graph_signature``): what a graph's measurements are filed under, the same in every
+  process (its generated code, its nodes' blocks, its tensors' shapes and dtypes).
 - tiled batch: the example inputs repeated row by row to ``b`` rows (``tile_batch``), so a block can be
   timed at any micro-batch size from a small example.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
-           "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV", "links_path", "load_link",
+           "graph_signature", "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV", "links_path", "load_link",
            "save_link"]
 
 CALIBRATION_ENV = "AUTOPAR_CALIBRATION"
@@ -80,6 +82,22 @@ def tile_batch(inputs: tuple, b: int) -> tuple:
         else:
             out.append(t)
     return tuple(out)
+
+
+def graph_signature(analysis) -> str:
+    """What identifies a graph's in-situ timings across processes: its generated code, which block
+    every node is in, and its parameters' and buffers' shapes and dtypes, hashed. (Not the blocks'
+    ``struct_hash``: it prints some call targets with their memory address, ``<built-in method arange
+    ... at 0x7f...>``, so it differs from one process to the next.)"""
+    import hashlib
+
+    from autopar.passes.meta import BLOCK
+
+    gm = analysis.captured.gm
+    parts = [gm.code, repr([(n.name, n.meta.get(BLOCK)) for n in gm.graph.nodes]),
+             repr([(k, tuple(t.shape), str(t.dtype)) for k, t in
+                   (*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False))])]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def machine_id() -> str:

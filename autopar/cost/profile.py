@@ -32,14 +32,16 @@ import numpy as np
 import torch
 
 from autopar.cluster.emulation import emulation_time_scale
-from autopar.cost.measure_cache import cache_dir, load_json, measure_cache_path, save_json, tile_batch
+from autopar.cost.measure_cache import (
+    cache_dir, graph_signature, load_json, measure_cache_path, save_json, tile_batch,
+)
 from autopar.cost.precision import is_mixed_precision, priced_peak_flops
 from autopar.cost.tp import tp_memory_replicated_per_block, tp_pairs_per_block
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
-           "measure_blocks", "graph_signature", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
+           "measure_blocks", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -247,13 +249,6 @@ def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock
         if s > 0:
             res[row] *= float(pick(total)) / s
     return res
-
-
-def graph_signature(analysis) -> str:
-    """The blocks' structure hashes in order, hashed: what identifies a graph's in-situ timings."""
-    import hashlib
-
-    return hashlib.sha1("/".join(s.struct_hash for s in analysis.stats).encode()).hexdigest()[:16]
 
 
 def threads() -> int:

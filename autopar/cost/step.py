@@ -15,7 +15,8 @@ Terms
   after every call (``autopar.runtime.emulate``, with the factor of ``autopar.cluster.emulation``), and a call that starts after a sleep costs more CPU
   than the same call run back to back, as the block tables were timed (cold caches, re-scheduling):
   ``measure_call_overhead`` times the whole captured graph's forward call and backward call at a small
-  micro-batch, hot and after a sleep, and keeps the mean difference (``ModelCosts.call_overhead_s``,
+  micro-batch, hot and after a sleep, and keeps the mean difference of the least times of each (the
+  steady clock charges the least; ``ModelCosts.call_overhead_s``,
   scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
 
 Measurements are cached with the block timings (``autopar.cost.measure_cache.measure_cache_path()``).
@@ -33,15 +34,13 @@ price the same terms with the same functions; this only lays them out per rank.
 
 from __future__ import annotations
 
-import hashlib
-import statistics
 import time
 
 import numpy as np
 import torch
 
 from autopar.cluster.emulation import emulation_time_scale
-from autopar.cost.measure_cache import load_json, measure_cache_path, save_json, tile_batch
+from autopar.cost.measure_cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
 from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
@@ -76,7 +75,8 @@ def _threads() -> int:
 def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7, use_cache: bool = True) -> float:
     """CPU seconds per parameter of one ``optimizer.step()`` on this CPU (with the threads torch uses
     now), over fresh tensors of ``shapes`` (default one flat vector of 1M elements; at most the first
-    4M parameters' worth), state initialised, median of ``repeats``. ``optimizer``: "adamw", "adam",
+    4M parameters' worth), state initialised, the least of ``repeats`` (what an emulated rank's steady
+    clock charges, ``autopar.runtime.emulate``; the median carried the host's contention). ``optimizer``: "adamw", "adam",
     "sgd" (with momentum) or "sgd-nomomentum"."""
     shapes = [tuple(int(d) for d in s) for s in (shapes if shapes is not None else [(1_000_000,)])]
     kept, n = [], 0
@@ -86,7 +86,7 @@ def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7
             break
         kept.append(s)
         n += k
-    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}"
+    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}|min"
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
         params = [torch.nn.Parameter(torch.zeros(s)) for s in kept]
@@ -99,7 +99,7 @@ def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7
             t0 = time.thread_time()
             opt.step()
             ts.append(time.thread_time() - t0)
-        cache[key] = statistics.median(ts) / max(n, 1)
+        cache[key] = min(ts) / max(n, 1)
         if use_cache:
             save(path, cache)
     return float(cache[key])
@@ -122,8 +122,8 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     Runs forward and backward on the captured graph, so it leaves the model's ``.grad`` cleared."""
     from autopar.passes.split import flat_inputs
 
-    sig = hashlib.sha1("/".join(s.struct_hash for s in analysis.stats).encode()).hexdigest()[:16]
-    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}"
+    sig = graph_signature(analysis)
+    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}|min"
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
         gm = analysis.captured.gm
@@ -139,7 +139,7 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
                 torch.autograd.backward(held, [torch.ones_like(o) for o in held])
             held.clear()
 
-        def medians(gap: float) -> tuple[float, float]:
+        def least(gap: float) -> tuple[float, float]:
             tf, tb = [], []
             fwd()
             bwd()
@@ -150,10 +150,10 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
                     t0 = time.thread_time()
                     fn()
                     ts.append(time.thread_time() - t0)
-            return statistics.median(tf), statistics.median(tb)
+            return min(tf), min(tb)
 
-        hot = medians(0.0)
-        cold = medians(gap_s)
+        hot = least(0.0)
+        cold = least(gap_s)
         gm.zero_grad(set_to_none=True)
         cache[key] = max(0.0, ((cold[0] - hot[0]) + (cold[1] - hot[1])) / 2)
         if use_cache:
