@@ -34,10 +34,12 @@ def test_factors_recover_the_distortion_per_device_type_and_term():
     pred = {0: {"forward": 0.01, "backward": 0.02, "optimizer": 0.005},
             1: {"forward": 0.03, "backward": 0.05, "optimizer": 0.004},
             2: {"forward": 0.02, "backward": 0.04, "optimizer": 0.002}}
-    prof = _profile(truth, pred, {0: "a", 1: "a", 2: "b"}, other_s=0.006)
     plan = Plan("dp", 6, 0, "none", (Stage(0, 1, ((0,), (1,), (2,)), ((1, 1), (2,), (2,))),),
                 Predicted(1.0, 6.0, {}))
-    factors = fit_factors(samples(prof, {0: "a", 1: "a", 2: "b"}, plan))
+    # several profiles (runs), so that every term's evidence leaves its factor all but unshrunk
+    data = [x for _ in range(8) for x in samples(_profile(truth, pred, {0: "a", 1: "a", 2: "b"}, other_s=0.006),
+                                                   {0: "a", 1: "a", 2: "b"}, plan)]
+    factors = fit_factors(data)
     for k in ("a", "b"):
         for term, want in truth[k].items():
             assert factors[k][term] == pytest.approx(want, rel=0.02)
@@ -46,12 +48,42 @@ def test_factors_recover_the_distortion_per_device_type_and_term():
     assert factors["b"]["call"] == pytest.approx(0.006 / 2)
 
 
+def test_a_term_with_little_evidence_is_shrunk_toward_one_and_every_factor_bounded():
+    from autopar.cost.calibrate import FACTOR_BOUNDS, PRIOR_SHARE
+
+    def run(comm_measured, comm_predicted, n=1):
+        return [Sample("a", "forward", 0.1, 0.05), Sample("a", "backward", 0.2, 0.1),
+                Sample("a", "comm", comm_measured, comm_predicted)] * n
+
+    # communication 0.1% of the predicted time measured at 1/3 of it: little correction
+    tiny = fit_factors(run(0.0001, 0.0003))["a"]
+    assert 0.6 < tiny["comm"] < 1.0
+    assert tiny["forward"] == pytest.approx(2.0, rel=0.05) and tiny["backward"] == pytest.approx(2.0, rel=0.05)
+    # the same ratio on a term that is a third of the step: kept (almost all of its log-ratio)
+    big = fit_factors(run(0.025, 0.075))["a"]["comm"]
+    assert big == pytest.approx(1 / 3, rel=0.1)
+    # more samples of a small term: more of its ratio
+    few = fit_factors(run(0.001 / 3, 0.001, n=1))["a"]["comm"]
+    many = fit_factors(run(0.001 / 3, 0.001, n=20))["a"]["comm"]
+    assert many < few < 1.0 and many == pytest.approx(1 / 3, rel=0.2)
+    # bounds: a term measured at 100x its prediction stops at the upper bound; no shrinkage with prior 0
+    wild = fit_factors(run(0.5, 0.005, n=10), prior_share=0.0)["a"]["comm"]
+    assert wild == FACTOR_BOUNDS[1]
+    assert fit_factors(run(0.025, 0.075), prior_share=0.0)["a"]["comm"] == pytest.approx(1 / 3)
+    assert PRIOR_SHARE > 0
+    with pytest.raises(ValueError, match="bounds"):
+        fit_factors(run(1, 1), bounds=(2.0, 4.0))
+
+
 def test_unsplit_compute_samples_both_terms_and_unknown_terms_are_refused():
     info = RankInfo(0, "a", predicted={"forward": 0.01, "backward": 0.03, "optimizer": 0.01})
     prof = StepProfile("dp", 1.0, (info,), (RankStep(0, 0, 0.0, 0.1, (Event("compute", 0.0, 0.08),)),))
-    f = fit_factors(samples(prof, {0: "a"}))
+    from autopar.cost.calibrate import FACTOR_BOUNDS
+
+    f = fit_factors(samples(prof, {0: "a"}), prior_share=0.0)
     assert f["a"]["forward"] == f["a"]["backward"] == pytest.approx(2.0)
-    assert "optimizer" not in f["a"] or f["a"]["optimizer"] == 0.0
+    assert fit_factors(samples(prof, {0: "a"}))["a"]["forward"] == pytest.approx(2.0, rel=0.03)   # shrunk a little
+    assert f["a"]["optimizer"] == FACTOR_BOUNDS[0]          # never measured: the lower bound, not 0
     with pytest.raises(ValueError, match="unknown term"):
         fit_factors([Sample("a", "bogus", 1.0, 1.0)])
 

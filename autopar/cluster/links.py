@@ -15,13 +15,15 @@ Terms
 
 - emulated link (``EmulatedLink``): what gloo really achieves between the emulated CPU ranks of one
   node on this machine, measured once per machine and core layout (``autopar.cost.calibrate.
-  measure_emulated_link``): one latency and, per operation (all-reduce, all-gather, reduce-scatter,
-  broadcast, point-to-point), the bandwidth that makes ``autopar.cost.comm``'s formula for that operation
-  give the measured time. Gloo's operations differ several-fold on one machine (its reduce-scatter is
-  slower than its all-reduce), so one bandwidth cannot price them all. It is the default link between
-  ``emulate: cpu`` devices of a node whose cluster file declares no ``intra_bandwidth_GBps``: a cluster
-  carries it once ``autopar.cluster.emulation.with_emulated_link`` attached it (the planner's clusters
-  do: ``autopar.cost.calibrate.calibrated_cluster``). GPU and native-CPU links never use it.
+  measure_emulated_link``): per operation (all-reduce, all-gather, reduce-scatter, broadcast,
+  point-to-point) its own latency and bandwidth (alpha-beta), the pair that makes
+  ``autopar.cost.comm``'s formula for that operation fit the times measured at several message sizes.
+  Gloo's operations differ several-fold on one machine, in latency as much as in bandwidth (a
+  broadcast's step costs a fraction of an all-reduce's), so one figure cannot price them all. It is the
+  default link between ``emulate: cpu`` devices of a node whose cluster file declares no
+  ``intra_bandwidth_GBps``: a cluster carries it once ``autopar.cluster.emulation.with_emulated_link``
+  attached it (the planner's clusters do: ``autopar.cost.calibrate.calibrated_cluster``). GPU and
+  native-CPU links never use it.
 
 Bandwidths are per direction, in bytes per second; latencies in seconds. The time of a transfer or a
 collective over these links is ``autopar.cost.comm``'s.
@@ -79,40 +81,66 @@ DEFAULT_LINK = LinkModel()
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 
+def _latency_ok(x: float) -> bool:
+    return x >= 0 and math.isfinite(x)
+
+
+def _per_op(name: str, value, check) -> tuple[tuple[str, float], ...]:
+    """``value`` (a number for every op, or (op, figure) pairs / a dict) as (op, float) pairs in
+    ``LINK_OPS`` order, each figure checked by ``check``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        ops = {op: float(value) for op in LINK_OPS}
+    else:
+        ops = {str(op): float(v) for op, v in (value.items() if isinstance(value, dict) else value)}
+    missing = [op for op in LINK_OPS if op not in ops]
+    if missing:
+        raise ClusterError(f"EmulatedLink.{name}: no figure for {', '.join(missing)}")
+    bad = [op for op in LINK_OPS if not check(ops[op])]
+    if bad:
+        raise ClusterError(f"EmulatedLink.{name}: {', '.join(bad)} out of range ({ {op: ops[op] for op in bad} })")
+    return tuple((op, ops[op]) for op in LINK_OPS)
+
+
 @dataclass(frozen=True, slots=True)
 class EmulatedLink:
-    """The measured link between the emulated CPU ranks of a node (see the module docstring)."""
-    latency_s: float
+    """The measured link between the emulated CPU ranks of a node (see the module docstring).
+    ``latency_s``: seconds of one message step, per operation as (operation, seconds) pairs for every
+    one of ``LINK_OPS`` (normalised to ``LINK_OPS`` order), or one number for every operation (kept as
+    given); ``bandwidth_Bps``: (operation, bytes/s) pairs likewise. ``latency(op)`` reads either."""
+    latency_s: float | tuple[tuple[str, float], ...]
     bandwidth_Bps: tuple[tuple[str, float], ...]   # (operation, bytes/s) for every one of LINK_OPS
     nodes: tuple[int, ...] = ()                     # the nodes it applies to (no declared intra link)
     layout: str = ""                                # the core layout it was measured under, e.g. "0|1|1"
 
     def __post_init__(self):
-        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
-            raise ClusterError(f"EmulatedLink.latency_s: {self.latency_s!r} must be a finite number >= 0")
-        ops = dict(self.bandwidth_Bps)
-        missing = [op for op in LINK_OPS if op not in ops]
-        if missing:
-            raise ClusterError(f"EmulatedLink.bandwidth_Bps: no figure for {', '.join(missing)}")
-        bad = [op for op, bw in ops.items() if not bw > 0]
-        if bad:
-            raise ClusterError(f"EmulatedLink.bandwidth_Bps: {', '.join(bad)} must be > 0")
+        if isinstance(self.latency_s, (int, float)) and not isinstance(self.latency_s, bool):
+            if not _latency_ok(self.latency_s):
+                raise ClusterError(f"EmulatedLink.latency_s: {self.latency_s!r} must be a finite number >= 0")
+            object.__setattr__(self, "latency_s", float(self.latency_s))
+        else:
+            object.__setattr__(self, "latency_s", _per_op("latency_s", self.latency_s, _latency_ok))
+        object.__setattr__(self, "bandwidth_Bps", _per_op("bandwidth_Bps", self.bandwidth_Bps, lambda x: x > 0))
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+
+    def latency(self, op: str) -> float:
+        return self.latency_s if isinstance(self.latency_s, float) else dict(self.latency_s)[op]
 
     def bandwidth(self, op: str) -> float:
         return dict(self.bandwidth_Bps)[op]
 
     def scaled(self, factor: float) -> "EmulatedLink":
-        """This link with every bandwidth divided by ``factor`` (a calibrated ``comm`` factor)."""
-        return EmulatedLink(self.latency_s, tuple((op, bw / factor) for op, bw in self.bandwidth_Bps),
-                            self.nodes, self.layout)
+        """This link with every operation ``factor`` times slower (a calibrated ``comm`` factor): its
+        latencies multiplied and its bandwidths divided, so every time priced on it is multiplied."""
+        return EmulatedLink(tuple((op, self.latency(op) * factor) for op in LINK_OPS),
+                            tuple((op, bw / factor) for op, bw in self.bandwidth_Bps), self.nodes, self.layout)
 
     def to_json(self) -> dict:
-        return {"latency_s": self.latency_s, "bandwidth_Bps": dict(self.bandwidth_Bps), "layout": self.layout}
+        lat = self.latency_s if isinstance(self.latency_s, float) else dict(self.latency_s)
+        return {"latency_s": lat, "bandwidth_Bps": dict(self.bandwidth_Bps), "layout": self.layout}
 
     @classmethod
     def from_json(cls, d: dict, nodes: tuple[int, ...] = ()) -> "EmulatedLink":
-        return cls(float(d["latency_s"]), tuple((op, float(d["bandwidth_Bps"][op])) for op in LINK_OPS),
-                   tuple(nodes), str(d.get("layout", "")))
+        return cls(d["latency_s"], d["bandwidth_Bps"], tuple(nodes), str(d.get("layout", "")))
 
 
 def emulated_link_of(cluster: "Cluster", ranks) -> EmulatedLink | None:

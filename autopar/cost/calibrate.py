@@ -19,6 +19,12 @@ Terms
 - factor of a (device type, term): the ratio of the summed measured to the summed predicted seconds of
   its samples (least squares of ``measured ~ factor x predicted`` weighted by ``1 / predicted``), 1.0
   with no sample; ``call``: the median over samples of the extra seconds per call.
+- shrinkage: a term the calibration run barely exercised says little about another model, where it
+  may weigh much more (communication on a small, latency-bound model against a large, bandwidth-bound
+  one): a factor counts in proportion to its evidence ``e`` = the number of samples x the term's share
+  of the device type's predicted seconds (all timed terms), as ``factor = ratio ** (e / (e +
+  PRIOR_SHARE))``, then clamped to ``FACTOR_BOUNDS``. A term that is half the step keeps ~96% of its
+  log-ratio from one sample; one that is 1% of it keeps a third, and more with more samples.
 - the fit starts from predictions made *without* calibration (``autopar.cost.profile.model_costs``
   with ``calibration=None``), so factors never compound.
 - device type key (``device_key``): the cluster's device type name; for an emulated device also its
@@ -48,22 +54,33 @@ Pure functions of their arguments; tested on synthetic profiles.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["TERMS", "Sample", "samples", "fit_factors", "calibrated", "calibrated_cluster", "device_key",
-           "calls_per_step", "measure_emulated_link", "emulated_link_for", "EMULATED_LINK_ENV", "LATENCY_BYTES",
-           "BANDWIDTH_BYTES"]
+__all__ = ["TERMS", "PRIOR_SHARE", "FACTOR_BOUNDS", "Sample", "samples", "fit_factors", "calibrated", "calibrated_cluster", "device_key",
+           "calls_per_step", "measure_emulated_link", "emulated_link_for", "EMULATED_LINK_ENV", "LINK_SIZES",
+           "LINK_VERSION", "link_shape", "fit_alpha_beta"]
 
 TERMS = ("forward", "backward", "optimizer", "call", "comm")
 _COMM = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "p2p")
 _MIN_PREDICTED_S = 1e-6
+# fit_factors: a term's factor is shrunk toward 1 (in log) by weight e / (e + PRIOR_SHARE), e = its samples
+# x its share of the predicted time; and kept within FACTOR_BOUNDS.
+PRIOR_SHARE = 0.02
+FACTOR_BOUNDS = (0.25, 4.0)
 EMULATED_LINK_ENV = "AUTOPAR_EMULATED_LINK"
-LATENCY_BYTES = 4096
-BANDWIDTH_BYTES = 16 * 1024 * 1024
+# The emulated link: measured at these message sizes (bytes of the full buffer), each op timed
+# ``repeats`` times up to _FULL_REPEAT_BYTES, half as often above and three times as often up to
+# _SMALL_BYTES (their times are short and the most disturbed by other jobs); LINK_VERSION names the cache
+# entries (links.json) of this way of measuring, so a link measured the old way is measured again.
+LINK_SIZES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+LINK_VERSION = 2
+_FULL_REPEAT_BYTES = 4 * 1024 * 1024
+_SMALL_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,20 +134,38 @@ def samples(profile, keys: Mapping[int, str], plan=None) -> list[Sample]:
     return out
 
 
-def fit_factors(data: Iterable[Sample]) -> dict[str, dict[str, float]]:
-    """Per device type key, the factor of every term its samples cover (see the module docstring)."""
+def fit_factors(data: Iterable[Sample], *, prior_share: float = PRIOR_SHARE,
+                bounds: tuple[float, float] = FACTOR_BOUNDS) -> dict[str, dict[str, float]]:
+    """Per device type key, the factor of every term its samples cover (see the module docstring):
+    the ratio of summed measured to summed predicted seconds, shrunk toward 1 by the term's evidence
+    (``prior_share``) and kept within ``bounds``."""
+    lo, hi = bounds
+    if not 0 < lo <= 1 <= hi:
+        raise ValueError(f"fit_factors: bounds {bounds} must satisfy 0 < low <= 1 <= high")
+    if not prior_share >= 0:
+        raise ValueError(f"fit_factors: prior_share {prior_share!r} must be >= 0")
     acc: dict[tuple[str, str], list[Sample]] = {}
     for s in data:
         if s.term not in TERMS:
             raise ValueError(f"fit_factors: unknown term {s.term!r}; terms are {', '.join(TERMS)}")
         if s.predicted_s > _MIN_PREDICTED_S and s.measured_s >= 0:
             acc.setdefault((s.device_type, s.term), []).append(s)
+    # per key: predicted seconds of every timed term (what a term's share is taken of)
+    total: dict[str, float] = {}
+    for (k, term), ss in acc.items():
+        if term != "call":
+            total[k] = total.get(k, 0.0) + sum(s.predicted_s for s in ss)
     out: dict[str, dict[str, float]] = {}
     for (k, term), ss in sorted(acc.items()):
         if term == "call":
             value = statistics.median(s.measured_s / s.predicted_s for s in ss)
         else:
-            value = sum(s.measured_s for s in ss) / sum(s.predicted_s for s in ss)
+            pred = sum(s.predicted_s for s in ss)
+            raw = sum(s.measured_s for s in ss) / pred
+            evidence = len(ss) * pred / total[k]       # samples x the term's share of the predicted time
+            weight = evidence / (evidence + prior_share) if evidence > 0 else 0.0
+            value = math.exp(weight * math.log(raw)) if raw > 0 else lo
+            value = min(max(value, lo), hi)
         out.setdefault(k, {})[term] = float(value)
     return out
 
@@ -190,7 +225,7 @@ def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | Non
 
 
 def _layout_key(layout: tuple[int, ...], cores: int) -> str:
-    return f"ranks {len(layout)}|cores {'|'.join(map(str, layout))} of {cores}"
+    return f"v{LINK_VERSION}|ranks {len(layout)}|cores {'|'.join(map(str, layout))} of {cores}"
 
 
 def emulated_link_for(cluster):
@@ -216,58 +251,187 @@ def emulated_link_for(cluster):
     return EmulatedLink.from_json(found, nodes)
 
 
-def measure_emulated_link(layout, *, repeats: int = 5, nbytes: int = BANDWIDTH_BYTES) -> "EmulatedLink":
-    """The gloo link between ``len(layout)`` ranks pinned to cores ``layout`` (see the module docstring)."""
-    import os
-    import sys
-    import threading
+def link_shape(op: str, n: int) -> tuple[int, float]:
+    """(message steps, bytes moved per byte of the full buffer) of ``op`` over ``n`` ranks in
+    ``autopar.cost.comm``'s formulas: its time is ``steps x latency + moved x nbytes / bandwidth``."""
+    return {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+            "reduce_scatter": (n - 1, (n - 1) / n), "broadcast": (n - 1, 1.0), "p2p": (1, 1.0)}[op]
+
+
+def fit_alpha_beta(points, steps: int, moved: float) -> tuple[float, float]:
+    """(latency per step, bandwidth) of one operation from ``points`` = (full-buffer bytes, seconds):
+    least squares of ``steps x latency + moved x bytes / bandwidth`` against the times, each point
+    weighted by 1 / its time (relative errors, so the small messages count as much as the large);
+    latency >= 0, and where the fit finds no bandwidth term, the largest message's time is all
+    bandwidth. Pure."""
+    pts = [(float(b), float(t)) for b, t in points if t > 0]
+    if not pts:
+        raise ValueError("fit_alpha_beta: no positive time")
+    a = np.array([[steps / t, moved * b / t] for b, t in pts])
+    (alpha, beta), *_ = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)
+    if alpha < 0:                       # bandwidth alone: beta by the same weighted least squares
+        alpha = 0.0
+        beta = float(np.sum(a[:, 1]) / np.sum(a[:, 1] ** 2))
+    if not beta > 0:                    # no bandwidth term: the largest message's time is all of it
+        b_max, t_max = max(pts)
+        alpha = min(float(alpha), min(t for _, t in pts) / steps)
+        beta = max(t_max - steps * alpha, 0.1 * t_max) / (moved * b_max)
+    return float(alpha), float(1.0 / beta)
+
+
+def _pg_ops(pg, rank: int, full, shard) -> dict:
+    """The measured operations on one process group object (a thread's own ``ProcessGroupGloo``)."""
+    return {
+        "all_reduce": lambda: pg.allreduce([full]).wait(),
+        "all_gather": lambda: pg._allgather_base(full, shard).wait(),
+        "reduce_scatter": lambda: pg._reduce_scatter_base(shard, full).wait(),
+        "broadcast": lambda: pg.broadcast([full]).wait(),
+        "p2p": lambda: (pg.send([full], 1, 0).wait() if rank == 0 else
+                        pg.recv([full], 0, 0).wait() if rank == 1 else None),
+    }
+
+
+def _dist_ops(rank: int, full, shard) -> dict:
+    """The measured operations through ``torch.distributed``'s default group, the calls the engines'
+    communicator makes (``autopar.runtime.communicator``: their Python costs count as in a run)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: gather(full, shard),
+        "reduce_scatter": lambda: scatter(shard, full),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+        "p2p": lambda: (dist.isend(full, 1).wait() if rank == 0 else
+                        dist.irecv(full, 0).wait() if rank == 1 else None),
+    }
+
+
+def _rank_ops(ops_of, rank: int, n: int, sizes, reps: dict, barrier, record) -> None:
+    """Rank ``rank``'s side of the measurement: every op of ``LINK_OPS`` (``ops_of(full, shard)``) at
+    every size, ``reps[size]`` times after one warm-up, each after ``barrier()``, the repeats
+    interleaved (round i of every op and size before round i + 1: a burst of load on the machine
+    then falls on every op alike); ``record(op, size, i, entered, ended)``."""
     import time
+
+    import torch
+
+    from autopar.cluster.links import LINK_OPS
+
+    ops = {}
+    for size in sizes:
+        numel = max(n, size // 4 // n * n)
+        ops[size] = ops_of(torch.ones(numel), torch.ones(numel // n))
+    for i in range(max(reps.values()) + 1):
+        for size in sizes:
+            if i > reps[size]:
+                continue
+            for op in LINK_OPS:
+                barrier()
+                t0 = time.perf_counter()
+                ops[size][op]()
+                t1 = time.perf_counter()
+                if i and (op != "p2p" or rank < 2):
+                    record(op, size, i, t0, t1)
+
+
+def _pin(core: int, tid: int = 0) -> None:
+    import os
+
+    try:       # this thread (0: the process), and the gloo threads it starts after, on the rank's core
+        os.sched_setaffinity(tid, {core})
+    except (AttributeError, OSError):
+        pass
+
+
+def _child(rank: int, n: int, core: int, port: int, sizes, reps: dict, conn) -> None:
+    """A forked rank of ``_time_ops_processes``: its records, or its error, sent through ``conn``."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from autopar.cluster.emulation import allowed_cores, machine_cores
-    from autopar.cluster.links import LINK_OPS, EmulatedLink
+    try:
+        _pin(core)
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, n + 1, False, timedelta(seconds=30))
+        dist.init_process_group("gloo", store=dist.PrefixStore("autopar-link", store), rank=rank, world_size=n,
+                                timeout=timedelta(seconds=60))
+        out: list = []
+        _rank_ops(lambda full, shard: _dist_ops(rank, full, shard), rank, n, sizes, reps, dist.barrier,
+                  lambda *r: out.append(r))
+        conn.send(("ok", out))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", repr(exc)))
+    finally:
+        conn.close()
 
-    layout = tuple(int(c) for c in layout)
-    n = len(layout)
-    if n < 2:
-        raise ValueError(f"measure_emulated_link: layout {layout} needs at least two ranks")
-    cores = sorted(allowed_cores()) if len(allowed_cores()) >= machine_cores() else list(range(machine_cores()))
+
+def _time_ops_processes(cores: list[int], sizes, reps: dict) -> list | None:
+    """Records of every rank, each a process forked from this one and pinned to ``cores[rank]`` (a
+    run's ranks are processes: gloo between processes is what they meet); None where this platform
+    cannot fork or a rank failed (the caller then measures with threads)."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if "fork" not in mp.get_all_start_methods():
+        return None
+    n = len(cores)
+    ctx = mp.get_context("fork")
+    store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timedelta(seconds=30), wait_for_workers=False)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+    procs = [ctx.Process(target=_child, args=(r, n, cores[r], store.port, sizes, reps, pipes[r][1]), daemon=True)
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    out: list = []
+    ok = True
+    for r, (recv, send) in enumerate(pipes):
+        send.close()
+        try:
+            status, got = recv.recv() if recv.poll(120) else ("error", "timed out")
+        except EOFError:
+            status, got = "error", "no result"
+        ok = ok and status == "ok"
+        if status == "ok":
+            out += [(r, *x) for x in got]
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    del store
+    return out if ok else None
+
+
+def _time_ops_threads(cores: list[int], sizes, reps: dict) -> list:
+    """Records of every rank, each a thread of this process with its own gloo process group over one
+    in-process store, pinned to ``cores[rank]``."""
+    import sys
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    n = len(cores)
     store = dist.HashStore()
     barrier = threading.Barrier(n)
-    times: dict[tuple[str, int], list[float]] = {}
+    out: list = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
+    def record(*r) -> None:
+        with lock:
+            out.append(r)
+
     def run(rank: int) -> None:
         try:
-            try:       # this thread, and the gloo threads its process group starts, on the rank's core
-                os.sched_setaffinity(threading.get_native_id(), {cores[layout[rank] % len(cores)]})
-            except (AttributeError, OSError):
-                pass
+            _pin(cores[rank], threading.get_native_id())
             pg = dist.ProcessGroupGloo(dist.PrefixStore("autopar-link", store), rank, n, timedelta(seconds=60))
-            for size in (LATENCY_BYTES, nbytes):
-                numel = max(n, size // 4 // n * n)
-                full, shard = torch.ones(numel), torch.ones(numel // n)
-                ops = {
-                    "all_reduce": lambda: pg.allreduce([full]).wait(),
-                    "all_gather": lambda: pg._allgather_base(full, shard).wait(),
-                    "reduce_scatter": lambda: pg._reduce_scatter_base(shard, full).wait(),
-                    "broadcast": lambda: pg.broadcast([full]).wait(),
-                    "p2p": lambda: (pg.send([full], 1, 0).wait() if rank == 0 else
-                                    pg.recv([full], 0, 0).wait() if rank == 1 else None),
-                }
-                for op in LINK_OPS:
-                    for i in range(repeats + 1):
-                        barrier.wait()
-                        t0 = time.perf_counter()
-                        ops[op]()
-                        dt = time.perf_counter() - t0
-                        if i:
-                            with lock:
-                                times.setdefault((op, size, i), []).append(dt)
+            _rank_ops(lambda full, shard: _pg_ops(pg, rank, full, shard), rank, n, sizes, reps, barrier.wait,
+                      lambda *r: record(rank, *r))
         except BaseException as exc:  # noqa: BLE001 - reported after the threads joined
             errors.append(exc)
             barrier.abort()
@@ -284,18 +448,41 @@ def measure_emulated_link(layout, *, repeats: int = 5, nbytes: int = BANDWIDTH_B
         sys.setswitchinterval(switch)
     if errors:
         raise errors[0]
+    return out
+
+
+def measure_emulated_link(layout, *, repeats: int = 5, sizes: tuple[int, ...] = LINK_SIZES,
+                          processes: bool = True) -> "EmulatedLink":
+    """The gloo link between ``len(layout)`` ranks pinned to cores ``layout`` (see the module docstring);
+    ``processes``: ranks as forked processes (threads where that fails, or with False)."""
+    from autopar.cluster.emulation import allowed_cores, machine_cores
+    from autopar.cluster.links import LINK_OPS, EmulatedLink
+
+    layout = tuple(int(c) for c in layout)
+    n = len(layout)
+    if n < 2:
+        raise ValueError(f"measure_emulated_link: layout {layout} needs at least two ranks")
+    machine = sorted(allowed_cores()) if len(allowed_cores()) >= machine_cores() else list(range(machine_cores()))
+    cores = [machine[c % len(machine)] for c in layout]
+    reps = {size: 3 * repeats if size <= _SMALL_BYTES else repeats if size <= _FULL_REPEAT_BYTES
+            else max(2, (repeats + 1) // 2) for size in sizes}
+    records = (_time_ops_processes(cores, sizes, reps) if processes else None) or \
+        _time_ops_threads(cores, sizes, reps)
+    times: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for _, op, size, i, t0, t1 in records:
+        times.setdefault((op, size, i), []).append((t0, t1))
 
     def median(op: str, size: int) -> float:
-        return statistics.median(max(times[(op, size, i)]) for i in range(1, repeats + 1))
+        # from the last rank's entry to the last rank's end: the part a run's profile records as the
+        # collective (autopar.ir.profile splits the waiting for a late peer off as "wait")
+        return statistics.median(max(t1 for _, t1 in times[(op, size, i)]) - max(t0 for t0, _ in times[(op, size, i)])
+                                 for i in range(1, reps[size] + 1))
 
-    # per op: (message steps, bytes moved per ranks' full buffer) of autopar.cost.comm's formula
-    shape = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
-             "reduce_scatter": (n - 1, (n - 1) / n), "broadcast": (n - 1, 1.0), "p2p": (1, 1.0)}
-    latency = statistics.median(median(op, LATENCY_BYTES) / shape[op][0] for op in LINK_OPS)
-    full_bytes = max(n, nbytes // 4 // n * n) * 4
-    bandwidth = []
+    latency, bandwidth = [], []
     for op in LINK_OPS:
-        steps, moved = shape[op]
-        t = max(median(op, nbytes) - steps * latency, 0.1 * median(op, nbytes))
-        bandwidth.append((op, moved * full_bytes / t))
-    return EmulatedLink(latency, tuple(bandwidth), (), "|".join(map(str, layout)))
+        steps, moved = link_shape(op, n)
+        points = [(max(n, size // 4 // n * n) * 4, median(op, size)) for size in sizes]
+        alpha, bw = fit_alpha_beta(points, steps, moved)
+        latency.append((op, alpha))
+        bandwidth.append((op, bw))
+    return EmulatedLink(tuple(latency), tuple(bandwidth), (), "|".join(map(str, layout)))

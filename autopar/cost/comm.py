@@ -36,11 +36,17 @@ shards by largest remainder, as ``autopar.runtime.dp_flat.shard_bounds``):
                          under ZeRO-3 one per block with parameters (forward and backward gathers)
   zero_collectives       the per-step and per-round seconds of a ZeRO stage over all of them (the
                          planner's ``zero_comm`` and ``autopar.cost.step.predicted_phases`` both read it)
+The data-parallel engine's all-reduces (``dp_allreduces``): under ZeRO 0/1 the flat gradient, in
+buckets of at most ``autopar.config.GRAD_BUCKET_BYTES`` with overlap (``autopar.runtime.dp_overlap``;
+packed from the blocks' gradients as the engine packs parameters, ``grad_buckets``; each bucket pays
+its latencies), in one all-reduce without;
+under every stage the step's loss sum (``LOSS_BYTES``, one float64), which every engine all-reduces
+over its ranks once per step (``loss_allreduce_s``; the pipeline engine over all its ranks too).
 
 Emulated links: between the emulated CPU ranks of a node whose cluster file declares no intra-node
 link, a cluster that carries a measured ``EmulatedLink`` (``autopar.cluster.links``; the planner's do)
-prices each operation with that operation's measured bandwidth and the measured latency, in the same
-formulas. Every other link, GPU links above all, is priced as before.
+prices each operation with that operation's measured latency and bandwidth, in the same formulas.
+Every other link, GPU links above all, is priced as before.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
+from autopar.config import GRAD_BUCKET_BYTES
 from autopar.cluster.links import (
     DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, pair_bandwidth_Bps,
     pair_latency_s,
@@ -66,6 +73,7 @@ __all__ = [
     "pair_latency_s", "ring_link", "p2p_time_s", "allreduce_time_s", "reduce_scatter_time_s",
     "allgather_time_s", "broadcast_time_s", "zero_shard_sizes", "zero_shards_even", "zero_gather_s",
     "zero_reduce_scatter_rounds", "zero_reduce_scatter_s", "zero_units", "ZeroCollectives", "zero_collectives",
+    "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces",
 ]
 
 Algorithm = Literal["ring", "hierarchical", "auto"]
@@ -81,7 +89,7 @@ def p2p_time_s(cluster: "Cluster", src: int, dst: int, nbytes: float,
     check_rank(cluster, dst, "dst")
     measured = emulated_link_of(cluster, (src, dst))
     if measured is not None:
-        return measured.latency_s + nbytes / measured.bandwidth("p2p")
+        return measured.latency("p2p") + nbytes / measured.bandwidth("p2p")
     return pair_latency_s(cluster, src, dst, link) + nbytes / pair_bandwidth_Bps(cluster, src, dst, link)
 
 
@@ -104,13 +112,13 @@ def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
 def ring_link(cluster: "Cluster", ranks: Sequence[int],
               link: LinkModel = DEFAULT_LINK, op: str = "all_reduce") -> tuple[float, float]:
     """(bandwidth_Bps of the slowest link, largest latency_s) of the ring over ``ranks`` in order; over
-    a measured emulated link, ``op``'s bandwidth (one of ``autopar.cluster.links.LINK_OPS``)."""
+    a measured emulated link, ``op``'s bandwidth and latency (one of ``autopar.cluster.links.LINK_OPS``)."""
     ranks = _ring(cluster, ranks)
     if len(ranks) == 1:
         return math.inf, 0.0
     measured = emulated_link_of(cluster, ranks)
     if measured is not None:
-        return measured.bandwidth(op), measured.latency_s
+        return measured.bandwidth(op), measured.latency(op)
     # Pairs of the same (node if shared, device types) have the same link: price each such pair once.
     distinct: dict = {}
     devices = cluster.devices
@@ -198,7 +206,7 @@ def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
         return 0.0
     measured = emulated_link_of(cluster, ranks)
     if measured is not None:
-        return (n - 1) * measured.latency_s + nbytes / measured.bandwidth("broadcast")
+        return (n - 1) * measured.latency("broadcast") + nbytes / measured.bandwidth("broadcast")
     # A chain, not a ring: the link from the last rank back to the root carries nothing.
     chain = [(ranks[i], ranks[i + 1]) for i in range(n - 1)]
     bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in chain)
@@ -317,3 +325,73 @@ def zero_collectives(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int]
     if zero_stage == 2:
         return ZeroCollectives(gather, 0.0, rs, op, staged)
     return ZeroCollectives(0.0, gather, rs, op, staged)
+
+
+# -- the data-parallel engine's all-reduces ----------------------------------------------------------
+LOSS_BYTES = 8      # the loss sum every engine all-reduces once per step (one float64)
+
+
+def loss_allreduce_s(cluster: "Cluster", ranks: Sequence[int], link: LinkModel = DEFAULT_LINK,
+                     algorithm: Algorithm = "auto") -> float:
+    """Seconds of the step's loss all-reduce over ``ranks`` (``LOSS_BYTES``): all latency."""
+    return allreduce_time_s(cluster, ranks, float(LOSS_BYTES), link=link, algorithm=algorithm)
+
+
+def grad_buckets(costs: ModelCosts, blocks: slice = slice(None),
+                 bucket_bytes: float = GRAD_BUCKET_BYTES) -> tuple[float, ...]:
+    """Bytes of each gradient bucket the engine all-reduces over the ``blocks`` of ``costs``, in launch
+    order (last blocks first), as ``autopar.runtime.dp_overlap.bucket_ranges`` packs parameters: items
+    taken from the end while the bucket stays within ``bucket_bytes``. The cost tables know blocks, not
+    parameters: a block is one item, a block larger than a bucket ceil(block / bucket) equal items
+    (its parameters, which no bucket can hold together)."""
+    if not bucket_bytes > 0:
+        raise ValueError(f"bucket_bytes: {bucket_bytes!r} must be > 0")
+    grads = np.asarray(costs.params[blocks], dtype=np.float64) * costs.grad_bytes_per_param
+    out: list[float] = []
+    size = 0.0
+    for b in grads[::-1]:
+        if b <= 0:
+            continue
+        k = max(1, math.ceil(float(b) / bucket_bytes))
+        for _ in range(k):
+            item = float(b) / k
+            if size > 0 and size + item > bucket_bytes:
+                out.append(size)
+                size = 0.0
+            size += item
+    if size > 0:
+        out.append(size)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class DpAllReduces:
+    """The all-reduces of one data-parallel step (``dp_allreduces``): ``grad_s`` the gradient's
+    (ZeRO 0/1; all its buckets), ``last_bucket_s`` one bucket's (what overlap cannot hide),
+    ``loss_s`` the loss sum's; ``buckets`` how many the gradient is reduced in."""
+    grad_s: float = 0.0
+    last_bucket_s: float = 0.0
+    loss_s: float = 0.0
+    buckets: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.grad_s + self.loss_s
+
+
+def dp_allreduces(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int, *,
+                  blocks: slice = slice(None), overlap: bool = True, bucket_bytes: float = GRAD_BUCKET_BYTES,
+                  link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "auto") -> DpAllReduces:
+    """The data-parallel engine's all-reduces of one step over ``ranks`` (see the module docstring):
+    ZeRO 0/1 the gradient of ``blocks``, bucket by bucket with ``overlap`` (``grad_buckets``; one
+    all-reduce of the whole gradient without), and the loss sum at every stage. One rank: nothing."""
+    ranks = _ring(cluster, ranks)
+    if len(ranks) == 1:
+        return DpAllReduces()
+    loss = loss_allreduce_s(cluster, ranks, link, algorithm)
+    grad_bytes = float(np.asarray(costs.params[blocks], dtype=np.float64).sum()) * costs.grad_bytes_per_param
+    if zero_stage >= 2 or grad_bytes <= 0:
+        return DpAllReduces(loss_s=loss)
+    buckets = grad_buckets(costs, blocks, bucket_bytes) if overlap else (grad_bytes,)
+    times = [allreduce_time_s(cluster, ranks, b, link=link, algorithm=algorithm) for b in buckets]
+    return DpAllReduces(float(sum(times)), times[-1], loss, len(buckets))
