@@ -5,7 +5,8 @@ Terms
   (``ModelCosts.optimizer_s_per_param``). On CPU and emulated device types it is measured here
   (``measure_optimizer``: the CPU time of a step over fresh tensors of the model's parameter shapes, so
   the per-tensor overhead of torch's CPU optimizers counts as it does on that model; and over one flat
-  1M-element buffer for ``optimizer_flat_s_per_param``, how data parallelism steps ZeRO shards), and
+  buffer of an even ZeRO shard's size for ``optimizer_flat_s_per_param``, how data parallelism steps
+  ZeRO shards), and
   emulated types are scaled like their block tables (``cpu / speed * time_scale``). On GPU types it is a
   memory-bound roofline (``optimizer_roofline_s_per_param``): the step reads and writes the optimizer
   state (with the fp32 master weights under mixed precision), reads the gradient and writes the
@@ -161,6 +162,15 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     return float(cache[key])
 
 
+def _flat_shard_numel(analysis, cluster) -> int:
+    """Elements of the flat buffer the flat rate is timed on: an even ZeRO shard of the model over the
+    cluster (at least 64k, at most 4M). The rate per parameter depends on the size (a shard that fits
+    in the CPU's caches steps faster than one that streams from memory: AdamW on this machine, 10 ns
+    per parameter at 1M, less on a 73k shard), so a fixed 1M buffer over-priced small models' shards."""
+    params = float(sum(s.params for s in analysis.stats))
+    return int(min(_OPT_MAX_PARAMS, max(65_536, params / max(1, len(cluster)))))
+
+
 def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                measured: bool = False) -> dict[str, dict[str, float]]:
     """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param`` and
@@ -178,7 +188,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
-        cpu_flat = measure_optimizer(optimizer)
+        cpu_flat = measure_optimizer(optimizer, [(_flat_shard_numel(analysis, cluster),)])
         cpu_opt = measure_optimizer(optimizer, shapes) if shapes else cpu_flat
         if measured and real and example_inputs is not None:
             cpu_call = measure_call_overhead(analysis, example_inputs)
