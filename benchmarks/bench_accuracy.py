@@ -16,6 +16,10 @@ CPU time that the emulated clock stretches (by 1 / speed x time scale) and that 
 device prices; ``--track-memory`` runs with it, to show its effect.
 
     python benchmarks/bench_accuracy.py [--models gpt-tiny,resmlp,...] [--steps 6] [--calibrate-on gpt-tiny]
+
+Per phase: each row also records measured against predicted seconds of every phase (forward, backward,
+optimizer, each collective, p2p, wait), summed over ranks and per device type (``phase_breakdown``,
+from ``compiled.profile()``), in the .json and as tables in the .md, so a gap can be traced to a phase.
 """
 
 from __future__ import annotations
@@ -158,11 +162,32 @@ def run_model(name: str, cluster, steps: int, warmup: int, track_memory: bool | 
                         step_time_s=r.step_spread.as_dict(), ratio=ratio.as_dict(), plan_json=r.plan_json,
                         profile_json=r.profile_json,
                         gaps=[dict(key=g.key, measured_s=g.measured_s, predicted_s=g.predicted_s)
-                              for g in (prof.gaps("phase") if prof else [])][:6]))
+                              for g in (prof.gaps("phase") if prof else [])][:6],
+                        phases=phase_breakdown(prof)))
         print(f"  {name:10s} {r.strategy:16s} measured {r.step_spread.median * 1e3:8.1f} ms  predicted "
               f"{r.predicted_step_s * 1e3:8.1f} ms  ratio {ratio.median:.3f} (IQR {ratio.q1:.3f}-{ratio.q3:.3f})",
               flush=True)
     return out
+
+
+def phase_breakdown(prof) -> dict:
+    """Measured (sleep folded, median over steps) against predicted seconds of each phase, summed over
+    the ranks (``by_phase``) and per device type (``by_type``: {type: {phase: [measured, predicted]}});
+    ``wait`` and ``other`` are idle time and stay out of ``by_type``."""
+    by_phase: dict[str, list[float]] = {}
+    by_type: dict[str, dict[str, list[float]]] = {}
+    if prof is None:
+        return dict(by_phase=by_phase, by_type=by_type)
+    for info in prof.ranks:
+        for g in prof.compare(info.rank):
+            a = by_phase.setdefault(g.key, [0.0, 0.0])
+            a[0] += g.measured_s
+            a[1] += g.predicted_s
+            if g.key not in ("wait", "other"):
+                t = by_type.setdefault(info.device_type, {}).setdefault(g.key, [0.0, 0.0])
+                t[0] += g.measured_s
+                t[1] += g.predicted_s
+    return dict(by_phase=by_phase, by_type=by_type)
 
 
 def fit(rows: list[dict], cluster) -> dict:
@@ -255,6 +280,30 @@ def main(argv=None) -> int:
                           f"{r['ratio']['median']:.3f} ({r['ratio']['q1']:.3f}-{r['ratio']['q3']:.3f})"]
                          for r in rows])
 
+    def phases(rows):
+        coll = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+
+        def cell(d, keys):
+            m = sum(d.get(k, [0.0, 0.0])[0] for k in keys)
+            q = sum(d.get(k, [0.0, 0.0])[1] for k in keys)
+            return "-" if m == 0 and q == 0 else f"{m * 1e3:.1f} / {q * 1e3:.1f}"
+
+        def by_type(d):
+            out = []
+            for t, ph in d.items():
+                m = sum(ph.get(k, [0.0, 0.0])[0] for k in ("forward", "backward", "compute"))
+                q = sum(ph.get(k, [0.0, 0.0])[1] for k in ("forward", "backward", "compute"))
+                out.append(f"{t} {m / q:.2f}" if q > 0 else f"{t} -")
+            return ", ".join(out)
+
+        return md_table(["model", "strategy", "forward ms", "backward ms", "optimizer ms", "collectives ms", "p2p ms",
+                         "wait ms", "fwd+bwd measured/predicted by device type"],
+                        [[r["model"], r["strategy"], cell(r["phases"]["by_phase"], ("forward", "compute")),
+                          cell(r["phases"]["by_phase"], ("backward",)), cell(r["phases"]["by_phase"], ("optimizer",)),
+                          cell(r["phases"]["by_phase"], coll), cell(r["phases"]["by_phase"], ("p2p",)),
+                          cell(r["phases"]["by_phase"], ("wait",)), by_type(r["phases"]["by_type"])]
+                         for r in rows])
+
     def worst(rows):
         return max((abs(r["ratio"]["median"] - 1) for r in rows), default=float("nan"))
 
@@ -278,8 +327,15 @@ def main(argv=None) -> int:
                                                                  f"call +{v * 1e3:.2f} ms" for t, v in f.items())]
                                                   for k, f in factors.items()])
           + f"\n\n## After calibration (models not used to calibrate)\n\n{table(after)}\n\n"
+          f"## Per phase (measured / predicted, per step, summed over ranks)\n\n"
+          f"Measured: the phase's seconds with the emulation sleep folded into the compute phases in proportion "
+          f"to their wall time (``autopar.ir.profile``), median over steps; the split between forward and "
+          f"backward follows wall time, their sum is what the steady clock charges. Forward holds the loss. "
+          f"Predicted: ``autopar.cost.step.predicted_phases``.\n\n### Before calibration\n\n{phases(before)}\n\n"
+          f"### After calibration\n\n{phases(after)}\n\n"
           f"Command: `python benchmarks/bench_accuracy.py --models {','.join(models)} --steps {args.steps} "
-          f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''} --slowdown {args.slowdown:g}`\n")
+          f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''} --slowdown {args.slowdown:g} "
+          f"--name {args.name}`\n")
     strip = [{k: v for k, v in r.items() if k not in ("plan_json", "profile_json")} for r in before + after]
     write_results(args.name, dict(before=strip[:len(before)], after=strip[len(before):], factors=factors,
                                   calibrate_on=args.calibrate_on, steps=args.steps, warmup=args.warmup,
