@@ -288,14 +288,17 @@ def balanced_zero_shares(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[
         return None
     caps = None
     for one_sample in (True, False):
-        got = []
+        got, per_spec = [], {}   # a rank's cap depends on its spec alone: once per device type
         for r in ranks:
             spec = cluster.devices[r].spec
-            m0, m1 = (shard_memory(costs, spec, zero_stage, f, memory_fraction, workspace_bytes=workspace_bytes,
-                                   recompute=recompute) for f in (0.0, 1.0))
-            room = m0.usable_bytes - m0.fixed_bytes - (m0.micro_bytes(1) if one_sample else 0.0)
-            slope = m1.state_bytes - m0.state_bytes
-            got.append(1.0 if slope <= 0 and room >= 0 else min(1.0, max(0.0, room / slope)) if slope > 0 else 0.0)
+            if spec not in per_spec:
+                m0, m1 = (shard_memory(costs, spec, zero_stage, f, memory_fraction, workspace_bytes=workspace_bytes,
+                                       recompute=recompute) for f in (0.0, 1.0))
+                room = m0.usable_bytes - m0.fixed_bytes - (m0.micro_bytes(1) if one_sample else 0.0)
+                slope = m1.state_bytes - m0.state_bytes
+                per_spec[spec] = (1.0 if slope <= 0 and room >= 0 else min(1.0, max(0.0, room / slope))
+                                  if slope > 0 else 0.0)
+            got.append(per_spec[spec])
         if sum(got) >= 1.0:
             caps = got
             break
@@ -369,12 +372,13 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
     (None: even 1/N); ``overlap``: ZeRO-0/1 reduce gradients during the last backward."""
     n = len(ranks)
     specs = [cluster.devices[r].spec for r in ranks]
-    if fractions is None:
-        mems = [rank_memory(costs, s, zero_stage, n, memory_fraction, workspace_bytes=workspace_bytes,
-                            recompute=recompute) for s in specs]
-    else:
-        mems = [shard_memory(costs, s, zero_stage, f, memory_fraction, workspace_bytes=workspace_bytes,
-                             recompute=recompute) for s, f in zip(specs, fractions)]
+    kw = dict(workspace_bytes=workspace_bytes, recompute=recompute)
+    per: dict = {}   # a rank's memory depends on its spec and shard alone: once per (type, shard)
+    for s, f in zip(specs, fractions if fractions is not None else [None] * n):
+        if (s, f) not in per:
+            per[s, f] = rank_memory(costs, s, zero_stage, n, memory_fraction, **kw) if f is None else \
+                shard_memory(costs, s, zero_stage, f, memory_fraction, **kw)
+    mems = [per[s, f] for s, f in zip(specs, fractions if fractions is not None else [None] * n)]
     why = _fit_error(costs, cluster, ranks, mems, zero_stage)
     if why:
         raise PlanError(why)

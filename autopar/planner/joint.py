@@ -54,6 +54,7 @@ Terms
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -252,7 +253,9 @@ class _GroupingState:
 
 def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num_micro: int | None, deadline,
             best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...], tuple[bool, ...]]], int]:
-    """Best-first over every (grouping, micro-batch count): sorted by ``split_lower_bound``, each
+    """Best-first over every (grouping, micro-batch count) by ``split_lower_bound`` + ``_tail_lower_bound``
+    (a heap keyed by the split bound alone until an item comes first: the costly tail bound is only
+    computed for what the split bound does not prune, in the same order as sorting by both), each
     solved by the exact split DP unless its bound (or the tensor's bottleneck bound M x floor)
     exceeds the best estimate found x ``_ESTIMATE_SLACK``. A grouping that cannot hold the model at
     its largest count (the least activation memory once 1F1B is full) is not tried at any count >= S.
@@ -266,8 +269,8 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
                   micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
         largest.append(counts[-1])
         for M in counts:
-            items.append((split_lower_bound(ctx, entry.prep, M) + _tail_lower_bound(ctx, entry, M), e, M))
-    items.sort()
+            items.append((split_lower_bound(ctx, entry.prep, M), e, M, False))
+    heapq.heapify(items)
     best_est = best_s
     found = []
     solved = 0
@@ -304,9 +307,15 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
         flags = tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in range(len(got[0])))
         return got[0], got[1], flags
 
-    for i, (bound, e, M) in enumerate(items):
+    i = -1
+    while items:
+        bound, e, M, whole = heapq.heappop(items)
         if bound > best_est * _ESTIMATE_SLACK:
             break
+        if not whole:   # the tail bound is costly: only for what the split bound alone does not prune
+            heapq.heappush(items, (bound + _tail_lower_bound(ctx, entries[e], M), e, M, True))
+            continue
+        i += 1
         if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
             break
         entry = entries[e]

@@ -58,6 +58,7 @@ def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] |
     out: list[MemberLayout] = []
     seen: set = set()
     kinds: dict = {}
+    best: dict = {}   # device types of a group -> its head shares
     pinned = dict(type_degrees or {})
     for combo in itertools.product(*[(pinned[t],) if t in pinned else tuple(degrees) for t in types]):
         deg = dict(zip(types, combo))
@@ -75,8 +76,10 @@ def member_layouts(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int] |
                     continue   # not of its pinned degree: idle
                 if len(group) == 1:
                     shares = (units,)
+                elif key in best:   # the shares depend on the group's device types alone
+                    shares = best[key]
                 else:
-                    shares = tp_cost.best_shares([whole[t] for t in key], units, replicated_fraction)
+                    shares = best[key] = tp_cost.best_shares([whole[t] for t in key], units, replicated_fraction)
                 k = tp_cost.group_kind(cluster, group, shares)
                 k = kinds.setdefault(k, k)
                 members.append(Member(tuple(group), shares, k, cluster.devices[group[0]].node))

@@ -57,6 +57,7 @@ from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES, Timeline
 from autopar.planner.pp_virtual import VIRTUAL_COUNTS, check_virtual_stages, interleaved_plans
+from autopar.planner.split import min_bottleneck, split_blocks, split_objective  # re-exported (``__all__``)
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -166,73 +167,6 @@ def member_shares(samples: int, speeds: Sequence[float], rotate: int = 0) -> tup
     order = sorted(range(len(w)), key=lambda g: (-frac[g], (g - rotate) % len(w)))
     base[order[:rest]] += 1
     return tuple(int(x) for x in base)
-
-
-def split_objective(stage_times_s: Sequence[float], num_micro: int) -> float:
-    """The classic pipeline estimate ``sum_s t_s + (M - 1) * max_s t_s``."""
-    return float(sum(stage_times_s) + (num_micro - 1) * max(stage_times_s))
-
-
-def _dp_min_sum(cost: np.ndarray) -> tuple[float, list[int] | None]:
-    """Min over splits of sum_s cost[s, i_s, i_{s+1}] (inf entries forbidden); boundaries or None."""
-    S, n1, _ = cost.shape
-    best = np.full(n1, np.inf)
-    best[0] = 0.0
-    args = np.empty((S, n1), dtype=np.int64)
-    cols = np.arange(n1)
-    for s in range(S):
-        total = best[:, None] + cost[s]
-        args[s] = total.argmin(axis=0)
-        best = total[args[s], cols]
-    if not np.isfinite(best[-1]):
-        return math.inf, None
-    bounds = [n1 - 1]
-    for s in range(S - 1, -1, -1):
-        bounds.append(int(args[s, bounds[-1]]))
-    return float(best[-1]), bounds[::-1]
-
-
-def min_bottleneck(cost: np.ndarray) -> float:
-    """Min over splits of max_s cost[s, i_s, i_{s+1}]: the smallest possible bottleneck."""
-    S, n1, _ = cost.shape
-    best = np.full(n1, np.inf)
-    best[0] = 0.0
-    for s in range(S):
-        best = np.maximum(best[:, None], cost[s]).min(axis=0)
-    return float(best[-1])
-
-
-def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, ...], float] | None:
-    """The split minimising ``split_objective`` and its value, or None if no split is feasible.
-
-    ``stage_time_s[s, i, j]`` is t_s if stage s holds blocks ``[i, j)``, inf where that does not fit
-    in memory (entries with ``j <= i`` are ignored). Exact: walks the (sum, max) Pareto frontier from
-    the top: a min-sum DP under a bottleneck cap, then the cap just below the max it found, until the
-    cap is infeasible or no smaller bottleneck can win (sums only grow as the cap shrinks)."""
-    cost = np.array(stage_time_s, dtype=np.float64)
-    S, n1, n1b = cost.shape
-    if n1 != n1b or S < 1 or n1 - 1 < S:
-        return None
-    cost[:, np.tril_indices(n1)[0], np.tril_indices(n1)[1]] = np.inf
-    floor = min_bottleneck(cost)
-    if not np.isfinite(floor):
-        return None
-    best_value, best_bounds = math.inf, None
-    capped = cost
-    while True:
-        total, bounds = _dp_min_sum(capped)
-        if bounds is None:
-            break
-        times = [cost[s, bounds[s], bounds[s + 1]] for s in range(S)]
-        top = max(times)
-        value = total + (num_micro - 1) * top
-        if value < best_value:
-            best_value, best_bounds = value, bounds
-        if num_micro == 1 or total + (num_micro - 1) * floor >= best_value or top <= floor:
-            break
-        capped = np.where(cost < top, cost, np.inf)
-    sizes = tuple(best_bounds[s + 1] - best_bounds[s] for s in range(S))
-    return sizes, float(best_value)
 
 
 # -- stages of a candidate ---------------------------------------------------------------------------
