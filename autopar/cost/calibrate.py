@@ -10,9 +10,10 @@ Terms
     cost model covers (``other`` in ``autopar.ir.profile``: Python, slicing rows, copies outside the
     compute blocks), shared out over the rank's compute calls;
   - ``comm``: the rank's collectives and messages (their transfer, waits split off), applied to the
-    cluster rather than to the tables: ``calibrated_cluster`` divides each node's intra-node link
-    bandwidth by its devices' largest factor (the planners price communication from the cluster's
-    links, ``autopar.cost.comm``); links between nodes are left as the cluster says.
+    cluster rather than to the tables: ``calibrated_cluster`` slows each node's intra-node link by its
+    devices' largest factor (a measured emulated link: every time it prices; a nominal link: its
+    bandwidth; the planners price communication from the cluster's links, ``autopar.cost.comm``);
+    links between nodes are left as the cluster says.
 - sample: one rank's measured and predicted seconds of one term in one profile (``samples``), the
   measured figure the median over the profile's steps. ``compute`` (forward and backward not told
   apart) samples both ``forward`` and ``backward``.
@@ -34,20 +35,28 @@ Factors are persisted per machine (``autopar.cost.measure_cache.save_calibration
 machine that runs, never carried over from another (``machine_id``).
 
 The emulated link (``autopar.cluster.links.EmulatedLink``; the rule: ``docs/emulation.md``)
-- ``measure_emulated_link(layout)``: gloo between ``len(layout)`` ranks on this machine, each a thread
-  with its own gloo process group over one in-process store, pinned to core ``layout[i]`` of the
-  machine's cores (the cores ``autopar.cluster.emulation.cpu_shares`` gives the ranks of a run: gloo
-  copies on the rank's own cores, so two ranks on one core share its time). Per operation, one
-  ``LATENCY_BYTES`` message (the latency: the median over operations of the per-step time) and
-  ``BANDWIDTH_BYTES`` messages (the bandwidth that makes ``autopar.cost.comm``'s formula give the
-  median time), every op timed ``repeats`` times after one warm-up, the slowest rank's time.
-  Under 2 s on this 2-core machine.
+- ``measure_emulated_link(layout)``: gloo between ``len(layout)`` ranks on this machine, pinned to core
+  ``layout[i]`` of the machine's cores (the cores ``autopar.cluster.emulation.cpu_shares`` gives the
+  ranks of a run: gloo copies on the rank's own cores, so two ranks on one core share its time). The
+  ranks are processes forked from this one (a run's ranks are processes), each with its own gloo
+  process group (threads of this process where fork is not available: their small collectives cost
+  several times a process's). The ranks of a run plan at once: one measures (a lock file next to
+  ``links.json``), the others wait and read its link. Every operation at every size
+  of ``LINK_SIZES`` (4 KB to 16 MB), 15 / 5 / 3 times (small / up to 4 MB / larger) after one warm-up,
+  the repeats interleaved; a time runs from the last rank's entry to the last rank's end (a run's
+  profile splits the wait for a late peer off the same way), the median of the repeats. Per operation,
+  ``fit_alpha_beta`` fits its latency per message step and its bandwidth to the sizes (relative least
+  squares, ``link_shape``: the steps and bytes of ``autopar.cost.comm``'s formula). About 1.3-2.1 s
+  on this 2-core machine at load 7-9. Large messages (16 MB) run slower than the fit (caches): a
+  reduce-scatter up to 2x.
 - ``emulated_link_for(cluster)``: this machine's link for the cluster's core layout, from the cache
-  (``autopar.cost.measure_cache.load_link``), measured and cached the first time; None when the
+  (``autopar.cost.measure_cache.load_link``, under a key naming ``LINK_VERSION``: a link measured the
+  older way is measured again), measured and cached the first time; None when the
   cluster has no node of emulated devices without a declared link, or with
   ``AUTOPAR_EMULATED_LINK=nominal`` (the nominal ``LinkModel`` figures then price it, as before).
 - ``calibrated_cluster(cluster)`` attaches it (the planner and ``compiled.profile()`` price the run
-  with it); a ``comm`` factor then divides its bandwidths instead of the node's nominal link.
+  with it); a ``comm`` factor then multiplies its latencies and divides its bandwidths (every time
+  priced on it times the factor) instead of dividing the node's nominal link bandwidth.
 
 Pure functions of their arguments; tested on synthetic profiles.
 """
@@ -57,13 +66,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["TERMS", "PRIOR_SHARE", "FACTOR_BOUNDS", "Sample", "samples", "fit_factors", "calibrated", "calibrated_cluster", "device_key",
-           "calls_per_step", "measure_emulated_link", "emulated_link_for", "EMULATED_LINK_ENV", "LINK_SIZES",
-           "LINK_VERSION", "link_shape", "fit_alpha_beta"]
+__all__ = ["TERMS", "PRIOR_SHARE", "FACTOR_BOUNDS", "Sample", "samples", "fit_factors", "calibrated",
+           "calibrated_cluster", "device_key", "calls_per_step", "measure_emulated_link", "emulated_link_for",
+           "EMULATED_LINK_ENV", "LINK_SIZES", "LINK_VERSION", "link_shape", "fit_alpha_beta"]
 
 TERMS = ("forward", "backward", "optimizer", "call", "comm")
 _COMM = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "p2p")
@@ -195,8 +205,8 @@ def calibrated(costs, factors: Mapping[str, Mapping[str, float]], keys: Mapping[
 def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | None = None):
     """``cluster`` for planning: with ``factors`` None, this machine's factors (profile cache) and its
     measured emulated link (``emulated_link_for``) attached; each ``comm`` factor (the largest among a
-    node's devices) divides the node's link bandwidth: the emulated link's where it has one, else the
-    intra-node link's. Explicit ``factors`` apply to the cluster's own links only. Unchanged (the same
+    node's devices) slows the node's link: the emulated link's every time (``EmulatedLink.scaled``)
+    where it has one, else the intra-node link's bandwidth. Explicit ``factors`` apply to the cluster's own links only. Unchanged (the same
     object) when there is nothing to apply. Links between nodes keep the cluster's network figures."""
     from autopar.cluster.emulation import emulated_link_nodes, emulation_time_scale, with_emulated_link
 
@@ -246,9 +256,33 @@ def emulated_link_for(cluster):
     key = _layout_key(layout, cores)
     found = load_link(key)
     if found is None:
-        found = measure_emulated_link(layout).to_json()
-        save_link(key, found)
+        with _link_lock():      # the ranks of a run plan at once: one measures, the others read its link
+            found = load_link(key)
+            if found is None:
+                found = measure_emulated_link(layout).to_json()
+                save_link(key, found)
     return EmulatedLink.from_json(found, nodes)
+
+
+@contextmanager
+def _link_lock():
+    """An exclusive lock on this cache's links (a lock file next to ``links.json``); none where the
+    platform has no ``fcntl``."""
+    from autopar.cost.measure_cache import links_path
+
+    try:
+        import fcntl
+    except ImportError:         # pragma: no cover - not POSIX
+        yield
+        return
+    path = links_path().with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def link_shape(op: str, n: int) -> tuple[int, float]:
@@ -280,7 +314,8 @@ def fit_alpha_beta(points, steps: int, moved: float) -> tuple[float, float]:
 
 
 def _pg_ops(pg, rank: int, full, shard) -> dict:
-    """The measured operations on one process group object (a thread's own ``ProcessGroupGloo``)."""
+    """The measured operations on one process group object (a rank's own ``ProcessGroupGloo``: never
+    the default group, which the process forked from may hold, initialised, for its own run)."""
     return {
         "all_reduce": lambda: pg.allreduce([full]).wait(),
         "all_gather": lambda: pg._allgather_base(full, shard).wait(),
@@ -288,23 +323,6 @@ def _pg_ops(pg, rank: int, full, shard) -> dict:
         "broadcast": lambda: pg.broadcast([full]).wait(),
         "p2p": lambda: (pg.send([full], 1, 0).wait() if rank == 0 else
                         pg.recv([full], 0, 0).wait() if rank == 1 else None),
-    }
-
-
-def _dist_ops(rank: int, full, shard) -> dict:
-    """The measured operations through ``torch.distributed``'s default group, the calls the engines'
-    communicator makes (``autopar.runtime.communicator``: their Python costs count as in a run)."""
-    import torch.distributed as dist
-
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return {
-        "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: gather(full, shard),
-        "reduce_scatter": lambda: scatter(shard, full),
-        "broadcast": lambda: dist.broadcast(full, src=0),
-        "p2p": lambda: (dist.isend(full, 1).wait() if rank == 0 else
-                        dist.irecv(full, 0).wait() if rank == 1 else None),
     }
 
 
@@ -356,11 +374,10 @@ def _child(rank: int, n: int, core: int, port: int, sizes, reps: dict, conn) -> 
         _pin(core)
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, n + 1, False, timedelta(seconds=30))
-        dist.init_process_group("gloo", store=dist.PrefixStore("autopar-link", store), rank=rank, world_size=n,
-                                timeout=timedelta(seconds=60))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("autopar-link", store), rank, n, timedelta(seconds=60))
         out: list = []
-        _rank_ops(lambda full, shard: _dist_ops(rank, full, shard), rank, n, sizes, reps, dist.barrier,
-                  lambda *r: out.append(r))
+        _rank_ops(lambda full, shard: _pg_ops(pg, rank, full, shard), rank, n, sizes, reps,
+                  lambda: pg.barrier().wait(), lambda *r: out.append(r))
         conn.send(("ok", out))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", repr(exc)))
