@@ -123,3 +123,29 @@ def test_measured_once_per_machine_and_layout_then_read_from_the_cache(tmp_path,
     assert slowed.emulated_link.latency("all_gather") == pytest.approx(first.latency("all_gather") * 2)
     monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")
     assert calibrate.emulated_link_for(demo) is None
+
+
+def test_ranks_planning_at_once_measure_the_link_once(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from autopar.cost import calibrate
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AUTOPAR_NUM_CORES", "2")
+    calls = []
+
+    def measure(layout):
+        calls.append(layout)
+        time.sleep(0.2)                  # long enough for the other ranks to find no link yet
+        return SLOW
+
+    monkeypatch.setattr(calibrate, "measure_emulated_link", measure)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(calibrate.emulated_link_for(builtin("demo"))))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
