@@ -13,7 +13,10 @@ worse a plan.
 
 Usage::
 
-    python benchmarks/bench_planner_cold.py --before e73fe6d [--repeats 3] [--after-only]
+    python benchmarks/bench_planner_cold.py --before e73fe6d [--after 2eb972a] [--repeats 3] [--after-only]
+
+``--after REV`` times a committed tree of REV instead of this checkout (whose uncommitted edits,
+other people's work in progress among them, would otherwise be timed as "after").
 
 Writes ``benchmarks/results/planner_cold.json`` and ``planner_cold.md``.
 """
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,15 +67,18 @@ def cold_run(tree: Path | None, args) -> dict:
     cmd = [sys.executable, "-m", "autopar", "plan", "--model", args.model, "--cluster", args.cluster,
            "--global-batch", str(args.global_batch), "--json", str(out)]
     load = os.getloadavg()[0]
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)   # the child's own CPU seconds
     if done.returncode != 0:
         raise SystemExit(f"{cmd} failed:\n{done.stderr[-2000:]}")
     d = json.loads(out.read_text())
     pr = d["predicted"]
     tail = [ln for ln in done.stdout.splitlines() if ln.startswith("planning ")]
-    return dict(wall_s=wall, load=load, planning_s=d.get("planning_s"), bounds_s=d.get("bounds_s"),
+    return dict(wall_s=wall, cpu_s=cpu, load=load, planning_s=d.get("planning_s"), bounds_s=d.get("bounds_s"),
                 printed=tail[-1] if tail else "", samples_per_s=pr["samples_per_s"], mfu=pr.get("mfu"),
                 homogeneous_mfu=pr.get("homogeneous_mfu"), compute_efficiency=pr.get("compute_efficiency"),
                 efficiency=pr.get("efficiency"),
@@ -89,26 +97,28 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "hethub-768.yaml"))
     ap.add_argument("--model", default="llama-140b")
     ap.add_argument("--global-batch", type=int, default=1024)
+    ap.add_argument("--after", default=None, help="a commit to time as 'after' (default: this checkout)")
     ap.add_argument("--after-only", action="store_true",
                     help="rerun this checkout only; keep the before runs of the last planner_cold.json")
     args = ap.parse_args(argv)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
+    after_tree = _tree(args.after) if args.after else None
     if args.after_only:
         prev = json.loads((RESULTS / "planner_cold.json").read_text())
         if prev.get("before") != args.before:
             raise SystemExit(f"planner_cold.json holds before runs of {prev.get('before')}, not {args.before}")
         runs["before"] = prev["sides"]["before"]["runs"]
         for _ in range(args.repeats):
-            runs["after"].append(cold_run(None, args))
+            runs["after"].append(cold_run(after_tree, args))
             print(runs["after"][-1]["wall_s"], flush=True)
     else:
         tree = _tree(args.before)
         for _ in range(args.repeats):
             runs["before"].append(cold_run(tree, args))
-            runs["after"].append(cold_run(None, args))
+            runs["after"].append(cold_run(after_tree, args))
             print(runs["before"][-1]["wall_s"], runs["after"][-1]["wall_s"], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = args.after or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                          text=True).stdout.strip()
     result = dict(scenario=dict(model=args.model, cluster=Path(args.cluster).name, global_batch=args.global_batch),
                   machine=f"{platform.platform()}, {os.cpu_count()} CPUs", before=args.before, after=commit,
                   sides={k: dict(wall_s=_spread([r["wall_s"] for r in v]), runs=v) for k, v in runs.items()})
@@ -117,20 +127,25 @@ def main(argv=None) -> int:
     load_b = [r["load"] for r in runs["before"]]
     load_a = [r["load"] for r in runs["after"]]
     md = ["# Cold `autopar plan`: llama-140b on hethub-768, global batch 1024", "",
-          f"`python benchmarks/bench_planner_cold.py --before {args.before} --repeats {args.repeats}` at commit "
-          f"{commit}{' --after-only' if args.after_only else ''}; {result['machine']}, 1-minute load at the "
+          f"`python benchmarks/bench_planner_cold.py --before {args.before}"
+          f"{f' --after {args.after}' if args.after else ''} --repeats {args.repeats}"
+          f"{' --after-only' if args.after_only else ''}` (after: "
+          f"{'commit ' + commit if args.after else 'this checkout at ' + commit}); {result['machine']}, "
+          f"1-minute load at the "
           f"start of each run {min(load_b):.1f}-{max(load_b):.1f} (before), {min(load_a):.1f}-{max(load_a):.1f} "
           f"(after) (shared by other jobs). Each run is a fresh `python -m autopar plan ... --json` with an "
-          f"empty cache directory, timed from outside (interpreter start to exit); "
+          f"empty cache directory, timed from outside (interpreter start to exit; CPU s: the process's own "
+          f"user + system seconds, which the other jobs' load stretches less than the wall time); "
           + ("the before runs are kept from the last interleaved run. " if args.after_only
              else "before and after alternate. ") + "Plan figures are PREDICTED by the cost model.", "",
-          "| | cold wall s (median) | IQR | runs | planning s | bounds s | samples/s | MFU | homog. MFU | "
-          "eff. vs compute | eff. vs upper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| | cold wall s (median) | IQR | runs | CPU s (median) | planning s | bounds s | samples/s | MFU | "
+          "homog. MFU | eff. vs compute | eff. vs upper |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for side, v in runs.items():
         w = result["sides"][side]["wall_s"]
         last = v[-1]
         md.append(f"| {side} ({args.before if side == 'before' else commit}) | {w['median']:.1f} | "
                   f"{w['iqr'][0]:.1f}-{w['iqr'][1]:.1f} | {', '.join(f'{x:.1f}' for x in w['all'])} | "
+                  f"{statistics.median(r.get('cpu_s', math.nan) for r in v):.1f} | "
                   f"{statistics.median(r['planning_s'] for r in v):.1f} | "
                   f"{statistics.median(r['bounds_s'] for r in v):.1f} | {last['samples_per_s']:.6g} | "
                   f"{last['mfu']:.1%} | {last['homogeneous_mfu']:.1%} | {last['compute_efficiency']:.1%} | "

@@ -301,17 +301,28 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
             groupings = [g for g in groupings if g.num_stages == len(pinned)] or [_chunk_grouping(ranks, len(pinned))]
 
     dp_schedule = "1f1b" if schedule == "auto" else schedule
-    tensors = []          # (grouping, M, cost tensor, recompute flags) of every (grouping, count)
+    tensors = []          # (grouping, M, cost tensor, recompute flags) of every (grouping, count) that fits
+    tried = 0
     for grouping in groupings:
         S = grouping.num_stages
         counts = ((num_micro,) if num_micro is not None else
                   micro_candidates(ctx.global_batch, S, grouping.max_members))
+        # The uniform (Megatron-style) baseline keeps every activation, as it did.
+        one_type = all(len({ctx.type_of(m[0]) for m in st}) == 1 for st in grouping.stages)
+        made = {M: pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=recompute and not uniform)
+                for M in counts[-1:] if dp_schedule == "1f1b" and M >= S and one_type}
+        # From M = S on, 1F1B keeps S - s micro-batches in flight on stage s, and on a stage of one
+        # device type each member's part of one, ceil(b / members), only shrinks as M grows: an entry
+        # that fits at some count fits at every larger one. Where no split fits at the largest, none
+        # fits at any count >= S, and those tensors are not built (they would add no candidate).
+        full = all(_any_split(cost) for cost, _ in made.values())
         for M in counts:
-            # The uniform (Megatron-style) baseline keeps every activation, as it did.
-            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule,
-                                            recompute=recompute and not uniform)
+            tried += 1
+            if not full and M >= S:
+                continue
+            cost, rc = made.get(M) or pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule,
+                                                            recompute=recompute and not uniform)
             tensors.append((grouping, M, cost, rc))
-    tried = len(tensors)
     chosen = tuple(PIPELINE_SCHEDULES if schedules is None else schedules) if schedule == "auto" else (schedule,)
     bad = [x for x in chosen if x not in ALL_SCHEDULES]
     if bad or not chosen:
@@ -383,6 +394,16 @@ def _interleave(ctx: PipelineContext, scored: list[_Scored], schedule: str, virt
                         f"(one-rank members, at least two rank stages, a block per chunk)")
     return out if schedule == "interleaved-1f1b" else scored + out
 
+
+
+def _any_split(cost: np.ndarray) -> bool:
+    """Whether some split of a stage cost tensor has every stage finite (entries j <= i ignored)."""
+    cost = np.array(cost, dtype=np.float64)
+    n1 = cost.shape[1]
+    if cost.shape[0] > n1 - 1:
+        return False
+    cost[:, np.tril_indices(n1)[0], np.tril_indices(n1)[1]] = np.inf
+    return bool(np.isfinite(min_bottleneck(cost)))
 
 
 # -- candidates and their simulated prediction --------------------------------------------------------
