@@ -31,13 +31,21 @@ class Prepared:
     costs: Any
     analyze_s: float
     profile_s: float
+    example_inputs: tuple = ()     # for the measured TP replicated fraction (cost.tp_measure)
+    cluster: Any = None
 
     @property
     def replicated_fraction(self) -> float:
         from autopar.cost.tp import replicated_fraction_of, replicated_fraction_of_graph
+        from autopar.cost.tp_measure import cpu_replicated_fraction
 
-        # what lies outside every Linear pair's region (the graph's own measure), else the block stats'
+        # measured with the TP rewrite on CPUs timed here, else what lies outside every Linear pair's
+        # region (the graph's own measure), else the block stats'
         gm = getattr(getattr(self.analysis, "captured", None), "gm", None)
+        if self.cluster is not None:
+            rho = cpu_replicated_fraction(gm, self.example_inputs, self.costs, self.cluster)
+            if rho is not None:
+                return rho
         rho = replicated_fraction_of_graph(gm) if gm is not None else None
         return replicated_fraction_of(self.analysis.stats) if rho is None else rho
 
@@ -54,7 +62,7 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
                         optimizer=optimizer, measure=measure, progress=progress, precision=precision)
-    return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1)
+    return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1, tuple(example_inputs), cluster)
 
 
 def plan_config(config: PlanConfig | None = None, **options) -> PlanConfig:

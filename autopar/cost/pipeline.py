@@ -281,8 +281,8 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
                       replicated_fraction: float | None = None) -> float:
     """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
     1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
-    a tensor-parallel rank its shard (``rho + (1 - rho) * share / total`` of them; 1/k of that under
-    ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1)."""
+    a tensor-parallel rank its shard (``cost.tp.tp_rank_params``: the parameters the rewrite leaves
+    whole plus its share of the rest; 1/k of that under ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1)."""
     p = float(costs.params[stage.block_start:stage.block_stop].sum())
     nm = len(stage.groups)
     tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
@@ -293,14 +293,18 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
 
         rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
         tp_zero = bool(tp_cost.tp_zero_stage(stage, zero_stage))   # ZeRO-1 over the members (runtime.tp_zero)
+    blocks = slice(stage.block_start, stage.block_stop)
     for g, members in enumerate(stage.groups):
+        held = None
+        if tp and len(members) > 1:
+            shares = np.asarray(stage.tp_shares[g], dtype=np.float64)
+            held = tp_cost.tp_rank_params(costs, blocks, shares / max(shares.sum(), 1.0), rho)
+            if tp_zero:
+                held = held / nm
         for i, r in enumerate(members):
             n = p
-            if tp and len(members) > 1:
-                shares = stage.tp_shares[g]
-                n = p * (rho + (1 - rho) * shares[i] / max(sum(shares), 1))
-                if tp_zero:
-                    n /= nm
+            if held is not None:
+                n = float(held[i])
             elif zero_stage >= 1 and nm > 1 and not tp:
                 n = p / nm
             t = cluster.devices[r].spec.name

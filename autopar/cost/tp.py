@@ -7,7 +7,11 @@ Terms
   and activations that go with it) is split in proportion to the fractions.
 - replicated fraction ``rho``: the part of every block that each rank computes and stores whole
   (norms, residual adds); per rank the work factor is ``rho + (1 - rho) * fraction``. Taken from the
-  block statistics where known (``replicated_fraction_of``), else ``DEFAULT_REPLICATED_FRACTION``.
+  block statistics where known (``replicated_fraction_of``), else ``DEFAULT_REPLICATED_FRACTION``;
+  on CPUs timed on this machine, measured with the rewrite itself (``autopar.cost.tp_measure``).
+  One ``rho`` prices forward and backward alike. (Measured on this CPU, the backward fraction is
+  smaller than the forward one, by 0.25-0.85 over the four accuracy models: too scattered to price
+  a fixed rule; ``tp_measure`` returns the fraction of forward plus backward time.)
 - TP communication: Megatron-style, ``TP_ALLREDUCES_PER_BLOCK`` all-reduces per block per micro-step
   (2 in forward, 2 in backward), each of the block's output (``out_bytes`` per sample x samples) over
   the group's ring (``autopar.cost.comm.allreduce_time_s``). Every block counts as a transformer layer
@@ -42,7 +46,7 @@ __all__ = [
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
-    "replicated_fraction_of_graph",
+    "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -287,27 +291,47 @@ def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) 
                      alpha, beta)
 
 
-def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
+def rank_block_times(costs: ModelCosts, types: Sequence[str], shares: Sequence[int], micro_batch: float,
                      replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples,
-    including the group's all-reduces (half of them in each direction)."""
+    """(forward, backward) compute seconds [rank, block] of a TP group whose ranks are of device
+    ``types`` with head ``shares``, at ``micro_batch`` samples: each block's whole time on the rank's
+    type times its work factor (``work_factors``); a block without a Linear pair runs whole on every
+    rank. Communication is ``tp_allreduce_block_s``'s."""
     rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else _check_rho(replicated_fraction)
-    n = costs.num_blocks
+    n, r = costs.num_blocks, len(types)
     if micro_batch <= 0:
-        return np.zeros(n), np.zeros(n)
-    s = np.asarray(kind.shares, dtype=np.float64)
+        return np.zeros((r, n)), np.zeros((r, n))
+    s = np.asarray(shares, dtype=np.float64)
     factors = work_factors(s / s.sum(), rho)
     pairs = tp_pairs_of(costs)
     sharded = np.ones(n, dtype=bool) if pairs is None else pairs > 0
-    fwd = np.zeros(n)
-    bwd = np.zeros(n)
-    for t, k in zip(kind.types, factors):
-        k_b = np.where(sharded, k, 1.0)     # a block without a Linear pair runs whole on every rank
-        fwd = np.maximum(fwd, k_b * costs.fwd_time(t, micro_batch))
-        bwd = np.maximum(bwd, k_b * costs.bwd_time(t, micro_batch))
+    fwd = np.stack([np.where(sharded, k, 1.0) * costs.fwd_time(t, micro_batch) for t, k in zip(types, factors)])
+    bwd = np.stack([np.where(sharded, k, 1.0) * costs.bwd_time(t, micro_batch) for t, k in zip(types, factors)])
+    return fwd, bwd
+
+
+def tp_allreduce_block_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float) -> np.ndarray:
+    """Per block, the seconds of a TP group's all-reduces in *one* direction at ``micro_batch``: one
+    per Linear pair (``tp_pairs_of``; half of ``TP_ALLREDUCES_PER_BLOCK`` without the counts), each of
+    the block's output, over the group's ring (``allreduce_alpha_beta``). The same again in the other
+    direction (Megatron's g in forward, f in backward)."""
+    pairs = tp_pairs_of(costs)
+    count = TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
+    return count * (alpha_s + beta_s_per_byte * costs.out_bytes * max(float(micro_batch), 0.0))
+
+
+def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
+                     replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples:
+    the slowest rank's compute (``rank_block_times``; ranks meet at every all-reduce, so block by
+    block) plus the group's all-reduces (``tp_allreduce_block_s`` in each direction)."""
+    n = costs.num_blocks
+    if micro_batch <= 0:
+        return np.zeros(n), np.zeros(n)
+    f, b = rank_block_times(costs, kind.types, kind.shares, micro_batch, replicated_fraction)
+    fwd, bwd = f.max(axis=0), b.max(axis=0)
     if len(kind.types) > 1:
-        per_dir = (TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs) * (
-            kind.alpha_s + kind.beta_s_per_byte * costs.out_bytes * micro_batch)
+        per_dir = tp_allreduce_block_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch)
         fwd = fwd + per_dir
         bwd = bwd + per_dir
     return fwd, bwd
@@ -468,6 +492,24 @@ def tp_zero_saving_bytes(costs: ModelCosts, stage, zero_stage: int,
         for r, k in zip(ranks, factors):
             out[r] = params * costs.optimizer_bytes_per_param * k * (1.0 - 1.0 / d) if z >= 1 else 0.0
     return out
+
+
+def tp_rank_params(costs: ModelCosts, blocks: slice, fractions: Sequence[float] | np.ndarray,
+                   replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> np.ndarray:
+    """Per rank of a TP group with share ``fractions``, the parameters of ``blocks`` it holds (and its
+    optimizer steps), from the rewrite's layout: per block the part left whole on every rank
+    (``ModelCosts.tp_param_replicated``: norms, row biases, blocks without a pair) plus the rank's
+    fraction of the rest. Tables without the layout fall back to the work factors' ``rho``. (The time
+    fraction ``rho`` overcounts a small shard's parameters: resmlp's 0.1% whole against rho 0.1-0.33.)"""
+    f = np.asarray(fractions, dtype=np.float64)
+    rep = getattr(costs, "tp_param_replicated", None)
+    if rep is None or len(rep) != costs.num_blocks:
+        return float(costs.params[blocks].sum()) * work_factors(f, _check_rho(replicated_fraction))
+    if len(f) == 1:
+        return np.full(1, float(costs.params[blocks].sum()))
+    p, r = costs.params[blocks], rep[blocks]
+    whole = float(p @ r)
+    return whole + (float(p.sum()) - whole) * f
 
 
 def tp_optimizer_params(stage, params: float, replicated_fraction: float = DEFAULT_REPLICATED_FRACTION,
