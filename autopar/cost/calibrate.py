@@ -44,7 +44,8 @@ The emulated link (``autopar.cluster.links.EmulatedLink``; the rule: ``docs/emul
   ``links.json``), the others wait and read its link. Every operation at every size
   of ``LINK_SIZES`` (4 KB to 16 MB), 15 / 5 / 3 times (small / up to 4 MB / larger) after one warm-up,
   the repeats interleaved; a time runs from the last rank's entry to the last rank's end (a run's
-  profile splits the wait for a late peer off the same way), the median of the repeats. Per operation,
+  profile splits the wait for a late peer off the same way), the lower quartile of the repeats (the
+  link, not a burst of other work on the cores: the ranks of a run may still be profiling). Per operation,
   ``fit_alpha_beta`` fits its latency per message step and its bandwidth to the sizes (relative least
   squares, ``link_shape``: the steps and bytes of ``autopar.cost.comm``'s formula). About 1.3-2.1 s
   on this 2-core machine at load 7-9. Large messages (16 MB) run slower than the fit (caches): a
@@ -489,16 +490,18 @@ def measure_emulated_link(layout, *, repeats: int = 5, sizes: tuple[int, ...] = 
     for _, op, size, i, t0, t1 in records:
         times.setdefault((op, size, i), []).append((t0, t1))
 
-    def median(op: str, size: int) -> float:
+    def quartile(op: str, size: int) -> float:
         # from the last rank's entry to the last rank's end: the part a run's profile records as the
-        # collective (autopar.ir.profile splits the waiting for a late peer off as "wait")
-        return statistics.median(max(t1 for _, t1 in times[(op, size, i)]) - max(t0 for t0, _ in times[(op, size, i)])
-                                 for i in range(1, reps[size] + 1))
+        # collective (autopar.ir.profile splits the waiting for a late peer off as "wait"); the lower
+        # quartile of the repeats: the link itself, not a burst of another job on the cores
+        ts = sorted(max(t1 for _, t1 in times[(op, size, i)]) - max(t0 for t0, _ in times[(op, size, i)])
+                    for i in range(1, reps[size] + 1))
+        return float(np.quantile(ts, 0.25))
 
     latency, bandwidth = [], []
     for op in LINK_OPS:
         steps, moved = link_shape(op, n)
-        points = [(max(n, size // 4 // n * n) * 4, median(op, size)) for size in sizes]
+        points = [(max(n, size // 4 // n * n) * 4, quartile(op, size)) for size in sizes]
         alpha, bw = fit_alpha_beta(points, steps, moved)
         latency.append((op, alpha))
         bandwidth.append((op, bw))
