@@ -420,13 +420,7 @@ def test_hethub_768_llama_140b_efficiency(tables, request):
     low = 0.975 if tables == "profile" else 0.95
     assert low <= efficiency <= 1.10, (efficiency, plan.notes[:1])
     for t, (_, _, alone, factor) in details.items():
-        # The joint search caps TP memory with one replicated fraction for state and activations alike
-        # (cost.memory.tp_search_memory_rho: a llama layer's 24% of whole activations), which over-prices
-        # the state of TP ranks; on the analysed tables the MI210s alone then need their memory relaxed
-        # (x2, noted in the bound). The arithmetic tables' types, and accel-a always, fit as they are.
-        if tables == "profile" and t.startswith("MI210"):
-            assert factor <= 2, t
-            continue
+        # every type holds the model alone at its real memory (TP state priced with its own fraction)
         assert factor == 1, t
         cap = cluster.spec_of(t).memory_bytes * 0.9
         assert alone is not None and max(alone.predicted.memory_bytes.values()) <= cap, (t, alone.notes[:1])
