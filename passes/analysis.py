@@ -21,6 +21,7 @@ identical).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.passes.capture import align_inputs
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
+from autopar.passes.repeats import Segment, describe, repeated_segments
 
 __all__ = ["TensorInfo", "NodeCost", "annotate_pass", "OP_CLASSES"]
 
@@ -111,7 +113,8 @@ class _CountingOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 class _Analyzer(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, with_backward: bool):
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, with_backward: bool,
+                 copy_repeats: bool = True):
         super().__init__(gm, garbage_collect_values=True)
         self.fake_mode = fake_mode
         self.with_backward = with_backward
@@ -125,6 +128,13 @@ class _Analyzer(fx.Interpreter):
         self._outs: dict[Any, Any] = {}
         self._reuse = not any(_target_name(m, gm).split(".")[-1] in _METADATA_INPLACE for m in gm.graph.nodes
                               if m.op in ("call_function", "call_method"))
+        # Repeated blocks (``passes.repeats``): a segment whose key and input values match a segment
+        # already interpreted takes its annotations and outputs node for node (``_copy``).
+        self._segments = repeated_segments(gm) if self._reuse and copy_repeats else {}
+        self._decided: dict[Segment, tuple | None] = {}     # segment -> its source's record, or None
+        self._sources: dict[tuple, tuple] = {}             # (key, inputs) -> (segment, outputs)
+        self._running: dict[Segment, tuple[tuple | None, list]] = {}   # interpreted: (inputs, outputs)
+        self._names: dict[Segment, dict[str, str]] = {}    # the last copied segment's name map
 
     # -- helpers -------------------------------------------------------------------------------
     def _signature(self, n: fx.Node, args, kwargs):
@@ -254,8 +264,57 @@ class _Analyzer(fx.Interpreter):
             saved_bytes = (q.numel() // q.shape[-1]) * 4 if q is not None else 0
         return fwd, bwd, saved_bytes, tuple(saved_inputs), num_ops, out
 
+    # -- repeated blocks -----------------------------------------------------------------------
+    def _source_of(self, seg: Segment) -> tuple | None:
+        """At a segment's first node: the record of an interpreted segment it copies, or None (then it
+        is interpreted, and recorded when its inputs are described)."""
+        if seg not in self._decided:
+            desc = None
+            # Parameter reads inside the block have not run yet: their values are the attributes.
+            if all(a in self.env or a.op == "get_attr" for a in seg.inputs):
+                desc = describe([self.env[a] if a in self.env else self.fetch_attr(a.target) for a in seg.inputs],
+                                _storage)
+            src = self._sources.get((seg.key, desc)) if desc is not None else None
+            self._decided[seg] = src
+            if src is None:
+                self._running[seg] = (desc, [])
+        return self._decided[seg]
+
+    def _copy(self, n: fx.Node, seg: Segment, pos: int, src: tuple) -> Any:
+        """``n`` annotated as the node at ``pos`` of the segment ``src`` copies, node names mapped."""
+        src_seg, outs = src
+        twin = src_seg.nodes[pos]
+        if TENSOR in twin.meta:
+            n.meta[TENSOR] = twin.meta[TENSOR]
+        cost = twin.meta[COST]
+        if cost.saved_input_nodes:
+            names = self._names.get(seg)
+            if names is None:
+                names = {a.name: b.name for a, b in zip(src_seg.nodes + src_seg.inputs, seg.nodes + seg.inputs)}
+                self._names = {seg: names}
+            cost = dataclasses.replace(cost, saved_input_nodes=tuple(names[x] for x in cost.saved_input_nodes))
+        n.meta[COST] = cost
+        return outs[pos]
+
     # -- interpreter hook ----------------------------------------------------------------------
     def run_node(self, n: fx.Node) -> Any:
+        where = self._segments.get(n)
+        if where is not None:
+            seg, pos = where
+            src = self._source_of(seg)
+            if src is not None:
+                return self._copy(n, seg, pos, src)
+            out = self._run_node(n)
+            desc, outs = self._running[seg]
+            outs.append(out)
+            if pos == len(seg.nodes) - 1:
+                del self._running[seg]
+                if desc is not None:
+                    self._sources.setdefault((seg.key, desc), (seg, tuple(outs)))
+            return out
+        return self._run_node(n)
+
+    def _run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
             out = super().run_node(n)
             self._annotate_value(n, out)
@@ -393,11 +452,14 @@ def _out_bytes(out: Any) -> float:
     return float(sum(_nbytes(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)))
 
 
-def annotate_pass(gm: fx.GraphModule, example_inputs: tuple, *, with_backward: bool = True) -> fx.GraphModule:
-    """Annotate every node of ``gm`` in place (see the module docstring) and return it."""
+def annotate_pass(gm: fx.GraphModule, example_inputs: tuple, *, with_backward: bool = True,
+                  copy_repeats: bool = True) -> fx.GraphModule:
+    """Annotate every node of ``gm`` in place (see the module docstring) and return it. With
+    ``copy_repeats`` (the default), a block that repeats an interpreted one takes its annotations
+    (``passes.repeats``); without, every node is interpreted: the same annotations, slower."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                            align_inputs(gm, tuple(example_inputs)))
     with torch.no_grad() if not with_backward else torch.enable_grad():
-        _Analyzer(gm, fake_mode, with_backward).run(*fake_inputs)
+        _Analyzer(gm, fake_mode, with_backward, copy_repeats).run(*fake_inputs)
     return gm

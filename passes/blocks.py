@@ -29,7 +29,7 @@ import torch.fx as fx
 from autopar.passes.capture import module_path
 from autopar.passes.meta import BLOCK, COST, TENSOR
 
-__all__ = ["Block", "BlockStats", "assign_blocks_pass", "block_stats"]
+__all__ = ["Block", "BlockStats", "assign_blocks_pass", "block_names", "block_stats"]
 
 _INDEXED = re.compile(r"^(.*?)\.?(\d+)(?:\.|$)")
 
@@ -110,10 +110,20 @@ def _struct_hash(gm: fx.GraphModule, nodes: list[fx.Node], prefix: str) -> str:
             t = _fetch_attr(gm, n.target)
             target = ("attr", tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
         else:
-            target = str(n.target)
+            target = _target_text(n.target)
         ti = n.meta.get(TENSOR)
         items.append((n.op, target, ref(n.args), ref(n.kwargs), (tuple(ti.shape), str(ti.dtype)) if ti else None))
     return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
+
+
+def _target_text(target) -> str:
+    """A call target as text that is the same in every process: ``str`` prints some builtins with their
+    address (``<built-in method arange of type object at 0x7f...>``); those are named by module and
+    qualified name instead."""
+    text = str(target)
+    if " at 0x" in text and getattr(target, "__qualname__", None):
+        return f"{getattr(target, '__module__', None)}.{target.__qualname__}"
+    return text
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str):
@@ -126,6 +136,26 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
 def assign_blocks_pass(gm: fx.GraphModule) -> tuple[Block, ...]:
     """Assign every node to a block (see the module docstring); returns the blocks in order."""
     nodes = list(gm.graph.nodes)
+    name_of, order = block_names(gm)
+    index = {b: i for i, b in enumerate(order)}
+    members: dict[int, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        i = index[name_of[n]]
+        n.meta[BLOCK] = i
+        members[i].append(n)
+    blocks = []
+    for b, i in index.items():
+        blocks.append(Block(index=i, name=b, node_names=tuple(n.name for n in members[i]),
+                            struct_hash=_struct_hash(gm, members[i], b)))
+    return tuple(blocks)
+
+
+def block_names(gm: fx.GraphModule) -> tuple[dict[fx.Node, str], list[str]]:
+    """The block name of every node and the names in order, from the module paths alone (the rule of
+    the module docstring): what ``assign_blocks_pass`` numbers, and what the analysis reads, before any
+    node is annotated, to find repeated blocks (``passes.repeats``)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
     paths = {n: module_path(n) for n in nodes}
     prefix = _layer_prefix([paths[n] for n in nodes if n.op != "get_attr"])
     name_of: dict[fx.Node, str] = {}
@@ -166,20 +196,10 @@ def assign_blocks_pass(gm: fx.GraphModule) -> tuple[Block, ...]:
                 order.append("head")
     for n in nodes:
         if n.op == "get_attr":
-            users = sorted(n.users, key=nodes.index)
+            users = sorted(n.users, key=position.__getitem__)
             name_of[n] = name_of[users[0]] if users else order[0]
-    order = [b for b in order if any(v == b for v in name_of.values())]
-    index = {b: i for i, b in enumerate(order)}
-    members: dict[int, list[fx.Node]] = defaultdict(list)
-    for n in nodes:
-        i = index[name_of[n]]
-        n.meta[BLOCK] = i
-        members[i].append(n)
-    blocks = []
-    for b, i in index.items():
-        blocks.append(Block(index=i, name=b, node_names=tuple(n.name for n in members[i]),
-                            struct_hash=_struct_hash(gm, members[i], b)))
-    return tuple(blocks)
+    used = set(name_of.values())
+    return name_of, [b for b in order if b in used]
 
 
 def _node_params(gm: fx.GraphModule, n: fx.Node) -> list[torch.Tensor]:
