@@ -12,7 +12,7 @@ How (``measure_replicated_fraction``): the captured graph and its TP rewrite at 
 index 0 holds a quarter of every pair, ``passes.tp.tp_rewrite``; f / g unbound, no communication) run
 forward and backward on ``batch`` samples tiled from the example inputs, single-threaded as emulated
 ranks run (``autopar.runtime.emulate``), each timed by the thread's CPU time (least of ``repeats``
-after a warm-up). With ``r`` the shard's time over the whole model's, ``o`` the part of the whole
+after a warm-up, the two taking turns so that both see the same neighbours). With ``r`` the shard's time over the whole model's, ``o`` the part of the whole
 model's time in blocks without a pair (from the cost tables; they run whole on every TP rank) and
 ``f`` the shard's fraction, ``rho = ((r - o) / (1 - o) - f) / (1 - f)``, clipped to ``[0, 0.9]``.
 Forward and backward are measured apart (``TpFractionMeasure``: backward's is the smaller, by 0.25-0.85
@@ -47,7 +47,7 @@ __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_f
 
 MEASURE_SHARES = (1, 3)     # TP index 0 holds a quarter of every pair
 MEASURE_BATCH = 32          # samples per timed run: mid-range of the tables' micro-batches
-_VERSION = 2                # in the cache key: bump when the measurement changes
+_VERSION = 3                # in the cache key: bump when the measurement changes
 _MEMO: dict[str, "TpFractionMeasure"] = {}
 
 
@@ -70,20 +70,27 @@ def _scalar(out) -> torch.Tensor:
     return sum(t.float().mean() for t in leaves)
 
 
-def _time(module, inputs: tuple, repeats: int) -> tuple[float, float]:
-    params = [p for p in module.parameters() if p.requires_grad]
-    fwd, bwd = math.inf, math.inf
+def _run(module, params, inputs: tuple) -> tuple[float, float]:
+    for p in params:
+        p.grad = None
+    t0 = time.thread_time()
+    loss = _scalar(module(*inputs))
+    t1 = time.thread_time()
+    loss.backward()
+    return t1 - t0, time.thread_time() - t1
+
+
+def _time(modules, inputs: tuple, repeats: int) -> list[tuple[float, float]]:
+    """Least forward and backward thread CPU time of each module over ``repeats`` runs after a warm-up,
+    the modules taking turns (so that both see the same neighbours on a shared machine)."""
+    params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
+    best = [[math.inf, math.inf] for _ in modules]
     for i in range(repeats + 1):
-        for p in params:
-            p.grad = None
-        t0 = time.thread_time()
-        loss = _scalar(module(*inputs))
-        t1 = time.thread_time()
-        loss.backward()
-        t2 = time.thread_time()
-        if i:                                   # the first run warms up
-            fwd, bwd = min(fwd, t1 - t0), min(bwd, t2 - t1)
-    return fwd, bwd
+        for j, m in enumerate(modules):
+            f, b = _run(m, params[j], inputs)
+            if i:                               # the first run warms up
+                best[j] = [min(best[j][0], f), min(best[j][1], b)]
+    return [tuple(x) for x in best]
 
 
 def _key(gm, inputs: tuple, batch: int, repeats: int) -> str:
@@ -110,7 +117,7 @@ def _shard_fraction(pairs, shares: tuple[int, ...]) -> float | None:
 
 
 def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int = MEASURE_BATCH,
-                                repeats: int = 3, use_cache: bool = True) -> TpFractionMeasure | None:
+                                repeats: int = 5, use_cache: bool = True) -> TpFractionMeasure | None:
     """The measured replicated fraction of ``gm`` (an analysed graph with real weights, on the CPU; see
     the module docstring), or None where it cannot be measured (no Linear pairs, a meta weight, a
     shard owning none of a pair, a graph that does not run on the tiled inputs)."""
@@ -143,8 +150,7 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
     try:
         with torch.random.fork_rng(devices=[]):
             local = tp_rewrite(gm, MEASURE_SHARES, 0, pairs=pairs)
-            whole_f, whole_b = _time(gm, inputs, repeats)
-            shard_f, shard_b = _time(local, inputs, repeats)
+            (whole_f, whole_b), (shard_f, shard_b) = _time([gm, local], inputs, repeats)
     except Exception:                           # noqa: BLE001 - a graph the timing cannot run keeps the estimate
         return None
     finally:
