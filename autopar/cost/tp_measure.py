@@ -48,7 +48,7 @@ __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_f
 MEASURE_SHARES = (1, 3)     # TP index 0 holds a quarter of every pair
 MEASURE_BATCH = 32          # samples per timed run: mid-range of the tables' micro-batches
 _VERSION = 3                # in the cache key: bump when the measurement changes
-_MEMO: dict[str, "TpFractionMeasure"] = {}
+_MEMO: dict[str, "TpFractionMeasure | None"] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,14 +126,15 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
 
     if any(p.is_meta or p.device.type != "cpu" for p in gm.parameters()):
         return None
+    key = _key(gm, tuple(example_inputs), int(batch), int(repeats))
+    if use_cache and key in _MEMO:
+        return _MEMO[key]
     pairs = find_tp_pairs(gm)
     f = _shard_fraction(pairs, MEASURE_SHARES) if pairs else None
     if f is None or not 0.0 < f < 1.0:
+        _MEMO[key] = None                       # nothing to measure: not looked for again
         return None
     inputs = tile_batch(tuple(example_inputs), int(batch))
-    key = _key(gm, inputs, int(batch), int(repeats))
-    if use_cache and key in _MEMO:
-        return _MEMO[key]
     path = cache_dir() / "tp_fraction.json"
     disk = load_json(path) if use_cache else {}
     if key in disk:
