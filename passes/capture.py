@@ -137,6 +137,34 @@ def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, bo
     return gm, static
 
 
+class _Tracer(fx.Tracer):
+    """``fx.Tracer`` that looks a parameter's name up in a table. The stock tracer searches every
+    parameter of the model for each parameter a traced (non-leaf) module reads: llama-140b's 161 norms
+    x 723 parameters, a fifth of its trace. The same graph otherwise."""
+
+    def trace(self, root, concrete_args=None):
+        self._param_names: dict[int, str] = {}
+        if isinstance(root, nn.Module):
+            for name, p in root.named_parameters():
+                self._param_names.setdefault(id(p), name)
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        name = self._param_names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None or self.param_shapes_constant:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+
+def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)`` with ``_Tracer``."""
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+
+
 def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", "fx", "export"] = "auto") -> Captured:
     """Capture ``model`` as an fx GraphModule; see the module docstring for the order of attempts."""
     if not isinstance(example_inputs, tuple):
@@ -144,7 +172,7 @@ def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", 
     fx_error = None
     if method in ("auto", "fx"):
         try:
-            gm = fx.symbolic_trace(model)
+            gm = _symbolic_trace(model)
             return Captured(gm=gm, method="fx")
         except Exception as exc:  # noqa: BLE001 - any tracing failure sends us to the fallback
             fx_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
