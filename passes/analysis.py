@@ -16,7 +16,11 @@ shapes, parameter shapes) share one measurement, so identical transformer layers
 node whose op and inputs are described exactly like an earlier node's (shapes, strides, dtypes, grad
 flags, every other argument by value) takes that node's fake output instead of running its op, so
 identical layers are interpreted once too (llama-140b, 5851 nodes: 3.8 -> 1.2 s CPU, annotations
-identical).
+identical). Above that, a whole block that repeats one already interpreted (``passes.repeats``: the
+same code, its inputs described alike) is not interpreted at all: each of its nodes takes the
+annotations and output of the node at the same position there, node names mapped (llama-140b:
+82 blocks, 3 interpreted; 1.2 -> 0.5 s CPU, annotations identical; ``copy_repeats=False`` interprets
+every node).
 """
 
 from __future__ import annotations
