@@ -172,7 +172,7 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
         o = min(max(o, 0.0), 0.9)
         r = shard / whole
         rhos.append(float(np.clip(((r - o) / (1.0 - o) - f) / (1.0 - f), 0.0, 0.9)))
-    step = (rhos[0] * whole_f + rhos[1] * whole_b) / (whole_f + whole_b)
+    step = float(np.clip((rhos[0] * whole_f + rhos[1] * whole_b) / (whole_f + whole_b), min(rhos), max(rhos)))
     out = TpFractionMeasure(rhos[0], rhos[1], float(f), int(batch), (shard_f / whole_f, shard_b / whole_b),
                             float(step))
     _MEMO[key] = out
