@@ -92,3 +92,40 @@ def test_split_dp_at_llama_size():
         cost = np.where((pre[None, None, :] - pre[None, :, None]) <= 3 * n / S, cost, np.inf)
         for M in (1, 128, 342):
             assert split_blocks(cost, M) == _full_split_blocks(cost, M)
+
+
+def test_split_dp_with_large_offsets_and_near_ties():
+    """Stage times of a large common offset and tiny differences (the least sum far above the
+    bottleneck spread, where rounding meets the walk's starting cut): still the full DP's answer."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n = int(rng.integers(2, 14))
+        S = int(rng.integers(1, n + 1))
+        M = int(rng.choice([2, 5, 64, 1000]))
+        cost = float(rng.choice([1e-3, 1.0, 1e6])) + rng.integers(0, 3, (S, n + 1, n + 1)) * float(
+            rng.choice([1e-12, 1e-6, 1.0]))
+        assert split_blocks(cost, M) == _full_split_blocks(cost, M)
+
+
+def test_best_first_visits_in_the_order_of_the_full_bound():
+    """The joint search's queue: the same items, in the same order (ties by key), as sorting by the
+    full bound, stopping at the same limit; the costly part only for items that come first."""
+    from autopar.planner.order import best_first
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        k = int(rng.integers(0, 40))
+        cheap = rng.integers(0, 6, k).astype(float)   # many ties
+        extra = rng.integers(0, 4, k).astype(float)
+        limit = float(rng.integers(0, 12))
+        items = [(float(cheap[i]), int(i) // 3, int(i)) for i in range(k)]
+        calls = []
+
+        def more(e, i):
+            calls.append(i)
+            return float(extra[i])
+
+        got = list(best_first(items, more, lambda: limit))
+        full = sorted((c + float(extra[i]), e, i) for c, e, i in items)
+        assert got == [x for x in full if x[0] <= limit]   # a prefix of the sorted items: stops at the limit
+        assert all(cheap[i] <= limit for i in calls) and len(set(calls)) == len(calls)

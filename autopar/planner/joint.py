@@ -54,7 +54,6 @@ Terms
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
@@ -78,6 +77,7 @@ from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
 from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
 from autopar.planner.dp import plan_dp
 from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
+from autopar.planner.order import best_first
 from autopar.planner.pp import (
     StageGrouping, member_shares, micro_candidates, micro_sizes, min_bottleneck, plan_pipeline, plan_timeline,
     split_blocks,
@@ -269,8 +269,7 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
                   micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
         largest.append(counts[-1])
         for M in counts:
-            items.append((split_lower_bound(ctx, entry.prep, M), e, M, False))
-    heapq.heapify(items)
+            items.append((split_lower_bound(ctx, entry.prep, M), e, M))
     best_est = best_s
     found = []
     solved = 0
@@ -307,15 +306,9 @@ def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num
         flags = tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in range(len(got[0])))
         return got[0], got[1], flags
 
-    i = -1
-    while items:
-        bound, e, M, whole = heapq.heappop(items)
-        if bound > best_est * _ESTIMATE_SLACK:
-            break
-        if not whole:   # the tail bound is costly: only for what the split bound alone does not prune
-            heapq.heappush(items, (bound + _tail_lower_bound(ctx, entries[e], M), e, M, True))
-            continue
-        i += 1
+    # the tail bound is costly: only for what the split bound alone does not prune
+    order = best_first(items, lambda e, M: _tail_lower_bound(ctx, entries[e], M), lambda: best_est * _ESTIMATE_SLACK)
+    for i, (bound, e, M) in enumerate(order):
         if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
             break
         entry = entries[e]

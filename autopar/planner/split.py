@@ -88,7 +88,7 @@ def _skip_to_cut(win: np.ndarray, floor: float, num_micro: int) -> np.ndarray:
     if bounds is None:
         return win
     cut = (at_floor + (num_micro - 1) * floor - least) / (num_micro - 1) * (1 + 1e-9)
-    return np.where(win <= cut, win, np.inf)
+    return np.where(win <= max(cut, floor), win, np.inf)   # >= floor: the floor's split stays (rounding)
 
 
 def split_blocks(stage_time_s: np.ndarray, num_micro: int) -> tuple[tuple[int, ...], float] | None:
