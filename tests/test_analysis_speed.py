@@ -75,3 +75,24 @@ def test_a_meta_build_imports_no_dynamo():
             "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton', 'sympy')))[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def test_tp_pairs_are_found_again_after_the_graph_changes():
+    import copy
+
+    import torch.fx as fx
+
+    from autopar.passes.analyze import analyze
+    from autopar.passes.tp_match import find_tp_pairs
+
+    case = zoo.build("llama-tiny")
+    gm = analyze(case.model, case.example_inputs).captured.gm
+    pairs = find_tp_pairs(gm)
+    assert find_tp_pairs(gm) == pairs and len(pairs) == 2 * case.config.num_layers
+    fresh = lambda: find_tp_pairs(fx.GraphModule(gm, copy.deepcopy(gm.graph)))   # noqa: E731 - no answer kept
+    # a column output of a width no longer in heads, then a row Linear swapped for another module
+    col = next(n for n in gm.graph.nodes if n.name == pairs[0].column_nodes[0])
+    col.meta[TENSOR] = type(col.meta[TENSOR])((*col.meta[TENSOR].shape[:-1], 7), col.meta[TENSOR].dtype)
+    assert find_tp_pairs(gm) == fresh() != pairs
+    setattr(gm.get_submodule(pairs[-1].row.rpartition(".")[0]), pairs[-1].row.rpartition(".")[2], nn.Identity())
+    assert find_tp_pairs(gm) == fresh() and len(find_tp_pairs(gm)) < len(pairs) - 1
