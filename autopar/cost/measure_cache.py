@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
-           "graph_signature", "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV", "links_path", "load_link",
-           "save_link"]
+           "graph_signature", "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV",
+           "links_path", "load_link", "save_link"]
 
 CALIBRATION_ENV = "AUTOPAR_CALIBRATION"
 

@@ -45,7 +45,8 @@ from autopar.cost.measure_cache import graph_signature, load_json, measure_cache
 from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
-__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "optimizer_roofline_s_per_param",
+__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "flat_shard_numel",
+           "optimizer_roofline_s_per_param",
            "measure_call_overhead", "step_terms", "predicted_phases"]
 
 # Fraction of peak memory bandwidth a fused / foreach optimizer step reaches on a GPU.
@@ -77,8 +78,8 @@ def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7
     """CPU seconds per parameter of one ``optimizer.step()`` on this CPU (with the threads torch uses
     now), over fresh tensors of ``shapes`` (default one flat vector of 1M elements; at most the first
     4M parameters' worth), state initialised, the least of ``repeats`` (what an emulated rank's steady
-    clock charges, ``autopar.runtime.emulate``; the median carried the host's contention). ``optimizer``: "adamw", "adam",
-    "sgd" (with momentum) or "sgd-nomomentum"."""
+    clock charges, ``autopar.runtime.emulate``; the median carried the host's contention).
+    ``optimizer``: "adamw", "adam", "sgd" (with momentum) or "sgd-nomomentum"."""
     shapes = [tuple(int(d) for d in s) for s in (shapes if shapes is not None else [(1_000_000,)])]
     kept, n = [], 0
     for s in shapes:
@@ -162,7 +163,7 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     return float(cache[key])
 
 
-def _flat_shard_numel(analysis, cluster) -> int:
+def flat_shard_numel(analysis, cluster) -> int:
     """Elements of the flat buffer the flat rate is timed on: an even ZeRO shard of the model over the
     cluster (at least 64k, at most 4M). The rate per parameter depends on the size (a shard that fits
     in the CPU's caches steps faster than one that streams from memory: AdamW on this machine, 10 ns
@@ -188,7 +189,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
-        cpu_flat = measure_optimizer(optimizer, [(_flat_shard_numel(analysis, cluster),)])
+        cpu_flat = measure_optimizer(optimizer, [(flat_shard_numel(analysis, cluster),)])
         cpu_opt = measure_optimizer(optimizer, shapes) if shapes else cpu_flat
         if measured and real and example_inputs is not None:
             cpu_call = measure_call_overhead(analysis, example_inputs)
