@@ -9,7 +9,8 @@ Terms
   - ``sleep``: an emulated device's clock sleeping after a compute block (``autopar.runtime.emulate``);
   - collectives: ``all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``, ``barrier``;
   - point-to-point: ``send`` (posting), ``send_wait`` (waiting for posted sends), ``recv``;
-  - ``wait``: waiting for peers: the part of a collective before the last rank of its group entered it,
+  - ``wait``: waiting for peers: the part of a collective before the last rank of its group entered it
+    (an asynchronous one: began waiting on it),
     the part of a receive before its sender posted the message (``from_records`` splits them off);
   - ``other``: the rest of the step's wall time (Python, copies, flattening outside any block).
 - origin of a step: the earliest start of that step over the ranks of one machine, so every rank's
@@ -197,7 +198,8 @@ class StepProfile:
 def _split_waits(per_rank: dict[int, list], hosts: dict[int, str]) -> dict[int, list]:
     """Split the waiting part off collectives and receives (see the module docstring). ``per_rank``:
     rank -> [(phase, t0, t1, nbytes, key[, entry])] of one step, absolute times; ``entry`` (default
-    ``t0``) is when the rank entered the collective (issued it, for an asynchronous one)."""
+    ``t0``) is when the rank issued an asynchronous collective; its waiting part ends at the latest
+    ``t0`` (wait start) over the group, as a blocking one's ends at the latest entry."""
     entries: dict[tuple, list[tuple[float, str]]] = {}
     sends: dict[tuple, tuple[float, str]] = {}
     for r, evs in per_rank.items():
@@ -208,7 +210,11 @@ def _split_waits(per_rank: dict[int, list], hosts: dict[int, str]) -> dict[int, 
             if phase == "send":
                 sends[_hashable(key)] = (t0, hosts[r])
             elif phase != "recv":
-                entries.setdefault(_hashable(key), []).append((ev[5] if len(ev) > 5 else t0, hosts[r]))
+                # An asynchronous collective (``entry``: when it was issued) waits on the peer that blocks
+                # on it last: issued early, it still completes only once that peer's process drives it
+                # (an emulated rank computing after the issue starves it), so the group counts as entered
+                # at the latest wait start; a blocking one at the latest entry.
+                entries.setdefault(_hashable(key), []).append((t0, hosts[r]))
     out: dict[int, list] = {}
     for r, evs in per_rank.items():
         new = []
