@@ -112,7 +112,31 @@ def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
 def ring_link(cluster: "Cluster", ranks: Sequence[int],
               link: LinkModel = DEFAULT_LINK, op: str = "all_reduce") -> tuple[float, float]:
     """(bandwidth_Bps of the slowest link, largest latency_s) of the ring over ``ranks`` in order; over
-    a measured emulated link, ``op``'s bandwidth and latency (one of ``autopar.cluster.links.LINK_OPS``)."""
+    a measured emulated link, ``op``'s bandwidth and latency (one of ``autopar.cluster.links.LINK_OPS``).
+    Remembered per cluster object (the planner prices the same rings hundreds of thousands of times)."""
+    memo = _ring_memo(cluster)
+    mkey = (tuple(ranks), link, op)
+    hit = memo.get(mkey)
+    if hit is None:
+        hit = memo[mkey] = _ring_link(cluster, ranks, link, op)
+    return hit
+
+
+_RING_MEMO: dict[int, tuple["Cluster", dict]] = {}
+_RING_MEMO_CLUSTERS = 8
+
+
+def _ring_memo(cluster) -> dict:
+    """The ``ring_link`` results of one cluster object (clusters are frozen; a few are kept, by identity)."""
+    entry = _RING_MEMO.get(id(cluster))
+    if entry is None or entry[0] is not cluster:
+        if len(_RING_MEMO) >= _RING_MEMO_CLUSTERS:
+            _RING_MEMO.pop(next(iter(_RING_MEMO)))
+        entry = _RING_MEMO[id(cluster)] = (cluster, {})
+    return entry[1]
+
+
+def _ring_link(cluster, ranks, link, op) -> tuple[float, float]:
     ranks = _ring(cluster, ranks)
     if len(ranks) == 1:
         return math.inf, 0.0
