@@ -121,7 +121,7 @@ def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
 # -- measurement ---------------------------------------------------------------------------------
 def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: torch.device | None = None,
                    repeats: int = 5, use_cache: bool = True, progress=None,
-                   stat: str = "min") -> dict[int, np.ndarray]:
+                   stat: str = "min", min_time_s: float = 0.3) -> dict[int, np.ndarray]:
     """Measured forward and backward seconds of every block at each micro-batch in ``batches``, as a
     training step runs them (in situ).
 
@@ -139,6 +139,10 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
     share the mean of their in-situ times. A row is made non-decreasing in the micro-batch (a larger
     micro-batch never costs less; timing noise at small ones otherwise inverts neighbours).
     Not counted: the loss (the graph's outputs get unit gradients), which a step runs after the graph.
+
+    ``repeats`` is the least number of timed runs per micro-batch; small graphs run more, until their
+    timed runs add up to ``min_time_s`` (at most ``_MAX_REPEATS``): the least of a few 10 ms runs
+    moved by 40% between two processes on a loaded machine, which the planner then took as the model.
     """
     from torch.fx.passes.split_module import split_module
 
@@ -162,7 +166,7 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
                 split = split_module(gm, model, lambda node: node.meta[BLOCK], keep_original_order=True)
                 subs = {int(name.split("_")[1]): mod for name, mod in split.named_children()
                         if name.startswith("submod_")}
-            res = _in_situ(split, subs, n, tile_batch(example_inputs, b), repeats, sync, clock, stat)
+            res = _in_situ(split, subs, n, tile_batch(example_inputs, b), repeats, sync, clock, stat, min_time_s)
             groups: dict[str, list[int]] = {}
             for s in analysis.stats:
                 groups.setdefault(s.struct_hash, []).append(s.index)
@@ -180,9 +184,11 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
 
 
 _WARMUP = 2
+_MAX_REPEATS = 40
 
 
-def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock, stat: str) -> np.ndarray:
+def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock, stat: str,
+             min_time_s: float = 0.0) -> np.ndarray:
     """(2, n) forward / backward seconds of the blocks of ``split`` on ``inputs`` (``measure_blocks``)."""
     fwd_marks: list[tuple[float, int]] = []
     grad_marks: dict[int, float] = {}
@@ -210,7 +216,13 @@ def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock
              for h in (mod.register_forward_pre_hook(pre(i)), mod.register_forward_hook(post(i)))]
     fwd_runs, bwd_runs, fwd_total, bwd_total = [], [], [], []
     try:
-        for r in range(repeats + _WARMUP):            # the first runs warm up (allocations of a new size)
+        r = -1
+        while True:          # the first runs warm up (allocations of a new size), then the timed ones
+            r += 1
+            timed = len(fwd_total)
+            if timed >= max(1, repeats) and (timed >= _MAX_REPEATS
+                                              or sum(fwd_total) + sum(bwd_total) >= min_time_s):
+                break
             fwd_marks.clear()
             grad_marks.clear()
             t0 = stamp()
