@@ -17,7 +17,7 @@ from autopar.ir.plan import Stage
 from autopar.planner.pp import plan_pipeline, plan_timeline, stage_durations, stage_optimizer_s
 from autopar.runtime.emulate import emulation_time_scale
 from autopar.cost.step import (OPTIMIZER_BANDWIDTH_EFFICIENCY, measure_call_overhead, measure_optimizer,
-                                optimizer_roofline_s_per_param, step_terms)
+                                flat_shard_numel, optimizer_roofline_s_per_param, step_terms)
 from autopar.passes.analyze import analyze
 
 
@@ -93,7 +93,7 @@ def test_step_terms_scale_emulated_types_like_their_tables(cache):
     shapes = [tuple(p.shape) for p in case.model.parameters()]
     cpu = measure_optimizer("adamw", shapes)
     assert opt["a"] == pytest.approx(cpu * scale) and opt["b"] == pytest.approx(4 * cpu * scale)
-    assert flat["b"] == pytest.approx(4 * measure_optimizer("adamw") * scale)
+    assert flat["b"] == pytest.approx(4 * measure_optimizer("adamw", [(flat_shard_numel(a, cluster),)]) * scale)
     assert call["b"] == pytest.approx(4 * call["a"])
     gpu = Cluster.from_dict({"nodes": [{"device": "H100-80GB", "count": 2}]})
     terms = step_terms(a, gpu)

@@ -232,8 +232,7 @@ def _split_waits(per_rank: dict[int, list], hosts: dict[int, str]) -> dict[int, 
             if start is not None and start > t0:
                 mid = min(start, t1)
                 new.append(("wait", t0, mid, 0))
-                if t1 > mid:
-                    new.append((phase, mid, t1, nb))
+                new.append((phase, mid, t1, nb))     # kept at zero length: the collective and its bytes
             else:
                 new.append((phase, t0, t1, nb))
         out[r] = new
