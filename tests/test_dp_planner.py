@@ -161,10 +161,11 @@ def test_zero_auto_prefers_fewest_bytes_on_a_tie_and_zero3_pays_per_micro_step()
     for r, mb in _micro(z3).items():
         curve = micro_step_curve(costs, cluster.devices[r].spec.name, 3, zc, max_batch=47)
         rank_time[r] = sum(float(curve(b)) for b in mb)
-    assert z3.predicted.step_time_s == pytest.approx(max(rank_time.values()), rel=1e-12)
+    # once per step: the loss sum's all-reduce (zc.per_step_s at ZeRO-3)
+    assert z3.predicted.step_time_s == pytest.approx(max(rank_time.values()) + zc.per_step_s, rel=1e-12)
     bottleneck = max(rank_time, key=rank_time.get)
     assert z3.predicted.breakdown["comm_s"] == pytest.approx(
-        zc.per_micro_step_s * len(_micro(z3)[bottleneck]), rel=1e-12)
+        zc.per_micro_step_s * len(_micro(z3)[bottleneck]) + zc.per_step_s, rel=1e-12)
     grad = costs.params.sum() * 4
     # ZeRO-3 as the engine runs it: per block, two gathers (forward, backward) and a chunked reduce-scatter
     block = int(costs.params[0])
@@ -172,13 +173,14 @@ def test_zero_auto_prefers_fewest_bytes_on_a_tie_and_zero3_pays_per_micro_step()
     rs = comm.zero_reduce_scatter_s(cluster, (0, 1, 2), block, 4)
     assert zc.per_micro_step_s == pytest.approx(4 * (2 * ag + rs))
     assert zero_comm(costs, cluster, (0, 1, 2), 0).per_step_s == pytest.approx(
-        comm.allreduce_time_s(cluster, (0, 1, 2), grad, algorithm="auto"))
+        comm.dp_allreduces(costs, cluster, (0, 1, 2), 0).grad_s + comm.loss_allreduce_s(cluster, (0, 1, 2)))
     ring = zero_comm(costs, cluster, (0, 1, 2), 2, algorithm="ring")
     # ZeRO-2 shards gradients: a reduce-scatter on every micro-step, the all-gather once per step
     total = int(costs.params.sum())
     assert ring.per_micro_step_s == pytest.approx(comm.zero_reduce_scatter_s(cluster, (0, 1, 2), total, 4,
                                                                              algorithm="ring"))
-    assert ring.per_step_s == pytest.approx(comm.zero_gather_s(cluster, (0, 1, 2), total, 4, algorithm="ring"))
+    assert ring.per_step_s == pytest.approx(comm.zero_gather_s(cluster, (0, 1, 2), total, 4, algorithm="ring")
+                                            + comm.loss_allreduce_s(cluster, (0, 1, 2), algorithm="ring"))
     z2 = plan_dp(costs, cluster, 47, zero_stage=2)
     zc2 = zero_comm(costs, cluster, (0, 1, 2), 2)
     steps = max(len(mb) for mb in _micro(z2).values())
@@ -342,7 +344,7 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
     curves = {r: micro_step_curve(costs, cluster.devices[r].spec.name, 3, zc, max_batch=47) for r in micro}
     lockstep = sum(max(float(curves[r](mb[i])) for r, mb in micro.items() if i < len(mb))
                    for i in range(rounds))
-    assert z3.predicted.step_time_s == pytest.approx(lockstep, rel=1e-9)
+    assert z3.predicted.step_time_s == pytest.approx(lockstep + zc.per_step_s, rel=1e-9)   # + the loss sum
 
 
 def test_recompute_lets_dp_fit_and_is_priced_one_more_forward():

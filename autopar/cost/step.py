@@ -228,29 +228,33 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
         tp_any = any(len(g) > 1 for g in st.groups)
         rounds = max(len(mb) for mb in st.micro_batches)
         zc = None                                   # the stage's ZeRO collectives, priced once
+        dar = None                                  # its all-reduces (comm.dp_allreduces), priced once
         for g, members in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares and len(st.tp_shares) > g else (1,) * len(members)
-            factors = tp_cost.work_factors(np.asarray(shares, float) / sum(shares), rho)
-            if len(members) > 1:
+            tp_group = len(members) > 1               # priced with the pieces the plan is priced with
+            if tp_group:
                 alpha, beta = tp_cost.allreduce_alpha_beta(cluster, members)
+                types = tuple(cluster.devices[r].spec.name for r in members)
+                held = tp_cost.tp_rank_params(costs, blocks, np.asarray(shares, float) / sum(shares), rho)
             for i, r in enumerate(members):
                 t = cluster.devices[r].spec.name
                 d = out.setdefault(r, {})
                 call = costs.call_overhead(t)
-                k = float(factors[i])
                 for x in st.micro_batches[g]:
                     if x <= 0:
                         continue
-                    f = float(costs.fwd_time(t, x)[blocks].sum()) * k
-                    b = float(costs.bwd_time(t, x)[blocks].sum()) * k
+                    if tp_group:
+                        fr, br = tp_cost.rank_block_times(costs, types, shares, x, rho)
+                        f, b = float(fr[i, blocks].sum()), float(br[i, blocks].sum())
+                    else:
+                        f, b = float(costs.fwd_time(t, x)[blocks].sum()), float(costs.bwd_time(t, x)[blocks].sum())
                     if st.recompute:
                         b += f
                     c = call / 2 if single else call      # a micro-step is one call, a pipeline F or B one each
                     _add(d, "forward", f + c)
                     _add(d, "backward", b + c)
-                    if len(members) > 1:                   # Megatron's f / g all-reduces, both directions
-                        per = tp_cost.TP_ALLREDUCES_PER_BLOCK * (alpha + beta * costs.out_bytes[blocks] * x)
-                        _add(d, "all_reduce", float(per.sum()))
+                    if tp_group:                           # Megatron's f / g all-reduces, both directions
+                        _add(d, "all_reduce", 2 * float(tp_cost.tp_allreduce_block_s(costs, alpha, beta, x)[blocks].sum()))
                     if not single and s + 1 < plan.num_stages:
                         _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
                                                        float(costs.out_bytes[st.block_stop - 1]) * x))
@@ -259,7 +263,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                         _add(d, "p2p", comm.p2p_time_s(cluster, prev.groups[0][0], r,
                                                        float(costs.out_bytes[prev.block_stop - 1]) * x))
                 # the optimizer: every parameter, a ZeRO shard (data parallelism: one flat buffer) or a TP shard
-                n, flat = params * k, False
+                n, flat = (float(held[i]) if tp_group else params), False
                 if zero >= 1 and nm > 1 and not tp_any:
                     frac = (st.zero_shares[g] / sum(st.zero_shares)) if st.zero_shares else 1.0 / nm
                     n, flat = params * frac, single
@@ -269,8 +273,9 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     continue
                 if single and not tp_any:                  # data parallelism: the ZeRO stage's collectives
                     ring = firsts
-                    if zero <= 1:
-                        _add(d, "all_reduce", comm.allreduce_time_s(cluster, ring, grad_bytes, algorithm="auto"))
+                    if dar is None:                        # the gradient's buckets and the loss sum
+                        dar = comm.dp_allreduces(costs, cluster, ring, zero, blocks=blocks)
+                    _add(d, "all_reduce", dar.total_s)
                     if zc is None:                         # as the engine runs them (one function: comm's)
                         zc = comm.zero_collectives(costs, cluster, ring, zero, st.zero_shares or None,
                                                    recompute=st.recompute, blocks=blocks)

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from autopar.config import DP_STRATEGIES, GRAD_BUCKET_BYTES, MEMORY_FRACTION, ZERO_STAGES, PlanConfig
+from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, ZERO_STAGES, PlanConfig
 from autopar.cost import comm
 from autopar.cost.memory import (  # re-exported: the data-parallel planner's memory model
     DEFAULT_WORKSPACE_BYTES, RankMemory, activation_bytes_per_sample, check_zero_stage, max_micro_batch,
@@ -114,20 +114,20 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
     param_bytes = float(costs.param_bytes.sum())
     ring = (n - 1) / n if n else 0.0   # fraction of a buffer each rank sends in a ring RS / AG
-    ar = comm.allreduce_time_s(cluster, ranks, grad_bytes, link=link, algorithm=algorithm)
+    dar = comm.dp_allreduces(costs, cluster, ranks, zero_stage, link=link, algorithm=algorithm) if n else \
+        comm.DpAllReduces()
+    ar, last, loss = dar.grad_s, dar.last_bucket_s, dar.loss_s   # buckets (each its latencies) and the loss sum
     zc = comm.zero_collectives(costs, cluster, ranks, zero_stage, fractions, recompute=recompute, link=link,
                                algorithm=algorithm) if n else comm.ZeroCollectives()
-    bucket = min(grad_bytes, float(GRAD_BUCKET_BYTES))
-    last = comm.allreduce_time_s(cluster, ranks, bucket, link=link, algorithm=algorithm) if bucket > 0 else 0.0
     rs_bytes = ring * zc.round_reduce_scatter_bytes
     if zero_stage == 0:
-        return ZeroComm(0, ar, 0.0, 2 * ring * grad_bytes, 0.0, ar, last)
+        return ZeroComm(0, ar + loss, 0.0, 2 * ring * grad_bytes, 0.0, ar, last)
     if zero_stage == 1:
-        return ZeroComm(1, ar + zc.step_gather_s, 0.0, ring * (2 * grad_bytes + param_bytes), 0.0, ar, last)
+        return ZeroComm(1, ar + zc.step_gather_s + loss, 0.0, ring * (2 * grad_bytes + param_bytes), 0.0, ar, last)
     if zero_stage == 2:
-        return ZeroComm(2, zc.step_gather_s, zc.round_reduce_scatter_s, ring * param_bytes, rs_bytes)
+        return ZeroComm(2, zc.step_gather_s + loss, zc.round_reduce_scatter_s, ring * param_bytes, rs_bytes)
     gathers = 2 if not recompute else 1
-    return ZeroComm(3, 0.0, zc.round_gather_s + zc.round_reduce_scatter_s, 0.0,
+    return ZeroComm(3, loss, zc.round_gather_s + zc.round_reduce_scatter_s, 0.0,
                     ring * gathers * param_bytes + rs_bytes)
 
 
