@@ -254,7 +254,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     _add(d, "forward", f + c)
                     _add(d, "backward", b + c)
                     if tp_group:                           # Megatron's f / g all-reduces, both directions
-                        _add(d, "all_reduce", 2 * float(tp_cost.tp_allreduce_block_s(costs, alpha, beta, x)[blocks].sum()))
+                        per = tp_cost.tp_allreduce_block_s(costs, alpha, beta, x)[blocks]
+                        _add(d, "all_reduce", 2 * float(per.sum()))
                     if not single and s + 1 < plan.num_stages:
                         _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
                                                        float(costs.out_bytes[st.block_stop - 1]) * x))
