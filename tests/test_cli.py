@@ -57,6 +57,8 @@ def test_models_lists_the_zoo(capsys):
      "--pp-layers: '2,x'"),
     (["train", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "8", "--compare", "fastest"],
      "--compare: 'fastest'"),
+    (["train", "--model", "resmlp", "--cluster", "demo", "--global-batch", "8"], "unknown zoo name 'resmlp'"),
+    (["train", "--model", "nowhere_pkg:f", "--cluster", "demo", "--global-batch", "8"], "cannot import module"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert main(argv) == 2
