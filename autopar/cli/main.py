@@ -55,26 +55,6 @@ def _planning_case(spec: str):
     return _load_model(spec, device="cpu")
 
 
-def _check_model_spec(spec: str) -> None:
-    """A zoo name or an importable ``package.module:factory``, checked before any process starts
-    (``ModelZooError`` naming it); the factory is not called."""
-    import importlib
-
-    from autopar.models import zoo
-    from autopar.models.case import ModelZooError
-
-    if ":" not in spec:
-        zoo.config_of(spec)
-        return
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelZooError(f"model: cannot import module {module_name!r} of {spec!r}: {exc}") from exc
-    if not callable(getattr(module, attr, None)):
-        raise ModelZooError(f"model: {module_name!r} has no callable {attr!r} (from {spec!r})")
-
-
 def _load_cluster(arg: str | None):
     from autopar.cluster.model import Cluster, load
 
@@ -311,7 +291,9 @@ def cmd_train(args) -> int:
     from autopar.config import STRATEGIES
     from autopar.errors import PlanError
 
-    _check_model_spec(args.model)   # before any process starts
+    from autopar.models.zoo import factory_of
+
+    factory_of(args.model)   # a model that cannot be built fails here, before any process starts
     cluster = _load_cluster(args.cluster)
     strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
     for s in strategies[1:]:   # before any process starts

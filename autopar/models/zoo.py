@@ -17,7 +17,7 @@ from torch import nn
 from autopar.models import bert, gpt, llama, mlp, resnet, thirdparty, vit
 from autopar.models.case import ModelCase, ModelZooError, apply_overrides
 
-__all__ = ["build", "names", "load", "config_of"]
+__all__ = ["build", "names", "load", "config_of", "factory_of"]
 
 _FAMILIES = (gpt, llama, bert, vit, resnet, mlp, thirdparty)
 
@@ -54,13 +54,14 @@ def build(name: str, device: str | torch.device = "cpu", *, seed: int = 0, **ove
     return make_case(name, cfg, device=device, seed=seed)
 
 
-def load(spec: str, device: str | torch.device | None = None, *, seed: int = 0) -> ModelCase:
-    """A zoo name (built on ``device``, default ``cpu``) or ``package.module:factory``. A factory's model
-    stays where the factory put it unless ``device`` is given."""
+def factory_of(spec: str) -> Callable[[], Any] | None:
+    """Check a model spec without building it: a zoo name (None), or the callable of
+    ``package.module:factory`` (imported, not called); else ``ModelZooError`` naming what is wrong."""
     if not isinstance(spec, str) or not spec:
         raise ModelZooError(f"model: expected a zoo name or 'package.module:factory', got {spec!r}")
     if ":" not in spec:
-        return build(spec, device if device is not None else "cpu", seed=seed)
+        _lookup(spec)
+        return None
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -69,7 +70,17 @@ def load(spec: str, device: str | torch.device | None = None, *, seed: int = 0) 
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelZooError(f"model: {module_name!r} has no callable {attr!r} (from {spec!r})")
-    case = _as_case(spec, factory())
+    return factory
+
+
+def load(spec: str, device: str | torch.device | None = None, *, seed: int = 0) -> ModelCase:
+    """A zoo name (built on ``device``, default ``cpu``) or ``package.module:factory``. A factory's model
+    stays where the factory put it unless ``device`` is given."""
+    if not isinstance(spec, str) or not spec:
+        raise ModelZooError(f"model: expected a zoo name or 'package.module:factory', got {spec!r}")
+    if ":" not in spec:
+        return build(spec, device if device is not None else "cpu", seed=seed)
+    case = _as_case(spec, factory_of(spec)())
     if device is not None:
         case = ModelCase(name=case.name, model=case.model.to(device),
                          example_inputs=tuple(t.to(device) for t in case.example_inputs), loss_fn=case.loss_fn,
