@@ -63,7 +63,7 @@ from autopar.cluster.links import (
     pair_latency_s,
 )
 from autopar.errors import ClusterError
-from autopar.ir.costs import ModelCosts, zero_shard_numels, zero_staging_numel
+from autopar.ir.costs import ModelCosts, bucket_ranges, zero_shard_numels, zero_staging_numel
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -364,28 +364,20 @@ def loss_allreduce_s(cluster: "Cluster", ranks: Sequence[int], link: LinkModel =
 def grad_buckets(costs: ModelCosts, blocks: slice = slice(None),
                  bucket_bytes: float = GRAD_BUCKET_BYTES) -> tuple[float, ...]:
     """Bytes of each gradient bucket the engine all-reduces over the ``blocks`` of ``costs``, in launch
-    order (last blocks first), as ``autopar.runtime.dp_overlap.bucket_ranges`` packs parameters: items
+    order (last blocks first), with the engine's packing rule (``autopar.ir.costs.bucket_ranges``): items
     taken from the end while the bucket stays within ``bucket_bytes``. The cost tables know blocks, not
     parameters: a block is one item, a block larger than a bucket ceil(block / bucket) equal items
     (its parameters, which no bucket can hold together)."""
     if not bucket_bytes > 0:
         raise ValueError(f"bucket_bytes: {bucket_bytes!r} must be > 0")
     grads = np.asarray(costs.params[blocks], dtype=np.float64) * costs.grad_bytes_per_param
-    out: list[float] = []
-    size = 0.0
-    for b in grads[::-1]:
-        if b <= 0:
-            continue
-        k = max(1, math.ceil(float(b) / bucket_bytes))
-        for _ in range(k):
-            item = float(b) / k
-            if size > 0 and size + item > bucket_bytes:
-                out.append(size)
-                size = 0.0
-            size += item
-    if size > 0:
-        out.append(size)
-    return tuple(out)
+    items: list[float] = []              # in flat order
+    for b in grads:
+        if b > 0:
+            k = max(1, math.ceil(float(b) / bucket_bytes))
+            items.extend([float(b) / k] * k)
+    offsets = np.concatenate(([0.0], np.cumsum(items)[:-1])) if items else ()
+    return tuple(sum(items[i] for i in r) for r in bucket_ranges(items, offsets, bucket_bytes))
 
 
 @dataclass(frozen=True, slots=True)

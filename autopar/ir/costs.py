@@ -37,7 +37,8 @@ import numpy as np
 from autopar.config import GRAD_BUCKET_BYTES
 
 __all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes", "ZERO_STAGING_FRACTION",
-           "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel", "zero_shard_numels"]
+           "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel", "zero_shard_numels",
+           "bucket_ranges"]
 
 # Optimizer state per parameter, fp32.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
@@ -47,6 +48,27 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
 # gradient bucket (GRAD_BUCKET_BYTES), but at least ZERO_STAGING_MIN_NUMEL (fewer, larger pieces).
 ZERO_STAGING_FRACTION = 16
 ZERO_STAGING_MIN_NUMEL = 4096
+
+
+def bucket_ranges(numels, offsets, bucket_numel) -> tuple[tuple[int, ...], ...]:
+    """Buckets of one unit as tuples of parameter positions (within the unit), last parameters first:
+    each bucket takes whole parameters from the end of the flat buffer while it stays within
+    ``bucket_numel`` elements (a parameter larger than that is a bucket alone); each bucket's
+    parameters are contiguous in the flat buffer. The data-parallel engine's gradient buckets
+    (``autopar.runtime.dp_overlap``) and the cost model's (``autopar.cost.comm.grad_buckets``) both."""
+    out: list[tuple[int, ...]] = []
+    order = sorted(range(len(numels)), key=lambda k: offsets[k], reverse=True)
+    current: list[int] = []
+    size = 0
+    for k in order:
+        if current and size + numels[k] > bucket_numel:
+            out.append(tuple(sorted(current)))
+            current, size = [], 0
+        current.append(k)
+        size += numels[k]
+    if current:
+        out.append(tuple(sorted(current)))
+    return tuple(out)
 
 
 def zero_shard_numels(total_numel: int, shares) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from autopar.config import GRAD_BUCKET_BYTES
+from autopar.ir.costs import bucket_ranges   # one packing rule: the engine's and the cost model's
 from autopar.runtime.communicator import PendingCollective, pg_all_reduce_async
 
 __all__ = ["BUCKET_BYTES", "Bucket", "bucket_ranges", "GradBuckets"]
@@ -51,26 +52,6 @@ class Bucket:
     lo: int                       # [lo, hi) in that flat gradient
     hi: int
     params: tuple[int, ...]       # indices into the engine's parameter list
-
-
-def bucket_ranges(numels: Sequence[int], offsets: Sequence[int], bucket_numel: int) -> tuple[tuple[int, ...], ...]:
-    """Buckets of one unit as tuples of parameter positions (within the unit), last parameters first:
-    each bucket takes whole parameters from the end of the flat buffer while it stays within
-    ``bucket_numel`` elements (a parameter larger than that is a bucket alone); each bucket's
-    parameters are contiguous in the flat buffer."""
-    out: list[tuple[int, ...]] = []
-    order = sorted(range(len(numels)), key=lambda k: offsets[k], reverse=True)
-    current: list[int] = []
-    size = 0
-    for k in order:
-        if current and size + numels[k] > bucket_numel:
-            out.append(tuple(sorted(current)))
-            current, size = [], 0
-        current.append(k)
-        size += numels[k]
-    if current:
-        out.append(tuple(sorted(current)))
-    return tuple(out)
 
 
 class GradBuckets:
