@@ -86,9 +86,8 @@ def tile_batch(inputs: tuple, b: int) -> tuple:
 
 def graph_signature(analysis) -> str:
     """What identifies a graph's in-situ timings across processes: its generated code, which block
-    every node is in, and its parameters' and buffers' shapes and dtypes, hashed. (Not the blocks'
-    ``struct_hash``: it prints some call targets with their memory address, ``<built-in method arange
-    ... at 0x7f...>``, so it differs from one process to the next.)"""
+    every node is in, and its parameters' and buffers' shapes and dtypes, hashed: in-situ tables are
+    timed over the whole graph, so they are filed by the whole graph, not by a block's ``struct_hash``."""
     import hashlib
 
     from autopar.passes.meta import BLOCK
