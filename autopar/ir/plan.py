@@ -42,6 +42,10 @@ class Stage:
     # Activation recomputation: keep only the stage's inputs per micro-batch in flight and recompute
     # the stage's forward during its backward (torch.utils.checkpoint).
     recompute: bool = False
+    # Sequence parallelism (Megatron-SP) in the tensor-parallel blocks: the token-wise ops between the
+    # column/row pairs (norms, residual adds) run on a sequence shard of each TP rank, the pairs' all-reduces
+    # become reduce-scatter / all-gather along the sequence (``passes.tp_sp``). Only meaningful with TP.
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if not 0 <= self.block_start < self.block_stop:
@@ -61,8 +65,9 @@ class Stage:
         return sum(self.micro_batches[g])
 
     def __repr__(self) -> str:
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
         return (f"Stage(blocks={self.block_start}:{self.block_stop}, groups={self.groups}, "
-                f"micro_batches={self.micro_batches})")
+                f"micro_batches={self.micro_batches}{sp})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,7 @@ class Plan:
                 block_start=s["block_start"], block_stop=s["block_stop"], groups=tup(s["groups"]),
                 micro_batches=tup(s["micro_batches"]), tp_shares=tup(s.get("tp_shares", [])),
                 zero_shares=tuple(s.get("zero_shares", [])), recompute=bool(s.get("recompute", False)),
+                sequence_parallel=bool(s.get("sequence_parallel", False)),
             )
             for s in d["stages"]
         )
@@ -195,7 +201,12 @@ class Plan:
         """A readable table: one row per stage member."""
         from autopar.ir.report import plan_table  # local: rich is only needed for display
 
-        return plan_table(self, cluster)
+        table = plan_table(self, cluster)
+        sp = [str(s) for s, st in enumerate(self.stages) if st.sequence_parallel]
+        if sp:
+            table += (f"sequence parallelism (norms and residuals on a sequence shard per TP rank) in stage"
+                      f"{'s' if len(sp) > 1 else ''} {', '.join(sp)}\n")
+        return table
 
     def __repr__(self) -> str:
         v = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
