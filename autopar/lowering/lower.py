@@ -6,9 +6,10 @@ The passes, in order (each a function over fx graphs from ``autopar.passes``):
 2. for a ``"pipeline"`` plan: the stage split (``passes.split.split_stages``) at the stages' block
    ranges (with ``Plan.virtual_stages`` > 1 these are the model chunks, several per rank: the engine
    runs every stage of ``Plan.chunks_of(rank)``), then, on a tensor-parallel member, the TP rewrite of
-   this rank's stage (``passes.tp.tp_rewrite``);
+   this rank's stage (``passes.tp.tp_rewrite``), and with ``Stage.sequence_parallel`` sequence
+   parallelism on it (``passes.tp_sp.sp_rewrite``: the blocks it supports; the others as they were);
 3. for a ``"tp"`` plan: the TP rewrite of the whole graph for this rank (an idle rank gets the
-   one-rank rewrite: it never runs and holds no shard);
+   one-rank rewrite: it never runs and holds no shard), with SP as in 2;
 4. for a ``"dp"`` plan: with ``Stage.recompute`` the split at every block (the engine recomputes block
    by block); at ZeRO-3 without recomputation, the gather units and the graph with their hooks
    (``autopar.lowering.zero3_units``).
@@ -30,8 +31,9 @@ from autopar.lowering.zero3_units import insert_unit_hooks, param_units
 from autopar.passes.meta import BLOCK
 from autopar.passes.split import split_stages
 from autopar.passes.tp import tp_rewrite
+from autopar.passes.tp_sp import sp_rewrite
 
-__all__ = ["lower", "num_blocks", "tp_shares_of"]
+__all__ = ["lower", "num_blocks", "tp_shares_of", "tp_member_module"]
 
 
 def num_blocks(gm) -> int:
@@ -45,6 +47,15 @@ def tp_shares_of(plan: Plan, stage: int, member: int) -> tuple[int, ...]:
     """The head shares of the ranks of ``member`` of ``stage`` (even when the plan gives none)."""
     st = plan.stages[stage]
     return tuple(int(x) for x in st.tp_shares[member]) if st.tp_shares else (1,) * len(st.groups[member])
+
+
+def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.GraphModule,
+                     granularity: int = 8) -> fx.GraphModule:
+    """The TP rewrite of ``gm`` (the whole graph, or stage ``stage``'s) for TP index ``tp_index`` of
+    ``member``, sequence-parallel where ``Stage.sequence_parallel`` asks and the block supports it."""
+    shares = tp_shares_of(plan, stage, member)
+    local = tp_rewrite(gm, shares, tp_index, granularity=granularity)
+    return sp_rewrite(local, shares, tp_index) if plan.stages[stage].sequence_parallel else local
 
 
 def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool = False,
@@ -65,8 +76,7 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
         if local is not None and len(plan.stages[stage].groups[member]) > 1:
             import dataclasses
 
-            local = dataclasses.replace(local, gm=tp_rewrite(local.gm, tp_shares_of(plan, stage, member),
-                                                             tp_index))
+            local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
         return RankProgram(**common, stages=stages, local_stage=local)
     if kind == "tp":
         if gm is None:
@@ -74,7 +84,7 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
         if member is None:
             module = tp_rewrite(gm, (1,), 0)
         else:
-            module = tp_rewrite(gm, tp_shares_of(plan, 0, member), tp_index, granularity=tp_granularity)
+            module = tp_member_module(plan, 0, member, tp_index, gm, tp_granularity)
         return RankProgram(**common, tp_module=module)
     st = plan.stages[0]
     if st.recompute:

@@ -58,15 +58,17 @@ from autopar.lowering.materialize import is_deterministic, tensor_value
 from autopar.lowering.program import RankProgram
 from autopar.passes.meta import TP_LAYOUT
 from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, tp_rewrite
+from autopar.passes.tp_sp import SP_META_KEY, bind_sp_collectives
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
+from autopar.runtime.communicator import pg_reduce_scatter_into
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
-           "gather_full_params", "flat_full_grad"]
+           "gather_full_params", "flat_full_grad", "bind_sp_group"]
 
 
 class TensorParallelError(AutoparError):
@@ -82,6 +84,21 @@ def bind_tp_group(local_gm: fx.GraphModule, group=None) -> None:
     (None: the default group); without torch.distributed they stay without communication."""
     if pg_is_initialized():
         bind_all_reduce(local_gm, functools.partial(pg_all_reduce, group=group))
+        bind_sp_group(local_gm, group)
+
+
+def bind_sp_group(local_gm: fx.GraphModule, group=None) -> None:
+    """Make the sequence-parallel modules of a TP module (``passes.tp_sp.sp_rewrite``; none: nothing to
+    do) communicate over the process ``group``: padded all-gathers, and reduce-scatters where the
+    backend has them (gloo has none: an all-reduce of which each rank keeps its tokens, the same sums)."""
+    if not pg_is_initialized() or SP_META_KEY not in getattr(local_gm, "meta", {}):
+        return
+    import torch.distributed as dist
+
+    gloo = dist.get_backend(group) == "gloo"
+    bind_sp_collectives(local_gm, functools.partial(pg_all_reduce, group=group),
+                        functools.partial(pg_all_gather, group=group),
+                        None if gloo else functools.partial(pg_reduce_scatter_into, group=group))
 
 
 def shard_stage_module(stage_gm: fx.GraphModule, shares: tuple[int, ...], idx: int, group=None, *,

@@ -1,0 +1,249 @@
+"""Sequence parallelism's communication (``passes.tp_sp``): the modules its rewrite inserts, and the
+state they share. Terms: see ``passes.tp_sp``.
+
+Each module runs a ``torch.autograd.Function`` whose forward and backward are conjugate collectives
+along the sequence dim over the member's tensor-parallel group, with shards of uneven length
+(``seq_ranges``) padded to the longest for the collective and cut after it. The collectives are
+functions bound by the runtime (``bind_sp_collectives``); unbound, a module does no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.passes.tp import unit_ranges
+
+__all__ = ["SEQ_DIM", "seq_ranges", "SeqContext", "SeqScatter", "SeqGather", "SeqGatherToGroup",
+           "SeqReduceScatter", "SumGradOverGroup", "SeqLength", "SPModule", "bind_sp_collectives"]
+
+SEQ_DIM = 1
+
+
+def seq_ranges(seq_len: int, shares: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(start, stop) tokens of each member: in proportion to ``shares`` (``passes.tp.unit_ranges``)."""
+    return unit_ranges(seq_len, tuple(shares), 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication: the modules the rewrite inserts
+
+AllReduce = Callable[[torch.Tensor], None]
+AllGather = Callable[[list, torch.Tensor], None]          # (outputs in group order, tensor)
+ReduceScatterInto = Callable[[torch.Tensor, torch.Tensor], None]   # (output, input laid per position)
+
+
+class SeqContext:
+    """State shared by the SP modules of one member's module: shares, its index, the bound
+    collectives, the full sequence length of the running forward (set where a full tensor enters),
+    and the group position -> member index map (learnt once, by an all-gather, on first use: group
+    ranks are sorted global ranks, members may list them in another order)."""
+
+    def __init__(self, shares: tuple[int, ...], rank_index: int):
+        self.shares = tuple(shares)
+        self.rank_index = rank_index
+        self.all_reduce: AllReduce | None = None
+        self.all_gather: AllGather | None = None
+        self.reduce_scatter_into: ReduceScatterInto | None = None
+        self.seq_len: int | None = None
+        self._order: list[int] | None = None
+
+    @property
+    def bound(self) -> bool:
+        return self.all_gather is not None and len(self.shares) > 1
+
+    def ranges(self, seq_len: int) -> tuple[tuple[int, int], ...]:
+        return seq_ranges(seq_len, self.shares)
+
+    def local(self, x: torch.Tensor, dim: int, seq_len: int) -> torch.Tensor:
+        a, b = self.ranges(seq_len)[self.rank_index]
+        return x.narrow(dim, a, b - a).contiguous().clone()
+
+    def order(self, like: torch.Tensor) -> list[int]:
+        if self._order is None:
+            me = torch.full((1,), float(self.rank_index), dtype=torch.float32, device=like.device)
+            out = [torch.empty_like(me) for _ in self.shares]
+            self.all_gather(out, me)
+            self._order = [int(t.item()) for t in out]
+        return self._order
+
+    def gather(self, x: torch.Tensor, dim: int, seq_len: int) -> torch.Tensor:
+        """The full tensor from every member's shard (``x``: this member's); unbound: zeros elsewhere."""
+        ranges = self.ranges(seq_len)
+        if not self.bound:
+            shape = list(x.shape)
+            shape[dim] = seq_len
+            full = x.new_zeros(shape)
+            a, b = ranges[self.rank_index]
+            full.narrow(dim, a, b - a).copy_(x)
+            return full
+        width = max(b - a for a, b in ranges)
+        padded = _pad(x.contiguous(), dim, width)
+        outs = [torch.empty_like(padded) for _ in ranges]
+        self.all_gather(outs, padded)
+        pieces = [None] * len(ranges)
+        for p, t in enumerate(outs):
+            m = self.order(x)[p]
+            a, b = ranges[m]
+            pieces[m] = t.narrow(dim, 0, b - a)
+        return torch.cat(pieces, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This member's shard of the sum over the group of the full ``x``; unbound: its own slice."""
+        seq_len = x.shape[dim]
+        if not self.bound or self.all_reduce is None and self.reduce_scatter_into is None:
+            return self.local(x, dim, seq_len)
+        if self.reduce_scatter_into is None:          # e.g. gloo: all-reduce, keep the slice
+            full = x.contiguous().clone()
+            self.all_reduce(full)
+            return self.local(full, dim, seq_len)
+        ranges = self.ranges(seq_len)
+        width = max(b - a for a, b in ranges)
+        chunks = [_pad(x.narrow(dim, *_ab(ranges[m])), dim, width) for m in self.order(x)]
+        buf = torch.cat([c.unsqueeze(0) for c in chunks]).contiguous()
+        out = torch.empty_like(chunks[0])
+        self.reduce_scatter_into(out.view(-1), buf.view(-1))
+        a, b = ranges[self.rank_index]
+        return out.narrow(dim, 0, b - a).contiguous()
+
+
+def _ab(r: tuple[int, int]) -> tuple[int, int]:
+    return r[0], r[1] - r[0]
+
+
+def _pad(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    if x.shape[dim] == width:
+        return x
+    shape = list(x.shape)
+    shape[dim] = width - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+class _ScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp: SeqContext, dim: int):
+        ctx.sp, ctx.dim, ctx.seq_len = sp, dim, x.shape[dim]
+        sp.seq_len = x.shape[dim]
+        return sp.local(x, dim, x.shape[dim])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.sp.gather(grad.contiguous(), ctx.dim, ctx.seq_len), None, None
+
+
+class _GatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp: SeqContext, dim: int, to_group: bool):
+        ctx.sp, ctx.dim, ctx.to_group = sp, dim, to_group
+        ctx.seq_len = sp.seq_len
+        if ctx.seq_len is None:
+            raise RuntimeError("sequence parallelism: a shard was gathered before any full tensor entered")
+        return sp.gather(x, dim, ctx.seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.to_group:   # the columns' partial input gradients: sum them, keep this member's tokens
+            return ctx.sp.reduce_scatter(grad, ctx.dim), None, None, None
+        return ctx.sp.local(grad, ctx.dim, ctx.seq_len), None, None, None
+
+
+class _ReduceScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp: SeqContext, dim: int):
+        ctx.sp, ctx.dim, ctx.seq_len = sp, dim, x.shape[dim]
+        sp.seq_len = x.shape[dim]
+        return sp.reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.sp.gather(grad.contiguous(), ctx.dim, ctx.seq_len), None, None
+
+
+class _SumGradFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp: SeqContext):
+        ctx.sp = sp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        if ctx.sp.bound and ctx.sp.all_reduce is not None:
+            ctx.sp.all_reduce(grad)
+        return grad, None
+
+
+class SPModule(nn.Module):
+    def __init__(self, sp: SeqContext, dim: int = SEQ_DIM):
+        super().__init__()
+        self.sp = sp
+        self.dim = dim
+
+
+class SeqScatter(SPModule):
+    """A full tensor into the region: this member's tokens (backward: all-gather)."""
+
+    def forward(self, x):
+        return _ScatterFn.apply(x, self.sp, self.dim)
+
+
+class SeqGather(SPModule):
+    """A shard out of the region to replicated code: the full tensor (backward: keep the local slice)."""
+
+    def forward(self, x):
+        return _GatherFn.apply(x, self.sp, self.dim, False)
+
+
+class SeqGatherToGroup(SPModule):
+    """f under SP, on the columns' input: all-gather along the sequence (backward: reduce-scatter)."""
+
+    def forward(self, x):
+        return _GatherFn.apply(x, self.sp, self.dim, True)
+
+    def backward_comm_async(self, grad: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The backward collective of ``grad`` (the full-sequence gradient of this f's output):
+        the tensor holding this member's reduce-scattered shard and a wait function. Synchronous
+        here: the collective is done on return and the wait does nothing."""
+        return self.sp.reduce_scatter(grad, self.dim), _no_wait
+
+
+class SeqReduceScatter(SPModule):
+    """g under SP, on the row's output: reduce-scatter along the sequence (backward: all-gather)."""
+
+    def forward(self, x):
+        return _ReduceScatterFn.apply(x, self.sp, self.dim)
+
+
+class SumGradOverGroup(SPModule):
+    """Identity forward; backward sums the gradient over the group (a replicated tensor read by the
+    sequence-sharded region gets only its tokens' part of the gradient on each member)."""
+
+    def forward(self, x):
+        return _SumGradFn.apply(x, self.sp)
+
+
+class SeqLength(SPModule):
+    """``x.size(dim)`` of the full sequence for a shard ``x`` (the length of the running forward)."""
+
+    def forward(self, x):
+        return self.sp.seq_len if self.sp.seq_len is not None else x.size(self.dim)
+
+
+def _no_wait() -> None:
+    return None
+
+
+def bind_sp_collectives(gm: fx.GraphModule, all_reduce: AllReduce | None, all_gather: AllGather | None,
+                        reduce_scatter_into: ReduceScatterInto | None = None) -> None:
+    """Make the SP modules of ``gm`` (an ``sp_rewrite`` result) communicate with these functions over
+    the member's group (None: no communication). ``reduce_scatter_into(out, inp)``: optional; without
+    it a reduce-scatter is an all-reduce of which each member keeps its tokens (gloo has none)."""
+    for m in gm.modules():
+        if isinstance(m, SPModule):
+            m.sp.all_reduce, m.sp.all_gather, m.sp.reduce_scatter_into = all_reduce, all_gather, reduce_scatter_into
+            m.sp._order = None
+
+
