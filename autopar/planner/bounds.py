@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds",
+           "bound_searches",
            "peak_flops_s", "model_flops_per_sample", "mfu", "homogeneous_cluster", "homogeneous_mfu"]
 
 _MAX_MICRO = 4096   # micro-batch sizes tried for the compute bound (the tables grow linearly beyond)
@@ -182,27 +183,37 @@ def homogeneous_mfu(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
     return mfu(costs, homo, plan.predicted.samples_per_s) if plan is not None else 0.0
 
 
+def bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int, **plan_kw) -> tuple:
+    """The planner searches the bounds need, which do not depend on the plan they judge: (upper bound,
+    its per-type details, homogeneous MFU, its details); ``plan_kw``: ``upper_bound_samples_per_s``'s
+    keywords. ``with_all_bounds`` takes them ready (``searched=``) when they ran elsewhere
+    (``autopar.planner.bound_worker``: a second process alongside the main search)."""
+    details: dict = {}
+    upper = upper_bound_samples_per_s(costs, cluster, global_batch, details=details, **plan_kw)
+    homo: dict = {}
+    homo_mfu = homogeneous_mfu(costs, cluster, global_batch, details=homo, **plan_kw)
+    return upper, details, homo_mfu, homo
+
+
 def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
                     num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                     schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
                     replicated_fraction: float | None = None, use_cache: bool = True,
-                    recompute: bool = False) -> Plan:
+                    recompute: bool = False, searched: tuple | None = None) -> Plan:
     """A copy of ``plan`` with the upper bound, the compute bound, efficiency = samples_per_s / upper
     bound, compute efficiency, MFU and homogeneous MFU set (the planner arguments should be the ones
-    the plan was made with)."""
+    the plan was made with). ``searched``: ``bound_searches``'s result for these arguments, when it
+    was computed already (else it is computed here)."""
     batch = plan.global_batch_size if global_batch is None else int(global_batch)
-    details: dict = {}
-    upper = upper_bound_samples_per_s(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
-                                      schedule=schedule, memory_fraction=memory_fraction,
-                                      replicated_fraction=replicated_fraction, use_cache=use_cache,
-                                      recompute=recompute, details=details)
+    if searched is None:
+        searched = bound_searches(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
+                                  schedule=schedule, memory_fraction=memory_fraction,
+                                  replicated_fraction=replicated_fraction, use_cache=use_cache,
+                                  recompute=recompute)
+    upper, details, homo_mfu, homo = searched
     compute = compute_bound_samples_per_s(costs, cluster, memory_fraction=memory_fraction)
     sps = plan.predicted.samples_per_s
     eff = sps / upper if upper > 0 else 0.0
-    homo: dict = {}
-    homo_mfu = homogeneous_mfu(costs, cluster, batch, details=homo, num_heads=num_heads, zero_stage=zero_stage,
-                               schedule=schedule, memory_fraction=memory_fraction,
-                               replicated_fraction=replicated_fraction, use_cache=use_cache, recompute=recompute)
     notes = plan.notes
     hp = homo["plan"]
     notes = notes + (f"homogeneous MFU against {len(homo['cluster'])} x {homo['cluster'].devices[0].spec.name} "

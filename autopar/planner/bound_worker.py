@@ -1,0 +1,103 @@
+"""The bounds' planner searches in a second process, alongside the main search: the upper bound plans
+every device type alone and the homogeneous MFU plans a homogeneous cluster (``bounds.bound_searches``),
+none of which depends on the plan they judge, so on a machine with a spare core they need not wait
+for it. llama-140b on hethub-768: the main search ~5 s, the bound searches ~3.5 s of CPU each cold.
+
+Terms
+- side process: a ``fork`` of the planning process (it inherits the cost tables and the cluster; no
+  pickling on the way in) that runs ``bound_searches`` and sends its result back through a pipe
+  (the sub-plans pickle as plain frozen data). The result is the same function of the same inputs
+  as computing it in the planning process: the same plans and figures, bit for bit.
+- worthwhile: Linux (``fork`` is the start method that shares the process as it is), at least two
+  CPUs this process may run on, a cluster of at least ``MIN_DEVICES`` devices (smaller clusters plan
+  their bounds in well under a second, less than a fork and a pipe are worth), and one Python thread
+  alive (forking a process whose other threads may hold locks can hang the child; the threaded
+  process groups of the tests and ``autopar.launch``'s threads plan in-process).
+- fallback: whatever goes wrong in the side process (it dies, raises, cannot start) is not trusted:
+  the searches run again in the planning process, which then raises what they raise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Callable
+
+from autopar.ir.costs import ModelCosts
+from autopar.planner.bounds import bound_searches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster.model import Cluster
+
+__all__ = ["MIN_DEVICES", "start_bound_searches", "side_process_worthwhile"]
+
+MIN_DEVICES = 64
+
+
+def side_process_worthwhile(cluster: "Cluster") -> bool:
+    """Whether ``start_bound_searches`` runs the searches in a side process (see the module docstring)."""
+    if not sys.platform.startswith("linux") or len(cluster) < MIN_DEVICES:
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # pragma: no cover - Linux has it
+        cpus = os.cpu_count() or 1
+    return cpus >= 2 and threading.active_count() == 1
+
+
+def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int,
+                         **plan_kw) -> tuple[Callable[[], tuple], Callable[[], None], bool]:
+    """(``result()``, ``cancel()``, whether a side process was started): ``result()`` returns ``bound_searches(costs, cluster, global_batch,
+    **plan_kw)``, from the side process when it was worthwhile and succeeded, else computed when
+    asked; ``cancel()`` ends the side process when the result is no longer wanted (the main search
+    failed). Call one of them exactly once."""
+    def here() -> tuple:
+        return bound_searches(costs, cluster, global_batch, **plan_kw)
+
+    if not side_process_worthwhile(cluster):
+        return here, lambda: None, False
+    import multiprocessing as mp   # local: only large clusters pay for its import
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    try:
+        proc = ctx.Process(target=_child, args=(send, costs, cluster, global_batch, plan_kw), daemon=True)
+        proc.start()
+    except OSError:   # pragma: no cover - no process could be made
+        recv.close()
+        send.close()
+        return here, lambda: None, False
+    send.close()
+
+    def result() -> tuple:
+        try:
+            ok, got = recv.recv()
+        except (EOFError, OSError):   # the side process died before it answered
+            ok, got = False, None
+        finally:
+            recv.close()
+            proc.join()
+        return got if ok else here()
+
+    def cancel() -> None:
+        recv.close()
+        proc.kill()
+        proc.join()
+
+    return result, cancel, True
+
+
+def _child(send, costs, cluster, global_batch, plan_kw) -> None:
+    """The side process: the searches' result, or (False, None) when they raise (the planning process
+    then runs them itself and raises what they raise)."""
+    try:
+        out = (True, bound_searches(costs, cluster, global_batch, **plan_kw))
+    except BaseException:   # noqa: BLE001 - any failure means: compute it in the planning process
+        out = (False, None)
+    try:
+        send.send(out)
+    except Exception:   # noqa: BLE001 - unpicklable or a closed pipe: the parent recomputes
+        pass
+    finally:
+        send.close()

@@ -1,0 +1,79 @@
+"""The bounds' searches in a side process (``autopar.planner.bound_worker``): the same plan and the same
+figures, bit for bit, as computing them in the planning process; a side process that fails is not
+trusted (the searches run again in-process); a failed main search ends it."""
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+
+from autopar.cluster.model import Cluster
+from autopar.config import PlanConfig
+from autopar.errors import PlanError
+from autopar.ir.costs import ModelCosts
+from autopar.planner import bound_worker
+from autopar.planner.entry import plan_with_config
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _case():
+    cluster = Cluster.from_dict({"nodes": [{"devices": [{"device": "A100-80GB", "count": 2}]},
+                                           {"devices": [{"device": "V100-16GB", "count": 2}]}]})
+    costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
+    return costs, cluster
+
+
+def test_side_process_gives_the_in_process_plan_bit_for_bit(monkeypatch, tmp_path):
+    costs, cluster = _case()
+    config = PlanConfig(num_heads=8)
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 10 ** 9)
+    here = plan_with_config(costs, cluster, 32, config)
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
+    if not bound_worker.side_process_worthwhile(cluster):
+        pytest.skip("no second CPU, no fork, or other threads alive: the side process is not used here")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "other"))   # no plan from the first call's cache
+    there = plan_with_config(costs, cluster, 32, config)
+    assert there.predicted == here.predicted and there.stages == here.stages
+    assert [n for n in there.notes if "searched" not in n] == [n for n in here.notes if "searched" not in n]
+
+
+def test_a_failing_side_process_is_recomputed_in_process(monkeypatch):
+    costs, cluster = _case()
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
+    if not bound_worker.side_process_worthwhile(cluster):
+        pytest.skip("no side process here")
+    parent = os.getpid()
+    real = bound_worker.bound_searches
+
+    def flaky(*a, **k):   # raises in the side process, works in the planning process
+        if os.getpid() != parent:
+            raise RuntimeError("side process failure")
+        return real(*a, **k)
+
+    monkeypatch.setattr(bound_worker, "bound_searches", flaky)
+    result, _cancel, side = bound_worker.start_bound_searches(costs, cluster, 32)
+    assert side and result() == real(costs, cluster, 32)
+
+
+def test_side_process_ends_when_the_main_search_fails(monkeypatch):
+    costs, cluster = _case()
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
+    with pytest.raises(PlanError):
+        plan_with_config(costs, cluster, 32, PlanConfig(pp_layers=(5, 5)))   # covers 10 of 6 blocks
+    assert not multiprocessing.active_children()
+
+
+def test_no_side_process_from_a_thread_or_a_small_cluster(monkeypatch):
+    _, cluster = _case()
+    assert not bound_worker.side_process_worthwhile(cluster)   # 4 devices < MIN_DEVICES
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(bound_worker.side_process_worthwhile(cluster)))
+    t.start()
+    t.join()
+    assert seen == [False]   # two threads alive (this one and the caller): no fork
