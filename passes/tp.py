@@ -151,6 +151,24 @@ class CopyToGroup(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _CopyToGroupFn.apply(x, self.all_reduce)
 
+    def backward_comm_async(self, grad: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start the backward all-reduce of ``grad`` (the caller hands it over: summed in place when
+        contiguous); returns the tensor that holds the sum once the returned wait has been called
+        (``passes.tp_overlap``). A bound all-reduce with a ``start`` method
+        (``autopar.runtime.tp_comm.GroupAllReduce``) runs asynchronously; any other blocks here."""
+        grad = grad.contiguous()
+        if self.all_reduce is None:
+            return grad, _no_wait
+        start = getattr(self.all_reduce, "start", None)
+        if start is None:
+            self.all_reduce(grad)
+            return grad, _no_wait
+        return grad, start(grad)
+
+
+def _no_wait() -> None:
+    return None
+
 
 class ReduceFromGroup(nn.Module):
     """g: all-reduce (sum) over the group forward, identity backward."""

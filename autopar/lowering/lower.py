@@ -32,6 +32,7 @@ from autopar.passes.meta import BLOCK
 from autopar.passes.split import split_stages
 from autopar.passes.tp import tp_rewrite
 from autopar.passes.tp_sp import sp_rewrite
+from autopar.passes.tp_overlap import overlap_tp_backward
 
 __all__ = ["lower", "num_blocks", "tp_shares_of", "tp_member_module"]
 
@@ -77,6 +78,7 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             import dataclasses
 
             local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
+            overlap_tp_backward(local.gm)     # f's backward all-reduce overlaps the weight gradients
         return RankProgram(**common, stages=stages, local_stage=local)
     if kind == "tp":
         if gm is None:
@@ -85,6 +87,7 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             module = tp_rewrite(gm, (1,), 0)
         else:
             module = tp_member_module(plan, 0, member, tp_index, gm, tp_granularity)
+            overlap_tp_backward(module)       # f's backward all-reduce overlaps the weight gradients
         return RankProgram(**common, tp_module=module)
     st = plan.stages[0]
     if st.recompute:

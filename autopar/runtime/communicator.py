@@ -54,7 +54,8 @@ from autopar.runtime.recorder import active_clock, active_recorder
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
            "pg_broadcast_objects", "pg_all_gather_objects", "record_issue", "record_issued", "record_wait", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
-           "ReduceOp", "pg_all_reduce_async", "pg_all_gather_into_async", "PendingCollective"]
+           "ReduceOp", "pg_all_reduce_async", "pg_all_gather_into_async", "PendingCollective",
+           "emulation_paused"]
 
 _HOST = "gloo"   # the backend of the bridge
 
@@ -454,6 +455,9 @@ def _paused():
     """The active emulated clock paused (``EmulatedClock.paused``) around a blocking collective."""
     clock = active_clock()
     return clock.paused() if clock is not None else nullcontext()
+
+
+emulation_paused = _paused   # for collectives issued elsewhere inside a compute block (runtime.tp_comm)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -58,6 +58,7 @@ from autopar.lowering.materialize import is_deterministic, tensor_value
 from autopar.lowering.program import RankProgram
 from autopar.passes.meta import TP_LAYOUT
 from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, tp_rewrite
+from autopar.passes.tp_overlap import overlap_tp_backward
 from autopar.passes.tp_sp import SP_META_KEY, bind_sp_collectives
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import (
@@ -65,6 +66,7 @@ from autopar.runtime.communicator import (
 )
 from autopar.runtime.communicator import pg_reduce_scatter_into
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
+from autopar.runtime.tp_comm import GroupAllReduce
 from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
@@ -83,7 +85,7 @@ def bind_tp_group(local_gm: fx.GraphModule, group=None) -> None:
     """Make the f / g of a TP module (``passes.tp.tp_rewrite``) all-reduce over the process ``group``
     (None: the default group); without torch.distributed they stay without communication."""
     if pg_is_initialized():
-        bind_all_reduce(local_gm, functools.partial(pg_all_reduce, group=group))
+        bind_all_reduce(local_gm, GroupAllReduce(group))   # start(): f's async backward (passes.tp_overlap)
         bind_sp_group(local_gm, group)
 
 
@@ -108,6 +110,7 @@ def shard_stage_module(stage_gm: fx.GraphModule, shares: tuple[int, ...], idx: i
     ``group``; ``tp_layout(result)`` lists the sharded parameters. Replicated parameters stay shared
     with ``stage_gm``. (Engines get the rewrite lowered and only bind it: ``bind_tp_group``.)"""
     local = tp_rewrite(stage_gm, tuple(shares), idx, granularity=granularity)
+    overlap_tp_backward(local)
     bind_tp_group(local, group)
     return local
 
