@@ -283,4 +283,7 @@ def test_save_plan_timeline_writes_png(tmp_path):
     out = tmp_path / "plan.png"
     timeline = save_plan_timeline(plan, costs, cluster, out)
     assert out.read_bytes()[:4] == b"\x89PNG"
-    assert timeline.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    from autopar.cost.pipeline import pipeline_loss_allreduce_s
+
+    # the schedule's timeline, then the step's loss all-reduce over every rank (cost.pipeline._finish_s)
+    assert timeline.step_time_s + pipeline_loss_allreduce_s(plan, cluster) == pytest.approx(plan.predicted.step_time_s)

@@ -15,9 +15,10 @@ from autopar.cluster.devices import PRESETS
 from autopar.planner.dp import optimizer_step_s, plan_dp
 from autopar.ir.plan import Stage
 from autopar.planner.pp import plan_pipeline, plan_timeline, stage_durations, stage_optimizer_s
+from autopar.cost.pipeline import pipeline_loss_allreduce_s
 from autopar.runtime.emulate import emulation_time_scale
 from autopar.cost.step import (OPTIMIZER_BANDWIDTH_EFFICIENCY, measure_call_overhead, measure_optimizer,
-                                flat_shard_numel, optimizer_roofline_s_per_param, step_terms)
+                                flat_shard_numel, optimizer_roofline_s_per_param, step_concurrency, step_terms)
 from autopar.passes.analyze import analyze
 
 
@@ -91,9 +92,11 @@ def test_step_terms_scale_emulated_types_like_their_tables(cache):
     opt, flat, call = (terms[k] for k in ("optimizer_s_per_param", "optimizer_flat_s_per_param", "call_overhead_s"))
     scale = emulation_time_scale(2)
     shapes = [tuple(p.shape) for p in case.model.parameters()]
-    cpu = measure_optimizer("adamw", shapes)
+    k = step_concurrency(cluster)          # the two ranks step at once on this machine's cores
+    cpu = measure_optimizer("adamw", shapes, concurrent=k)
     assert opt["a"] == pytest.approx(cpu * scale) and opt["b"] == pytest.approx(4 * cpu * scale)
-    assert flat["b"] == pytest.approx(4 * measure_optimizer("adamw", [(flat_shard_numel(a, cluster),)]) * scale)
+    assert flat["b"] == pytest.approx(4 * measure_optimizer("adamw", [(flat_shard_numel(a, cluster),)],
+                                                            concurrent=k) * scale)
     assert call["b"] == pytest.approx(4 * call["a"])
     gpu = Cluster.from_dict({"nodes": [{"device": "H100-80GB", "count": 2}]})
     terms = step_terms(a, gpu)
@@ -148,7 +151,9 @@ def test_timeline_ends_with_each_stages_optimizer_step():
     ends = timeline.stage_end_s
     opt = [stage_optimizer_s(c, cluster, st, 0) for st in plan.stages]
     assert opt[1] == pytest.approx(1e-7 * float(c.params[5:].sum()))
-    assert step == pytest.approx(max(e + o for e, o in zip(ends, opt)))
+    loss = pipeline_loss_allreduce_s(plan, cluster)      # then the loss sum over every rank
+    assert loss > 0
+    assert step == pytest.approx(max(e + o for e, o in zip(ends, opt)) + loss)
     assert step > step0
 
 
@@ -168,4 +173,4 @@ def test_tied_weight_waits_for_both_stages():
     plan = plan_pipeline(c, cluster, 16, pp_layers=[5, 3], num_micro=4, schedule="1f1b")
     timeline, step = plan_timeline(plan, c, cluster)
     tied = allreduce_time_s(cluster, [0, 1], float(c.params[0]) * c.grad_bytes_per_param)
-    assert step == pytest.approx(max(timeline.stage_end_s) + tied)
+    assert step == pytest.approx(max(timeline.stage_end_s) + tied + pipeline_loss_allreduce_s(plan, cluster))

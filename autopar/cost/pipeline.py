@@ -19,7 +19,9 @@ Terms
   gradient all-reduce over its members starting when the stage finishes (a tied parameter held by
   several stages: when they all have, over their ranks), then each rank's optimizer step
   (``stage_optimizer_s``) and, under ZeRO >= 1, the gather of the updated parameters
-  (``plan_timeline``, ``_finish_s``). ZeRO-3's per-micro-batch parameter gathers are not modelled.
+  (``plan_timeline``, ``_finish_s``), and last the loss sum's all-reduce over every rank
+  (``pipeline_loss_allreduce_s``: the engine's last call of a step, which every rank waits in for the
+  slowest). ZeRO-3's per-micro-batch parameter gathers are not modelled.
 - virtual stages (``Plan.virtual_stages``, "interleaved-1f1b"): the stage durations are per chunk and
   the simulator runs each rank stage's chunks on one worker; after the schedule a rank all-reduces
   its chunks' gradients one after another and steps one optimizer over all of them
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from autopar.config import SCHEDULES
-from autopar.cost.comm import allgather_time_s, allreduce_time_s, p2p_time_s
+from autopar.cost.comm import allgather_time_s, allreduce_time_s, loss_allreduce_s, p2p_time_s
 from autopar.cost.memory import stage_input_bytes, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
     stage_cost_tensor, stage_row_parts
@@ -59,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["PipelineContext", "pipeline_cost_tensor", "stage_durations", "stage_input_bytes", "plan_timeline",
-           "stage_optimizer_s", "pipeline_memory_bytes", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
+           "stage_optimizer_s", "pipeline_memory_bytes", "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
 
 ZB_INPUT_SHARE = 0.95    # BI / whole backward, as the runtime's split measures (see the module docstring)
 ZB_WEIGHT_SHARE = 0.85   # BW / whole backward
@@ -342,4 +344,24 @@ def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[
                                          float(costs.param_bytes[st.block_start:st.block_stop].sum()))
     tail = [max(ready[c] for c in cs) + sum(opt[c] + gather[c] for c in cs) for cs in chunks]
     opt = [sum(opt[c] for c in cs) for cs in chunks]
-    return float(max(tail)), float(max(opt, default=0.0))
+    # Then the step's loss sum, all-reduced over every rank (all wait for the last to finish).
+    return float(max(tail)) + pipeline_loss_allreduce_s(plan, cluster), float(max(opt, default=0.0))
+
+
+def pipeline_loss_allreduce_s(plan: Plan, cluster: "Cluster") -> float:
+    """Seconds of the loss sum a pipeline step all-reduces over all its ranks at the end
+    (``runtime.pipeline``: one float64, all latency); 0 on one rank."""
+    ranks = sorted({r for st in plan.stages for r in st.ranks})
+    return loss_allreduce_s(cluster, ranks) if len(ranks) > 1 else 0.0
+
+
+def tied_allreduces_s(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> dict[int, float]:
+    """Per rank, the seconds of the all-reduces of tied parameters held by several stages that it joins
+    (``_finish_s``: each over the ranks of the stages holding the group, after they all have finished)."""
+    out: dict[int, float] = {}
+    for held, nbytes in _tied_stage_sets(costs, plan.stages):
+        ranks = sorted({r for s in held for r in plan.stages[s].ranks})
+        t = allreduce_time_s(cluster, ranks, nbytes)
+        for r in ranks:
+            out[r] = out.get(r, 0.0) + t
+    return out

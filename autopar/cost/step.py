@@ -6,7 +6,8 @@ Terms
   (``measure_optimizer``: the CPU time of a step over fresh tensors of the model's parameter shapes, so
   the per-tensor overhead of torch's CPU optimizers counts as it does on that model; and over one flat
   buffer of an even ZeRO shard's size for ``optimizer_flat_s_per_param``, how data parallelism steps
-  ZeRO shards), and
+  ZeRO shards; as many steppers at once as the cluster's CPU ranks that share a machine's cores,
+  ``step_concurrency``, whose steps contend for its memory bandwidth), and
   emulated types are scaled like their block tables (``cpu / speed * time_scale``). On GPU types it is a
   memory-bound roofline (``optimizer_roofline_s_per_param``): the step reads and writes the optimizer
   state (with the fp32 master weights under mixed precision), reads the gradient and writes the
@@ -27,8 +28,11 @@ of a step that ``autopar.ir.profile`` measures: forward and backward (the rank's
 stage's blocks, a tensor-parallel rank its work factor, each compute call's overhead split between
 them), optimizer (its parameters or its ZeRO shard, plus one call), the collectives by kind (data
 parallel: the ZeRO stage's all-reduce / reduce-scatter / all-gather, or broadcasts where the shards are uneven, as
-``autopar.cost.comm.zero_collectives`` prices the engine's; pipelines: a stage's gradient
-all-reduce; tensor parallelism: the in-block all-reduces), ``p2p`` (a pipeline rank's activations and
+``autopar.cost.comm.zero_collectives`` prices the engine's, the bucketed gradient all-reduce only for
+its exposed part, what overlap leaves after the slowest rank's last backward, which is all the
+recorder measures as the phase; pipelines: a stage's gradient
+all-reduce, the tied parameters' and, over every rank, the loss sum's; tensor parallelism: the
+in-block all-reduces), ``p2p`` (a pipeline rank's activations and
 gradients sent and received) and ``wait`` (the predicted step time less all of the above). The planners
 price the same terms with the same functions; this only lays them out per rank.
 """
@@ -40,12 +44,12 @@ import time
 import numpy as np
 import torch
 
-from autopar.cluster.emulation import emulation_time_scale
+from autopar.cluster.emulation import emulation_time_scale, machine_cores
 from autopar.cost.measure_cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
 from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
-__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "flat_shard_numel",
+__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "step_concurrency", "flat_shard_numel",
            "optimizer_roofline_s_per_param",
            "measure_call_overhead", "step_terms", "predicted_phases"]
 
@@ -74,37 +78,75 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7, use_cache: bool = True) -> float:
+def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7, use_cache: bool = True,
+                      concurrent: int = 1) -> float:
     """CPU seconds per parameter of one ``optimizer.step()`` on this CPU (with the threads torch uses
     now), over fresh tensors of ``shapes`` (default one flat vector of 1M elements; at most the first
     4M parameters' worth), state initialised, the least of ``repeats`` (what an emulated rank's steady
     clock charges, ``autopar.runtime.emulate``; the median carried the host's contention).
-    ``optimizer``: "adamw", "adam", "sgd" (with momentum) or "sgd-nomomentum"."""
+    ``optimizer``: "adamw", "adam", "sgd" (with momentum) or "sgd-nomomentum".
+
+    ``concurrent``: how many ranks of the run step at once on this machine's cores (``step_concurrency``).
+    That many threads, each with its own tensors, step together (a barrier before each repeat) and the
+    figure is each repeat's mean of their thread CPU times: a step streams its state from memory, and
+    ranks stepping at the same moment share the memory bandwidth (AdamW on 3M parameters, one thread:
+    10.7 ms alone, 12.8-14.4 ms with a second stepping beside it on this 2-core machine), which one
+    thread alone never sees."""
+    import threading
+
     shapes = [tuple(int(d) for d in s) for s in (shapes if shapes is not None else [(1_000_000,)])]
+    k = int(concurrent)
+    if k < 1:
+        raise ValueError(f"concurrent: {concurrent!r} must be an int >= 1")
     kept, n = [], 0
     for s in shapes:
-        k = int(np.prod(s)) if s else 1
-        if kept and n + k > _OPT_MAX_PARAMS:
+        size = int(np.prod(s)) if s else 1
+        if kept and n + size > _OPT_MAX_PARAMS:
             break
         kept.append(s)
-        n += k
-    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}|min"
+        n += size
+    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}|min" + (f"|c{k}" if k > 1 else "")
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
-        params = [torch.nn.Parameter(torch.zeros(s)) for s in kept]
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        opt = _make_optimizer(optimizer, params)
-        opt.step()                                   # initialises the state
-        ts = []
-        for _ in range(repeats):
-            t0 = time.thread_time()
-            opt.step()
-            ts.append(time.thread_time() - t0)
-        cache[key] = min(ts) / max(n, 1)
+        opts = []
+        for _ in range(k):
+            params = [torch.nn.Parameter(torch.zeros(s)) for s in kept]
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            opts.append(_make_optimizer(optimizer, params))
+            opts[-1].step()                          # initialises the state
+        ts = np.zeros((k, repeats))
+        barrier = threading.Barrier(k)
+
+        def stepper(i: int) -> None:
+            for r in range(repeats):
+                barrier.wait()
+                t0 = time.thread_time()
+                opts[i].step()
+                ts[i, r] = time.thread_time() - t0
+
+        if k == 1:
+            stepper(0)
+        else:
+            workers = [threading.Thread(target=stepper, args=(i,), daemon=True) for i in range(k)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        cache[key] = float(ts.mean(axis=0).min()) / max(n, 1)
         if use_cache:
             save(path, cache)
     return float(cache[key])
+
+
+def step_concurrency(cluster) -> int:
+    """How many ranks of ``cluster`` step their optimizer at once on one machine's cores: the most CPU
+    (or emulated CPU) ranks of one node, at most this machine's cores (``measure_optimizer``)."""
+    per_node: dict[int, int] = {}
+    for d in cluster.devices:
+        if not is_mixed_precision(d.spec):
+            per_node[d.node] = per_node.get(d.node, 0) + 1
+    return max(1, min(max(per_node.values(), default=1), machine_cores()))
 
 
 def optimizer_roofline_s_per_param(spec, optimizer: str = "adamw", *, mixed_precision: bool = True) -> float:
@@ -189,8 +231,9 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
-        cpu_flat = measure_optimizer(optimizer, [(flat_shard_numel(analysis, cluster),)])
-        cpu_opt = measure_optimizer(optimizer, shapes) if shapes else cpu_flat
+        k = step_concurrency(cluster)
+        cpu_flat = measure_optimizer(optimizer, [(flat_shard_numel(analysis, cluster),)], concurrent=k)
+        cpu_opt = measure_optimizer(optimizer, shapes, concurrent=k) if shapes else cpu_flat
         if measured and real and example_inputs is not None:
             cpu_call = measure_call_overhead(analysis, example_inputs)
     scale = emulation_time_scale(len(cluster))
@@ -209,6 +252,28 @@ def _add(d: dict, key: str, value: float) -> None:
         d[key] = d.get(key, 0.0) + float(value)
 
 
+def _hidden_allreduce_s(costs, cluster, stage, dar) -> float:
+    """Seconds of a data-parallel stage's bucketed gradient all-reduce that overlap hides in the slowest
+    rank's last backward, as ``autopar.planner.dp`` prices it: all but the last bucket, at most that
+    backward (the recorder measures only the rest, after the backward, as the all-reduce phase)."""
+    if dar.grad_s <= 0:
+        return 0.0
+    blocks = slice(stage.block_start, stage.block_stop)
+    slow, slow_t = None, -1.0
+    for g, members in enumerate(stage.groups):
+        t = cluster.devices[members[0]].spec.name
+        mb = [x for x in stage.micro_batches[g] if x > 0]
+        total = sum(costs.step_time(t, x, blocks) for x in mb)
+        if mb and total > slow_t:
+            slow, slow_t = (t, mb[-1]), total
+    if slow is None:
+        return 0.0
+    window = float(costs.bwd_time(slow[0], slow[1])[blocks].sum())
+    if stage.recompute:
+        window += float(costs.fwd_time(slow[0], slow[1])[blocks].sum())
+    return max(0.0, min(dar.grad_s - dar.last_bucket_s, window))
+
+
 def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
     """Per rank of ``plan`` (an ``autopar.ir.Plan`` priced with ``costs`` on ``cluster``), the predicted
     seconds of each phase of one step (see the module docstring)."""
@@ -219,6 +284,14 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
     zero = plan.zero_stage
     single = plan.num_stages == 1
     out: dict[int, dict[str, float]] = {}
+    if not single:     # a pipeline's tied parameters' and loss sum's all-reduces (cost.pipeline._finish_s)
+        from autopar.cost.pipeline import pipeline_loss_allreduce_s, tied_allreduces_s
+
+        loss = pipeline_loss_allreduce_s(plan, cluster)
+        for r in sorted(set(plan.ranks)):
+            _add(out.setdefault(r, {}), "all_reduce", loss)
+        for r, t in tied_allreduces_s(plan, costs, cluster).items():
+            _add(out.setdefault(r, {}), "all_reduce", t)
     for s, st in enumerate(plan.stages):
         blocks = slice(st.block_start, st.block_stop)
         params = float(costs.params[blocks].sum())
@@ -276,7 +349,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     ring = firsts
                     if dar is None:                        # the gradient's buckets and the loss sum
                         dar = comm.dp_allreduces(costs, cluster, ring, zero, blocks=blocks)
-                    _add(d, "all_reduce", dar.total_s)
+                        dar_exposed = dar.total_s - _hidden_allreduce_s(costs, cluster, st, dar)
+                    _add(d, "all_reduce", dar_exposed)
                     if zc is None:                         # as the engine runs them (one function: comm's)
                         zc = comm.zero_collectives(costs, cluster, ring, zero, st.zero_shares or None,
                                                    recompute=st.recompute, blocks=blocks)
