@@ -144,18 +144,26 @@ def stage_reduce_bytes(costs: ModelCosts, stage: Stage) -> float:
     return full
 
 
-def tp_replicated_per_block(costs: ModelCosts, rho: float) -> tuple[np.ndarray, np.ndarray]:
+def tp_replicated_per_block(costs: ModelCosts, rho: float,
+                            sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per block, the (state, activation) fractions tensor parallelism leaves whole on every TP rank:
     the layout's (``ModelCosts.tp_param_replicated`` / ``tp_act_replicated``, from
     ``cost.tp.tp_memory_replicated_per_block``) where the costs carry them, else ``rho`` (the time
     fraction). A block without a Linear pair (an embedding, a head) runs whole on every TP rank and
     its parameters stay whole there (``runtime.tp``): 1. The one per-block source of TP memory: a
     stage's fractions (``tp_memory_fractions``) and the joint search's caps (``tp_span_factors``)
-    are weighted sums of it."""
+    are weighted sums of it. Under ``sequence_parallel`` an SP block's (``tp_cost.sp_blocks``)
+    activation fraction is ``ModelCosts.tp_sp_act_replicated`` (the columns' all-gathered inputs: the
+    rest is on a sequence shard of the rank's share); its state fraction is unchanged."""
     n = costs.num_blocks
     pairs = tp_cost.tp_pairs_of(costs)
+    act = costs.tp_act_replicated
+    sp = tp_cost.sp_blocks(costs) if sequence_parallel else None
+    if sp is not None and costs.tp_sp_act_replicated is not None:
+        base = np.full(n, float(rho)) if act is None or len(act) != n else np.asarray(act, float)
+        act = np.where(sp, np.asarray(costs.tp_sp_act_replicated, float), base)
     out = []
-    for frac in (costs.tp_param_replicated, costs.tp_act_replicated):
+    for frac in (costs.tp_param_replicated, act):
         if frac is None or len(frac) != n:
             f = np.full(n, float(rho))
             if pairs is not None:
@@ -171,26 +179,30 @@ def tp_replicated_per_block(costs: ModelCosts, rho: float) -> tuple[np.ndarray, 
 def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[float, float]:
     """(state, activations) replicated fractions of a stage's blocks under tensor parallelism: the
     memory TP leaves whole on every TP rank (``tp_replicated_per_block``), weighted by the blocks'
-    parameters and activations; ``rho`` for a stage with neither."""
+    parameters and activations (``stage.sequence_parallel``: as SP runs it); ``rho`` for a stage with
+    neither."""
     blocks = slice(stage.block_start, stage.block_stop)
     out = []
-    for frac, weight in zip(tp_replicated_per_block(costs, rho), (costs.params, costs.act_bytes)):
+    sp = bool(getattr(stage, "sequence_parallel", False))
+    for frac, weight in zip(tp_replicated_per_block(costs, rho, sp), (costs.params, costs.act_bytes)):
         w = float(weight[blocks].sum())
         out.append(float((frac[blocks] * weight[blocks]).sum()) / w if w > 0 else float(rho))
     return out[0], out[1]
 
 
-def tp_span_factors(costs: ModelCosts, rho: float, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def tp_span_factors(costs: ModelCosts, rho: float, fraction: float,
+                    sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """([i, j] state work factor, [i, j] activation work factor) of a TP rank holding ``fraction`` of
     its group's shard units on blocks [i, j): ``rho_x + (1 - rho_x) * fraction`` with ``rho_x`` the
     stage's fractions of ``tp_memory_fractions`` on that span (so ``stage_memory_bytes`` of a built
     stage prices its ranks with these same factors); 1 for ``fraction`` 1 (a one-rank member) and
     on the diagonal. What the joint search's memory caps use (``cost.joint``): the state and the
     activations of a TP layer are sharded very differently (a llama layer: 0.001% of its
-    parameters whole, 22% of its activations), so one factor for both would over-price the state."""
+    parameters whole, 22% of its activations), so one factor for both would over-price the state.
+    ``sequence_parallel``: the factors of stages that run SP (``tp_replicated_per_block``)."""
     n = costs.num_blocks
     out = []
-    for frac, weight in zip(tp_replicated_per_block(costs, rho), (costs.params, costs.act_bytes)):
+    for frac, weight in zip(tp_replicated_per_block(costs, rho, sequence_parallel), (costs.params, costs.act_bytes)):
         w = np.concatenate([[0.0], np.cumsum(np.asarray(weight, float))])
         r = np.concatenate([[0.0], np.cumsum(frac * np.asarray(weight, float))])
         span_w, span_r = w[None, :] - w[:, None], r[None, :] - r[:, None]

@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost.comm import allreduce_time_s, ring_link
+from autopar.cost.tp_tables import (  # re-exported: the graph's TP tables
+    replicated_fraction_of_graph, tp_memory_replicated_per_block, tp_pairs_per_block,
+)
 from autopar.ir.costs import ModelCosts
 from autopar.errors import PlanError
 
@@ -47,11 +50,17 @@ __all__ = [
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
     "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
+    "SP_COLLECTIVES_PER_PAIR", "TP_BACKWARD_OVERLAP", "sp_blocks", "sp_pad", "tp_backward_comm_s", "group_wgrad_s",
+    "sp_pays", "stage_sequence_parallel",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
 TP_ALLREDUCES_PER_BLOCK = 4           # 2 in forward, 2 in backward
 DEFAULT_NUM_UNITS = 64                # shard units when the model's head count is not given
+SP_COLLECTIVES_PER_PAIR = 2           # SP: a reduce-scatter and an all-gather per pair and direction
+# The runtime overlaps f's backward collective with the columns' weight gradients (passes.tp_overlap,
+# applied by the TP engines by default): priced by tp_backward_comm_s
+TP_BACKWARD_OVERLAP = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,101 +163,6 @@ def replicated_fraction_of(stats, flop_per_byte: float = 150.0) -> float:
     return float(min(0.5, light / (heavy + light)))
 
 
-def replicated_fraction_of_graph(gm, flop_per_byte: float = 150.0) -> float | None:
-    """``replicated_fraction_of`` measured on the analysed graph itself (``passes.meta.COST`` and
-    ``BLOCK`` on its nodes), counting only what tensor parallelism really leaves whole: the
-    memory-class work of the nodes outside every Linear pair's region (norms, residual adds), in the
-    blocks that have a pair. The elementwise work inside a region (an MLP's activation, attention's
-    softmax) runs on sharded tensors, and so does its matmul work; the block statistics count all
-    memory-class work as replicated. None when the graph has no pairs or no costs."""
-    from autopar.passes.meta import BLOCK, COST
-    from autopar.passes.tp_match import find_tp_pairs
-
-    pairs = find_tp_pairs(gm)
-    if not pairs:
-        return None
-    nodes = {n.name: n for n in gm.graph.nodes}
-    inside = {name for p in pairs for name in (*p.region, p.row_node)}
-    blocks = {nodes[p.row_node].meta.get(BLOCK) for p in pairs}
-    heavy = light = 0.0
-    for n in gm.graph.nodes:
-        cost = n.meta.get(COST)
-        if cost is None or n.meta.get(BLOCK) not in blocks:
-            continue
-        if cost.op_class in ("matmul", "attention"):
-            heavy += cost.fwd_flops
-        elif n.name not in inside:
-            light += cost.act_bytes * flop_per_byte
-    if heavy + light <= 0:
-        return None
-    return float(min(0.5, light / (heavy + light)))
-
-
-def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per block of an analysed graph, the fractions of its parameters and of its saved activations
-    that tensor parallelism leaves whole on every TP rank, from the rewrite's own layout
-    (``passes.tp_match.find_tp_pairs``): a pair's column weights and biases and its row weight are
-    sharded (the row bias is not); activations are priced by the nodes' outputs (what backward keeps
-    is mostly their outputs: the Linears' and norms' inputs), sharded where a node of a pair's region
-    made them (the columns' outputs and what follows them up to the row Linear), whole otherwise (the
-    columns' input, norms, residual adds, the row Linear's all-reduced output). A block without a pair is whole (1, 1). The memory counterpart of
-    ``replicated_fraction_of_graph``, which is a fraction of time. None without pairs."""
-    from autopar.passes.meta import BLOCK, COST
-    from autopar.passes.tp_match import find_tp_pairs
-
-    pairs = find_tp_pairs(gm)
-    if not pairs:
-        return None
-    nodes = {n.name: n for n in gm.graph.nodes}
-    params = dict(gm.named_parameters())
-    total_p, sharded_p = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
-    for name, t in params.items():
-        b = _block_of_param(name, gm, num_blocks)
-        if b is not None:
-            total_p[b] += t.numel()
-    region: set[str] = set()
-    for pair in pairs:
-        b = nodes[pair.row_node].meta.get(BLOCK)
-        region |= set(pair.region)
-        names = [f"{c}.{k}" for c in pair.columns for k in ("weight", "bias")] + [f"{pair.row}.weight"]
-        if b is not None and 0 <= b < num_blocks:
-            sharded_p[b] += sum(params[n].numel() for n in names if n in params)
-    total_a, sharded_a = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
-    for n in gm.graph.nodes:     # the nodes' outputs, which backward keeps (the Linears' inputs among them)
-        cost, b = n.meta.get(COST), n.meta.get(BLOCK)
-        if cost is None or b is None or not 0 <= b < num_blocks or cost.out_bytes <= 0:
-            continue
-        total_a[b] += cost.out_bytes
-        if n.name in region:
-            sharded_a[b] += cost.out_bytes
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rep_p = np.where(total_p > 0, 1.0 - sharded_p / np.maximum(total_p, 1.0), 1.0)
-        rep_a = np.where(total_a > 0, 1.0 - sharded_a / np.maximum(total_a, 1.0), 1.0)
-    return np.clip(rep_p, 0.0, 1.0), np.clip(rep_a, 0.0, 1.0)
-
-
-def _block_of_param(name: str, gm, num_blocks: int) -> int | None:
-    """The block of the first node that reads parameter ``name`` (``passes.meta.BLOCK``)."""
-    from autopar.passes.meta import BLOCK
-
-    cache = gm.__dict__.setdefault("_autopar_param_blocks", None)
-    if cache is None:
-        cache = {}
-        for n in gm.graph.nodes:
-            b = n.meta.get(BLOCK)
-            if b is None and n.op == "get_attr":
-                b = next((u.meta.get(BLOCK) for u in n.users if u.meta.get(BLOCK) is not None), None)
-            if b is None:
-                continue
-            if n.op == "get_attr":
-                cache.setdefault(str(n.target), b)
-            elif n.op == "call_module":
-                for pname, _ in gm.get_submodule(str(n.target)).named_parameters():
-                    cache.setdefault(f"{n.target}.{pname}", b)
-        gm.__dict__["_autopar_param_blocks"] = cache
-    return cache.get(name)
-
-
 def allreduce_alpha_beta(cluster: "Cluster", ranks: Sequence[int]) -> tuple[float, float]:
     """(seconds, seconds per byte) of a ring all-reduce over ``ranks``: time = alpha + beta * nbytes."""
     ranks = tuple(ranks)
@@ -291,18 +205,40 @@ def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) 
                      alpha, beta)
 
 
+def sp_blocks(costs: ModelCosts) -> np.ndarray | None:
+    """Per block whether sequence parallelism runs it (``ModelCosts.tp_sp_supported``, blocks with a
+    Linear pair only), or None for tables without SP facts (SP is then never priced)."""
+    sup, pairs = getattr(costs, "tp_sp_supported", None), tp_pairs_of(costs)
+    if sup is None or pairs is None or len(sup) != costs.num_blocks:
+        return None
+    return (np.asarray(sup) > 0) & (pairs > 0)
+
+
+def _block_rho(costs: ModelCosts, rho: float, sequence_parallel: bool) -> np.ndarray | float:
+    """The replicated time fraction per block: ``rho``, and in SP blocks ``max(0, rho - covered)``
+    (``cost.tp_tables``: SP shards the token-wise work outside the pairs along the sequence)."""
+    sp = sp_blocks(costs) if sequence_parallel else None
+    if sp is None or costs.tp_sp_covered is None:
+        return rho
+    return np.where(sp, np.maximum(0.0, rho - np.asarray(costs.tp_sp_covered, float)), rho)
+
+
 def rank_block_times(costs: ModelCosts, types: Sequence[str], shares: Sequence[int], micro_batch: float,
-                     replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     replicated_fraction: float | None = None,
+                     sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) compute seconds [rank, block] of a TP group whose ranks are of device
     ``types`` with head ``shares``, at ``micro_batch`` samples: each block's whole time on the rank's
-    type times its work factor (``work_factors``); a block without a Linear pair runs whole on every
-    rank. Communication is ``tp_allreduce_block_s``'s."""
+    type times its work factor (``work_factors``; under ``sequence_parallel`` with the SP block's own
+    replicated fraction, ``_block_rho``: the sequence shard is the rank's share too); a block without
+    a Linear pair runs whole on every rank. Communication is ``tp_allreduce_block_s``'s."""
     rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else _check_rho(replicated_fraction)
     n, r = costs.num_blocks, len(types)
     if micro_batch <= 0:
         return np.zeros((r, n)), np.zeros((r, n))
     s = np.asarray(shares, dtype=np.float64)
-    factors = work_factors(s / s.sum(), rho)
+    f = s / s.sum()
+    rb = _block_rho(costs, rho, sequence_parallel)
+    factors = np.ones((r, 1)) if r == 1 else rb + (1.0 - rb) * f[:, None] * np.ones((1, n))
     pairs = tp_pairs_of(costs)
     sharded = np.ones(n, dtype=bool) if pairs is None else pairs > 0
     fwd = np.stack([np.where(sharded, k, 1.0) * costs.fwd_time(t, micro_batch) for t, k in zip(types, factors)])
@@ -310,49 +246,117 @@ def rank_block_times(costs: ModelCosts, types: Sequence[str], shares: Sequence[i
     return fwd, bwd
 
 
-def tp_allreduce_block_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float) -> np.ndarray:
-    """Per block, the seconds of a TP group's all-reduces in *one* direction at ``micro_batch``: one
-    per Linear pair (``tp_pairs_of``; half of ``TP_ALLREDUCES_PER_BLOCK`` without the counts), each of
-    the block's output, over the group's ring (``allreduce_alpha_beta``). The same again in the other
-    direction (Megatron's g in forward, f in backward)."""
+def sp_pad(shares: Sequence[int]) -> float:
+    """How much larger than the tensor the SP collectives' buffer is: the sequence shards follow the
+    TP shares and the collectives take equal chunks, so each is padded to the largest (t x its
+    fraction); 1 for even shares."""
+    s = np.asarray(shares, dtype=np.float64)
+    return float(len(s) * s.max() / s.sum()) if len(s) else 1.0
+
+
+def tp_allreduce_block_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
+                         sequence_parallel: bool = False, pad: float = 1.0) -> np.ndarray:
+    """Per block, the seconds of a TP group's collectives in *one* direction at ``micro_batch``, none
+    overlapped: one all-reduce per Linear pair (``tp_pairs_of``; half of ``TP_ALLREDUCES_PER_BLOCK``
+    without the counts), each of the block's output, over the group's ring (``allreduce_alpha_beta``);
+    under ``sequence_parallel``, in SP blocks (``sp_blocks``), a reduce-scatter and an all-gather per
+    pair instead: the same ring bytes (times ``pad``, ``sp_pad``) and two latency terms, one per call
+    (``SP_COLLECTIVES_PER_PAIR``; what a gloo or NCCL call costs beyond its bytes). The same again in
+    the other direction (Megatron's g in forward, f in backward); ``tp_backward_comm_s`` takes off
+    what the backward overlap hides."""
     pairs = tp_pairs_of(costs)
     count = TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
-    return count * (alpha_s + beta_s_per_byte * costs.out_bytes * max(float(micro_batch), 0.0))
+    nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
+    out = count * (alpha_s + beta_s_per_byte * nbytes)
+    sp = sp_blocks(costs) if sequence_parallel else None
+    if sp is not None:
+        out = np.where(sp, count * (SP_COLLECTIVES_PER_PAIR * alpha_s + beta_s_per_byte * nbytes * pad), out)
+    return out
 
 
-def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
-                     replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples:
-    the slowest rank's compute (``rank_block_times``; ranks meet at every all-reduce, so block by
-    block) plus the group's all-reduces (``tp_allreduce_block_s`` in each direction)."""
-    n = costs.num_blocks
-    if micro_batch <= 0:
-        return np.zeros(n), np.zeros(n)
-    f, b = rank_block_times(costs, kind.types, kind.shares, micro_batch, replicated_fraction)
+def tp_backward_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
+                       wgrad_s: np.ndarray | None, sequence_parallel: bool = False, pad: float = 1.0) -> np.ndarray:
+    """Per block, the *exposed* seconds of a TP group's backward collectives: ``tp_allreduce_block_s``
+    less what runs under the columns' weight-gradient GEMMs (``passes.tp_overlap``: f's backward
+    collective starts after the columns' input gradients and is waited for after their weight
+    gradients). Per pair ``p``: exposed = max(0, c_p - w_p), with ``c_p`` f's backward collective (an
+    all-reduce; under SP a reduce-scatter: one latency term and half the ring bytes, the g all-gather
+    beside it stays exposed) and ``w_p`` = ``wgrad_s[block, p]``, the pair's weight-gradient seconds
+    on the group's rank that has least of them. So it is never negative and never above the
+    unoverlapped price; ``wgrad_s`` None (no overlap, or no tables) gives that price."""
+    whole = tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad)
+    pairs = tp_pairs_of(costs)
+    if wgrad_s is None or pairs is None:
+        return whole
+    nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
+    sp = sp_blocks(costs) if sequence_parallel else None
+    sp = np.zeros(costs.num_blocks, dtype=bool) if sp is None else sp
+    c = np.where(sp, alpha_s + beta_s_per_byte * nbytes * pad / 2, alpha_s + beta_s_per_byte * nbytes)
+    width = wgrad_s.shape[1]
+    used = np.minimum(pairs, width)
+    mask = np.arange(width)[None, :] < used[:, None]
+    hidden = np.where(mask, np.minimum(c[:, None], wgrad_s), 0.0).sum(axis=1)
+    return np.maximum(whole - hidden, 0.0)
+
+
+def group_wgrad_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int],
+                  micro_batch: float) -> np.ndarray | None:
+    """[block, pair] the columns' weight-gradient seconds on the group's rank with least of them: the
+    pair's share of the block's backward (``ModelCosts.tp_wgrad_share``) times the rank's whole-block
+    backward times its fraction (the columns are sharded wholly); None without the tables."""
+    share = getattr(costs, "tp_wgrad_share", None)
+    if share is None or share.ndim != 2 or share.shape[0] != costs.num_blocks or micro_batch <= 0:
+        return None
+    s = np.asarray(shares, dtype=np.float64)
+    f = s / s.sum()
+    per_rank = np.stack([costs.bwd_time(t, micro_batch) * k for t, k in zip(types, f)])
+    return share * per_rank.min(axis=0)[:, None]
+
+
+def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
+    f, b = rank_block_times(costs, kind.types, kind.shares, micro_batch, rho, sp)
     fwd, bwd = f.max(axis=0), b.max(axis=0)
     if len(kind.types) > 1:
-        per_dir = tp_allreduce_block_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch)
-        fwd = fwd + per_dir
-        bwd = bwd + per_dir
+        pad = sp_pad(kind.shares) if sp else 1.0
+        fwd = fwd + tp_allreduce_block_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, sp, pad)
+        w = group_wgrad_s(costs, kind.types, kind.shares, micro_batch) if overlap else None
+        bwd = bwd + tp_backward_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, w, sp, pad)
     return fwd, bwd
 
 
-def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
-    """Per block of an analysed graph (``passes.meta.BLOCK`` on its nodes), the Linear pairs tensor
-    parallelism shards in it (``passes.tp_match.find_tp_pairs``, the rewrite's own matcher). Each pair
-    costs one all-reduce in forward (its g, after the row Linear) and one in backward (its f, before
-    the columns): a transformer layer has two (attention and MLP), an MLP block one, an embedding or
-    a head none (it runs whole on every TP rank)."""
-    from autopar.passes.meta import BLOCK
-    from autopar.passes.tp_match import find_tp_pairs
+def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
+                     replicated_fraction: float | None = None, sequence_parallel: bool | None = None,
+                     overlap: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples:
+    the slowest rank's compute (``rank_block_times``; ranks meet at every collective, so block by
+    block) plus the group's collectives: forward's all exposed (``tp_allreduce_block_s``), backward's
+    less what the overlap hides (``tp_backward_comm_s``; ``overlap`` None: ``TP_BACKWARD_OVERLAP``).
+    ``sequence_parallel``: True / False as a stage runs it; None: as the planner sets it
+    (``sp_pays``: where SP is supported and priced no slower on this kind at this micro-batch)."""
+    n = costs.num_blocks
+    if micro_batch <= 0:
+        return np.zeros(n), np.zeros(n)
+    ov = TP_BACKWARD_OVERLAP if overlap is None else bool(overlap)
+    plain = _kind_times(costs, kind, micro_batch, replicated_fraction, False, ov)
+    if sequence_parallel is False or len(kind.types) < 2 or sp_blocks(costs) is None:
+        return plain
+    sp = _kind_times(costs, kind, micro_batch, replicated_fraction, True, ov)
+    if sequence_parallel or float(sp[0].sum() + sp[1].sum()) <= float(plain[0].sum() + plain[1].sum()):
+        return sp
+    return plain
 
-    nodes = {n.name: n for n in gm.graph.nodes}
-    out = np.zeros(int(num_blocks))
-    for pair in find_tp_pairs(gm):
-        b = nodes[pair.row_node].meta.get(BLOCK)
-        if b is not None and 0 <= int(b) < num_blocks:
-            out[int(b)] += 1
-    return out
+
+def sp_pays(costs: ModelCosts, kind: GroupKind, micro_batch: float, replicated_fraction: float | None = None,
+            overlap: bool | None = None) -> bool:
+    """Whether a TP group of ``kind`` runs sequence parallelism as the planner sets it: a group of two
+    or more ranks, SP supported in some block (``sp_blocks``), and forward + backward of the model's
+    blocks priced no slower with it (the memory it saves is never more: ``cost.memory``)."""
+    if len(kind.types) < 2 or sp_blocks(costs) is None or not sp_blocks(costs).any() or micro_batch <= 0:
+        return False
+    ov = TP_BACKWARD_OVERLAP if overlap is None else bool(overlap)
+    p = _kind_times(costs, kind, micro_batch, replicated_fraction, False, ov)
+    s = _kind_times(costs, kind, micro_batch, replicated_fraction, True, ov)
+    return float(s[0].sum() + s[1].sum()) <= float(p[0].sum() + p[1].sum())
 
 
 def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
@@ -366,14 +370,15 @@ def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
 
 
 def kind_times(costs: ModelCosts, cluster: "Cluster", kind: GroupKind, micro_batch: float, blocks: slice,
-               replicated_fraction: float | None = None, cache: dict | None = None) -> tuple[float, float]:
+               replicated_fraction: float | None = None, cache: dict | None = None,
+               sequence_parallel: bool | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a block range on a group of ``kind`` (``cache`` memoises the
-    per-block arrays by kind and micro-batch)."""
-    key = (kind, micro_batch, replicated_fraction)
+    per-block arrays by kind and micro-batch; ``sequence_parallel``: ``kind_block_times``')."""
+    key = (kind, micro_batch, replicated_fraction, sequence_parallel)
     if cache is not None and key in cache:
         f, b = cache[key]
     else:
-        f, b = kind_block_times(costs, kind, micro_batch, replicated_fraction)
+        f, b = kind_block_times(costs, kind, micro_batch, replicated_fraction, sequence_parallel)
         if cache is not None:
             cache[key] = (f, b)
     return float(f[blocks].sum()), float(b[blocks].sum())
@@ -523,3 +528,14 @@ def tp_optimizer_params(stage, params: float, replicated_fraction: float = DEFAU
         for r, k in zip(ranks, factors):
             out[r] = params * float(k) / d
     return out
+
+
+def stage_sequence_parallel(costs: ModelCosts, kinds: Sequence[GroupKind], micro_batches: Sequence[float],
+                            replicated_fraction: float | None = None) -> bool:
+    """``Stage.sequence_parallel`` as the planner sets it on a stage whose members are of ``kinds``
+    (with their largest micro-batch each): every member a TP group for which ``sp_pays``. A stage
+    whose members disagree runs without SP (the flag is the stage's); ``kind_block_times`` with the
+    stage's flag then prices what it runs."""
+    kinds = list(kinds)
+    return bool(kinds) and all(sp_pays(costs, k, float(x), replicated_fraction)
+                               for k, x in zip(kinds, micro_batches))

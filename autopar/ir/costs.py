@@ -136,12 +136,22 @@ class ModelCosts:
     # (cost.tp.tp_memory_replicated_per_block); None: the TP work factors' rho prices memory too
     tp_param_replicated: np.ndarray | None = None
     tp_act_replicated: np.ndarray | None = None
+    # sequence parallelism and backward overlap (cost.tp_tables.tp_graph_tables): per block, whether SP
+    # can run it (1 / 0), the part of its time that SP moves from whole-on-every-rank to a sequence
+    # shard, the fraction of its saved activations still whole under SP; per block and pair, the share
+    # of the block's backward that the pair's column weight gradients take (what f's backward
+    # collective overlaps). None: not known (SP not priced, no overlap priced)
+    tp_sp_supported: np.ndarray | None = None
+    tp_sp_covered: np.ndarray | None = None
+    tp_sp_act_replicated: np.ndarray | None = None
+    tp_wgrad_share: np.ndarray | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
-        for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated"):
+        for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
+                     "tp_sp_act_replicated", "tp_wgrad_share"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 

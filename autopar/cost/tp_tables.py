@@ -1,0 +1,276 @@
+"""Per-block tables of sequence parallelism (SP) and of the backward overlap, from an analysed graph:
+what ``cost.tp`` needs to price a TP block with ``Stage.sequence_parallel`` and with f's backward
+collective overlapped (``ModelCosts.tp_sp_covered`` / ``tp_sp_act_replicated`` / ``tp_wgrad_share``).
+
+Terms (the graph's ``passes.meta.COST`` and ``BLOCK`` annotations; ``passes.tp_match.find_tp_pairs``)
+- heavy work: forward FLOPs of matmul- and attention-class nodes; light work: memory-class bytes at
+  ``FLOP_PER_BYTE`` FLOP per byte (a device's peak over its bandwidth), as
+  ``cost.tp.replicated_fraction_of_graph`` counts them; a block's work is heavy + light.
+- SP support per block (``tp_sp_supported``): ``passes.tp_sp.sp_supported_blocks`` (the SP rewrite's own analysis) where that
+  module exists; without it, every block with a Linear pair (then say so: an estimate).
+- covered (``tp_sp_covered``): in an SP block, the light work of the nodes outside every pair's region
+  (norms, residual adds: the token-wise ops between the pairs that SP runs on a sequence shard) over the
+  block's work; 0 elsewhere. ``cost.tp`` prices an SP block's replicated time fraction as
+  ``max(0, rho - covered)``: SP removes the graph's memory-bound work outside the pairs; what a measured
+  ``rho`` has beyond it (per-operator costs of the shard, on CPUs) stays.
+- SP activations whole (``tp_sp_act_replicated``): in an SP block, the pairs' column inputs (the
+  all-gathered copy each column Linear saves for its weight gradient, one per distinct input) over the
+  block's saved output bytes; everything else there is sharded along the sequence in proportion to the
+  rank's TP shares (H1's rewrite), like the pairs' regions along the heads. Elsewhere the TP layout's
+  fraction (``cost.tp.tp_memory_replicated_per_block``). The copy is priced as a fraction of the graph's
+  bytes, so a rank's factor ``rep + (1 - rep) f`` under-counts it by ``rep * f`` (small: rep ~ 0.05).
+- weight-gradient share (``tp_wgrad_share``, [block, pair]): the pair's column Linears' forward FLOPs
+  (their weight-gradient GEMMs cost the same) over twice the block's work (backward ~ 2x forward): the
+  part of the block's backward that f's backward collective can overlap (``passes.tp_overlap``, H2).
+  Pairs in graph order per block; 0-padded to the most pairs of any block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["replicated_fraction_of_graph", "tp_memory_replicated_per_block", "tp_pairs_per_block", "FLOP_PER_BYTE", "sp_supported_of_graph", "tp_sp_tables", "tp_wgrad_shares", "tp_graph_tables",
+           "tp_graph_tables_of"]
+
+FLOP_PER_BYTE = 150.0
+
+
+def replicated_fraction_of_graph(gm, flop_per_byte: float = 150.0) -> float | None:
+    """``replicated_fraction_of`` measured on the analysed graph itself (``passes.meta.COST`` and
+    ``BLOCK`` on its nodes), counting only what tensor parallelism really leaves whole: the
+    memory-class work of the nodes outside every Linear pair's region (norms, residual adds), in the
+    blocks that have a pair. The elementwise work inside a region (an MLP's activation, attention's
+    softmax) runs on sharded tensors, and so does its matmul work; the block statistics count all
+    memory-class work as replicated. None when the graph has no pairs or no costs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    pairs = find_tp_pairs(gm)
+    if not pairs:
+        return None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    inside = {name for p in pairs for name in (*p.region, p.row_node)}
+    blocks = {nodes[p.row_node].meta.get(BLOCK) for p in pairs}
+    heavy = light = 0.0
+    for n in gm.graph.nodes:
+        cost = n.meta.get(COST)
+        if cost is None or n.meta.get(BLOCK) not in blocks:
+            continue
+        if cost.op_class in ("matmul", "attention"):
+            heavy += cost.fwd_flops
+        elif n.name not in inside:
+            light += cost.act_bytes * flop_per_byte
+    if heavy + light <= 0:
+        return None
+    return float(min(0.5, light / (heavy + light)))
+
+
+def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per block of an analysed graph, the fractions of its parameters and of its saved activations
+    that tensor parallelism leaves whole on every TP rank, from the rewrite's own layout
+    (``passes.tp_match.find_tp_pairs``): a pair's column weights and biases and its row weight are
+    sharded (the row bias is not); activations are priced by the nodes' outputs (what backward keeps
+    is mostly their outputs: the Linears' and norms' inputs), sharded where a node of a pair's region
+    made them (the columns' outputs and what follows them up to the row Linear), whole otherwise (the
+    columns' input, norms, residual adds, the row Linear's all-reduced output). A block without a pair is whole (1, 1). The memory counterpart of
+    ``replicated_fraction_of_graph``, which is a fraction of time. None without pairs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    pairs = find_tp_pairs(gm)
+    if not pairs:
+        return None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    params = dict(gm.named_parameters())
+    total_p, sharded_p = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
+    for name, t in params.items():
+        b = _block_of_param(name, gm, num_blocks)
+        if b is not None:
+            total_p[b] += t.numel()
+    region: set[str] = set()
+    for pair in pairs:
+        b = nodes[pair.row_node].meta.get(BLOCK)
+        region |= set(pair.region)
+        names = [f"{c}.{k}" for c in pair.columns for k in ("weight", "bias")] + [f"{pair.row}.weight"]
+        if b is not None and 0 <= b < num_blocks:
+            sharded_p[b] += sum(params[n].numel() for n in names if n in params)
+    total_a, sharded_a = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
+    for n in gm.graph.nodes:     # the nodes' outputs, which backward keeps (the Linears' inputs among them)
+        cost, b = n.meta.get(COST), n.meta.get(BLOCK)
+        if cost is None or b is None or not 0 <= b < num_blocks or cost.out_bytes <= 0:
+            continue
+        total_a[b] += cost.out_bytes
+        if n.name in region:
+            sharded_a[b] += cost.out_bytes
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rep_p = np.where(total_p > 0, 1.0 - sharded_p / np.maximum(total_p, 1.0), 1.0)
+        rep_a = np.where(total_a > 0, 1.0 - sharded_a / np.maximum(total_a, 1.0), 1.0)
+    return np.clip(rep_p, 0.0, 1.0), np.clip(rep_a, 0.0, 1.0)
+
+
+def _block_of_param(name: str, gm, num_blocks: int) -> int | None:
+    """The block of the first node that reads parameter ``name`` (``passes.meta.BLOCK``)."""
+    from autopar.passes.meta import BLOCK
+
+    cache = gm.__dict__.setdefault("_autopar_param_blocks", None)
+    if cache is None:
+        cache = {}
+        for n in gm.graph.nodes:
+            b = n.meta.get(BLOCK)
+            if b is None and n.op == "get_attr":
+                b = next((u.meta.get(BLOCK) for u in n.users if u.meta.get(BLOCK) is not None), None)
+            if b is None:
+                continue
+            if n.op == "get_attr":
+                cache.setdefault(str(n.target), b)
+            elif n.op == "call_module":
+                for pname, _ in gm.get_submodule(str(n.target)).named_parameters():
+                    cache.setdefault(f"{n.target}.{pname}", b)
+        gm.__dict__["_autopar_param_blocks"] = cache
+    return cache.get(name)
+
+
+def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
+    """Per block of an analysed graph (``passes.meta.BLOCK`` on its nodes), the Linear pairs tensor
+    parallelism shards in it (``passes.tp_match.find_tp_pairs``, the rewrite's own matcher). Each pair
+    costs one all-reduce in forward (its g, after the row Linear) and one in backward (its f, before
+    the columns): a transformer layer has two (attention and MLP), an MLP block one, an embedding or
+    a head none (it runs whole on every TP rank)."""
+    from autopar.passes.meta import BLOCK
+    from autopar.passes.tp_match import find_tp_pairs
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = np.zeros(int(num_blocks))
+    for pair in find_tp_pairs(gm):
+        b = nodes[pair.row_node].meta.get(BLOCK)
+        if b is not None and 0 <= int(b) < num_blocks:
+            out[int(b)] += 1
+    return out
+
+
+
+
+def sp_supported_of_graph(gm, num_blocks: int) -> tuple[np.ndarray, bool]:
+    """(per block whether SP can run it, whether that came from the SP rewrite's own analysis): see the
+    module docstring. Without ``passes.tp_sp``: every block with a pair (an estimate)."""
+    try:
+        from autopar.passes.tp_sp import sp_supported_blocks
+    except ImportError:
+        sp_supported_blocks = None
+    if sp_supported_blocks is not None:
+        got = np.asarray(sp_supported_blocks(gm, int(num_blocks)), dtype=bool)
+        if got.shape == (int(num_blocks),):
+            return got, True
+    return tp_pairs_per_block(gm, num_blocks) > 0, False
+
+
+def _block_work(gm, num_blocks: int, inside: set[str]):
+    """Per block (heavy, light outside every region) work and the nodes by name."""
+    from autopar.passes.meta import BLOCK, COST
+
+    heavy, light_out = np.zeros(num_blocks), np.zeros(num_blocks)
+    for n in gm.graph.nodes:
+        cost, b = n.meta.get(COST), n.meta.get(BLOCK)
+        if cost is None or b is None or not 0 <= b < num_blocks:
+            continue
+        if cost.op_class in ("matmul", "attention"):
+            heavy[b] += cost.fwd_flops
+        else:
+            w = cost.act_bytes * FLOP_PER_BYTE
+            if n.name not in inside:
+                light_out[b] += w
+    return heavy, light_out
+
+
+def _light_all(gm, num_blocks: int) -> np.ndarray:
+    from autopar.passes.meta import BLOCK, COST
+
+    out = np.zeros(num_blocks)
+    for n in gm.graph.nodes:
+        cost, b = n.meta.get(COST), n.meta.get(BLOCK)
+        if cost is not None and b is not None and 0 <= b < num_blocks and cost.op_class not in ("matmul", "attention"):
+            out[b] += cost.act_bytes * FLOP_PER_BYTE
+    return out
+
+
+def tp_sp_tables(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(supported, covered, activations whole under SP) per block (module docstring); None without
+    pairs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    n = int(num_blocks)
+    pairs = find_tp_pairs(gm)
+    layout = tp_memory_replicated_per_block(gm, n)
+    if not pairs or layout is None:
+        return None
+    supported, _ = sp_supported_of_graph(gm, n)
+    nodes = {x.name: x for x in gm.graph.nodes}
+    inside = {name for p in pairs for name in (*p.region, p.row_node)}
+    heavy, light_out = _block_work(gm, n, inside)
+    total = heavy + _light_all(gm, n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        covered = np.where(supported & (total > 0), light_out / np.where(total > 0, total, 1.0), 0.0)
+    total_a = np.zeros(n)
+    for x in gm.graph.nodes:
+        cost, b = x.meta.get(COST), x.meta.get(BLOCK)
+        if cost is not None and b is not None and 0 <= b < n and cost.out_bytes > 0:
+            total_a[b] += cost.out_bytes
+    gathered, seen = np.zeros(n), set()
+    for p in pairs:
+        b = nodes[p.row_node].meta.get(BLOCK)
+        src = nodes.get(p.input_node)
+        if b is None or not 0 <= b < n or src is None or p.input_node in seen:
+            continue
+        seen.add(p.input_node)
+        cost = src.meta.get(COST)
+        gathered[b] += cost.out_bytes if cost is not None else 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sp_act = np.where(total_a > 0, gathered / np.where(total_a > 0, total_a, 1.0), 1.0)
+    act = np.where(supported, np.clip(sp_act, 0.0, 1.0), layout[1])
+    return supported.astype(np.float64), np.clip(covered, 0.0, 1.0), act
+
+
+def tp_wgrad_shares(gm, num_blocks: int) -> np.ndarray | None:
+    """[block, pair] weight-gradient share of the block's backward (module docstring); None without pairs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    n = int(num_blocks)
+    pairs = find_tp_pairs(gm)
+    if not pairs:
+        return None
+    nodes = {x.name: x for x in gm.graph.nodes}
+    heavy, _ = _block_work(gm, n, set())
+    total = heavy + _light_all(gm, n)
+    per_block: list[list[float]] = [[] for _ in range(n)]
+    for p in pairs:
+        b = nodes[p.row_node].meta.get(BLOCK)
+        if b is None or not 0 <= b < n or total[b] <= 0:
+            continue
+        flops = sum(getattr(nodes[c].meta.get(COST), "fwd_flops", 0.0) for c in p.column_nodes if c in nodes)
+        per_block[b].append(min(1.0, flops / (2.0 * total[b])))
+    width = max((len(x) for x in per_block), default=0)
+    out = np.zeros((n, max(width, 1)))
+    for b, xs in enumerate(per_block):
+        out[b, :len(xs)] = xs
+    return out
+
+
+def tp_graph_tables(gm, num_blocks: int) -> dict:
+    """``ModelCosts`` keywords of the SP and overlap tables of an analysed graph ({} without pairs)."""
+    out = {}
+    sp = tp_sp_tables(gm, num_blocks)
+    if sp is not None:
+        out["tp_sp_supported"], out["tp_sp_covered"], out["tp_sp_act_replicated"] = sp
+    w = tp_wgrad_shares(gm, num_blocks)
+    if w is not None:
+        out["tp_wgrad_share"] = w
+    return out
+
+
+def tp_graph_tables_of(analysis, num_blocks: int) -> dict:
+    """``tp_graph_tables`` of an analysis' captured graph ({} without one): the cost-table hook
+    (``cost.profile``)."""
+    gm = getattr(getattr(analysis, "captured", None), "gm", None)
+    return {} if gm is None else tp_graph_tables(gm, num_blocks)
