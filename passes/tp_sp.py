@@ -174,6 +174,8 @@ def _kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
         name = t.__name__.split(".")[0]
         if name == "sym_size":
             return "size"
+        if name == "_assert_tensor_metadata":   # torch.export's dtype / device checks
+            return "probe" if n.kwargs.get("size") is None and n.kwargs.get("stride") is None else None
         return _ATEN.get(name)
     try:
         if t in _UNARY_FUNCS:
