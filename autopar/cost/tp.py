@@ -51,7 +51,7 @@ __all__ = [
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
     "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
     "SP_COLLECTIVES_PER_PAIR", "TP_BACKWARD_OVERLAP", "sp_blocks", "sp_pad", "tp_backward_comm_s", "group_wgrad_s",
-    "sp_pays", "stage_sequence_parallel",
+    "sp_pays", "stage_sequence_parallel", "members_sequence_parallel",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -539,3 +539,11 @@ def stage_sequence_parallel(costs: ModelCosts, kinds: Sequence[GroupKind], micro
     kinds = list(kinds)
     return bool(kinds) and all(sp_pays(costs, k, float(x), replicated_fraction)
                                for k, x in zip(kinds, micro_batches))
+
+
+def members_sequence_parallel(costs: ModelCosts, members: Sequence[Member], per_micro: Sequence[Sequence[int]],
+                              replicated_fraction: float | None = None) -> bool:
+    """``stage_sequence_parallel`` of a stage of ``members`` whose micro-batch m gives member g
+    ``per_micro[m][g]`` samples (the joint planner's stages)."""
+    largest = [max((pm[g] for pm in per_micro), default=0) for g in range(len(members))]
+    return stage_sequence_parallel(costs, [m.kind for m in members], largest, replicated_fraction)

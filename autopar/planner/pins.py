@@ -5,20 +5,25 @@ Terms
 - dimensions of a plan (``plan_dims``): ``tp`` (the set of TP group sizes, per device type), ``pp``
   (stages), ``dp`` (the set of members per stage), ``num_micro_batches`` (``Plan.num_micro_batches``),
   ``recompute`` (the set of the stages' flags), ``zero_stage``, ``schedule``, ``virtual_stages``
-  (1: no plan has more yet).
+  (1: no plan has more yet), ``sequence_parallel`` (the set of the TP stages' flags).
 - meeting a pin (``pin_violation``): every pinned dimension of the plan equals the pin (``tp``: every
   member of that type has that many ranks; ``dp``: every stage that many members; ``recompute``:
-  every stage recomputes, or none does).
+  every stage recomputes, or none does; ``sequence_parallel``: True, every stage with a TP member runs
+  SP and there is one; False, none does).
 - the search (``plan_pinned``): the single-dimension strategies that can meet the pin, and the joint
   planner's hybrid search restricted up front: TP layouts of the pinned degree (members of another
   size idle: ``layouts.member_layouts(type_degrees=)``), groupings of the pinned stage and member
   counts (``layouts.pinned_groupings``), the pinned micro-batch count, ZeRO stage and schedule, and
-  every stage recomputing when recompute is pinned on. Each candidate is checked again with
+  every stage recomputing when recompute is pinned on. ``sequence_parallel`` False plans with costs that
+  carry no SP facts (SP neither priced nor set); True searches as usual (SP is set where it is priced
+  no slower, ``cost.tp.sp_pays``) and keeps the plans whose every TP stage runs it: where SP is priced
+  slower on every layout, or the model's blocks cannot run it, the ``PlanError`` names the pin. Each candidate is checked again with
   ``pin_violation``, so what is returned equals the pin by construction and by check.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -50,7 +55,8 @@ def plan_dims(plan: Plan, cluster: "Cluster") -> dict:
     return dict(tp=tp, pp=len(rank_stages), dp={len(st.groups) for st in rank_stages},
                 num_micro_batches=plan.num_micro_batches, recompute={bool(st.recompute) for st in plan.stages},
                 zero_stage=plan.zero_stage, schedule=plan.schedule,
-                virtual_stages=int(getattr(plan, "virtual_stages", 1) or 1))
+                virtual_stages=int(getattr(plan, "virtual_stages", 1) or 1),
+                sequence_parallel={bool(st.sequence_parallel) for st in plan.stages if any(len(g) > 1 for g in st.groups)})
 
 
 def pin_violation(plan: Plan, pin: Pin, cluster: "Cluster") -> str | None:
@@ -65,6 +71,9 @@ def pin_violation(plan: Plan, pin: Pin, cluster: "Cluster") -> str | None:
                     return f"pin.tp: {t} members have {sorted(sizes)} ranks, pinned {deg}"
             if isinstance(want, int) and not have:
                 return "pin.tp: the plan has no members"
+        elif name == "sequence_parallel":
+            if (want and have != {True}) or (not want and True in have):
+                return f"pin.sequence_parallel: the plan's TP stages have {sorted(have) or 'none'}, pinned {want}"
         elif name in ("dp", "recompute"):
             if have != {want}:
                 return f"pin.{name}: the plan has {sorted(have)}, pinned {want}"
@@ -127,9 +136,19 @@ def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int
     if pin.schedule is not None and pin.schedule not in ALL_SCHEDULES:
         raise PlanError(f"pin.schedule: the planner cannot plan {pin.schedule!r} (it plans "
                         f"{', '.join(ALL_SCHEDULES)})")
+    if getattr(pin, "sequence_parallel", None) and pin.tp == 1:
+        raise PlanError("pin.sequence_parallel: sequence parallelism needs tensor parallelism, but pin.tp is 1")
+    if getattr(pin, "sequence_parallel", None) and not _sp_possible(costs):
+        raise PlanError("pin.sequence_parallel: no block of the model can run sequence parallelism "
+                        "(cost.tp.sp_blocks: no Linear pair with a token-wise region, or tables without SP facts)")
     if _pipeline_only(pin) and pin.tp not in (None, 1):
         raise PlanError(f"pin.schedule: {pin.schedule or 'interleaved-1f1b'!r} is planned by the pipeline "
                         f"planner only so far, whose members are single devices; it cannot also pin {pin}")
+
+
+def _sp_possible(costs: ModelCosts) -> bool:
+    sp = tp_cost.sp_blocks(costs)
+    return sp is not None and bool(sp.any())
 
 
 def _pipeline_only(pin: Pin) -> bool:
@@ -139,6 +158,8 @@ def _pipeline_only(pin: Pin) -> bool:
 
 def _single_could_meet(strategy: str, pin: Pin) -> bool:
     one = (None, 1)
+    if getattr(pin, "sequence_parallel", None) and (strategy in DP_STRATEGIES or strategy in PP_STRATEGIES):
+        return False                    # members of one device: no TP stage to run SP
     if _pipeline_only(pin):
         return strategy in PP_STRATEGIES
     if strategy in DP_STRATEGIES:
@@ -154,6 +175,8 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
     pin = config.pin
     check_pin(pin, costs, cluster, global_batch, config.num_heads)
     cfg = pinned_config(config)
+    if getattr(pin, "sequence_parallel", None) is False:     # SP neither priced nor set anywhere
+        costs = dataclasses.replace(costs, tp_sp_supported=None, _cache={})
     strategy = cfg.resolved_strategy
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if cfg.replicated_fraction is None else cfg.replicated_fraction
     common = dict(num_heads=cfg.num_heads, zero_stage=cfg.zero_stage, schedule=cfg.schedule,
