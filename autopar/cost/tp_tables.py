@@ -6,11 +6,13 @@ Terms (the graph's ``passes.meta.COST`` and ``BLOCK`` annotations; ``passes.tp_m
 - heavy work: forward FLOPs of matmul- and attention-class nodes; light work: memory-class bytes at
   ``FLOP_PER_BYTE`` FLOP per byte (a device's peak over its bandwidth), as
   ``cost.tp.replicated_fraction_of_graph`` counts them; a block's work is heavy + light.
-- SP support per block (``tp_sp_supported``): ``passes.tp_sp.sp_supported_blocks`` (the SP rewrite's own analysis) where that
-  module exists; without it, every block with a Linear pair (then say so: an estimate).
+- SP support per block (``tp_sp_supported``): ``passes.tp_sp.sp_block_analysis`` (the SP rewrite's
+  own analysis) where that module exists; without it, every block with a Linear pair (an estimate).
 - covered (``tp_sp_covered``): in an SP block, the light work of the nodes outside every pair's region
   (norms, residual adds: the token-wise ops between the pairs that SP runs on a sequence shard) over the
-  block's work; 0 elsewhere. ``cost.tp`` prices an SP block's replicated time fraction as
+  block's work, less the part the SP analysis says stays whole (its replicated FLOP share with SP over
+  the one without: e.g. the first layer's first norm, which reads the embedding before any
+  reduce-scatter); 0 elsewhere. ``cost.tp`` prices an SP block's replicated time fraction as
   ``max(0, rho - covered)``: SP removes the graph's memory-bound work outside the pairs; what a measured
   ``rho`` has beyond it (per-operator costs of the shard, on CPUs) stays.
 - SP activations whole (``tp_sp_act_replicated``): in an SP block, the pairs' column inputs (the
@@ -150,18 +152,25 @@ def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
 
 
 
-def sp_supported_of_graph(gm, num_blocks: int) -> tuple[np.ndarray, bool]:
-    """(per block whether SP can run it, whether that came from the SP rewrite's own analysis): see the
-    module docstring. Without ``passes.tp_sp``: every block with a pair (an estimate)."""
+def sp_supported_of_graph(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(per block whether SP can run it, per block the part of the work outside the pairs that SP
+    leaves whole, or None): the SP rewrite's own analysis (``passes.tp_sp.sp_block_analysis``: its
+    replicated FLOP share with SP over the one without), see the module docstring. Without
+    ``passes.tp_sp``: every block with a pair, nothing left whole (an estimate)."""
     try:
-        from autopar.passes.tp_sp import sp_supported_blocks
+        from autopar.passes.tp_sp import sp_block_analysis
     except ImportError:
-        sp_supported_blocks = None
-    if sp_supported_blocks is not None:
-        got = np.asarray(sp_supported_blocks(gm, int(num_blocks)), dtype=bool)
-        if got.shape == (int(num_blocks),):
-            return got, True
-    return tp_pairs_per_block(gm, num_blocks) > 0, False
+        sp_block_analysis = None
+    n = int(num_blocks)
+    if sp_block_analysis is not None:
+        a = sp_block_analysis(gm, n)
+        got = np.asarray(a.supported, dtype=bool)
+        if got.shape == (n,):
+            on, off = np.asarray(a.replicated_flop_share, float), np.asarray(a.replicated_flop_share_no_sp, float)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                left = np.where(off > 0, np.clip(on / np.where(off > 0, off, 1.0), 0.0, 1.0), 0.0)
+            return got, left
+    return tp_pairs_per_block(gm, n) > 0, None
 
 
 def _block_work(gm, num_blocks: int, inside: set[str]):
@@ -204,13 +213,15 @@ def tp_sp_tables(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     layout = tp_memory_replicated_per_block(gm, n)
     if not pairs or layout is None:
         return None
-    supported, _ = sp_supported_of_graph(gm, n)
+    supported, left = sp_supported_of_graph(gm, n)
     nodes = {x.name: x for x in gm.graph.nodes}
     inside = {name for p in pairs for name in (*p.region, p.row_node)}
     heavy, light_out = _block_work(gm, n, inside)
     total = heavy + _light_all(gm, n)
     with np.errstate(divide="ignore", invalid="ignore"):
         covered = np.where(supported & (total > 0), light_out / np.where(total > 0, total, 1.0), 0.0)
+    if left is not None:
+        covered = covered * (1.0 - left)
     total_a = np.zeros(n)
     for x in gm.graph.nodes:
         cost, b = x.meta.get(COST), x.meta.get(BLOCK)
