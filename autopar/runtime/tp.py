@@ -39,6 +39,12 @@ For the pipeline engine: ``bind_tp_group``, ``gather_full_params`` and ``flat_fu
 per-stage pieces; ``shard_stage_module`` rewrites and binds in one call (for a graph used on
 its own).
 
+Sequence parallelism (``Stage.sequence_parallel``, ``passes.tp_sp``): lowering rewrites the blocks
+that support it; ``bind_tp_group`` binds their collectives too. A block that does not support it runs
+without (never an error), and ``sp_blocks_applied`` records the blocks that do. The replicated
+parameters those blocks read (norm weights, row biases) get their gradient summed over the TP group
+inside backward, so the reductions below see full, identical gradients on every TP rank, as without SP.
+
 Emulation: only compute (each micro-step's forward, loss and backward, and the optimizer step) runs
 inside ``clock.compute()``; the f / g all-reduces inside forward and backward block without CPU time.
 """
@@ -264,6 +270,8 @@ class TensorParallelEngine:
         # the broadcast weights, f / g over the member's group.
         self.gm = _to_device(program.tp_module, self.device)
         self.layout = tp_layout(self.gm)
+        sp = self.gm.meta.get(SP_META_KEY)
+        self.sp_blocks_applied: tuple[int, ...] = sp.blocks if sp is not None else ()
         self._load_shards(source)
         if self._member is not None:
             bind_tp_group(self.gm, self.tp_group)
