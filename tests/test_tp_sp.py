@@ -32,8 +32,10 @@ def test_stage_sequence_parallel_round_trip_and_old_json():
 # Distributed: the TP engine with SP on threaded ranks, against the single-device oracle
 
 import copy
+import importlib.util
 import math
 import threading
+import unittest
 
 import numpy as np
 import torch
@@ -184,6 +186,51 @@ class TwoRanksSP(threaded_ranks(2)):
         grads = gather_full_params(local, None)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref.get_parameter(name).grad, msg=name)
+
+
+    @unittest.skipUnless(importlib.util.find_spec("transformers"), "transformers is not installed")
+    def test_transformers_llama_forward_and_replicated_gradients(self):
+        """Hugging Face transformers' LlamaForCausalLM from a tiny config (torch.export capture): both
+        layers sequence-parallel at shares 3/1; logits and the replicated parameters' gradients
+        (RMSNorm weights, embedding, head) equal the unsharded model's."""
+        from autopar.passes.tp import tp_rewrite
+        from autopar.passes.tp_sp import sp_rewrite
+        from autopar.runtime.tp import bind_tp_group
+
+        with _LOCK:
+            model, gm, nb, ids = _hf_llama()
+            model, gm = copy.deepcopy((model, gm))
+        assert sp_supported_blocks(gm, nb).tolist() == [False, True, True, False]
+        local = sp_rewrite(tp_rewrite(gm, (3, 1), self.rank), (3, 1), self.rank)
+        assert local.meta[SP_META_KEY].blocks == (1, 2)
+        bind_tp_group(local, None)
+        out = local(ids)["logits"]
+        ref = copy.deepcopy(model)
+        want = ref(ids).logits
+        torch.testing.assert_close(out, want.detach(), rtol=1e-4, atol=1e-5)
+        out.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+        checked = 0
+        for name, p in ref.named_parameters():
+            got = model.get_parameter(name).grad
+            if got is not None:       # the sharded Linears' full weights are not used by ``local``
+                torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+                checked += 1
+        assert checked >= 5     # 2 x 2 RMSNorm weights, the final norm, embedding, head
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.passes.analyze import analyze
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    analysis = analyze(model, (ids,))
+    return model, analysis.captured.gm, len(analysis.blocks), ids
 
 
 class ThreeRanksSP(threaded_ranks(3)):
