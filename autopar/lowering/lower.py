@@ -60,10 +60,12 @@ def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.
 
 
 def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool = False,
-          tp_granularity: int = 8, params: Sequence[nn.Parameter] | None = None) -> RankProgram:
+          tp_granularity: int = 8, params: Sequence[nn.Parameter] | None = None,
+          tp_overlap: bool = True) -> RankProgram:
     """This rank's program for ``plan`` (see the module docstring). ``gm``: the captured graph with
     block annotations (``passes.analyze``); ``tp_granularity``: MLP features per TP granule of a
-    ``"tp"`` plan; ``params``: the trainable parameters ZeRO-3 units index (default: ``gm``'s)."""
+    ``"tp"`` plan; ``params``: the trainable parameters ZeRO-3 units index (default: ``gm``'s);
+    ``tp_overlap``: a TP rank's f collectives overlap its weight gradients (``passes.tp_overlap``)."""
     if gm is not None and use_triton:
         from autopar.passes.triton_patterns import substitute_kernels
 
@@ -78,7 +80,8 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             import dataclasses
 
             local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
-            overlap_tp_backward(local.gm)     # f's backward all-reduce overlaps the weight gradients
+            if tp_overlap:
+                overlap_tp_backward(local.gm)     # f's backward all-reduce overlaps the weight gradients
         return RankProgram(**common, stages=stages, local_stage=local)
     if kind == "tp":
         if gm is None:
@@ -87,7 +90,8 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             module = tp_rewrite(gm, (1,), 0)
         else:
             module = tp_member_module(plan, 0, member, tp_index, gm, tp_granularity)
-            overlap_tp_backward(module)       # f's backward all-reduce overlaps the weight gradients
+            if tp_overlap:
+                overlap_tp_backward(module)       # f's backward all-reduce overlaps the weight gradients
         return RankProgram(**common, tp_module=module)
     st = plan.stages[0]
     if st.recompute:
