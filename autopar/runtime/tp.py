@@ -97,16 +97,13 @@ def bind_tp_group(local_gm: fx.GraphModule, group=None) -> None:
 
 def bind_sp_group(local_gm: fx.GraphModule, group=None) -> None:
     """Make the sequence-parallel modules of a TP module (``passes.tp_sp.sp_rewrite``; none: nothing to
-    do) communicate over the process ``group``: padded all-gathers, and reduce-scatters where the
-    backend has them (gloo has none: an all-reduce of which each rank keeps its tokens, the same sums)."""
+    do) communicate over the process ``group``: padded all-gathers and reduce-scatters (NCCL, gloo in
+    this torch, and the threaded test group have both), all-reduces for the replicated gradients."""
     if not pg_is_initialized() or SP_META_KEY not in getattr(local_gm, "meta", {}):
         return
-    import torch.distributed as dist
-
-    gloo = dist.get_backend(group) == "gloo"
     bind_sp_collectives(local_gm, functools.partial(pg_all_reduce, group=group),
                         functools.partial(pg_all_gather, group=group),
-                        None if gloo else functools.partial(pg_reduce_scatter_into, group=group))
+                        functools.partial(pg_reduce_scatter_into, group=group))
 
 
 def shard_stage_module(stage_gm: fx.GraphModule, shares: tuple[int, ...], idx: int, group=None, *,
