@@ -144,3 +144,18 @@ def test_sequence_parallel_pin_is_honoured_or_named():
     with pytest.raises(PlanError, match="pin.sequence_parallel"):
         Pin(sequence_parallel=2)
     assert Pin.parse("tp=2,sequence_parallel=1") == Pin(tp=2, sequence_parallel=True)
+
+
+def test_search_memory_factors_are_the_built_sp_stage_ones():
+    from autopar.cost.memory import tp_memory_fractions, tp_span_factors
+
+    tables, pairs, n = _gpt_tables()
+    costs = _costs(tables, pairs, n)
+    st = Stage(1, n - 1, groups=((0, 1),), micro_batches=((2,),), tp_shares=((3, 1),), sequence_parallel=True)
+    kp, ka = tp_span_factors(costs, 0.3, 0.25)                  # the search's default: SP where supported
+    p, a = tp_memory_fractions(costs, st, 0.3)
+    assert np.isclose(kp[1, n - 1], p + (1 - p) * 0.25) and np.isclose(ka[1, n - 1], a + (1 - a) * 0.25)
+    plain = tp_span_factors(costs, 0.3, 0.25, sequence_parallel=False)
+    assert plain[1][1, n - 1] > ka[1, n - 1]
+    bare = dataclasses.replace(costs, tp_sp_supported=None, _cache={})   # no SP facts: as before
+    assert np.allclose(tp_span_factors(bare, 0.3, 0.25)[1], plain[1])

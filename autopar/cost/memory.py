@@ -191,7 +191,7 @@ def tp_memory_fractions(costs: ModelCosts, stage: Stage, rho: float) -> tuple[fl
 
 
 def tp_span_factors(costs: ModelCosts, rho: float, fraction: float,
-                    sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                    sequence_parallel: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([i, j] state work factor, [i, j] activation work factor) of a TP rank holding ``fraction`` of
     its group's shard units on blocks [i, j): ``rho_x + (1 - rho_x) * fraction`` with ``rho_x`` the
     stage's fractions of ``tp_memory_fractions`` on that span (so ``stage_memory_bytes`` of a built
@@ -199,10 +199,16 @@ def tp_span_factors(costs: ModelCosts, rho: float, fraction: float,
     on the diagonal. What the joint search's memory caps use (``cost.joint``): the state and the
     activations of a TP layer are sharded very differently (a llama layer: 0.001% of its
     parameters whole, 22% of its activations), so one factor for both would over-price the state.
-    ``sequence_parallel``: the factors of stages that run SP (``tp_replicated_per_block``)."""
+    ``sequence_parallel``: the factors of stages that run SP (``tp_replicated_per_block``); None (the
+    joint search): SP's wherever the costs say a block can run it (``tp_cost.sp_blocks``), as the
+    planner sets it on every TP stage where it is priced no slower. Where it is priced slower the
+    built stage runs without it and may need more than its row said: the search's final check
+    (``stage_memory_bytes`` of the built stages) drops such a candidate, so a plan never exceeds.
+    (Optimistic there and only there; exact wherever SP pays, e.g. every TP kind of llama-140b.)"""
     n = costs.num_blocks
     out = []
-    for frac, weight in zip(tp_replicated_per_block(costs, rho, sequence_parallel), (costs.params, costs.act_bytes)):
+    sp = tp_cost.sp_blocks(costs) is not None if sequence_parallel is None else bool(sequence_parallel)
+    for frac, weight in zip(tp_replicated_per_block(costs, rho, sp), (costs.params, costs.act_bytes)):
         w = np.concatenate([[0.0], np.cumsum(np.asarray(weight, float))])
         r = np.concatenate([[0.0], np.cumsum(frac * np.asarray(weight, float))])
         span_w, span_r = w[None, :] - w[:, None], r[None, :] - r[:, None]
