@@ -420,6 +420,10 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
     ctx = SeqContext(shares, rank_index)
     count = [0]
 
+    def key(x: fx.Node, dim: int = SEQ_DIM) -> int:   # the stream: its full length in the analysed graph
+        shape = _shape(x, local)
+        return int(shape[dim]) if shape is not None and len(shape) > dim else 0
+
     def add(kind: str, module: nn.Module, arg: fx.Node, after: fx.Node, meta_from: fx.Node) -> fx.Node:
         name = f"_sp_{kind}{count[0]}"
         count[0] += 1
@@ -430,11 +434,11 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
         return node
 
     for g in gs & set(fl.sp):     # g -> reduce-scatter
-        local.add_submodule(g.target, SeqReduceScatter(ctx))
+        local.add_submodule(g.target, SeqReduceScatter(ctx, SEQ_DIM, key(g)))
     for f in fl.to_f:              # f -> all-gather to the group
-        local.add_submodule(f.target, SeqGatherToGroup(ctx))
+        local.add_submodule(f.target, SeqGatherToGroup(ctx, SEQ_DIM, key(f.args[0])))
     for a, users in fl.scatter.items():
-        s = add("scatter", SeqScatter(ctx), a, a, a)
+        s = add("scatter", SeqScatter(ctx, SEQ_DIM, key(a)), a, a, a)
         for u in users:
             u.replace_input_with(a, s)
     summed_names = []
@@ -447,12 +451,12 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
         with graph.inserting_before(probe):
             name = f"_sp_len{count[0]}"
             count[0] += 1
-            local.add_submodule(name, SeqLength(ctx, fl.sp[x]))
+            local.add_submodule(name, SeqLength(ctx, fl.sp[x], key(x, fl.sp[x])))
             node = graph.call_module(name, (x,))
         probe.replace_all_uses_with(node)
         graph.erase_node(probe)
     for x, users in fl.leaks.items():
-        gnode = add("gather", SeqGather(ctx, fl.sp[x]), x, x, x)
+        gnode = add("gather", SeqGather(ctx, fl.sp[x], key(x, fl.sp[x])), x, x, x)
         for u in users:
             u.replace_input_with(x, gnode)
     for n in list(fl.sp):          # norm modules -> functional, so their weights' gradients are summed

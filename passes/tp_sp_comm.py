@@ -48,12 +48,22 @@ class SeqContext:
         self.all_reduce: AllReduce | None = None
         self.all_gather: AllGather | None = None
         self.reduce_scatter_into: ReduceScatterInto | None = None
-        self.seq_len: int | None = None
+        # full sequence length of the running forward, per stream (the static length its graph was
+        # analysed with: tensors of different lengths, say an encoder's and a decoder's, never mix)
+        self.lengths: dict[int, int] = {}
         self._order: list[int] | None = None
 
     @property
     def bound(self) -> bool:
         return self.all_gather is not None and len(self.shares) > 1
+
+    def length(self, key: int) -> int:
+        """The full length of stream ``key`` in the running forward (set where a full tensor entered)."""
+        got = self.lengths.get(key)
+        if got is None:
+            raise RuntimeError(f"sequence parallelism: a shard of stream {key} was read before any full tensor "
+                               f"of it entered the region")
+        return got
 
     def ranges(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         return seq_ranges(seq_len, self.shares)
@@ -124,42 +134,40 @@ def _pad(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
 
 class _ScatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp: SeqContext, dim: int):
+    def forward(ctx, x, sp: SeqContext, dim: int, key: int):
         ctx.sp, ctx.dim, ctx.seq_len = sp, dim, x.shape[dim]
-        sp.seq_len = x.shape[dim]
+        sp.lengths[key] = x.shape[dim]
         return sp.local(x, dim, x.shape[dim])
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.sp.gather(grad.contiguous(), ctx.dim, ctx.seq_len), None, None
+        return ctx.sp.gather(grad.contiguous(), ctx.dim, ctx.seq_len), None, None, None
 
 
 class _GatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp: SeqContext, dim: int, to_group: bool):
+    def forward(ctx, x, sp: SeqContext, dim: int, key: int, to_group: bool):
         ctx.sp, ctx.dim, ctx.to_group = sp, dim, to_group
-        ctx.seq_len = sp.seq_len
-        if ctx.seq_len is None:
-            raise RuntimeError("sequence parallelism: a shard was gathered before any full tensor entered")
+        ctx.seq_len = sp.length(key)
         return sp.gather(x, dim, ctx.seq_len)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.to_group:   # the columns' partial input gradients: sum them, keep this member's tokens
-            return ctx.sp.reduce_scatter(grad, ctx.dim), None, None, None
-        return ctx.sp.local(grad, ctx.dim, ctx.seq_len), None, None, None
+            return ctx.sp.reduce_scatter(grad, ctx.dim), None, None, None, None
+        return ctx.sp.local(grad, ctx.dim, ctx.seq_len), None, None, None, None
 
 
 class _ReduceScatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp: SeqContext, dim: int):
+    def forward(ctx, x, sp: SeqContext, dim: int, key: int):
         ctx.sp, ctx.dim, ctx.seq_len = sp, dim, x.shape[dim]
-        sp.seq_len = x.shape[dim]
+        sp.lengths[key] = x.shape[dim]
         return sp.reduce_scatter(x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.sp.gather(grad.contiguous(), ctx.dim, ctx.seq_len), None, None
+        return ctx.sp.gather(grad.contiguous(), ctx.dim, ctx.seq_len), None, None, None
 
 
 class _SumGradFn(torch.autograd.Function):
@@ -177,31 +185,35 @@ class _SumGradFn(torch.autograd.Function):
 
 
 class SPModule(nn.Module):
-    def __init__(self, sp: SeqContext, dim: int = SEQ_DIM):
+    """A module of the SP rewrite: ``sp`` the member's shared state, ``dim`` the sequence dim of the
+    tensor it handles, ``key`` its stream (the full sequence length the graph was analysed with)."""
+
+    def __init__(self, sp: SeqContext, dim: int = SEQ_DIM, key: int = 0):
         super().__init__()
         self.sp = sp
         self.dim = dim
+        self.key = key
 
 
 class SeqScatter(SPModule):
     """A full tensor into the region: this member's tokens (backward: all-gather)."""
 
     def forward(self, x):
-        return _ScatterFn.apply(x, self.sp, self.dim)
+        return _ScatterFn.apply(x, self.sp, self.dim, self.key)
 
 
 class SeqGather(SPModule):
     """A shard out of the region to replicated code: the full tensor (backward: keep the local slice)."""
 
     def forward(self, x):
-        return _GatherFn.apply(x, self.sp, self.dim, False)
+        return _GatherFn.apply(x, self.sp, self.dim, self.key, False)
 
 
 class SeqGatherToGroup(SPModule):
     """f under SP, on the columns' input: all-gather along the sequence (backward: reduce-scatter)."""
 
     def forward(self, x):
-        return _GatherFn.apply(x, self.sp, self.dim, True)
+        return _GatherFn.apply(x, self.sp, self.dim, self.key, True)
 
     def backward_comm_async(self, grad: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         """The backward collective of ``grad`` (the full-sequence gradient of this f's output):
@@ -214,7 +226,7 @@ class SeqReduceScatter(SPModule):
     """g under SP, on the row's output: reduce-scatter along the sequence (backward: all-gather)."""
 
     def forward(self, x):
-        return _ReduceScatterFn.apply(x, self.sp, self.dim)
+        return _ReduceScatterFn.apply(x, self.sp, self.dim, self.key)
 
 
 class SumGradOverGroup(SPModule):
@@ -229,7 +241,7 @@ class SeqLength(SPModule):
     """``x.size(dim)`` of the full sequence for a shard ``x`` (the length of the running forward)."""
 
     def forward(self, x):
-        return self.sp.seq_len if self.sp.seq_len is not None else x.size(self.dim)
+        return self.sp.length(self.key)
 
 
 def _no_wait() -> None:
@@ -240,7 +252,7 @@ def bind_sp_collectives(gm: fx.GraphModule, all_reduce: AllReduce | None, all_ga
                         reduce_scatter_into: ReduceScatterInto | None = None) -> None:
     """Make the SP modules of ``gm`` (an ``sp_rewrite`` result) communicate with these functions over
     the member's group (None: no communication). ``reduce_scatter_into(out, inp)``: optional; without
-    it a reduce-scatter is an all-reduce of which each member keeps its tokens (gloo has none)."""
+    it a reduce-scatter is an all-reduce of which each member keeps its tokens (the same sums)."""
     for m in gm.modules():
         if isinstance(m, SPModule):
             m.sp.all_reduce, m.sp.all_gather, m.sp.reduce_scatter_into = all_reduce, all_gather, reduce_scatter_into
