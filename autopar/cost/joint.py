@@ -250,7 +250,17 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
     out = []
     facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (kind id, speed, room, rank caps)
     links = ctx.cache.setdefault("p2p", {})            # (src, dst) -> alpha-beta terms
+    # a stage's prep is a function of its members and the next stage's first rank and member count:
+    # groupings of one search share most stages (22 441 stages, 6 326 distinct, llama-140b on
+    # hethub-768); keyed by the members' ids, kept alive with the entry so that no id is reused
+    done = ctx.cache.setdefault("stage_preps", {})
     for s, members in enumerate(stages):
+        nxt = stages[s + 1] if s < len(stages) - 1 else None
+        key = (tuple(map(id, members)), None if nxt is None else (nxt[0].ranks[0], len(nxt)))
+        hit = done.get(key)
+        if hit is not None:
+            out.append(hit[1])
+            continue
         got = []
         for m in members:
             f = facts.get(m.ranks)
@@ -273,6 +283,7 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
         load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
         tp_even = tp and len(members) > 1 and len({tuple(m.shares) for m in members}) == 1
         out.append(StagePrep(len(members), kinds, p2p, counts, tp, load_id, tp_even))
+        done[key] = (tuple(members), out[-1])
     return out
 
 
@@ -348,10 +359,23 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     key = ("slb_ids", id(prep))
     hit = ctx.cache.get(key)
     if hit is None or hit[0] is not prep:
-        hit = ctx.cache[key] = (prep, [st.load_id if st.load_id >= 0 else ("prep", id(st)) for st in prep])
+        lids = [st.load_id if st.load_id >= 0 else ("prep", id(st)) for st in prep]
+        hit = ctx.cache[key] = (prep, lids, {})   # the last: micro-batch size -> (sum 1 / q_s, min q_s)
+    terms = hit[2].get(b)
+    if terms is None:
+        terms = hit[2][b] = _split_bound_terms(ctx, prep, hit[1], b)
+    inv, low = terms
+    if inv <= 0:
+        return 0.0
+    return (num_micro - 1) / inv + low
+
+
+def _split_bound_terms(ctx: JointContext, prep: Sequence[StagePrep], lids: list, b: int) -> tuple[float, float]:
+    """(sum_s 1 / q_s, min_s q_s) of ``split_lower_bound`` at micro-batch size ``b``; (0, 0) when a
+    q_s is 0 (the bound is then 0)."""
     qs = ctx.cache.setdefault(("slb_q", b), {})   # per load id: q_s (the same for stages of equal loads)
     inv, low = 0.0, math.inf
-    for st, lid in zip(prep, hit[1]):
+    for st, lid in zip(prep, lids):
         q = qs.get(lid)
         if q is None:
             q = 0.0
@@ -361,7 +385,7 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
             if st.load_id >= 0:
                 qs[lid] = q
         if q <= 0:
-            return 0.0
+            return 0.0, 0.0
         inv += 1.0 / q
         low = min(low, q)
-    return (num_micro - 1) / inv + low
+    return inv, low

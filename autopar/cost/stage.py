@@ -237,7 +237,7 @@ def stage_split_feasible(costs: ModelCosts, links: Sequence[StageLink | None], n
     stage, from the rows' fit masks alone (no seconds), stopping at the first stage that reaches none."""
     n = costs.num_blocks
     S = len(links)
-    out_bytes = np.concatenate([[0.0], costs.out_bytes])
+    out_bytes = None
     reach = np.zeros(n + 1, dtype=bool)
     reach[0] = True
     masks: dict = {}
@@ -249,8 +249,15 @@ def stage_split_feasible(costs: ModelCosts, links: Sequence[StageLink | None], n
             masks[key] = (p, p.finite_at(float(fly)))
         mask = masks[key][1]
         if link is not None:
-            send = link.alpha_s + link.beta_s_per_byte * math.ceil(micro_batch / link.num_links) * out_bytes
-            mask = mask & np.isfinite(send)[None, :]
+            ceil = math.ceil(micro_batch / link.num_links)
+            if out_bytes is None:
+                out_bytes = np.concatenate([[0.0], costs.out_bytes])
+                largest = float(np.max(np.abs(out_bytes)))
+            # every send is finite when the one of the largest bytes is (alpha, beta >= 0): mask kept
+            if not (link.alpha_s >= 0 and link.beta_s_per_byte >= 0
+                    and math.isfinite(link.alpha_s + link.beta_s_per_byte * ceil * largest)):
+                send = link.alpha_s + link.beta_s_per_byte * ceil * out_bytes
+                mask = mask & np.isfinite(send)[None, :]
         reach = mask[reach].any(axis=0)
         if not reach.any():
             return False

@@ -57,6 +57,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -173,10 +174,16 @@ def _tail_signature(ctx: JointContext, groups: Sequence[tuple[int, ...]]) -> tup
     hit = ctx.cache.get(key)
     if hit is not None and hit[0] is groups:
         return hit[1]
-    per_node: dict[int, int] = {}
-    for g in groups:
-        per_node[ctx.members[g].node] = per_node.get(ctx.members[g].node, 0) + 1
-    sig = tuple(ctx.member_kind_id(ctx.members[g]) for g in groups), tuple(sorted(per_node.values()))
+    # rank tuple -> (kind id, node) of its member: ``ctx.members`` is complete once ``_entries`` ran
+    of = ctx.cache.setdefault("member_of", {})
+    try:
+        kinds = tuple([of[g][0] for g in groups])
+    except KeyError:
+        for g in groups:
+            if g not in of:
+                of[g] = (ctx.member_kind_id(ctx.members[g]), ctx.members[g].node)
+        kinds = tuple([of[g][0] for g in groups])
+    sig = kinds, tuple(sorted(Counter([of[g][1] for g in groups]).values()))
     ctx.cache[key] = (groups, sig)   # keeps ``groups`` alive, so its id is not reused
     return sig
 
