@@ -127,3 +127,10 @@ def test_dp_phase_prices_the_exposed_all_reduce_as_the_planner_does():
     # the planner's step holds the same exposed part: compute + exposed comm + optimizer
     assert plan.predicted.breakdown["comm_s"] == pytest.approx(dar.total_s - hidden)
     assert _hidden_allreduce_s(c, cluster, st, comm.DpAllReduces()) == 0.0      # nothing to hide
+
+
+def test_call_overhead_needs_a_gap():
+    from autopar.cost.step import measure_call_overhead
+
+    with pytest.raises(ValueError, match="gap_s"):
+        measure_call_overhead(None, (), gap_s=0.0, use_cache=False)

@@ -17,8 +17,9 @@ Terms
   after every call (``autopar.runtime.emulate``, with the factor of ``autopar.cluster.emulation``), and a call that starts after a sleep costs more CPU
   than the same call run back to back, as the block tables were timed (cold caches, re-scheduling):
   ``measure_call_overhead`` times the whole captured graph's forward call and backward call at a small
-  micro-batch, hot and after a sleep, and keeps the mean difference of the least times of each (the
-  steady clock charges the least; ``ModelCosts.call_overhead_s``,
+  micro-batch, hot and after a sleep, interleaved (a hot pair, then a cold pair, repeated), and keeps
+  the mean difference of the least times of each (the steady clock charges the least;
+  ``ModelCosts.call_overhead_s``,
   scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
 
 Measurements are cached with the block timings (``autopar.cost.measure_cache.measure_cache_path()``).
@@ -160,14 +161,16 @@ def optimizer_roofline_s_per_param(spec, optimizer: str = "adamw", *, mixed_prec
 
 
 def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int = 2, gap_s: float = 0.01,
-                          repeats: int = 9, use_cache: bool = True) -> float:
+                          repeats: int = 15, use_cache: bool = True) -> float:
     """CPU seconds a compute call costs beyond its hot time when it starts after a ``gap_s`` sleep (see
     the module docstring), at least 0. Cached per graph (its blocks' signatures) and CPU thread count.
     Runs forward and backward on the captured graph, so it leaves the model's ``.grad`` cleared."""
     from autopar.passes.split import flat_inputs
 
+    if not gap_s > 0:
+        raise ValueError(f"gap_s: {gap_s!r} must be > 0 (the sleep a cold call starts after)")
     sig = graph_signature(analysis)
-    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}|min"
+    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}|min|interleaved"
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
         gm = analysis.captured.gm
@@ -183,21 +186,23 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
                 torch.autograd.backward(held, [torch.ones_like(o) for o in held])
             held.clear()
 
-        def least(gap: float) -> tuple[float, float]:
-            tf, tb = [], []
-            fwd()
-            bwd()
-            for _ in range(repeats):
-                for fn, ts in ((fwd, tf), (bwd, tb)):
+        # Hot and cold calls interleaved, so both series see the same moments of the host: timed as two
+        # series one after the other, the difference of their least times moved 0-1.5 ms between two
+        # processes on a loaded machine (bert-tiny: 0.51 and 0.0 ms), which a pipeline's every call pays
+        # (x 48 on a quarter-speed device at slowdown 2).
+        times = {0.0: ([], []), gap_s: ([], [])}
+        fwd()
+        bwd()
+        for _ in range(repeats):
+            for gap in (0.0, gap_s):
+                for fn, ts in zip((fwd, bwd), times[gap]):
                     if gap:
                         time.sleep(gap)
                     t0 = time.thread_time()
                     fn()
                     ts.append(time.thread_time() - t0)
-            return min(tf), min(tb)
-
-        hot = least(0.0)
-        cold = least(gap_s)
+        hot = (min(times[0.0][0]), min(times[0.0][1]))
+        cold = (min(times[gap_s][0]), min(times[gap_s][1]))
         gm.zero_grad(set_to_none=True)
         cache[key] = max(0.0, ((cold[0] - hot[0]) + (cold[1] - hot[1])) / 2)
         if use_cache:
