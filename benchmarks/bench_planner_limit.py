@@ -117,42 +117,58 @@ def waterfall(plan, costs, cluster) -> list[dict]:
 
 def what_ifs(costs, cluster, batch: int, num_heads, rho: float, c0: float, bubble_points: float) -> list[dict]:
     """Priced what-ifs (PREDICTED): the joint planner rerun with one input changed, efficiency against
-    the same compute bound ``c0``. Which of them the runtime runs today is said in each row."""
+    the same compute bound ``c0``. Which of them the runtime runs today is said in each row. Sequence
+    parallelism and the backward TP overlap are in the plan itself now (``cost.tp``): their rows are
+    ablations (the plan without each), not what-ifs."""
+    import contextlib
     import dataclasses
+    import importlib.util
 
-    import numpy as np
-
+    from autopar.cost import joint as joint_cost
+    from autopar.cost import tp as tp_cost
+    from autopar.cost.memory import tp_span_factors
     from autopar.planner.joint import plan_auto
 
-    def run(label, built, c=costs, cl=cluster, r=rho, **kw):
+    def run(label, built, c=costs, cl=cluster, r=rho, patch=contextlib.nullcontext, **kw):
         try:
-            p = plan_auto(c, cl, batch, num_heads=num_heads, replicated_fraction=r, use_cache=False, **kw)
+            with patch():
+                p = plan_auto(c, cl, batch, num_heads=num_heads, replicated_fraction=r, use_cache=False, **kw)
+                wf = waterfall(p, c, cl)
         except Exception as e:   # a what-if that plans nothing says so
             return dict(what_if=label, built=built, of_bound=0.0, chosen=f"no plan: {e}"[:200])
-        wf = waterfall(p, c, cl)
         return dict(what_if=label, built=built, of_bound=p.predicted.samples_per_s / c0,
                     samples_per_s=p.predicted.samples_per_s, chosen=p.notes[0],
+                    sp_stages=sum(bool(st.sequence_parallel) for st in p.stages),
                     lost=", ".join(f"{r['step'].split(' (')[0]} {r['lost_points']:.1%}" for r in wf[1:]
                                    if r["lost_points"] >= 0.0005))
 
-    pairs = np.asarray(costs.tp_pairs, float) if costs.tp_pairs is not None else np.ones(costs.num_blocks)
-    rep_a = costs.tp_act_replicated if costs.tp_act_replicated is not None else np.full(costs.num_blocks, rho)
-    # sequence parallelism (Megatron-SP): norms, residuals and the row Linears' outputs live on a
-    # sequence shard, so a layer's activations and its replicated work are sharded too; the TP bytes
-    # stay those of an all-reduce (reduce-scatter + all-gather)
-    sp = dataclasses.replace(costs, tp_act_replicated=np.where(pairs > 0, 0.0, np.asarray(rep_a, float)))
-    # backward's TP all-reduces hidden under compute halve each block's TP seconds: priced as every
-    # node's intra-node link at twice its bandwidth (the same total seconds; intra-node p2p and DP rings
-    # gain too, a little)
-    fast = dataclasses.replace(cluster, node_intra_Bps=tuple(
-        2.0 * cluster.node_intra_bandwidth_Bps(n, tuple(d.spec for d in cluster.devices if d.node == n))
-        for n in range(cluster.num_nodes)))
-    rows = [run("activation recomputation allowed (Stage.recompute; auto leaves it off by default)", True,
+    @contextlib.contextmanager
+    def no_overlap():
+        old, tp_cost.TP_BACKWARD_OVERLAP = tp_cost.TP_BACKWARD_OVERLAP, False
+        try:
+            yield
+        finally:
+            tp_cost.TP_BACKWARD_OVERLAP = old
+
+    @contextlib.contextmanager
+    def sp_time_only():
+        old = joint_cost.tp_span_factors
+        joint_cost.tp_span_factors = lambda c, r, f: tp_span_factors(c, r, f, sequence_parallel=False)
+        try:
+            yield
+        finally:
+            joint_cost.tp_span_factors = old
+
+    have = lambda m: importlib.util.find_spec(m) is not None   # noqa: E731
+    sp_built, ov_built = have("autopar.passes.tp_sp"), have("autopar.passes.tp_overlap")
+    no_sp = dataclasses.replace(costs, tp_sp_supported=None, _cache={})
+    rows = [run("ablation: without sequence parallelism (Stage.sequence_parallel never set)", sp_built, c=no_sp),
+            run("ablation: without the backward TP overlap (every backward collective exposed)", ov_built,
+                patch=no_overlap),
+            run("activation recomputation allowed (Stage.recompute; auto leaves it off by default)", True,
                 recompute=True),
-            run("sequence parallelism (activations and replicated work of TP layers sharded)", False, c=sp, r=0.0),
-            run("TP all-reduces of backward overlapped with compute", False, cl=fast),
-            run("sequence parallelism + backward overlap + recomputation", False, c=sp, r=0.0, cl=fast,
-                recompute=True)]
+            run("ablation: SP's activations not in the joint search's memory caps (SP time only)", sp_built,
+                patch=sp_time_only)]
     rows.append(dict(what_if="interleaved 1F1B with 2 virtual stages in the hybrid search: the bubble row "
                              "halved on the same plan (arithmetic ceiling, memory not priced)", built=False,
                      of_bound=None, points=bubble_points / 2))
@@ -193,7 +209,8 @@ print(json.dumps(dict(total_s=total, analyze_s=prep.analyze_s, profile_s=prep.pr
                       upper_bound=pr.upper_bound_samples_per_s, breakdown=pr.breakdown,
                       chosen=[n for n in p.notes if n.startswith("chosen")],
                       bound_notes=[n for n in p.notes if n.startswith(("homogeneous", "upper bound"))],
-                      stages=rows, waterfall=wf, **extra)))
+                      stages=rows, waterfall=wf, sp_stages=sum(bool(st.sequence_parallel) for st in p.stages),
+                      **extra)))
 """
 
 
@@ -228,7 +245,7 @@ def main(argv=None) -> int:
                       k: last.get(k) for k in ("samples_per_s", "step_time_s", "mfu", "homogeneous_mfu",
                                                "compute_efficiency", "efficiency", "compute_bound", "upper_bound",
                                                "breakdown", "chosen", "bound_notes", "stages", "waterfall",
-                                               "what_ifs")})
+                                               "what_ifs", "sp_stages")})
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "planner_limit.json").write_text(json.dumps(result, indent=2) + "\n")
     n = len(last["stages"])
@@ -255,7 +272,8 @@ def main(argv=None) -> int:
           f"{last['efficiency']:.1%} | {last['samples_per_s']:.4g} | {statistics.median(times):.1f} "
           f"({q[0]:.1f}-{q[2]:.1f}) | >= 65% vs compute, MFU within 5% of homog., <= 5 s |", "",
           f"Parts of the last cold run (s): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result["parts_s"].items()),
-          "", f"Chosen: {last['chosen'][0] if last['chosen'] else '-'}", ""]
+          "", f"Chosen: {last['chosen'][0] if last['chosen'] else '-'}; sequence parallelism on "
+          f"{last.get('sp_stages', 0)} of its {len(last['stages'])} stages", ""]
     md += [f"- {x}" for x in last.get("bound_notes") or []]
     md += ["", "## Where the efficiency goes (PREDICTED; points of the compute bound)", "",
            "From the compute bound to the plan, one factor at a time (`waterfall` in this script): each row's "
