@@ -76,4 +76,12 @@ def test_no_side_process_from_a_thread_or_a_small_cluster(monkeypatch):
     t = threading.Thread(target=lambda: seen.append(bound_worker.side_process_worthwhile(cluster)))
     t.start()
     t.join()
-    assert seen == [False]   # two threads alive (this one and the caller): no fork
+    assert seen == [False]   # not the main thread: no fork
+    gate = threading.Event()
+    worker = threading.Thread(target=gate.wait)   # a working (non-daemon) thread alive
+    worker.start()
+    try:
+        assert not bound_worker.side_process_worthwhile(cluster)
+    finally:
+        gate.set()
+        worker.join()

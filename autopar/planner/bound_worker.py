@@ -10,9 +10,11 @@ Terms
   as computing it in the planning process: the same plans and figures, bit for bit.
 - worthwhile: Linux (``fork`` is the start method that shares the process as it is), at least two
   CPUs this process may run on, a cluster of at least ``MIN_DEVICES`` devices (smaller clusters plan
-  their bounds in well under a second, less than a fork and a pipe are worth), and one Python thread
-  alive (forking a process whose other threads may hold locks can hang the child; the threaded
-  process groups of the tests and ``autopar.launch``'s threads plan in-process).
+  their bounds in well under a second, less than a fork and a pipe are worth), called from the main
+  thread, and no other Python thread alive but daemon helpers (tqdm's monitor, which importing
+  ``torch._dynamo`` for the analysis starts): forking a process whose working threads may hold
+  locks can hang the child, so the threaded process groups of the tests and any planning from a
+  thread stay in-process.
 - fallback: whatever goes wrong in the side process (it dies, raises, cannot start) is not trusted:
   the searches run again in the planning process, which then raises what they raise.
 """
@@ -43,7 +45,9 @@ def side_process_worthwhile(cluster: "Cluster") -> bool:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # pragma: no cover - Linux has it
         cpus = os.cpu_count() or 1
-    return cpus >= 2 and threading.active_count() == 1
+    if cpus < 2 or threading.current_thread() is not threading.main_thread():
+        return False
+    return all(t.daemon for t in threading.enumerate() if t is not threading.main_thread())
 
 
 def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int,
