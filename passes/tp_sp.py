@@ -271,13 +271,33 @@ class _Flow:
     lengths: dict[fx.Node, fx.Node]        # size(seq) probes of a shard
     leaks: dict[fx.Node, set[fx.Node]]     # shard -> users needing the gathered tensor
     leak_blocks: set[int]
+    entries: set[fx.Node]                  # full tensors whose token-wise users read them scattered
 
 
 def _flow(gm: fx.GraphModule, seeds: set[fx.Node], f_users: Callable[[fx.Node], bool], excluded: set[fx.Node],
           allowed: Callable[[fx.Node], bool], min_seq: int) -> _Flow:
-    """Propagate "sharded along the sequence" from the ``seeds`` (row outputs) through token-wise ops."""
-    fl = _Flow({}, {}, {}, set(), {}, {}, set())
+    """Propagate "sharded along the sequence" from the ``seeds`` (row outputs) through token-wise ops.
+    A full tensor that the region reads (the embedding's output, a stage's input) then becomes an
+    entry: scattered once, its token-wise users in allowed blocks run on the shard too (the first norm
+    of a stage, as Megatron scatters the embedding), while its other users keep the full tensor."""
+    entries: set[fx.Node] = set()
+    for _ in range(4):
+        fl = _flow_once(gm, seeds, entries, f_users, excluded, allowed, min_seq)
+        more = {a for a in fl.scatter if a not in entries}
+        if not more:
+            return fl
+        entries |= more
+    return fl
+
+
+def _flow_once(gm: fx.GraphModule, seeds: set[fx.Node], entries: set[fx.Node], f_users: Callable[[fx.Node], bool],
+               excluded: set[fx.Node], allowed: Callable[[fx.Node], bool], min_seq: int) -> _Flow:
+    fl = _Flow({}, {}, {}, set(), {}, {}, set(), set())
     for n in gm.graph.nodes:
+        if n in entries:
+            fl.sp[n] = SEQ_DIM
+            fl.entries.add(n)
+            continue
         if n in seeds:
             s = _shape(n)
             if s is not None and len(s) == 3 and s[SEQ_DIM] >= max(2, min_seq) and allowed(n):
@@ -299,8 +319,10 @@ def _flow(gm: fx.GraphModule, seeds: set[fx.Node], f_users: Callable[[fx.Node], 
         for a in summed:
             fl.summed.setdefault(a, set()).add(n)
     for x, dim in fl.sp.items():
+        if x in fl.entries:
+            continue        # full: its other users read it as they did
         for u in x.users:
-            if u in fl.sp:
+            if u in fl.sp and u not in fl.entries:     # an entry computes in full: it reads the gathered x
                 continue
             kind = _kind(gm, u) if u.op != "output" else None
             if f_users(u):
@@ -361,7 +383,7 @@ def sp_block_analysis(gm: fx.GraphModule, num_blocks: int) -> SPAnalysis:
         if n in inside:
             continue
         rep_tp[b] += fl_n
-        if n not in fl.sp:
+        if n not in fl.sp or n in fl.entries:
             rep_sp[b] += fl_n
             rep_act[b] += act
     out = SPAnalysis(supported=supported, replicated_flop_share=_share(rep_sp, flops),
@@ -437,7 +459,12 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
         local.add_submodule(g.target, SeqReduceScatter(ctx, SEQ_DIM, key(g)))
     for f in fl.to_f:              # f -> all-gather to the group
         local.add_submodule(f.target, SeqGatherToGroup(ctx, SEQ_DIM, key(f.args[0])))
+    scattered = {a: {u for u in a.users if u in fl.sp} for a in fl.entries}
     for a, users in fl.scatter.items():
+        scattered.setdefault(a, set()).update(users)
+    for a, users in scattered.items():
+        if not users:
+            continue
         s = add("scatter", SeqScatter(ctx, SEQ_DIM, key(a)), a, a, a)
         for u in users:
             u.replace_input_with(a, s)
@@ -466,7 +493,7 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
     local.recompile()
     local.meta[SP_META_KEY] = SPLayout(
         shares, rank_index, tuple(int(b) for b in np.flatnonzero(supported)),
-        tuple(n.name for n in fl.sp), tuple(summed_names))
+        tuple(n.name for n in fl.sp if n not in fl.entries), tuple(summed_names))
     return local
 
 
