@@ -248,29 +248,9 @@ class StagePrep:
 def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> list[StagePrep]:
     """The ``StagePrep`` of every stage of a grouping (members: ``Member``s)."""
     out = []
-    facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (kind id, speed, room, rank caps)
     links = ctx.cache.setdefault("p2p", {})            # (src, dst) -> alpha-beta terms
-    # a stage's prep is a function of its members and the next stage's first rank and member count:
-    # groupings of one search share most stages (22 441 stages, 6 326 distinct, llama-140b on
-    # hethub-768); keyed by the members' ids, kept alive with the entry so that no id is reused
-    done = ctx.cache.setdefault("stage_preps", {})
     for s, members in enumerate(stages):
-        nxt = stages[s + 1] if s < len(stages) - 1 else None
-        key = (tuple(map(id, members)), None if nxt is None else (nxt[0].ranks[0], len(nxt)))
-        hit = done.get(key)
-        if hit is not None:
-            out.append(hit[1])
-            continue
-        got = []
-        for m in members:
-            f = facts.get(m.ranks)
-            if f is None or f[0] is not m:
-                f = facts[m.ranks] = (m, ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
-            got.append(f)
-        total = sum(f[2] for f in got)
-        per = [(i, x / total, room, caps) for _, i, x, room, caps in got]
-        kinds = tuple(sorted(set(per)))
-        counts = tuple(per.count(k) for k in kinds)
+        num, kinds, counts, tp, load_id, tp_even = _stage_load(ctx, members)
         p2p = None
         if s < len(stages) - 1:
             nxt = stages[s + 1]
@@ -278,12 +258,37 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
             if pair not in links:
                 links[pair] = p2p_alpha_beta(ctx.cluster, *pair)
             p2p = StageLink(*links[pair], min(len(members), len(nxt)))
-        tp = any(len(m.ranks) > 1 for m in members)
-        ids = ctx.cache.setdefault("load_ids", {})
-        load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
-        tp_even = tp and len(members) > 1 and len({tuple(m.shares) for m in members}) == 1
-        out.append(StagePrep(len(members), kinds, p2p, counts, tp, load_id, tp_even))
-        done[key] = (tuple(members), out[-1])
+        out.append(StagePrep(num, kinds, p2p, counts, tp, load_id, tp_even))
+    return out
+
+
+def _stage_load(ctx: JointContext, members: Sequence[Member]) -> tuple:
+    """(member count, kinds, counts, tp, load id, tp_even) of a ``StagePrep`` on ``members``: what
+    depends on the members alone, computed once per stage of the search (groupings share most stages:
+    22 441 stages, 6 326 distinct, llama-140b on hethub-768); keyed by the members' ids and kept with
+    them, so that no id is reused while the entry lives."""
+    done = ctx.cache.setdefault("stage_loads", {})
+    key = tuple(map(id, members))
+    hit = done.get(key)
+    if hit is not None:
+        return hit[1]
+    facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (kind id, speed, room, rank caps)
+    got = []
+    for m in members:
+        f = facts.get(m.ranks)
+        if f is None or f[0] is not m:
+            f = facts[m.ranks] = (m, ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
+        got.append(f)
+    total = sum(f[2] for f in got)
+    per = [(i, x / total, room, caps) for _, i, x, room, caps in got]
+    kinds = tuple(sorted(set(per)))
+    counts = tuple(per.count(k) for k in kinds)
+    tp = any(len(m.ranks) > 1 for m in members)
+    ids = ctx.cache.setdefault("load_ids", {})
+    load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
+    tp_even = tp and len(members) > 1 and len({tuple(m.shares) for m in members}) == 1
+    out = (len(members), kinds, counts, tp, load_id, tp_even)
+    done[key] = (tuple(members), out)
     return out
 
 
