@@ -55,8 +55,10 @@ def _tree(rev: str) -> Path:
     return dest
 
 
-def cold_run(tree: Path | None, args) -> dict:
-    """One cold ``autopar plan`` in a fresh process on ``tree`` (None: this checkout)."""
+def cold_run(tree: Path | None, args, entry: str = "module") -> dict:
+    """One cold ``autopar plan`` in a fresh process on ``tree`` (None: this checkout). ``entry``:
+    "module" runs ``python -m autopar`` (``autopar/__main__.py``: ``main()``), "run" the tree's
+    ``autopar.cli.main.run()`` (``main()``, then an exit without the interpreter's teardown)."""
     cache = tempfile.mkdtemp(prefix="autopar-cold-")
     out = Path(cache) / "plan.json"
     env = dict(os.environ, AUTOPAR_CACHE_DIR=cache)
@@ -64,8 +66,10 @@ def cold_run(tree: Path | None, args) -> dict:
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
         cwd = tree
-    cmd = [sys.executable, "-m", "autopar", "plan", "--model", args.model, "--cluster", args.cluster,
-           "--global-batch", str(args.global_batch), "--json", str(out)]
+    head = [sys.executable, "-m", "autopar"] if entry == "module" else \
+        [sys.executable, "-c", "import sys; sys.argv[0] = 'autopar'; from autopar.cli.main import run; run()"]
+    cmd = head + ["plan", "--model", args.model, "--cluster", args.cluster,
+                  "--global-batch", str(args.global_batch), "--json", str(out)]
     load = os.getloadavg()[0]
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -98,10 +102,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama-140b")
     ap.add_argument("--global-batch", type=int, default=1024)
     ap.add_argument("--after", default=None, help="a commit to time as 'after' (default: this checkout)")
+    ap.add_argument("--with-run-entry", action="store_true",
+                    help="also time the after tree through autopar.cli.main.run() (the quick exit), "
+                         "interleaved as a third side")
     ap.add_argument("--after-only", action="store_true",
                     help="rerun this checkout only; keep the before runs of the last planner_cold.json")
     args = ap.parse_args(argv)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
+    if args.with_run_entry:
+        runs["after, run()"] = []
     after_tree = _tree(args.after) if args.after else None
     if args.after_only:
         prev = json.loads((RESULTS / "planner_cold.json").read_text())
@@ -110,13 +119,17 @@ def main(argv=None) -> int:
         runs["before"] = prev["sides"]["before"]["runs"]
         for _ in range(args.repeats):
             runs["after"].append(cold_run(after_tree, args))
-            print(runs["after"][-1]["wall_s"], flush=True)
+            if args.with_run_entry:
+                runs["after, run()"].append(cold_run(after_tree, args, entry="run"))
+            print(*(v[-1]["wall_s"] for k, v in runs.items() if k != "before"), flush=True)
     else:
         tree = _tree(args.before)
         for _ in range(args.repeats):
             runs["before"].append(cold_run(tree, args))
             runs["after"].append(cold_run(after_tree, args))
-            print(runs["before"][-1]["wall_s"], runs["after"][-1]["wall_s"], flush=True)
+            if args.with_run_entry:
+                runs["after, run()"].append(cold_run(after_tree, args, entry="run"))
+            print(*(v[-1]["wall_s"] for v in runs.values()), flush=True)
     commit = args.after or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                           text=True).stdout.strip()
     result = dict(scenario=dict(model=args.model, cluster=Path(args.cluster).name, global_batch=args.global_batch),
@@ -125,7 +138,7 @@ def main(argv=None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "planner_cold.json").write_text(json.dumps(result, indent=2) + "\n")
     load_b = [r["load"] for r in runs["before"]]
-    load_a = [r["load"] for r in runs["after"]]
+    load_a = [r["load"] for k, v in runs.items() if k != "before" for r in v]
     md = ["# Cold `autopar plan`: llama-140b on hethub-768, global batch 1024", "",
           f"`python benchmarks/bench_planner_cold.py --before {args.before}"
           f"{f' --after {args.after}' if args.after else ''} --repeats {args.repeats}"
@@ -151,7 +164,13 @@ def main(argv=None) -> int:
                   f"{last['mfu']:.1%} | {last['homogeneous_mfu']:.1%} | {last['compute_efficiency']:.1%} | "
                   f"{last['efficiency']:.1%} |")
     b, a = (statistics.median(r["wall_s"] for r in runs[k]) for k in ("before", "after"))
-    md += ["", f"Speedup of the median: {b / a:.2f}x. Target (issue 14): <= 5 s.", "",
+    md += ["", f"Speedup of the median: {b / a:.2f}x. Target (issue 14): <= 5 s.", ""]
+    if args.with_run_entry:
+        r = statistics.median(x["wall_s"] for x in runs["after, run()"])
+        md += ["\"after, run()\": the after tree started through `autopar.cli.main.run()` (the same plan, then an exit "
+               "without the interpreter's teardown; what `python -m autopar` gives once `autopar/__main__.py` calls "
+               f"`run()`): median {r:.1f} s, {b / r:.2f}x the before median.", ""]
+    md += [
            "Last run's own report (`autopar plan`'s last line):", "",
            f"- before: {runs['before'][-1]['printed']}", f"- after: {runs['after'][-1]['printed']}", "",
            f"Chosen before: {runs['before'][-1]['chosen']}", "", f"Chosen after: {runs['after'][-1]['chosen']}"]

@@ -181,7 +181,11 @@ def cmd_plan(args) -> int:
             from autopar.planner.explain import explain_table
 
             print(render(explain_table(p, prep.costs, cluster)), end="")
-        print(f"planning {timings['plan_s']:.2f} s, bounds {timings['bounds_s']:.2f} s "
+        from autopar.planner.bound_worker import side_process_worthwhile
+
+        side = " left after the planning (searched alongside it in a second process)" \
+            if side_process_worthwhile(cluster) else ""
+        print(f"planning {timings['plan_s']:.2f} s, bounds {timings['bounds_s']:.2f} s{side} "
               f"(analysis {prep.analyze_s:.2f} s, cost tables {prep.profile_s:.2f} s; "
               f"time sources: {', '.join(sorted(set(prep.costs.sources.values())))})")
     if args.json:
