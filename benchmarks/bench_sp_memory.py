@@ -78,10 +78,10 @@ def measure(name: str, shares: tuple[int, ...], batch: int) -> list[dict]:
     gm, nb = analysis.captured.gm, len(analysis.blocks)
     inputs, targets = case.batch(batch, seed=1)
     rows = []
-    for sp in (False, True):
+    for sp, deferred in ((False, False), (True, False), (True, True)):
         plan = _plan(shares, sp, nb)
         for idx in range(len(shares)):
-            local = tp_member_module(plan, 0, 0, idx, gm)
+            local = tp_member_module(plan, 0, 0, idx, gm, defer_sp_grads=deferred)
             overlap_tp_backward(local)
             comm = _Counting()
             bind_all_reduce(local, comm)
@@ -103,8 +103,12 @@ def measure(name: str, shares: tuple[int, ...], batch: int) -> list[dict]:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = compute_loss(local(*inputs), targets, case.loss_fn)
             loss.backward()
-            sp_blocks = local.meta[SP_META_KEY].blocks if SP_META_KEY in local.meta else ()
-            rows.append({"model": name, "shares": list(shares), "sp": sp, "tp_index": idx, "batch": batch,
+            layout = local.meta.get(SP_META_KEY)
+            sp_blocks = layout.blocks if layout is not None else ()
+            later = [local.get_parameter(n) for n in layout.deferred_params] if layout is not None else []
+            rows.append({"model": name, "shares": list(shares), "sp": sp, "deferred": deferred, "tp_index": idx,
+                         "batch": batch, "deferred_params": len(later),
+                         "deferred_bytes": sum(p.numel() * p.element_size() for p in later),
                          "sp_blocks": list(sp_blocks), "saved_activation_bytes": saved[0],
                          "collective_calls": dict(comm.calls), "collective_bytes": dict(comm.bytes)})
     return rows
@@ -120,21 +124,27 @@ def main() -> None:
         for shares in ((3, 1), (2, 1, 1)):
             rows += measure(name, shares, args.batch)
     table = []
-    by_key = {(r["model"], tuple(r["shares"]), r["tp_index"], r["sp"]): r for r in rows}
-    for (model, shares, idx, sp), r in by_key.items():
+    by_key = {(r["model"], tuple(r["shares"]), r["tp_index"], r["sp"], r["deferred"]): r for r in rows}
+    for (model, shares, idx, sp, deferred), r in by_key.items():
         if sp:
             continue
-        s = by_key[(model, shares, idx, True)]
+        s = by_key[(model, shares, idx, True, False)]
+        d = by_key[(model, shares, idx, True, True)]
         calls = lambda x: ", ".join(f"{k} {v}" for k, v in sorted(x["collective_calls"].items()))  # noqa: E731
         table.append([model, "/".join(map(str, shares)), idx, f"{r['saved_activation_bytes'] / 2**20:.2f}",
                       f"{s['saved_activation_bytes'] / 2**20:.2f}",
-                      f"{s['saved_activation_bytes'] / r['saved_activation_bytes']:.3f}", calls(r), calls(s)])
+                      f"{s['saved_activation_bytes'] / r['saved_activation_bytes']:.3f}", calls(r), calls(s),
+                      calls(d) + f"; + 1 all_reduce per step of {d['deferred_params']} tensors "
+                      f"({d['deferred_bytes'] / 1024:.1f} KiB)"])
     md = ("Native, exact counts (no timing): one micro-batch of "
           f"{args.batch} samples, one TP rank's module alone with stand-in collectives (right shapes).\n"
           "Saved activation bytes: tensors autograd saves for backward, parameters excluded.\n"
-          "Collective calls: forward + backward of one micro-step.\n\n"
+          "Collective calls: forward + backward of one micro-step; TP+SP as a pipeline stage runs it (the\n"
+          "replicated gradients summed in backward, per micro-step) and as the TP engine runs it (summed\n"
+          "once per step: ``runtime.tp.sum_deferred_sp_grads``).\n\n"
           + md_table(["model", "shares", "TP index", "saved MiB, TP", "saved MiB, TP+SP", "SP / TP",
-                      "collectives, TP", "collectives, TP+SP"], table))
+                      "collectives, TP", "collectives, TP+SP (pipeline stage)",
+                      "collectives, TP+SP (TP engine)"], table))
     write_results("sp_memory", {"environment": environment(), "rows": rows}, md)
     print(md)
 

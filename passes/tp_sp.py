@@ -91,6 +91,9 @@ class SPLayout:
     blocks: tuple[int, ...]                  # the blocks that run sequence-parallel
     sharded_nodes: tuple[str, ...]           # nodes computing on the local sequence shard
     summed_inputs: tuple[str, ...]           # replicated tensors whose gradient is summed over the group
+    # parameters (qualified names) whose partial gradients the engine sums over the group once per step
+    # (``sp_rewrite(defer_param_grads=True)``); the others are summed inside backward
+    deferred_params: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,12 +414,15 @@ def sp_supported_blocks(gm: fx.GraphModule, num_blocks: int) -> np.ndarray:
 
 
 def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
-               supported: np.ndarray | None = None) -> fx.GraphModule:
+               supported: np.ndarray | None = None, *, defer_param_grads: bool = False) -> fx.GraphModule:
     """Sequence parallelism on a ``passes.tp.tp_rewrite`` result ``local`` (member ``rank_index`` of
     a group with ``shares``), in place; returns it. ``supported``: the SP blocks (default: the
     analysis of ``local`` itself). Blocks without SP, a group of one and sequences shorter than the
     group are left as they are (never an error). ``local.meta[SP_META_KEY]`` is the ``SPLayout``;
-    the SP modules communicate once ``bind_sp_collectives`` binds them."""
+    the SP modules communicate once ``bind_sp_collectives`` binds them. ``defer_param_grads``: a
+    parameter that only the sequence-sharded region reads keeps its partial gradient through backward
+    (``SPLayout.deferred_params``), for an engine that sums them over the group once per step (one
+    all-reduce instead of one per parameter and micro-step)."""
     shares = tuple(int(s) for s in shares)
     graph = local.graph
     fs = {n for n in graph.nodes if n.op == "call_module" and isinstance(local.get_submodule(n.target), CopyToGroup)}
@@ -489,12 +495,43 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
     for n in list(fl.sp):          # norm modules -> functional, so their weights' gradients are summed
         if n.op == "call_module" and _kind(local, n) == "norm_module":
             summed_names += _functional_norm(local, n, ctx, add)
+    deferred = _defer(local) if defer_param_grads else ()
     graph.lint()
     local.recompile()
     local.meta[SP_META_KEY] = SPLayout(
         shares, rank_index, tuple(int(b) for b in np.flatnonzero(supported)),
-        tuple(n.name for n in fl.sp if n not in fl.entries), tuple(summed_names))
+        tuple(n.name for n in fl.sp if n not in fl.entries), tuple(summed_names), deferred)
     return local
+
+
+def _defer(local: fx.GraphModule) -> tuple[str, ...]:
+    """Mark deferred the ``SumGradOverGroup`` modules on parameters that nothing else reads (every read
+    of the parameter is a ``get_attr`` whose users are all such modules; no module call uses it)."""
+    reads: dict[int, list[fx.Node]] = {}
+    names: dict[int, str] = {}
+    for n in local.graph.nodes:
+        if n.op == "call_module":
+            for p in local.get_submodule(n.target).parameters():
+                reads.setdefault(id(p), []).append(n)
+        elif n.op == "get_attr":
+            t = attr_value(local, n.target)
+            if isinstance(t, nn.Parameter):
+                reads.setdefault(id(t), []).append(n)
+                names.setdefault(id(t), str(n.target))
+
+    def wrapper(u: fx.Node) -> bool:
+        return u.op == "call_module" and isinstance(local.get_submodule(u.target), SumGradOverGroup)
+
+    out = []
+    for key, nodes in reads.items():
+        if key not in names or not all(n.op == "get_attr" and n.users and all(wrapper(u) for u in n.users)
+                                       for n in nodes):
+            continue
+        for n in nodes:
+            for u in n.users:
+                local.get_submodule(u.target).deferred = True
+        out.append(names[key])
+    return tuple(out)
 
 
 def _functional_norm(local: fx.GraphModule, n: fx.Node, ctx: SeqContext, add) -> list[str]:

@@ -172,16 +172,16 @@ class _ReduceScatterFn(torch.autograd.Function):
 
 class _SumGradFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sp: SeqContext):
-        ctx.sp = sp
+    def forward(ctx, x, sp: SeqContext, deferred: bool):
+        ctx.sp, ctx.deferred = sp, deferred
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        if ctx.sp.bound and ctx.sp.all_reduce is not None:
+        if not ctx.deferred and ctx.sp.bound and ctx.sp.all_reduce is not None:
             ctx.sp.all_reduce(grad)
-        return grad, None
+        return grad, None, None
 
 
 class SPModule(nn.Module):
@@ -231,10 +231,14 @@ class SeqReduceScatter(SPModule):
 
 class SumGradOverGroup(SPModule):
     """Identity forward; backward sums the gradient over the group (a replicated tensor read by the
-    sequence-sharded region gets only its tokens' part of the gradient on each member)."""
+    sequence-sharded region gets only its tokens' part of the gradient on each member). ``deferred``
+    (a parameter read only here): backward passes the partial gradient on, and the engine sums the
+    accumulated gradients of ``SPLayout.deferred_params`` once per step instead."""
+
+    deferred = False
 
     def forward(self, x):
-        return _SumGradFn.apply(x, self.sp)
+        return _SumGradFn.apply(x, self.sp, self.deferred)
 
 
 class SeqLength(SPModule):

@@ -155,8 +155,11 @@ def test_sp_not_supported_across_a_cumsum_and_short_sequences():
 class TwoRanksSP(threaded_ranks(2)):
     def test_gpt_tiny_shares_3_1_sgd(self):
         engine = make_engine("gpt-tiny", ((0, 1),), ((3, 1),), ONE_MEMBER, "sgd", self.rank, self.world_size)
-        assert engine.gm.meta[SP_META_KEY].blocks == engine.sp_blocks_applied == (1, 2, 3, 4)
+        layout = engine.gm.meta[SP_META_KEY]
+        assert layout.blocks == engine.sp_blocks_applied == (1, 2, 3, 4)
         assert any(isinstance(m, SeqReduceScatter) for m in engine.gm.modules())
+        # the TP engine sums the LayerNorms' and row biases' partial gradients once per step
+        assert "layers.1.ln_2.weight" in layout.deferred_params and len(layout.deferred_params) == 24
         train_and_check(engine, "gpt-tiny", "sgd")
 
     def test_toy_with_a_cumsum_block_forward_and_gradients(self):
@@ -263,7 +266,9 @@ class FourRanksSP(threaded_ranks(4)):
             model, gm, loss_fn, _ = prepared_case("gpt-tiny")
             model, gm = copy.deepcopy((model, gm))
         program = lower(plan, gm, self.rank)
-        assert program.local_stage.gm.meta[SP_META_KEY].blocks == ((1, 2, 3) if self.rank < 2 else (4,))
+        layout = program.local_stage.gm.meta[SP_META_KEY]
+        assert layout.blocks == ((1, 2, 3) if self.rank < 2 else (4,))
+        assert layout.deferred_params == ()      # summed inside backward, per micro-step
         engine = PipelineEngine(EngineInputs(
             gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory("adamw"),
             rank=self.rank, world_size=self.world_size, device=torch.device("cpu"), clock=NullClock()), program)

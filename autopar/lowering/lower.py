@@ -51,12 +51,16 @@ def tp_shares_of(plan: Plan, stage: int, member: int) -> tuple[int, ...]:
 
 
 def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.GraphModule,
-                     granularity: int = 8) -> fx.GraphModule:
+                     granularity: int = 8, *, defer_sp_grads: bool = False) -> fx.GraphModule:
     """The TP rewrite of ``gm`` (the whole graph, or stage ``stage``'s) for TP index ``tp_index`` of
-    ``member``, sequence-parallel where ``Stage.sequence_parallel`` asks and the block supports it."""
+    ``member``, sequence-parallel where ``Stage.sequence_parallel`` asks and the block supports it.
+    ``defer_sp_grads``: the engine sums the SP region's parameter gradients once per step
+    (``runtime.tp.sum_deferred_sp_grads``; the TP engine does), else backward sums them per micro-step."""
     shares = tp_shares_of(plan, stage, member)
     local = tp_rewrite(gm, shares, tp_index, granularity=granularity)
-    return sp_rewrite(local, shares, tp_index) if plan.stages[stage].sequence_parallel else local
+    if not plan.stages[stage].sequence_parallel:
+        return local
+    return sp_rewrite(local, shares, tp_index, defer_param_grads=defer_sp_grads)
 
 
 def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool = False,
@@ -89,7 +93,7 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
         if member is None:
             module = tp_rewrite(gm, (1,), 0)
         else:
-            module = tp_member_module(plan, 0, member, tp_index, gm, tp_granularity)
+            module = tp_member_module(plan, 0, member, tp_index, gm, tp_granularity, defer_sp_grads=True)
             if tp_overlap:
                 overlap_tp_backward(module)       # f's backward all-reduce overlaps the weight gradients
         return RankProgram(**common, tp_module=module)

@@ -42,8 +42,10 @@ its own).
 Sequence parallelism (``Stage.sequence_parallel``, ``passes.tp_sp``): lowering rewrites the blocks
 that support it; ``bind_tp_group`` binds their collectives too. A block that does not support it runs
 without (never an error), and ``sp_blocks_applied`` records the blocks that do. The replicated
-parameters those blocks read (norm weights, row biases) get their gradient summed over the TP group
-inside backward, so the reductions below see full, identical gradients on every TP rank, as without SP.
+parameters those blocks read (norm weights, row biases) get partial gradients (their tokens only):
+this engine sums them over the TP group once per step (``sum_deferred_sp_grads``, one all-reduce,
+before the reductions below); a pipeline stage's module sums them inside backward, per micro-step.
+Either way the reductions below see full, identical gradients on every TP rank, as without SP.
 
 Emulation: only compute (each micro-step's forward, loss and backward, and the optimizer step) runs
 inside ``clock.compute()``; the f / g all-reduces inside forward and backward block without CPU time.
@@ -76,7 +78,7 @@ from autopar.runtime.tp_comm import GroupAllReduce
 from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
-           "gather_full_params", "flat_full_grad", "bind_sp_group"]
+           "gather_full_params", "flat_full_grad", "bind_sp_group", "sum_deferred_sp_grads"]
 
 
 class TensorParallelError(AutoparError):
@@ -104,6 +106,27 @@ def bind_sp_group(local_gm: fx.GraphModule, group=None) -> None:
     bind_sp_collectives(local_gm, functools.partial(pg_all_reduce, group=group),
                         functools.partial(pg_all_gather, group=group),
                         functools.partial(pg_reduce_scatter_into, group=group))
+
+
+def sum_deferred_sp_grads(local_gm: fx.GraphModule, group=None) -> None:
+    """Sum over the TP ``group`` (one all-reduce) the accumulated partial gradients of the parameters
+    that SP left to the engine (``SPLayout.deferred_params``: norm weights, row biases read only on a
+    sequence shard); call once per step, after the last micro-step's backward, on every rank of the
+    group. Nothing to do without SP or deferred parameters."""
+    sp = getattr(local_gm, "meta", {}).get(SP_META_KEY)
+    if sp is None or not sp.deferred_params or not pg_is_initialized():
+        return
+    params = list({id(p): p for p in (local_gm.get_parameter(n) for n in sp.deferred_params)}.values())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    pg_all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        value = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = value.clone()
+        else:
+            p.grad.copy_(value)     # in place: ZeRO binds gradients to views of its buffers
 
 
 def shard_stage_module(stage_gm: fx.GraphModule, shares: tuple[int, ...], idx: int, group=None, *,
@@ -374,6 +397,8 @@ class TensorParallelEngine:
         for rows in self._micro:
             if rows.stop > rows.start:
                 loss_sum += self._micro_step(inputs, targets, rows).double()
+        if self._member is not None and self._micro:
+            sum_deferred_sp_grads(self.gm, self.tp_group)   # the SP region's partial gradients, once a step
         if self._tp_index != 0:
             loss_sum.zero_()      # each member's loss counts once
         pg_all_reduce(loss_sum, group=self.group)
