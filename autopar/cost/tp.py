@@ -314,6 +314,18 @@ def group_wgrad_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int]
 
 
 def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
+    """``kind_block_times`` with both flags given, memoised in ``costs._cache`` (the planner asks for
+    SP and plain alike at every (kind, micro-batch); keyed by the tables' identities too, so a table
+    replaced on the costs is not served stale)."""
+    key = ("tp_kind", kind, float(micro_batch), rho, sp, overlap, id(costs.fwd_table), id(costs.bwd_table),
+           id(costs.tp_pairs), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share))
+    hit = costs._cache.get(key)
+    if hit is None:
+        hit = costs._cache[key] = _kind_times_of(costs, kind, micro_batch, rho, sp, overlap)
+    return hit
+
+
+def _kind_times_of(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
     f, b = rank_block_times(costs, kind.types, kind.shares, micro_batch, rho, sp)
     fwd, bwd = f.max(axis=0), b.max(axis=0)
     if len(kind.types) > 1:
@@ -338,12 +350,12 @@ def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
         return np.zeros(n), np.zeros(n)
     ov = TP_BACKWARD_OVERLAP if overlap is None else bool(overlap)
     plain = _kind_times(costs, kind, micro_batch, replicated_fraction, False, ov)
-    if sequence_parallel is False or len(kind.types) < 2 or sp_blocks(costs) is None:
-        return plain
-    sp = _kind_times(costs, kind, micro_batch, replicated_fraction, True, ov)
-    if sequence_parallel or float(sp[0].sum() + sp[1].sum()) <= float(plain[0].sum() + plain[1].sum()):
-        return sp
-    return plain
+    got = plain
+    if sequence_parallel is not False and len(kind.types) > 1 and sp_blocks(costs) is not None:
+        sp = _kind_times(costs, kind, micro_batch, replicated_fraction, True, ov)
+        if sequence_parallel or float(sp[0].sum() + sp[1].sum()) <= float(plain[0].sum() + plain[1].sum()):
+            got = sp
+    return got[0].copy(), got[1].copy()      # the memo's arrays stay unchanged whatever a caller does
 
 
 def sp_pays(costs: ModelCosts, kind: GroupKind, micro_batch: float, replicated_fraction: float | None = None,
