@@ -114,7 +114,7 @@ class SeqContext:
         width = max(b - a for a, b in ranges)
         chunks = [_pad(x.narrow(dim, *_ab(ranges[m])), dim, width) for m in self.order(x)]
         buf = torch.cat([c.unsqueeze(0) for c in chunks]).contiguous()
-        out = torch.empty_like(chunks[0])
+        out = torch.empty(chunks[0].shape, dtype=x.dtype, device=x.device)   # contiguous, for the flat view
         self.reduce_scatter_into(out.view(-1), buf.view(-1))
         a, b = ranges[self.rank_index]
         return out.narrow(dim, 0, b - a).contiguous()
