@@ -7,7 +7,7 @@ with ``tp_overlap=True / False``, as ``compile`` lowers it from ``RunConfig.over
 one forward on the global batch in a compute block, a barrier, then the backward in its own compute
 block (so its emulated time, sleep included, ends inside the timing), alternating on/off, off/on.
 Measured per repeat: the backward's wall time (max over the ranks), and on every rank the time spent
-inside f's backward collectives: blocking calls (off) or waits (on), the exposed part. The hidden
+inside f's backward collectives: blocking calls (off) or issue plus wait (on), the exposed part. The hidden
 fraction is ``1 - exposed_on / collective_off`` (medians), with the backward saving ``off - on``
 beside it. Emulated devices: compute is stretched to the device speed, gloo's collectives are not.
 
@@ -71,8 +71,11 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                 if self.live:
                     self.spent += time.perf_counter() - t0
 
-        def start(self, tensor):
-            wait = super().start(tensor)
+        def start(self, tensor):        # issuing counts too: a backend may block in it
+            with emulation_paused():
+                t0 = time.perf_counter()
+                wait = super().start(tensor)
+                self.spent += time.perf_counter() - t0
 
             def timed():
                 with emulation_paused():
@@ -129,7 +132,7 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                 run["bwd"].append(float(vals[:, 0].max()))
                 run["comm"].append(float(vals[:, 1].max()))
                 run["per_rank"].append(vals.tolist())
-    clocks = {}     # per repeat of the measured ones: CPU charged, slept, overrun (seconds)
+    clocks = {}     # per repeat of the measured ones: thread CPU measured, slept, overrun (seconds)
     for k, v in runs.items():
         a, b = stats0[k], v["engine"].clock.stats()
         clocks[str(k)] = [(b.compute_s - a.compute_s) / repeats, (b.slept_s - a.slept_s) / repeats,
@@ -141,6 +144,40 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                 fused={str(k): v["fused"] for k, v in runs.items()}, num_f={str(k): v["num_f"] for k, v in runs.items()},
                 plan=e.plan.to_json(), shares=e.plan.stages[0].tp_shares,
                 rows=int(inputs[0].numel()), hidden=overrides["hidden_size"], time_scale=e.clock.time_scale)
+
+
+def single_rank_cpu(shares: list[int], overrides: dict, global_batch: int, repeats: int) -> dict:
+    """The backward's thread CPU time on one TP rank (the last, in this process, one torch thread, no
+    communication), fused against unfused: whether the fused node computes any more than autograd."""
+    import statistics
+
+    import torch
+
+    from autopar.models import build
+    from autopar.passes.analyze import analyze
+    from autopar.passes.tp import tp_rewrite
+    from autopar.passes.tp_overlap import overlap_tp_backward
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    case = build(MODEL, device="cpu", seed=0, **overrides)
+    gm = analyze(case.model, case.example_inputs).captured.gm
+    plain = tp_rewrite(gm, tuple(shares), len(shares) - 1)
+    fused = tp_rewrite(gm, tuple(shares), len(shares) - 1)
+    overlap_tp_backward(fused)
+    inputs, targets = case.batch(global_batch, seed=1)
+    cpu: dict[str, list[float]] = {"unfused": [], "fused": []}
+    for rep in range(repeats + 2):
+        pairs = (("unfused", plain), ("fused", fused))
+        for name, m in (pairs if rep % 2 == 0 else pairs[::-1]):
+            m.zero_grad(set_to_none=True)
+            loss = case.loss_fn(m(*inputs), targets)
+            t0 = time.thread_time()
+            loss.backward()
+            if rep >= 2:
+                cpu[name].append(time.thread_time() - t0)
+    torch.set_num_threads(threads)
+    return {k: dict(min=min(v), median=statistics.median(v)) for k, v in cpu.items()}
 
 
 def main() -> None:
@@ -163,6 +200,7 @@ def main() -> None:
     overrides = dict(OVERRIDES, seq_len=args.seq_len)
     load0 = os.getloadavg()[0]
     shares = [int(x) for x in args.shares.split(",")]
+    cpu = single_rank_cpu(shares, overrides, args.global_batch, 10)
     res = autopar.launch(worker, make_cluster(speeds), args.global_batch, args.repeats, args.warmup, speeds,
                          shares, overrides, args.time_scale)[0]
     load = (load0, os.getloadavg()[0])
@@ -183,18 +221,22 @@ def main() -> None:
           f"{res['fused']['False']} off. Real processes over gloo; emulated compute. Both forms in one run, "
           f"repeats alternating, {args.warmup} warm-up repeats each excluded; every figure is the max over "
           f"the ranks of a repeat, then the median (IQR) over {on.num} repeats.\n\n"
-          + md_table(["overlap", "backward ms", "IQR ms", "f collective ms (off: blocking; on: exposed wait)", "IQR ms"],
+          + md_table(["overlap", "backward ms", "IQR ms", "f collective ms (off: blocking; on: exposed issue + wait)", "IQR ms"],
                      [["on", ms(on), iqr(on), ms(c_on), iqr(c_on)], ["off", ms(off), iqr(off), ms(c_off), iqr(c_off)]])
           + "\n\nPer rank (median ms over repeats):\n\n"
-          + md_table(["rank", "speed", "backward on", "backward off", "f collective off (blocking)", "exposed wait on"],
+          + md_table(["rank", "speed", "backward on", "backward off", "f collective off (blocking)", "exposed on (issue + wait)"],
                      [[r, speeds[r]] + [f"{spread([rep[r][i] for rep in res['per_rank'][k]]).median * 1e3:.2f}"
                                          for k, i in (("True", 0), ("False", 0), ("False", 1), ("True", 1))]
                       for r in range(len(speeds))])
           + "\n\nEmulated clocks per rank, mean per repeat (whole repeat: forward and backward), on / off: "
-            "CPU charged, slept, overrun ms: "
+            "thread CPU measured, slept, overrun ms: "
           + "; ".join(f"rank {r}: " + " / ".join(
                 f"{c[k][0] * 1e3:.1f}, {c[k][1] * 1e3:.1f}, {c[k][2] * 1e3:.1f}" for k in ("True", "False"))
                 for r, c in enumerate(res["clocks"]))
+          + "\n\nOne TP rank (the last) alone in this process, one torch thread, no communication: its "
+            "backward's thread CPU (native), min / median of 10: unfused "
+          + " / ".join(f"{cpu['unfused'][q] * 1e3:.1f}" for q in ("min", "median")) + " ms, fused "
+          + " / ".join(f"{cpu['fused'][q] * 1e3:.1f}" for q in ("min", "median")) + " ms."
           + f"\n\nBackward off/on per pair: median {sp.median:.3f}x (IQR {sp.q1:.3f}-{sp.q3:.3f}). "
             f"Hidden fraction of the backward collective: 1 - exposed_on / collective_off = {hidden:.1%}; "
             f"backward saved {saved * 1e3:.2f} ms of {c_off.median * 1e3:.2f} ms of collective. "
@@ -210,7 +252,7 @@ def main() -> None:
             + (f" --time-scale {args.time_scale:g}" if args.time_scale else "") + "`")
     default = speeds == [1.0, 0.5] and shares == [4, 2]
     name = "tp_overlap" if default else "tp_overlap-" + "x".join(f"{x:g}" for x in speeds)
-    write_results(name, dict(args=vars(args), result=res, load=load, on=asdict(on), off=asdict(off),
+    write_results(name, dict(args=vars(args), result=res, single_rank_cpu=cpu, load=load, on=asdict(on), off=asdict(off),
                                      comm_on=asdict(c_on), comm_off=asdict(c_off), speedup=asdict(sp),
                                      hidden_fraction=hidden), md)
 
