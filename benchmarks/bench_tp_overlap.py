@@ -103,7 +103,7 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
         timed = Timed(engine.tp_group)
         bind_all_reduce(engine.gm, timed)
         fs = [m for m in engine.gm.modules() if isinstance(m, CopyToGroup)]
-        runs[overlap] = dict(case=case, engine=engine, timed=timed, bwd=[], comm=[], per_rank=[], num_f=len(fs),
+        runs[overlap] = dict(case=case, engine=engine, timed=timed, bwd=[], comm=[], per_rank=[], bwd_clock=[], num_f=len(fs),
                              fused=sum(type(m).__name__ == "FusedColumns" for m in engine.gm.modules()))
     inputs, targets = runs[True]["case"].batch(global_batch, seed=1)
     stats0 = {}
@@ -120,10 +120,14 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                     loss = run["case"].loss_fn(engine.gm(*inputs), targets)
                 pg_barrier()
                 timed.spent, timed.live = 0.0, True
-                t0 = time.perf_counter()
+                t0, b0 = time.perf_counter(), clock.stats()
                 with clock.compute("backward"):
                     loss.backward()
                 dt = time.perf_counter() - t0
+                b1 = clock.stats()
+                if rep >= warmup:
+                    run["bwd_clock"].append((b1.compute_s - b0.compute_s, b1.slept_s - b0.slept_s,
+                                             b1.overrun_s - b0.overrun_s, b1.num_blocks - b0.num_blocks))
                 timed.live = False
             vals = torch.zeros(len(speeds), 2, dtype=torch.float64)
             vals[rank] = torch.tensor([dt, timed.spent], dtype=torch.float64)
@@ -137,6 +141,8 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
         a, b = stats0[k], v["engine"].clock.stats()
         clocks[str(k)] = [(b.compute_s - a.compute_s) / repeats, (b.slept_s - a.slept_s) / repeats,
                           (b.overrun_s - a.overrun_s) / repeats]
+    for k, v in runs.items():        # the backward alone: mean thread CPU, slept, overrun per repeat
+        clocks[str(k) + "-backward"] = [sum(x[i] for x in v["bwd_clock"]) / repeats for i in range(3)]
     clocks = pg_all_gather_objects(clocks)
     e = runs[True]["engine"]
     return dict(bwd={str(k): v["bwd"] for k, v in runs.items()}, comm={str(k): v["comm"] for k, v in runs.items()},
@@ -232,6 +238,9 @@ def main() -> None:
             "thread CPU measured, slept, overrun ms: "
           + "; ".join(f"rank {r}: " + " / ".join(
                 f"{c[k][0] * 1e3:.1f}, {c[k][1] * 1e3:.1f}, {c[k][2] * 1e3:.1f}" for k in ("True", "False"))
+                for r, c in enumerate(res["clocks"]))
+          + "; the backward alone: " + "; ".join(f"rank {r}: " + " / ".join(
+                f"{c[k][0] * 1e3:.1f}, {c[k][1] * 1e3:.1f}, {c[k][2] * 1e3:.1f}" for k in ("True-backward", "False-backward"))
                 for r, c in enumerate(res["clocks"]))
           + "\n\nOne TP rank (the last) alone in this process, one torch thread, no communication: its "
             "backward's thread CPU (native), min / median of 10: unfused "
