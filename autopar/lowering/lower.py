@@ -86,7 +86,11 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
             if tp_overlap:
                 overlap_tp_backward(local.gm)     # f's backward all-reduce overlaps the weight gradients
-        return RankProgram(**common, stages=stages, local_stage=local)
+        chunks = ()    # interleaving on a TP member: every later chunk of this rank rewritten alike
+        if local is not None and len(plan.stages[stage].groups[member]) > 1:
+            chunks = tuple(_tp_chunk(plan, s, member, tp_index, stages[s], tp_overlap)
+                           for s in plan.chunks_of(rank)[1:])
+        return RankProgram(**common, stages=stages, local_stage=local, local_chunks=chunks)
     if kind == "tp":
         if gm is None:
             return RankProgram(**common)
@@ -109,3 +113,14 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             return RankProgram(**common, zero3_units=units, zero3_gm=insert_unit_hooks(gm, units),
                                zero3_params=trainable)
     return RankProgram(**common)
+
+
+def _tp_chunk(plan: Plan, stage: int, member: int, tp_index: int, program, tp_overlap: bool):
+    """The stage program ``program`` of chunk ``stage`` rewritten for ``tp_index`` of ``member`` (as
+    the rank stage's is above: TP, SP where asked, the backward overlap)."""
+    import dataclasses
+
+    gm = tp_member_module(plan, stage, member, tp_index, program.gm)
+    if tp_overlap:
+        overlap_tp_backward(gm)
+    return dataclasses.replace(program, gm=gm)

@@ -65,6 +65,8 @@ class RankProgram:
     tp_index: int = 0
     stages: tuple[Any, ...] = ()         # "pipeline": every stage's StageProgram (the same split on every rank)
     local_stage: Any = None              # "pipeline": the StageProgram this rank runs (its TP shard on a TP member)
+    local_chunks: tuple[Any, ...] = ()   # "pipeline", interleaved TP member: the TP StageProgram of each later chunk
+                                         # (``Plan.chunks_of(rank)[1:]``, in that order)
     tp_module: fx.GraphModule | None = None   # "tp": this rank's TP module of ``gm``
     blocks: tuple[Any, ...] = ()         # "dp" with Stage.recompute: one StageProgram per block
     zero3_units: Any = None              # "dp" at ZeRO-3: ParamUnits over ``zero3_params`` (None: no blocks)

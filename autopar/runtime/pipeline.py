@@ -35,7 +35,10 @@ Terms
   step blocking sends could deadlock (interleaved ranks send in a ring), so they are deferred anyway.
 - chunks (``Plan.virtual_stages`` > 1, "interleaved-1f1b"): a rank holds several stages (model chunks,
   ``Plan.chunks_of``) and its one action list interleaves them; state, receives and message tags are
-  per (stage, micro-batch). Chunks of one rank are one-rank members (no tensor parallelism).
+  per (stage, micro-batch). On a tensor-parallel member every chunk is rewritten for the rank's TP
+  index (``RankProgram.local_chunks``: TP, sequence parallelism and the backward overlap as the chunk's
+  stage asks) and bound to the member's one TP group; ``Plan`` already requires the chunks of a rank
+  stage to have its members, so each chunk's member is the same group (its TP shares may differ).
 - zero-bubble split ("zb-h1"): BI computes only the gradient of the stage's inputs (sent back at once),
   BW later its weights' gradients (``autopar.runtime.pipeline_zb``), exactly the one backward in two.
 - loss weight: the last stage's micro-batch loss (the mean over its rows) is scaled by rows / global
@@ -125,15 +128,13 @@ class PipelineEngine(PipelineMessages):
         self.num_micro = plan.num_micro_batches
         self.layout = row_layout(plan)
         name = plan.schedule if plan.schedule != "none" else "gpipe"
-        if plan.virtual_stages > 1 and any(len(g) > 1 for st in plan.stages for g in st.groups):
-            raise PlanError("plan.virtual_stages: interleaved chunks run on one-rank members; this plan has "
-                            "tensor-parallel members")
         if name == "zb-h1" and any(len(g) > 1 for st in plan.stages for g in st.groups):
             raise PlanError("plan.schedule: 'zb-h1' splits backwards on one-rank members; this plan has "
                             "tensor-parallel members")
         self.schedule = with_comm(make_schedule(name, self.num_stages, self.num_micro, plan.virtual_stages))
         self.programs = list(program.stages)
         self.program = self.programs[self.stage] if self.stage is not None else None
+        self._locals: dict[int, Any] = {}        # stage -> this rank's TP shard of it (TP members only)
         for s in self.chunks:
             self.programs[s].gm.to(self.device)
         self.comm = comm if comm is not None else Communicator.for_engine(inputs.rank, inputs.world_size,
@@ -192,13 +193,21 @@ class PipelineEngine(PipelineMessages):
         # A tensor-parallel member runs its shard of the stage (after the broadcast: shards are copies).
         self._shards: dict[int, tuple[Any, torch.nn.Parameter]] = {}   # id(source param) -> (ParamShard, local)
         if self.stage is not None and len(plan.stages[self.stage].groups[self.member]) > 1:
-            local = program.local_stage.gm.to(self.device)
-            load_shards(local, self.program.gm)         # cut again from the broadcast weights
-            bind_tp_group(local, self.tp_group.pg)
-            self.program = program.local_stage
-            for shard in tp_layout(local).params:
-                source = self.programs[self.stage].gm.get_parameter(shard.source)
-                self._shards[id(source)] = (shard, local.get_parameter(shard.local))
+            if len(program.local_chunks) != len(self.chunks) - 1:
+                raise PlanError(f"plan.virtual_stages: rank {self.rank} holds chunks {self.chunks} of a "
+                                f"tensor-parallel member but its program has {len(program.local_chunks) + 1}")
+            for s, chunk in zip(self.chunks, (program.local_stage, *program.local_chunks)):
+                local = chunk.gm.to(self.device)
+                load_shards(local, self.programs[s].gm)     # cut again from the broadcast weights
+                bind_tp_group(local, self.tp_group.pg)      # every chunk: the same member, the same group
+                self._locals[s] = chunk
+                for shard in tp_layout(local).params:
+                    source = self.programs[s].gm.get_parameter(shard.source)
+                    if id(source) in self._shards:
+                        raise PlanError(f"plan.stages[{s}]: a parameter sharded in chunk {s} is sharded in "
+                                        f"another chunk of rank {self.rank} too (tied across its chunks)")
+                    self._shards[id(source)] = (shard, local.get_parameter(shard.local))
+            self.program = self._locals[self.stage]
         # Every parameter of this rank's chunks, once (a weight tied across its chunks is one tensor).
         self.params = list({id(p): p for s in self.chunks for p in self._prog(s).gm.parameters()
                             if p.requires_grad}.values())
@@ -209,7 +218,7 @@ class PipelineEngine(PipelineMessages):
         # all-reduce groups for the peers' reduce-scatter; shared (tied) ones stay on both paths' left.
         self._tp_zero = None
         peers = tp_zero_groups(self.comm.new_group, plan)      # every rank: groups are collective
-        if self.stage is not None and (self.stage, self.tp_index) in peers:
+        if self.stage is not None and all((s, self.tp_index) in peers for s in self.chunks):
             ranks = tuple(sorted(plan.stages[self.stage].ranks))
             own = [p for g, ps in self._grad_groups if g is not None and g.ranks == ranks for p in ps]
             local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in own]
@@ -385,7 +394,7 @@ class PipelineEngine(PipelineMessages):
 
     def _prog(self, stage: int):
         """The program this rank runs for ``stage``: its tensor-parallel shard on a TP member."""
-        return self.program if stage == self.stage else self.programs[stage]
+        return self._locals.get(stage, self.programs[stage])
 
     def _send(self, work) -> None:
         """Keep an isend's handle until the end of the step (``overlap_sends``), or wait at once (only
@@ -452,11 +461,11 @@ class PipelineEngine(PipelineMessages):
         """The full model state on every rank, as CPU clones with the keys of ``model.state_dict()``:
         each tensor is broadcast from its owner stage's first member (a collective: every rank calls
         it). Tensor-parallel members first gather their shards into the full parameters."""
-        if self._shards:   # (idle ranks have none)
-            full = gather_full_params(self.program.gm, self.tp_group.pg)
+        for s, chunk in self._locals.items():   # (idle ranks and one-rank members have none)
+            full = gather_full_params(chunk.gm, self.tp_group.pg)
             with torch.no_grad():
                 for name, t in full.items():
-                    self.programs[self.stage].gm.get_parameter(name).copy_(t)
+                    self.programs[s].gm.get_parameter(name).copy_(t)
         received: dict[int, torch.Tensor] = {}   # tensors this rank does not hold (still on meta)
         for s, stage in enumerate(self.plan.stages):
             owned = []
