@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,7 +51,7 @@ __all__ = [
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
     "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
     "SP_COLLECTIVES_PER_PAIR", "TP_BACKWARD_OVERLAP", "sp_blocks", "sp_pad", "tp_backward_comm_s", "group_wgrad_s",
-    "sp_pays", "stage_sequence_parallel", "members_sequence_parallel",
+    "sp_pays", "stage_sequence_parallel", "with_sequence_parallel",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -553,9 +553,13 @@ def stage_sequence_parallel(costs: ModelCosts, kinds: Sequence[GroupKind], micro
                                for k, x in zip(kinds, micro_batches))
 
 
-def members_sequence_parallel(costs: ModelCosts, members: Sequence[Member], per_micro: Sequence[Sequence[int]],
-                              replicated_fraction: float | None = None) -> bool:
-    """``stage_sequence_parallel`` of a stage of ``members`` whose micro-batch m gives member g
-    ``per_micro[m][g]`` samples (the joint planner's stages)."""
-    largest = [max((pm[g] for pm in per_micro), default=0) for g in range(len(members))]
-    return stage_sequence_parallel(costs, [m.kind for m in members], largest, replicated_fraction)
+def with_sequence_parallel(costs: ModelCosts, stages: Sequence, members: Sequence[Sequence[Member]],
+                           replicated_fraction: float | None = None) -> tuple:
+    """The joint planner's built ``stages`` (of ``members`` each) with ``Stage.sequence_parallel`` set
+    as ``stage_sequence_parallel`` says (each member at its largest micro-batch)."""
+    out = []
+    for st, ms in zip(stages, members):
+        sp = stage_sequence_parallel(costs, [m.kind for m in ms], [max(x, default=0) for x in st.micro_batches],
+                                     replicated_fraction)
+        out.append(replace(st, sequence_parallel=sp) if sp != st.sequence_parallel else st)
+    return tuple(out)

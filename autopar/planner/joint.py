@@ -120,12 +120,9 @@ def _build(ctx: JointContext, stages: Sequence[Sequence[Member]], sizes: Sequenc
         out.append(Stage(
             block_start=start, block_stop=start + k, groups=tuple(m.ranks for m in members),
             micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members))),
-            tp_shares=tuple(m.shares for m in members) if tp else (), recompute=bool(rc),
-            sequence_parallel=tp and tp_cost.stage_sequence_parallel(   # H3: where SP is priced no slower
-                ctx.costs, [m.kind for m in members], [max(pm[g] for pm in per_micro) for g in range(len(members))],
-                ctx.rho)))
+            tp_shares=tuple(m.shares for m in members) if tp else (), recompute=bool(rc)))
         start += k
-    return tuple(out)
+    return tp_cost.with_sequence_parallel(ctx.costs, out, stages, ctx.rho)   # where SP is priced no slower
 
 
 def _make_plan(ctx: JointContext, strategy: str, schedule: str, stages, step_s: float, memory: dict,
