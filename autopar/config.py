@@ -69,7 +69,8 @@ class Pin:
     - ``pp``: pipeline stages; ``dp``: data-parallel members of every stage;
     - ``num_micro_batches``: micro-batches per step (data parallelism: the most micro-steps a rank takes);
     - ``recompute``: every stage recomputes its activations (True) or none does (False);
-    - ``zero_stage``, ``schedule``, ``virtual_stages`` (chunks per rank of an interleaved schedule)."""
+    - ``zero_stage``, ``schedule``, ``virtual_stages`` (chunks per rank of an interleaved schedule);
+    - ``sequence_parallel``: every tensor-parallel stage runs sequence parallelism (True) or none does."""
 
     tp: int | tuple[tuple[str, int], ...] | None = None
     pp: int | None = None
@@ -79,6 +80,7 @@ class Pin:
     zero_stage: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
+    sequence_parallel: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.tp, Mapping) or (isinstance(self.tp, (tuple, list)) and self.tp):
@@ -95,11 +97,14 @@ class Pin:
         for name in ("pp", "dp", "num_micro_batches", "virtual_stages"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), f"pin.{name}")
-        if self.recompute is not None:
-            if self.recompute in (0, 1) and not isinstance(self.recompute, float):
-                object.__setattr__(self, "recompute", bool(self.recompute))
+        for name in ("recompute", "sequence_parallel"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value in (0, 1) and not isinstance(value, float):
+                object.__setattr__(self, name, bool(value))
             else:
-                raise PlanError(f"pin.recompute: {self.recompute!r} must be True or False (1 or 0)")
+                raise PlanError(f"pin.{name}: {value!r} must be True or False (1 or 0)")
         if self.zero_stage is not None:
             _choice(self.zero_stage, "pin.zero_stage", ZERO_STAGES)
         if self.schedule is not None:
@@ -248,7 +253,8 @@ class RunConfig:
     measure: bool | None = None
     zero3_granularity: Zero3Granularity = "block"
     # Data parallel: reduce gradients in buckets during backward, prefetch ZeRO-3's next unit
-    # (autopar.runtime.dp_overlap); False: every collective blocking, after what it needs.
+    # (autopar.runtime.dp_overlap); tensor parallel: f's backward all-reduce runs while the column
+    # weight gradients are computed (passes.tp_overlap); False: every collective blocking, after what it needs.
     overlap: bool = True
     # The rank's memory meter (autopar.runtime.memory.meter_for's track): None as the device says (an
     # emulated device tracks tensor bytes and enforces memory_GB); False: no tracking, no limit (its
