@@ -404,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "state; default: the device rule, bf16 bytes on an all-GPU cluster, fp32 otherwise)")
     q.add_argument("--pp-layers", help="pin blocks per pipeline stage, e.g. 8,4")
     q.add_argument("--pin", help="what-if: fix some dimensions and search the rest, e.g. tp=8,pp=8,recompute=1 "
-                                 "(tp, pp, dp, num_micro_batches, recompute, zero_stage, schedule, virtual_stages; "
+                                 "(tp, pp, dp, num_micro_batches, recompute, zero_stage, schedule, virtual_stages, "
+                                 "sequence_parallel; "
                                  "tp=TYPE:D/TYPE:D per device type)")
     q.add_argument("--explain", action="store_true",
                    help="per stage: compute, communication, bubble, optimizer and memory of the prediction")

@@ -60,7 +60,10 @@ def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
     h.update(json.dumps([list(costs.block_names), costs.optimizer_bytes_per_param, costs.grad_bytes_per_param,
                          [list(g) for g in costs.tied_groups], float(costs.output_bytes),
                          *[None if getattr(costs, k) is None else [float(x) for x in getattr(costs, k)]
-                           for k in ("tp_pairs", "tp_param_replicated", "tp_act_replicated")]]).encode())
+                           for k in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported",
+                                     "tp_sp_covered", "tp_sp_act_replicated")],
+                         None if costs.tp_wgrad_share is None else [float(x) for x in np.ravel(costs.tp_wgrad_share)]
+                         ]).encode())
     h.update(cluster.signature().encode())
     h.update(json.dumps(args, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
