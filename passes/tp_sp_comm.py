@@ -5,6 +5,10 @@ Each module runs a ``torch.autograd.Function`` whose forward and backward are co
 along the sequence dim over the member's tensor-parallel group, with shards of uneven length
 (``seq_ranges``) padded to the longest for the collective and cut after it. The collectives are
 functions bound by the runtime (``bind_sp_collectives``); unbound, a module does no communication.
+A bound sum with a ``start(...) -> wait`` method (``autopar.runtime.tp_comm``) also runs
+asynchronously: the backward of f (``SeqGatherToGroup.backward_comm_async``, called by
+``passes.tp_overlap.FusedColumns``) starts its reduce-scatter and the columns' weight gradients run
+while it is in flight (``SeqContext.start_reduce_scatter``).
 """
 
 from __future__ import annotations
@@ -110,14 +114,63 @@ class SeqContext:
             full = x.contiguous().clone()
             self.all_reduce(full)
             return self.local(full, dim, seq_len)
-        ranges = self.ranges(seq_len)
+        out, buf, size = self._scatter_buffers(x, dim)
+        self.reduce_scatter_into(out.view(-1), buf.view(-1))
+        return out.narrow(dim, 0, size).contiguous()
+
+    def start_reduce_scatter(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``reduce_scatter`` started asynchronously where the bound collective has a ``start`` method
+        (``autopar.runtime.tp_comm``): the tensor that holds this member's shard once the returned
+        wait has been called (not to be read before), and the wait. Same padding and member order as
+        ``reduce_scatter``; with only an all-reduce bound, the all-reduce is started and the slice
+        taken at the wait; a collective without ``start`` (or none bound) is done here and the wait
+        does nothing."""
+        seq_len = x.shape[dim]
+        rs, ar = self.reduce_scatter_into, self.all_reduce
+        if not self.bound or rs is None and ar is None:
+            return self.local(x, dim, seq_len), _no_wait
+        if rs is None:
+            start = getattr(ar, "start", None)
+            if start is None:
+                return self.reduce_scatter(x, dim), _no_wait
+            full = x.contiguous().clone()
+            pending = start(full)
+            a, b = self.ranges(seq_len)[self.rank_index]
+            shape = list(x.shape)
+            shape[dim] = b - a
+            result = x.new_empty(shape)
+
+            def wait_slice() -> None:
+                pending()
+                result.copy_(full.narrow(dim, a, b - a))
+            return result, wait_slice
+        start = getattr(rs, "start", None)
+        if start is None:
+            return self.reduce_scatter(x, dim), _no_wait
+        out, buf, size = self._scatter_buffers(x, dim)
+        pending = start(out.view(-1), buf.view(-1))
+        if size == out.shape[dim]:
+            return out, pending
+        shape = list(out.shape)
+        shape[dim] = size
+        result = out.new_empty(shape)                # filled at the wait
+
+        def wait_cut() -> None:
+            pending()
+            result.copy_(out.narrow(dim, 0, size))
+        return result, wait_cut
+
+    def _scatter_buffers(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a reduce-scatter of ``x`` along ``dim``: the padded output (contiguous, for the flat
+        view), the input laid out group position by position (each member's tokens padded to the
+        longest shard), and this member's shard length."""
+        ranges = self.ranges(x.shape[dim])
         width = max(b - a for a, b in ranges)
         chunks = [_pad(x.narrow(dim, *_ab(ranges[m])), dim, width) for m in self.order(x)]
         buf = torch.cat([c.unsqueeze(0) for c in chunks]).contiguous()
-        out = torch.empty(chunks[0].shape, dtype=x.dtype, device=x.device)   # contiguous, for the flat view
-        self.reduce_scatter_into(out.view(-1), buf.view(-1))
+        out = torch.empty(chunks[0].shape, dtype=x.dtype, device=x.device)
         a, b = ranges[self.rank_index]
-        return out.narrow(dim, 0, b - a).contiguous()
+        return out, buf, b - a
 
 
 def _ab(r: tuple[int, int]) -> tuple[int, int]:
@@ -216,10 +269,12 @@ class SeqGatherToGroup(SPModule):
         return _GatherFn.apply(x, self.sp, self.dim, self.key, True)
 
     def backward_comm_async(self, grad: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-        """The backward collective of ``grad`` (the full-sequence gradient of this f's output):
-        the tensor holding this member's reduce-scattered shard and a wait function. Synchronous
-        here: the collective is done on return and the wait does nothing."""
-        return self.sp.reduce_scatter(grad, self.dim), _no_wait
+        """Start the backward collective of ``grad`` (the full-sequence gradient of this f's output,
+        ``passes.tp_overlap``): returns the tensor that holds this member's reduce-scattered shard
+        once the returned wait has been called, and the wait (``SeqContext.start_reduce_scatter``:
+        asynchronous where the runtime bound a collective with ``start``, as
+        ``autopar.runtime.tp.bind_sp_group`` does)."""
+        return self.sp.start_reduce_scatter(grad, self.dim)
 
 
 class SeqReduceScatter(SPModule):

@@ -72,9 +72,8 @@ from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs
 from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
-from autopar.runtime.communicator import pg_reduce_scatter_into
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
-from autopar.runtime.tp_comm import GroupAllReduce
+from autopar.runtime.tp_comm import GroupAllReduce, GroupReduceScatter
 from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
@@ -100,12 +99,13 @@ def bind_tp_group(local_gm: fx.GraphModule, group=None) -> None:
 def bind_sp_group(local_gm: fx.GraphModule, group=None) -> None:
     """Make the sequence-parallel modules of a TP module (``passes.tp_sp.sp_rewrite``; none: nothing to
     do) communicate over the process ``group``: padded all-gathers and reduce-scatters (NCCL, gloo in
-    this torch, and the threaded test group have both), all-reduces for the replicated gradients."""
+    this torch, and the threaded test group have both), all-reduces for the replicated gradients. Both
+    sums have ``start`` (``runtime.tp_comm``): an SP f's backward reduce-scatter runs asynchronously,
+    overlapped with its columns' weight gradients (``passes.tp_overlap``)."""
     if not pg_is_initialized() or SP_META_KEY not in getattr(local_gm, "meta", {}):
         return
-    bind_sp_collectives(local_gm, functools.partial(pg_all_reduce, group=group),
-                        functools.partial(pg_all_gather, group=group),
-                        functools.partial(pg_reduce_scatter_into, group=group))
+    bind_sp_collectives(local_gm, GroupAllReduce(group), functools.partial(pg_all_gather, group=group),
+                        GroupReduceScatter(group))
 
 
 def sum_deferred_sp_grads(local_gm: fx.GraphModule, group=None) -> None:

@@ -1,5 +1,5 @@
-"""The tensor-parallel group's sum as engines bind it into f / g: blocking, or started asynchronously
-for the backward overlap of ``passes.tp_overlap``.
+"""The tensor-parallel group's sum as engines bind it into f / g (and sequence parallelism's
+reduce-scatter): blocking, or started asynchronously for the backward overlap of ``passes.tp_overlap``.
 
 Terms
 - ``GroupAllReduce(group)``: what ``bind_tp_group`` binds (``passes.tp.bind_all_reduce``). Calling it
@@ -7,6 +7,12 @@ Terms
   is not fused). ``start(tensor)`` issues the same all-reduce asynchronously
   (``communicator.pg_all_reduce_async``) and returns its wait: ``CopyToGroup.backward_comm_async``
   hands it to the fused columns, which compute the weight gradients before calling it.
+- ``GroupReduceScatter(group)``: what ``bind_sp_group`` binds as sequence parallelism's
+  ``reduce_scatter_into`` (``passes.tp_sp_comm.SeqContext``). Calling it reduce-scatters and blocks
+  (``communicator.pg_reduce_scatter_into``: forward g under SP); ``start(output, tensor)`` issues the
+  same reduce-scatter asynchronously and returns its wait: ``SeqContext.start_reduce_scatter`` (the
+  backward of an SP f, ``SeqGatherToGroup.backward_comm_async``) uses it, so a sequence-parallel
+  block's f overlaps its reduce-scatter with the weight gradients as a TP block's f does its all-reduce.
 - hidden / exposed: of a backward collective's time, the part the weight gradients computed while it
   was in flight covered, and the rest, which the backward waits for.
 
@@ -35,10 +41,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from autopar.runtime.communicator import emulation_paused, pg_all_reduce, pg_all_reduce_async, pg_is_initialized, pg_ranks
+from autopar.runtime.communicator import (PendingCollective, emulation_paused, pg_all_reduce, pg_all_reduce_async,
+                                        pg_group_size, pg_is_initialized, pg_ranks, pg_reduce_scatter_into,
+                                        record_issue, record_issued)
 
-__all__ = ["GroupAllReduce"]
+__all__ = ["GroupAllReduce", "GroupReduceScatter", "pg_reduce_scatter_into_async"]
 
 
 class GroupAllReduce:
@@ -67,3 +76,48 @@ class GroupAllReduce:
     def __repr__(self) -> str:
         ranks = pg_ranks(self.group) if pg_is_initialized() else "?"
         return f"GroupAllReduce(ranks={ranks})"
+
+
+def pg_reduce_scatter_into_async(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                                 op=dist.ReduceOp.SUM) -> PendingCollective:
+    """``communicator.pg_reduce_scatter_into`` started without waiting (``async_op=True``): ``output``
+    holds this rank's piece of the sum once the returned ``PendingCollective`` is waited on; neither
+    tensor may be touched before."""
+    if pg_group_size(group) == 1:
+        output.copy_(tensor.reshape(output.shape))
+        return PendingCollective()
+    # torch >= 2.10 renamed reduce_scatter_tensor (same arguments), as communicator does
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    issued = record_issue("reduce_scatter", tensor.numel() * tensor.element_size(), group)
+    work = fn(output, tensor, op=op, group=group, async_op=True)
+    return PendingCollective(work, record_issued(issued))
+
+
+class GroupReduceScatter:
+    """The reduce-scatter over one process group (``None``: the default group) as
+    ``SeqContext.reduce_scatter_into`` calls it; see the module docstring."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any = None):
+        self.group = group
+
+    def __call__(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        pg_reduce_scatter_into(output, tensor, group=self.group)
+
+    def start(self, output: torch.Tensor, tensor: torch.Tensor) -> Callable[[], None]:
+        """Issue the reduce-scatter of ``tensor`` (laid out position by position) into ``output``
+        (neither to be read or written until the wait; the emulated clock as in
+        ``GroupAllReduce.start``); returns the wait."""
+        with emulation_paused():
+            pending = pg_reduce_scatter_into_async(output, tensor, group=self.group)
+
+        def wait() -> None:
+            if not pending.done:
+                with emulation_paused():
+                    pending.wait()
+        return wait
+
+    def __repr__(self) -> str:
+        ranks = pg_ranks(self.group) if pg_is_initialized() else "?"
+        return f"GroupReduceScatter(ranks={ranks})"
