@@ -14,6 +14,17 @@ Terms
   transfers are cheap next to compute, since every micro-batch crosses V times as many boundaries.
   Searched for V in ``VIRTUAL_COUNTS`` while every rank stage has at least V blocks and the pipeline
   has at most ``MAX_VIRTUAL_STAGES`` stages (each prediction simulates V times as many actions).
+- hybrid interleaving (``interleave_hybrid``): the joint (TP + PP + DP) search's best few 1F1B plans,
+  whose members may be tensor-parallel groups, interleaved at each V by the chunk split above (no
+  climb: a few simulations per plan, ``HYBRID_TOP`` plans), priced by the same simulator and checked by
+  ``interleaved_memory_bytes``; a variant is kept only where it fits and is predicted faster. Its
+  chunks keep their rank stage's members, shares and SP / recompute flags, as the engine requires.
+- interleaved memory (``interleaved_memory_bytes``): per rank, at the moment of its action list when
+  its chunks' live activations peak, the sum over its chunks of ``cost.memory.stage_memory_bytes``
+  for that chunk (TP shards and all) holding the micro-batches live in it then; the loss's bytes only
+  on the last chunk. On llama-140b's 11 rank stages at M = 64 a rank stage's peak holds 16, 14.3 and
+  13.5 stages' worth of micro-batches at V = 2, 3, 4 against 1F1B's 11 (the sum of each chunk's own
+  peak, ``in_flight_micro_batches``, would say 17, 18 and 17.25).
 """
 
 from __future__ import annotations
@@ -21,19 +32,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from autopar.cost.memory import fits_memory, loss_bytes_per_sample, stage_memory_bytes
 from autopar.cost.pipeline import PipelineContext, pipeline_memory_bytes, plan_timeline
 from autopar.errors import PlanError
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.ir.schedule import Timeline
+from autopar.ir.schedule import Timeline, make_schedule
 
 
 __all__ = ["VIRTUAL_COUNTS", "MAX_VIRTUAL_STAGES", "check_virtual_stages", "chunk_sizes", "chunked_stages",
-           "interleaved_plans"]
+           "interleaved_plans", "HYBRID_TOP", "interleaved_memory_bytes", "interleave_hybrid"]
 
 VIRTUAL_COUNTS: tuple[int, ...] = (2, 3, 4)
 MAX_VIRTUAL_STAGES = 64
 _CLIMB_ROUNDS = 2
 _CLIMB_MAX_STAGES = 16   # larger interleaved pipelines keep the chunk split (each move is a simulation)
+HYBRID_TOP = 2           # the joint search's best plans interleave_hybrid tries
 
 
 def check_virtual_stages(virtual_stages, schedule: str) -> None:
@@ -101,7 +114,7 @@ def interleaved_plans(ctx: PipelineContext, rank_stages: Sequence[Stage],
     R = len(rank_stages)
     flat = [st.num_layers for st in rank_stages]
     if R < 2 or any(len(g) > 1 for st in rank_stages for g in st.groups):
-        return []   # interleaving needs two rank stages; the engine runs chunks on one-rank members
+        return []   # two rank stages; TP members: interleave_hybrid (pipeline_memory_bytes is per rank)
     out = []
     for V in virtual_counts:
         sizes = chunk_sizes(flat, V)
@@ -125,4 +138,105 @@ def interleaved_plans(ctx: PipelineContext, rank_stages: Sequence[Stage],
                 break
         if best is not None:
             out.append(best)
+    return out
+
+
+def _live_at_peak(stages: Sequence[Stage], V: int, weight: Sequence[float], exact: bool) -> list[int]:
+    """Per stage (chunk), its micro-batches live when its rank stage's weighted live activations peak:
+    ``exact``, walking the rank stage's action list (``make_schedule``, which may search for a
+    deadlock-free order: seconds on large pipelines); else at the end of the warm-up Megatron's order
+    gives without extra forwards (the first backward's moment: a lower bound, cheap)."""
+    S = len(stages)
+    R, M = S // V, len(stages[0].micro_batches[0])
+    out = [0] * S
+    for p in range(R):
+        if exact:
+            acts = make_schedule("interleaved-1f1b", S, M, V).actions[p]
+        else:   # the warm-up forwards and the first steady one: rounds of R micro-batches, chunks in order
+            order = [v * R + p for g in range(0, M, R) for v in range(V) for _ in range(g, min(g + R, M))]
+            acts = [_Fwd(c) for c in order[:min(V * M, 2 * (R - p - 1) + (V - 1) * R + 1)]]
+        live, total, peak = [0] * S, 0.0, -1.0
+        for a in acts:
+            if a.kind == "F":
+                live[a.stage] += 1
+                total += weight[a.stage]
+            elif a.kind in ("B", "BI"):
+                live[a.stage] -= 1
+                total -= weight[a.stage]
+            if total > peak:
+                peak = total
+                for c in range(p, S, R):
+                    out[c] = live[c]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fwd:
+    stage: int
+    kind: str = "F"
+
+
+def interleaved_memory_bytes(costs, stages: Sequence[Stage], zero_stage: int, virtual_stages: int,
+                             replicated_fraction: float | None = None, *, exact: bool = True) -> dict[int, int]:
+    """Peak bytes of every rank of an interleaved plan whose members may be tensor-parallel (see the
+    module docstring): per rank stage, the moment of its action list (``make_schedule``) when its
+    chunks' live activations (forwards not yet backwarded, each weighted by its chunk's activation
+    bytes) peak; then per chunk ``stage_memory_bytes`` of the chunk alone holding as many micro-batches
+    as were live in it then (its largest ones; at least one), less the loss's bytes on every chunk
+    but the last; summed over a rank's chunks. ``exact=False``: a cheap lower bound (``_live_at_peak``)."""
+    S, V = len(stages), virtual_stages
+    weight = [float(costs.act_bytes[st.block_start:st.block_stop].sum()) * max(max(mb) for mb in st.micro_batches)
+              for st in stages]
+    live_at_peak = _live_at_peak(stages, V, weight, exact)
+    out: dict[int, int] = {}
+    for s, st in enumerate(stages):
+        n = max(1, live_at_peak[s])   # a recomputing chunk: its inputs per live micro-batch, one rerun
+        kept = tuple(tuple(sorted(mb, reverse=True)[:n]) for mb in st.micro_batches)
+        # "gpipe" holds every listed micro-batch: the chunk's live count at its rank's peak
+        mem = stage_memory_bytes(costs, [dataclasses.replace(st, micro_batches=kept)], "gpipe", zero_stage,
+                                 replicated_fraction)
+        loss = 0.0 if s == S - 1 else loss_bytes_per_sample(costs)
+        for g, ranks in enumerate(st.groups):
+            for r in ranks:
+                out[r] = out.get(r, 0) + max(0, mem[r] - int(loss * max(kept[g])))
+    return dict(sorted(out.items()))
+
+
+def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], memory_fraction: float,
+                      virtual_counts: Sequence[int] = VIRTUAL_COUNTS, top: int = HYBRID_TOP
+                      ) -> list[tuple[float, Plan, str]]:
+    """The interleaved variants (step seconds, plan, label) of the ``top`` fastest of ``best`` (the
+    joint search's (step seconds, plan, label), 1F1B plans of at least two stages) that fit in
+    ``memory_fraction`` of every rank's memory and are predicted faster than their flat plan (see the
+    module docstring)."""
+    out = []
+    flat_plans = [x for x in sorted(best, key=lambda x: x[0])
+                  if x[1].schedule in ("1f1b", "interleaved-1f1b") and x[1].virtual_stages == 1
+                  and x[1].num_stages >= 2]
+    for step0, plan, label in flat_plans[:top]:
+        rho = plan.predicted.breakdown.get("tp_replicated_fraction")
+        R = plan.num_stages
+        for V in virtual_counts:
+            sizes = chunk_sizes([st.num_layers for st in plan.stages], V)
+            if sizes is None or R * V > MAX_VIRTUAL_STAGES:
+                continue
+            stages = chunked_stages(plan.stages, sizes)
+            low = interleaved_memory_bytes(costs, stages, plan.zero_stage, V, rho, exact=False)
+            if not fits_memory(cluster, low, memory_fraction):
+                continue   # not even the warm-up fits: no schedule to build (it may take seconds)
+            mem = interleaved_memory_bytes(costs, stages, plan.zero_stage, V, rho)
+            if not fits_memory(cluster, mem, memory_fraction):
+                continue
+            probe = dataclasses.replace(plan, schedule="interleaved-1f1b", stages=stages, virtual_stages=V,
+                                        predicted=dataclasses.replace(plan.predicted, memory_bytes=mem))
+            timeline, step = plan_timeline(probe, costs, cluster)
+            if step >= step0 * (1 - 1e-9):
+                continue
+            breakdown = {**plan.predicted.breakdown, "bubble_fraction": timeline.bubble_fraction,
+                         "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
+                         "num_stages": float(len(stages)), "virtual_stages": float(V)}
+            predicted = dataclasses.replace(plan.predicted, step_time_s=step, memory_bytes=mem, breakdown=breakdown,
+                                            samples_per_s=plan.global_batch_size / step if step > 0 else 0.0)
+            out.append((step, dataclasses.replace(probe, predicted=predicted),
+                        f"{label.rsplit(' ', 2)[0]} interleaved-1f1b V={V} chunks={list(sizes)} zero-{plan.zero_stage}"))
     return out
