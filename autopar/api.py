@@ -51,9 +51,11 @@ class Prepared:
 
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
-            measure: bool | None = None, progress=None, analysis=None, precision: str | None = None) -> Prepared:
+            measure: bool | None = None, progress=None, analysis=None, precision: str | None = None,
+            loss_fn=None, example_targets=None) -> Prepared:
     """Analysis (unless given) and cost tables of ``model`` on ``cluster`` (bytes at ``precision``:
-    ``autopar.cost.profile.model_costs``)."""
+    ``autopar.cost.profile.model_costs``; with ``loss_fn`` and ``example_targets``, the targets of
+    ``example_inputs``, the loss's time is in the last block's: ``autopar.cost.loss``)."""
     from autopar.cost.profile import model_costs
     from autopar.passes.analyze import analyze
 
@@ -61,7 +63,8 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     analysis = analysis or analyze(model, tuple(example_inputs))
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
-                        optimizer=optimizer, measure=measure, progress=progress, precision=precision)
+                        optimizer=optimizer, measure=measure, progress=progress, precision=precision,
+                        loss_fn=loss_fn, example_targets=example_targets)
     return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1, tuple(example_inputs), cluster)
 
 
@@ -305,7 +308,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             recompute: bool = False, zero3_granularity: Zero3Granularity = "block",
             config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
             init="reset_parameters", weights=None, precision: str = "fp32", pin=None,
-            checkpoint_dir=None, checkpoint_every: int | None = None, replan: str = "off") -> Compiled:
+            checkpoint_dir=None, checkpoint_every: int | None = None, replan: str = "off",
+            example_targets=None) -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
 
@@ -335,7 +339,10 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     the job was started on means the cluster in force (``autopar.current_cluster()``).
 
     ``replan="auto"`` (api.md): after a few steps, re-plan on costs calibrated from the measured profile
-    and switch in place when that pays (``autopar.runtime.replan``; reports in ``compiled.replans``)."""
+    and switch in place when that pays (``autopar.runtime.replan``; reports in ``compiled.replans``).
+
+    ``example_targets`` (optional): targets of ``example_inputs``' rows; with ``loss_fn``, the cost
+    tables price the loss too (``autopar.cost.loss``), else they hold the model alone."""
     import torch.distributed as dist
 
     from importlib import import_module
@@ -400,7 +407,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
                 check_request(cluster, global_batch_size)   # before the costly analysis, as plan does
                 prepared = prepare(model, cluster, example_inputs, optimizer=_optimizer_kind(optimizer),
-                                   measure=run.measure, precision=plan_options.precision)
+                                   measure=run.measure, precision=plan_options.precision,
+                                   loss_fn=loss_fn, example_targets=example_targets)   # loss priced with targets
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
                      optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
                      **({"strategy": strategy} if plan_options is None else {"config": plan_options}))

@@ -189,6 +189,7 @@ def calibrated(costs, factors: Mapping[str, Mapping[str, float]], keys: Mapping[
     fwd, bwd = dict(costs.fwd_table), dict(costs.bwd_table)
     opt, flat = dict(costs.optimizer_s_per_param), dict(costs.optimizer_flat_s_per_param)
     call, sources = dict(costs.call_overhead_s), dict(costs.sources)
+    per_tensor = dict(costs.optimizer_s_per_tensor)
     for t in costs.device_types:
         f = factors.get(keys.get(t, t))
         if not f:
@@ -199,10 +200,12 @@ def calibrated(costs, factors: Mapping[str, Mapping[str, float]], keys: Mapping[
             opt[t] = opt[t] * f.get("optimizer", 1.0)
         if t in flat:
             flat[t] = flat[t] * f.get("optimizer", 1.0)
+        if t in per_tensor:
+            per_tensor[t] = per_tensor[t] * f.get("optimizer", 1.0)
         call[t] = call.get(t, 0.0) + f.get("call", 0.0)
         sources[t] = f"{sources.get(t, '')} + calibrated".lstrip(" +")
     return replace(costs, fwd_table=fwd, bwd_table=bwd, optimizer_s_per_param=opt, optimizer_flat_s_per_param=flat,
-                   call_overhead_s=call, sources=sources, _cache={})
+                   call_overhead_s=call, sources=sources, optimizer_s_per_tensor=per_tensor, _cache={})
 
 
 def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | None = None):

@@ -284,8 +284,12 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
     """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
     1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
     a tensor-parallel rank its shard (``cost.tp.tp_rank_params``: the parameters the rewrite leaves
-    whole plus its share of the rest; 1/k of that under ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1)."""
+    whole plus its share of the rest; 1/k of that under ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1,
+    stepped as one flat buffer: ``runtime.tp_zero``). Unflattened, each rank pays the per-tensor term of
+    the tensors it steps (``ModelCosts.optimizer_time``): a TP rank a piece of every tensor of the
+    stage, a ZeRO member 1/k of them."""
     p = float(costs.params[stage.block_start:stage.block_stop].sum())
+    k = costs.block_tensors(slice(stage.block_start, stage.block_stop))
     nm = len(stage.groups)
     tp = bool(stage.tp_shares) and any(len(g) > 1 for g in stage.groups)
     worst = 0.0
@@ -304,16 +308,17 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
             if tp_zero:
                 held = held / nm
         for i, r in enumerate(members):
-            n = p
+            n, tensors, flat = p, k, False
             if held is not None:
-                n = float(held[i])
+                n, flat = float(held[i]), tp_zero
             elif zero_stage >= 1 and nm > 1 and not tp:
-                n = p / nm
+                n, tensors = p / nm, (None if k is None else k / nm)
             t = cluster.devices[r].spec.name
             if (t, n) in seen:
                 continue
             seen.add((t, n))
-            worst = max(worst, costs.optimizer_time(t, n) + (costs.call_overhead(t) if n > 0 else 0.0))
+            worst = max(worst, costs.optimizer_time(t, n, flat=flat, tensors=tensors)
+                        + (costs.call_overhead(t) if n > 0 else 0.0))
     return worst
 
 

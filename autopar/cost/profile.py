@@ -41,8 +41,8 @@ from autopar.cost.tp_tables import tp_graph_tables_of
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
-__all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "roofline_features", "calibrate",
-           "measure_blocks", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
+__all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "param_tensors_per_block", "roofline_features",
+           "calibrate", "measure_blocks", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -368,6 +368,33 @@ def _tp_pairs(analysis, num_blocks: int) -> np.ndarray | None:
     return None if gm is None else tp_pairs_per_block(gm, num_blocks)
 
 
+def param_tensors_per_block(analysis, num_blocks: int) -> np.ndarray | None:
+    """Trainable parameter tensors per block of ``analysis``'s graph, each counted once in the block of
+    its first use (as ``passes.blocks`` assigns a parameter's count), for the optimizer's per-tensor
+    term (``ModelCosts.param_tensors``); None where the analysis has no graph."""
+    gm = getattr(getattr(analysis, "captured", None), "gm", None)
+    if gm is None:
+        return None
+    out, seen = np.zeros(num_blocks), set()
+    for n in gm.graph.nodes:
+        if BLOCK not in n.meta:
+            continue
+        if n.op == "call_module":
+            ps = list(gm.get_submodule(n.target).parameters())
+        elif n.op == "get_attr":
+            obj = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+            ps = [obj] if isinstance(obj, torch.nn.Parameter) else []
+        else:
+            continue
+        for p in ps:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out[min(int(n.meta[BLOCK]), num_blocks - 1)] += 1
+    return out
+
+
 def _tp_memory(analysis, num_blocks: int) -> dict:
     """``ModelCosts``' per-block TP memory fractions (``cost.tp.tp_memory_replicated_per_block``)."""
     gm = getattr(getattr(analysis, "captured", None), "gm", None)
@@ -391,7 +418,8 @@ def _output_bytes(analysis) -> float:
 def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
                 efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
-                calibration="auto", precision: str | None = None) -> ModelCosts:
+                calibration="auto", precision: str | None = None, loss_fn=None,
+                example_targets=None) -> ModelCosts:
     """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
 
     ``precision`` (``"fp32" | "bf16" | "fp16"``, a plan's ``precision=``): given other than fp32, the byte
@@ -407,6 +435,10 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
 
     ``measure``: time blocks on this machine for emulated / local device types (default: when the model
     has real weights). Without measurement, emulated devices fall back to a roofline of the nominal CPU.
+
+    ``loss_fn`` with ``example_targets`` (the targets of ``example_inputs``' rows): the loss's forward
+    and backward are timed too and added to the last block of the measured tables
+    (``autopar.cost.loss``); without them the tables hold the model alone.
     """
     stats = analysis.stats
     batches = np.array(sorted(sample_batches), dtype=float)
@@ -421,6 +453,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
 
     emu_scale = emulation_time_scale(len(cluster))
+    speeds = {}         # measured types: the divisor of this CPU's times
     for t in types:
         spec = cluster.spec_of(t)
         if not is_mixed_precision(spec):
@@ -430,6 +463,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
                 fwd_table[t] = np.stack([measured[int(b)][0] for b in batches]) / speed
                 bwd_table[t] = np.stack([measured[int(b)][1] for b in batches]) / speed
                 sources[t] = "emulated" if spec.is_emulated else "measured"
+                speeds[t] = speed
                 continue
             from autopar.cluster.devices import CPU_NOMINAL
 
@@ -447,6 +481,11 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
             b_ = np.maximum(b_ + adj[1] * scale, b_ * 0.05)
             sources[t] = "roofline + tuned Triton kernels"
         fwd_table[t], bwd_table[t] = f, b_
+    if speeds and loss_fn is not None and example_targets is not None:   # the loss, on the last block
+        from autopar.cost.loss import add_loss_to_tables, measure_loss
+
+        add_loss_to_tables(fwd_table, bwd_table, batches,
+                           measure_loss(analysis, model, example_inputs, loss_fn, example_targets, batches), speeds)
     per = analysis.batch_size
     # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
     all_gpu = all(is_mixed_precision(cluster.spec_of(t)) for t in types)
@@ -471,6 +510,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         tied_groups=analysis.tied_groups, sources=sources,
         output_bytes=_output_bytes(analysis) * act_scale, **terms,
         tp_pairs=_tp_pairs(analysis, len(stats)), **_tp_memory(analysis, len(stats)),
+        param_tensors=param_tensors_per_block(analysis, len(stats)),
         **tp_graph_tables_of(analysis, len(stats)),   # SP and backward-overlap tables (cost.tp_tables)
     )
     if precision not in (None, "fp32"):

@@ -50,9 +50,10 @@ from autopar.cost.measure_cache import graph_signature, load_json, measure_cache
 from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
-__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "step_concurrency", "flat_shard_numel",
+__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "measure_optimizer_per_tensor", "kept_shapes",
+           "step_concurrency", "flat_shard_numel",
            "optimizer_roofline_s_per_param",
-           "measure_call_overhead", "step_terms", "predicted_phases"]
+           "measure_call_overhead", "step_terms", "tp_collective_phases", "predicted_phases"]
 
 # Fraction of peak memory bandwidth a fused / foreach optimizer step reaches on a GPU.
 OPTIMIZER_BANDWIDTH_EFFICIENCY = 0.75
@@ -99,13 +100,8 @@ def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7
     k = int(concurrent)
     if k < 1:
         raise ValueError(f"concurrent: {concurrent!r} must be an int >= 1")
-    kept, n = [], 0
-    for s in shapes:
-        size = int(np.prod(s)) if s else 1
-        if kept and n + size > _OPT_MAX_PARAMS:
-            break
-        kept.append(s)
-        n += size
+    kept = kept_shapes(shapes)
+    n = sum(int(np.prod(s)) if s else 1 for s in kept)
     key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}|min" + (f"|c{k}" if k > 1 else "")
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
@@ -138,6 +134,34 @@ def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7
         if use_cache:
             save(path, cache)
     return float(cache[key])
+
+
+def kept_shapes(shapes) -> list[tuple[int, ...]]:
+    """The prefix of ``shapes`` ``measure_optimizer`` allocates (at most the first 4M parameters' worth)."""
+    kept, n = [], 0
+    for s in shapes:
+        size = int(np.prod(s)) if s else 1
+        if kept and n + size > _OPT_MAX_PARAMS:
+            break
+        kept.append(tuple(s))
+        n += size
+    return kept
+
+
+def measure_optimizer_per_tensor(optimizer: str, shapes, *, concurrent: int = 1) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of ``optimizer.step()`` over unflattened tensors of
+    ``shapes`` on this CPU: the mean rate over those tensors (``measure_optimizer``), and what they cost
+    beyond one flat buffer of the same size, divided by their count (at least 0; both with
+    ``concurrent``). Torch's CPU optimizers loop over tensors: AdamW pays tens of microseconds per
+    tensor, which a model-mean rate per element spreads over the big tensors and a stage of a few small
+    tensors (a head) then misses by 10-60x."""
+    kept = kept_shapes([tuple(int(d) for d in s) for s in shapes])
+    n = sum(int(np.prod(s)) if s else 1 for s in kept)
+    mixed = measure_optimizer(optimizer, kept, concurrent=concurrent)
+    if len(kept) < 2:
+        return mixed, 0.0
+    per_elem = measure_optimizer(optimizer, [(n,)], concurrent=concurrent)
+    return mixed, max(0.0, (mixed - per_elem) * n / len(kept))
 
 
 def step_concurrency(cluster) -> int:
@@ -221,7 +245,8 @@ def flat_shard_numel(analysis, cluster) -> int:
 
 def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                measured: bool = False) -> dict[str, dict[str, float]]:
-    """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param`` and
+    """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param``,
+    ``optimizer_s_per_tensor`` (``measure_optimizer_per_tensor``; with real weights only) and
     ``call_overhead_s``, each per device type of ``cluster`` (see the module docstring), as keyword
     arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
     overhead is measured too, else it is 0); a model without real weights has its optimizer timed on
@@ -231,14 +256,16 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     specs = {t: cluster.spec_of(t) for t in types}
     cpu_types = [t for t, s in specs.items() if not is_mixed_precision(s)]
     mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.cost.profile)
-    opt, flat, call = {}, {}, {}
-    cpu_opt = cpu_flat = cpu_call = 0.0
+    opt, flat, call, per_tensor = {}, {}, {}, {}
+    cpu_opt = cpu_flat = cpu_call = cpu_tensor = 0.0
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
         k = step_concurrency(cluster)
         cpu_flat = measure_optimizer(optimizer, [(flat_shard_numel(analysis, cluster),)], concurrent=k)
-        cpu_opt = measure_optimizer(optimizer, shapes, concurrent=k) if shapes else cpu_flat
+        cpu_opt = cpu_flat
+        if shapes:
+            cpu_opt, cpu_tensor = measure_optimizer_per_tensor(optimizer, shapes, concurrent=k)
         if measured and real and example_inputs is not None:
             cpu_call = measure_call_overhead(analysis, example_inputs)
     scale = emulation_time_scale(len(cluster))
@@ -246,10 +273,13 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
         if t in cpu_types:
             speed = spec.speed / scale if spec.is_emulated else 1.0
             opt[t], flat[t], call[t] = cpu_opt / speed, cpu_flat / speed, cpu_call / speed
+            if cpu_tensor:
+                per_tensor[t] = cpu_tensor / speed
         else:
             opt[t] = flat[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
             call[t] = 0.0
-    return {"optimizer_s_per_param": opt, "optimizer_flat_s_per_param": flat, "call_overhead_s": call}
+    return {"optimizer_s_per_param": opt, "optimizer_flat_s_per_param": flat, "call_overhead_s": call,
+            "optimizer_s_per_tensor": per_tensor}
 
 
 def _add(d: dict, key: str, value: float) -> None:
@@ -279,6 +309,34 @@ def _hidden_allreduce_s(costs, cluster, stage, dar) -> float:
     return max(0.0, min(dar.grad_s - dar.last_bucket_s, window))
 
 
+def tp_collective_phases(costs, alpha_s: float, beta_s_per_byte: float, micro_batch: float, types, shares,
+                         sequence_parallel: bool, blocks: slice = slice(None)) -> dict[str, float]:
+    """Seconds per collective kind of one micro-batch's TP collectives on a group (ring ``alpha_s`` /
+    ``beta_s_per_byte``, ranks of ``types`` with head ``shares``) over ``blocks``, as
+    ``cost.tp.kind_block_times`` prices them: forward all exposed (``tp_allreduce_block_s``), backward
+    what the overlap leaves (``tp_backward_comm_s`` with ``group_wgrad_s`` under
+    ``TP_BACKWARD_OVERLAP``). Plain blocks: ``all_reduce``. Sequence-parallel blocks (``sp_blocks``,
+    with ``sequence_parallel``): per pair and direction a ``reduce_scatter`` and an ``all_gather``, each
+    one latency term and half the padded ring bytes (``sp_pad``); in backward the overlap hides only
+    f's reduce-scatter, so g's all-gather stays whole and the reduce-scatter takes the rest."""
+    from autopar.cost import tp as tp_cost
+
+    pad = tp_cost.sp_pad(shares) if sequence_parallel else 1.0
+    fwd = tp_cost.tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad)
+    w = tp_cost.group_wgrad_s(costs, types, shares, micro_batch) if tp_cost.TP_BACKWARD_OVERLAP else None
+    bwd = tp_cost.tp_backward_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch, w, sequence_parallel, pad)
+    sp = tp_cost.sp_blocks(costs) if sequence_parallel else None
+    sp = np.zeros(costs.num_blocks, dtype=bool) if sp is None else sp
+    pairs = tp_cost.tp_pairs_of(costs)
+    count = tp_cost.TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
+    half = count * (alpha_s + beta_s_per_byte * costs.out_bytes * max(float(micro_batch), 0.0) * pad / 2)
+    gather = np.where(sp, half + np.minimum(half, bwd), 0.0)           # forward's, and backward's g
+    scatter = np.where(sp, (fwd - half) + np.maximum(bwd - half, 0.0), 0.0)
+    out = {"all_reduce": float(np.where(sp, 0.0, fwd + bwd)[blocks].sum()),
+           "reduce_scatter": float(scatter[blocks].sum()), "all_gather": float(gather[blocks].sum())}
+    return {k: v for k, v in out.items() if v > 0}
+
+
 def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
     """Per rank of ``plan`` (an ``autopar.ir.Plan`` priced with ``costs`` on ``cluster``), the predicted
     seconds of each phase of one step (see the module docstring)."""
@@ -300,6 +358,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
     for s, st in enumerate(plan.stages):
         blocks = slice(st.block_start, st.block_stop)
         params = float(costs.params[blocks].sum())
+        n_tensors = costs.block_tensors(blocks)
+        tp_zero = bool(tp_cost.tp_zero_stage(st, zero))     # ZeRO-1 over TP members (runtime.tp_zero)
         grad_bytes = params * costs.grad_bytes_per_param
         firsts = [g[0] for g in st.groups]
         nm = len(st.groups)
@@ -310,6 +370,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
         for g, members in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares and len(st.tp_shares) > g else (1,) * len(members)
             tp_group = len(members) > 1               # priced with the pieces the plan is priced with
+            sp_on = bool(getattr(st, "sequence_parallel", False)) and tp_group
             if tp_group:
                 alpha, beta = tp_cost.allreduce_alpha_beta(cluster, members)
                 types = tuple(cluster.devices[r].spec.name for r in members)
@@ -322,7 +383,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     if x <= 0:
                         continue
                     if tp_group:
-                        fr, br = tp_cost.rank_block_times(costs, types, shares, x, rho)
+                        fr, br = tp_cost.rank_block_times(costs, types, shares, x, rho, sp_on)
                         f, b = float(fr[i, blocks].sum()), float(br[i, blocks].sum())
                     else:
                         f, b = float(costs.fwd_time(t, x)[blocks].sum()), float(costs.bwd_time(t, x)[blocks].sum())
@@ -331,9 +392,10 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     c = call / 2 if single else call      # a micro-step is one call, a pipeline F or B one each
                     _add(d, "forward", f + c)
                     _add(d, "backward", b + c)
-                    if tp_group:                           # Megatron's f / g all-reduces, both directions
-                        per = tp_cost.tp_allreduce_block_s(costs, alpha, beta, x)[blocks]
-                        _add(d, "all_reduce", 2 * float(per.sum()))
+                    if tp_group:                           # Megatron's f / g collectives, both directions
+                        for op, sec in tp_collective_phases(costs, alpha, beta, x, types, shares, sp_on,
+                                                            blocks).items():
+                            _add(d, op, sec)
                     if not single and s + 1 < plan.num_stages:
                         _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
                                                        float(costs.out_bytes[st.block_stop - 1]) * x))
@@ -341,13 +403,17 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                         prev = plan.stages[s - 1]
                         _add(d, "p2p", comm.p2p_time_s(cluster, prev.groups[0][0], r,
                                                        float(costs.out_bytes[prev.block_stop - 1]) * x))
-                # the optimizer: every parameter, a ZeRO shard (data parallelism: one flat buffer) or a TP shard
-                n, flat = (float(held[i]) if tp_group else params), False
+                # the optimizer: every parameter, a ZeRO shard (data parallelism: one flat buffer) or a TP
+                # shard (a piece of every tensor; flat under the TP ZeRO-1); unflattened, its tensors each
+                # add the per-tensor term (cost.pipeline.stage_optimizer_s prices it alike)
+                n, flat, tensors = (float(held[i]) / (nm if tp_zero else 1) if tp_group else params,
+                                    tp_group and tp_zero, n_tensors)
                 if zero >= 1 and nm > 1 and not tp_any:
                     frac = (st.zero_shares[g] / sum(st.zero_shares)) if st.zero_shares else 1.0 / nm
                     n, flat = params * frac, single
+                    tensors = None if n_tensors is None else n_tensors * frac
                 if n > 0:
-                    _add(d, "optimizer", costs.optimizer_time(t, n, flat=flat) + call)
+                    _add(d, "optimizer", costs.optimizer_time(t, n, flat=flat, tensors=tensors) + call)
                 if nm < 2:
                     continue
                 if single and not tp_any:                  # data parallelism: the ZeRO stage's collectives

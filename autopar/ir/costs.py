@@ -19,7 +19,10 @@ Time terms besides the block tables, per device type (a type missing from a dict
 - ``optimizer_s_per_param``: seconds of ``optimizer.step()`` per parameter a rank steps (its shard
   under ZeRO >= 1, else every parameter it holds) over the model's own tensors (on CPUs each tensor
   adds a fixed cost); ``optimizer_flat_s_per_param`` the same over one flat buffer, as data
-  parallelism steps ZeRO shards (missing: the first); ``optimizer_time``.
+  parallelism steps ZeRO shards (missing: the first); ``optimizer_time``. Where
+  ``optimizer_s_per_tensor`` is given, a caller that says how many tensors it steps pays that per
+  tensor above or below the model's mean count (``param_tensors`` per block): a head of 4 small
+  tensors costs what 4 tensors do, not its parameters' share of the model's mean rate.
 - ``call_overhead_s``: fixed seconds per *compute call*, the unit of work a rank runs between two
   waits: one stage's forward or backward of one micro-batch in a pipeline, one micro-step
   (forward + loss + backward) in data parallelism; ``call_overhead``. On emulated CPU devices it is
@@ -145,13 +148,18 @@ class ModelCosts:
     tp_sp_covered: np.ndarray | None = None
     tp_sp_act_replicated: np.ndarray | None = None
     tp_wgrad_share: np.ndarray | None = None
+    # parameter tensors per block, and per device type the seconds ``optimizer.step()`` pays per tensor
+    # beyond its per-element rate when it steps unflattened tensors (torch's CPU optimizers loop over
+    # tensors); ``optimizer_time``. None / {}: no per-tensor term
+    param_tensors: np.ndarray | None = None
+    optimizer_s_per_tensor: dict[str, float] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
         for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
-                     "tp_sp_act_replicated", "tp_wgrad_share"):
+                     "tp_sp_act_replicated", "tp_wgrad_share", "param_tensors"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 
@@ -201,13 +209,27 @@ class ModelCosts:
         return float(self.fwd_time(device_type, micro_batch)[blocks].sum()
                      + self.bwd_time(device_type, micro_batch)[blocks].sum())
 
-    def optimizer_time(self, device_type: str, num_params: float, flat: bool = False) -> float:
+    def optimizer_time(self, device_type: str, num_params: float, flat: bool = False,
+                       tensors: float | None = None) -> float:
         """Seconds of one optimizer step over ``num_params`` parameters on one ``device_type`` device:
-        the model's tensors, or with ``flat`` one flat buffer (ZeRO shards of data parallelism)."""
+        the model's tensors, or with ``flat`` one flat buffer (ZeRO shards of data parallelism).
+        Unflattened, the model-mean rate holds the model's tensors per parameter; ``tensors`` (the
+        count stepped) moves it by ``optimizer_s_per_tensor`` for each tensor more or fewer than that
+        mean gives ``num_params`` (``param_tensors``); None: the mean."""
         rate = self.optimizer_s_per_param.get(device_type, 0.0)
         if flat:
             rate = self.optimizer_flat_s_per_param.get(device_type, rate)
-        return float(rate) * float(num_params)
+            return float(rate) * float(num_params)
+        base = float(rate) * float(num_params)
+        per = float(self.optimizer_s_per_tensor.get(device_type, 0.0))
+        if not per or tensors is None or self.param_tensors is None or not self.params.sum() > 0:
+            return base
+        mean = float(num_params) * float(self.param_tensors.sum() / self.params.sum())
+        return max(0.0, base + per * (float(tensors) - mean))
+
+    def block_tensors(self, blocks: slice = slice(None)) -> float | None:
+        """Parameter tensors of a block range (``param_tensors``); None where not known."""
+        return None if self.param_tensors is None else float(self.param_tensors[blocks].sum())
 
     def call_overhead(self, device_type: str) -> float:
         """Fixed seconds per compute call on one ``device_type`` device (see the module docstring)."""
