@@ -5,6 +5,7 @@ trusted (the searches run again in-process); a failed main search ends it."""
 import multiprocessing
 import os
 import threading
+import time
 
 import pytest
 
@@ -22,8 +23,8 @@ def _cache_in_tmp(tmp_path, monkeypatch):
 
 
 def _case():
-    cluster = Cluster.from_dict({"nodes": [{"devices": [{"device": "A100-80GB", "count": 2}]},
-                                           {"devices": [{"device": "V100-16GB", "count": 2}]}]})
+    cluster = Cluster.from_dict({"nodes": [{"devices": [{"device": "A100-80GB", "count": 1}]},
+                                           {"devices": [{"device": "V100-16GB", "count": 1}]}]})
     costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
     return costs, cluster
 
@@ -58,6 +59,27 @@ def test_a_failing_side_process_is_recomputed_in_process(monkeypatch):
     monkeypatch.setattr(bound_worker, "bound_searches", flaky)
     result, _cancel, side = bound_worker.start_bound_searches(costs, cluster, 32)
     assert side and result() == real(costs, cluster, 32)
+
+
+def test_a_hung_side_process_is_replaced(monkeypatch):
+    costs, cluster = _case()
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
+    if not bound_worker.side_process_worthwhile(cluster):
+        pytest.skip("no side process here")
+    monkeypatch.setattr(bound_worker, "_PATIENCE_S", 0.3)
+    monkeypatch.setattr(bound_worker, "_PATIENCE_X", 0.0)
+    parent = os.getpid()
+    real = bound_worker.bound_searches
+
+    def stuck(*a, **k):   # never answers in the side process
+        if os.getpid() != parent:
+            time.sleep(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(bound_worker, "bound_searches", stuck)
+    result, _cancel, side = bound_worker.start_bound_searches(costs, cluster, 32)
+    assert side and result() == real(costs, cluster, 32)
+    assert not multiprocessing.active_children()
 
 
 def test_side_process_ends_when_the_main_search_fails(monkeypatch):

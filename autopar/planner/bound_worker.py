@@ -15,8 +15,9 @@ Terms
   ``torch._dynamo`` for the analysis starts): forking a process whose working threads may hold
   locks can hang the child, so the threaded process groups of the tests and any planning from a
   thread stay in-process.
-- fallback: whatever goes wrong in the side process (it dies, raises, cannot start) is not trusted:
-  the searches run again in the planning process, which then raises what they raise.
+- fallback: whatever goes wrong in the side process (it dies, raises, cannot start, or has not
+  answered ``_PATIENCE_X`` times the main search's time after it, at least ``_PATIENCE_S``) is not
+  trusted: the searches run again in the planning process, which then raises what they raise.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 from autopar.ir.costs import ModelCosts
@@ -35,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["MIN_DEVICES", "start_bound_searches", "side_process_worthwhile"]
 
 MIN_DEVICES = 64
+_PATIENCE_S, _PATIENCE_X = 120.0, 10.0   # wait for the side process at least this, or x the main search
 
 
 def side_process_worthwhile(cluster: "Cluster") -> bool:
@@ -74,13 +77,20 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
         return here, lambda: None, False
     send.close()
 
+    started = time.perf_counter()
+
     def result() -> tuple:
+        # the bound searches take less than the main search (~3.5 s against ~5 s on llama-140b /
+        # hethub-768): a side process far slower than that is taken as hung and replaced
+        patience = max(_PATIENCE_S, _PATIENCE_X * (time.perf_counter() - started))
         try:
-            ok, got = recv.recv()
+            ok, got = recv.recv() if recv.poll(patience) else (False, None)
         except (EOFError, OSError):   # the side process died before it answered
             ok, got = False, None
         finally:
             recv.close()
+            if proc.is_alive() and not ok:
+                proc.kill()
             proc.join()
         return got if ok else here()
 
