@@ -11,7 +11,11 @@ inside f's backward collectives: blocking calls (off) or issue plus wait (on), t
 fraction is ``1 - exposed_on / collective_off`` (medians), with the backward saving ``off - on``
 beside it. Emulated devices: compute is stretched to the device speed, gloo's collectives are not.
 
-    python benchmarks/bench_tp_overlap.py [--repeats 15] [--speeds 1.0,0.5] [--seq-len 128]
+    python benchmarks/bench_tp_overlap.py [--repeats 15] [--speeds 1.0,0.5] [--seq-len 128] [--sp]
+
+``--sp``: the same stage with sequence parallelism (``Stage.sequence_parallel``): f's backward
+collective is then a padded reduce-scatter along the sequence (``SeqContext.start_reduce_scatter``,
+``runtime.tp_comm.GroupReduceScatter``), timed the same way; results go to ``tp_overlap-sp``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def make_cluster(speeds: list[float]):
 
 
 def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list[float], shares: list[int],
-           overrides: dict, time_scale: float | None) -> dict:
+           overrides: dict, time_scale: float | None, sp: bool = False) -> dict:
     import torch
 
     from autopar.ir.plan import Plan, Predicted, Stage
@@ -52,7 +56,8 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
     from autopar.runtime.tp import TensorParallelEngine
     from autopar.runtime.communicator import emulation_paused, pg_all_gather_objects, pg_all_reduce, pg_barrier
     from autopar.runtime.recorder import recorded_step
-    from autopar.runtime.tp_comm import GroupAllReduce
+    from autopar.passes.tp_sp_comm import SeqGatherToGroup, SPModule
+    from autopar.runtime.tp_comm import GroupAllReduce, GroupReduceScatter
 
     class Timed(GroupAllReduce):
         """The engine's own group all-reduce, timing f's backward collectives (blocking or waited)."""
@@ -84,6 +89,34 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                     self.spent += time.perf_counter() - t0
             return timed
 
+    class TimedRS(GroupReduceScatter):
+        """The engine's own group reduce-scatter (SP's f backward), timed into ``meter.spent``."""
+        __slots__ = ("meter",)
+
+        def __init__(self, group, meter):
+            super().__init__(group)
+            self.meter = meter
+
+        def __call__(self, output, tensor):
+            with emulation_paused():
+                t0 = time.perf_counter()
+                super().__call__(output, tensor)
+                if self.meter.live:
+                    self.meter.spent += time.perf_counter() - t0
+
+        def start(self, output, tensor):
+            with emulation_paused():
+                t0 = time.perf_counter()
+                wait = super().start(output, tensor)
+                self.meter.spent += time.perf_counter() - t0
+
+            def timed():
+                with emulation_paused():
+                    t0 = time.perf_counter()
+                    wait()
+                    self.meter.spent += time.perf_counter() - t0
+            return timed
+
     cluster = make_cluster(speeds)
     num_blocks = None
     runs = {}
@@ -93,7 +126,7 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
         num_blocks = max(int(n.meta[BLOCK]) + 1 for n in gm.graph.nodes if BLOCK in n.meta)
         plan = Plan(strategy="tp", global_batch_size=global_batch, zero_stage=0, schedule="none",
                     stages=(Stage(0, num_blocks, groups=(tuple(range(len(speeds))),), micro_batches=((global_batch,),),
-                                  tp_shares=(tuple(shares),)),),
+                                  tp_shares=(tuple(shares),), sequence_parallel=sp),),
                     predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
         clock = clock_for(cluster.devices[rank], time_scale=time_scale or emulation_time_scale(len(speeds)))
         engine = TensorParallelEngine(EngineInputs(
@@ -102,7 +135,10 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
             device=torch.device("cpu"), clock=clock), lower(plan, gm, rank, tp_overlap=overlap))
         timed = Timed(engine.tp_group)
         bind_all_reduce(engine.gm, timed)
-        fs = [m for m in engine.gm.modules() if isinstance(m, CopyToGroup)]
+        for m in engine.gm.modules():     # SP: f's backward reduce-scatter (the forward g's is not timed)
+            if isinstance(m, SPModule):
+                m.sp.reduce_scatter_into = TimedRS(engine.tp_group, timed)
+        fs = [m for m in engine.gm.modules() if isinstance(m, (CopyToGroup, SeqGatherToGroup))]
         runs[overlap] = dict(case=case, engine=engine, timed=timed, bwd=[], comm=[], per_rank=[], bwd_clock=[], num_f=len(fs),
                              fused=sum(type(m).__name__ == "FusedColumns" for m in engine.gm.modules()))
     inputs, targets = runs[True]["case"].batch(global_batch, seed=1)
@@ -149,7 +185,8 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                 per_rank={str(k): v["per_rank"] for k, v in runs.items()}, clocks=clocks,
                 fused={str(k): v["fused"] for k, v in runs.items()}, num_f={str(k): v["num_f"] for k, v in runs.items()},
                 plan=e.plan.to_json(), shares=e.plan.stages[0].tp_shares,
-                rows=int(inputs[0].numel()), hidden=overrides["hidden_size"], time_scale=e.clock.time_scale)
+                rows=int(inputs[0].numel()), hidden=overrides["hidden_size"], time_scale=e.clock.time_scale,
+                sp_blocks=list(e.sp_blocks_applied))
 
 
 def single_rank_cpu(shares: list[int], overrides: dict, global_batch: int, repeats: int) -> dict:
@@ -197,6 +234,7 @@ def main() -> None:
                     help="emulation time scale (default: the standard factor, 2 for two ranks on two cores); "
                          "larger absorbs a loaded machine's contention")
     ap.add_argument("--shares", default="4,2", help="TP head shares per device (the model has 6 heads)")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism on the stage (f: reduce-scatter)")
     args = ap.parse_args()
 
     import autopar
@@ -208,7 +246,7 @@ def main() -> None:
     shares = [int(x) for x in args.shares.split(",")]
     cpu = single_rank_cpu(shares, overrides, args.global_batch, 10)
     res = autopar.launch(worker, make_cluster(speeds), args.global_batch, args.repeats, args.warmup, speeds,
-                         shares, overrides, args.time_scale)[0]
+                         shares, overrides, args.time_scale, args.sp)[0]
     load = (load0, os.getloadavg()[0])
     on, off = spread(res["bwd"]["True"]), spread(res["bwd"]["False"])
     c_on, c_off = spread(res["comm"]["True"]), spread(res["comm"]["False"])
@@ -220,10 +258,13 @@ def main() -> None:
     print(f"backward on {ms(on)} ms (IQR {iqr(on)}), off {ms(off)} ms (IQR {iqr(off)}); off/on {sp.median:.3f}x "
           f"(IQR {sp.q1:.3f}-{sp.q3:.3f}); f collective off {ms(c_off)} ms, exposed on {ms(c_on)} ms: "
           f"hidden {hidden:.1%}; load {load[0]:.1f}-{load[1]:.1f}")
-    md = ("# TP backward overlap: f's all-reduce during the column weight gradients, on vs off (emulated)\n\n"
+    coll = "reduce-scatter" if args.sp else "all-reduce"
+    sp_note = f"; SP blocks {res['sp_blocks']}" if args.sp else ""
+    md = (f"# TP{' + SP' if args.sp else ''} backward overlap: f's {coll} during the column weight gradients, "
+          "on vs off (emulated)\n\n"
           f"{MODEL} with {overrides}, strategy tp over {len(speeds)} emulated CPU devices at speeds {args.speeds} "
           f"(shares {res['shares']}), global batch {args.global_batch} ({res['rows']} rows of {res['hidden']} "
-          f"features per f all-reduce), emulation time scale {res['time_scale']:g}; {res['fused']['True']} fused f modules with the overlap on, "
+          f"features per f {coll}{sp_note}), emulation time scale {res['time_scale']:g}; {res['fused']['True']} fused f modules with the overlap on, "
           f"{res['fused']['False']} off. Real processes over gloo; emulated compute. Both forms in one run, "
           f"repeats alternating, {args.warmup} warm-up repeats each excluded; every figure is the max over "
           f"the ranks of a repeat, then the median (IQR) over {on.num} repeats.\n\n"
@@ -258,9 +299,10 @@ def main() -> None:
             "that rank; the input-gradient GEMMs precede the collective and hide nothing.\n\n"
           + f"Command: `python benchmarks/bench_tp_overlap.py --repeats {args.repeats} --warmup {args.warmup} "
             f"--global-batch {args.global_batch} --seq-len {args.seq_len} --speeds {args.speeds} --shares {args.shares}"
-            + (f" --time-scale {args.time_scale:g}" if args.time_scale else "") + "`")
+            + (f" --time-scale {args.time_scale:g}" if args.time_scale else "") + (" --sp" if args.sp else "") + "`")
     default = speeds == [1.0, 0.5] and shares == [4, 2]
     name = "tp_overlap" if default else "tp_overlap-" + "x".join(f"{x:g}" for x in speeds)
+    name += "-sp" if args.sp else ""
     write_results(name, dict(args=vars(args), result=res, single_rank_cpu=cpu, load=load, on=asdict(on), off=asdict(off),
                                      comm_on=asdict(c_on), comm_off=asdict(c_off), speedup=asdict(sp),
                                      hidden_fraction=hidden), md)
