@@ -32,7 +32,9 @@ GPUs (NCCL's stream) it really runs meanwhile.
 Measured: ``benchmarks/bench_tp_overlap.py`` times each rank's backward (its own compute block) and
 the time inside f's backward collectives (blocking calls with the overlap off, waits with it on; the
 clock's settling sleep excluded) in one run, and reports the hidden fraction
-``1 - exposed_on / collective_off`` next to the backward's own off / on ratio.
+``1 - exposed_on / collective_off`` next to the backward's own off / on ratio; ``--sp`` does the same
+for a sequence-parallel stage, whose f collective is ``GroupReduceScatter``'s
+(``benchmarks/results/tp_overlap-sp.md``).
 """
 
 from __future__ import annotations
