@@ -50,8 +50,8 @@ def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, c
     ``timings``, when given, receives the wall seconds of the planner (``plan_s``) and of the bounds
     (``bounds_s``: the planner run again on each device type alone and on the homogeneous cluster;
     when ``bound_worker.side_process_worthwhile(cluster)`` those ran in a second process during the
-    main search and ``bounds_s`` is only what was left to wait for after it). Raises ``PlanError`` naming the
-    argument when the global batch or the cluster cannot be planned, or when nothing fits."""
+    main search and ``bounds_s`` is only what was left to wait for after it). Raises ``PlanError``
+    naming the argument when the global batch or the cluster cannot be planned, or when nothing fits."""
     check_request(cluster, global_batch)
     if not isinstance(config, PlanConfig):
         raise PlanError(f"config: {config!r} is not a PlanConfig")
