@@ -57,8 +57,8 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
                          **plan_kw) -> tuple[Callable[[], tuple], Callable[[], None], bool]:
     """(``result()``, ``cancel()``, whether a side process was started): ``result()`` returns
     ``bound_searches(costs, cluster, global_batch, **plan_kw)``, from the side process when it was
-    worthwhile and succeeded, else computed when asked; ``cancel()`` ends the side process when the result is no longer wanted (the main search
-    failed). Call one of them exactly once."""
+    worthwhile and succeeded, else computed when asked; ``cancel()`` ends the side process when the
+    result is no longer wanted (the main search failed). Call one of them exactly once."""
     def here() -> tuple:
         return bound_searches(costs, cluster, global_batch, **plan_kw)
 
