@@ -13,7 +13,8 @@ from autopar.cost import tp as tp_cost
 from autopar.cost.loss import add_loss_to_tables, measure_loss
 from autopar.cost.pipeline import stage_optimizer_s
 from autopar.cost.profile import param_tensors_per_block
-from autopar.cost.step import measure_optimizer, measure_optimizer_per_tensor, predicted_phases, tp_collective_phases
+from autopar.cost.step import (PER_TENSOR_PROBE, measure_optimizer, measure_optimizer_per_tensor, predicted_phases,
+                               tp_collective_phases)
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Stage
 
@@ -79,10 +80,10 @@ def test_pipeline_stage_and_its_phase_pay_their_own_tensors():
 def test_per_tensor_rate_is_what_the_tensors_cost_beyond_one_flat_buffer(cache):
     shapes = [(64,)] * 16
     mean, per = measure_optimizer_per_tensor("adamw", shapes)
-    n = 64 * 16
     assert mean == measure_optimizer("adamw", shapes)                 # the cached model-mean rate
-    flat = measure_optimizer("adamw", [(n,)])
-    assert per == pytest.approx(max(0.0, (mean - flat) * n / 16))
+    count, size = PER_TENSOR_PROBE                                   # the probe: small tensors vs one buffer
+    many, one = measure_optimizer("adamw", [(size,)] * count), measure_optimizer("adamw", [(size * count,)])
+    assert per == pytest.approx(max(0.0, (many - one) * size))
     assert measure_optimizer_per_tensor("adamw", [(64,)]) == (measure_optimizer("adamw", [(64,)]), 0.0)
 
 

@@ -42,7 +42,8 @@ from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
 from autopar.passes.meta import BLOCK, COST
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "param_tensors_per_block", "roofline_features",
-           "calibrate", "measure_blocks", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES", "kernel_adjustments"]
+           "calibrate", "measure_blocks", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES",
+           "kernel_adjustments"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 

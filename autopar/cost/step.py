@@ -2,7 +2,8 @@
 
 Terms
 - optimizer step time: seconds of ``optimizer.step()`` per parameter a rank steps
-  (``ModelCosts.optimizer_s_per_param``). On CPU and emulated device types it is measured here
+  (``ModelCosts.optimizer_s_per_param``), and per tensor where it steps unflattened tensors
+  (``optimizer_s_per_tensor``, ``measure_optimizer_per_tensor``). On CPU and emulated device types it is measured here
   (``measure_optimizer``: the CPU time of a step over fresh tensors of the model's parameter shapes, so
   the per-tensor overhead of torch's CPU optimizers counts as it does on that model; and over one flat
   buffer of an even ZeRO shard's size for ``optimizer_flat_s_per_param``, how data parallelism steps
@@ -33,7 +34,9 @@ parallel: the ZeRO stage's all-reduce / reduce-scatter / all-gather, or broadcas
 its exposed part, what overlap leaves after the slowest rank's last backward, which is all the
 recorder measures as the phase; pipelines: a stage's gradient
 all-reduce, the tied parameters' and, over every rank, the loss sum's; tensor parallelism: the
-in-block all-reduces), ``p2p`` (a pipeline rank's activations and
+in-block collectives as ``cost.tp.kind_block_times`` prices them, ``tp_collective_phases``: all-reduces,
+and in a ``Stage.sequence_parallel`` stage's SP blocks a reduce-scatter and an all-gather per pair and
+direction, backward less what the overlap hides), ``p2p`` (a pipeline rank's activations and
 gradients sent and received) and ``wait`` (the predicted step time less all of the above). The planners
 price the same terms with the same functions; this only lays them out per rank.
 """
@@ -50,7 +53,8 @@ from autopar.cost.measure_cache import graph_signature, load_json, measure_cache
 from autopar.cost.precision import is_mixed_precision
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES
 
-__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "measure_optimizer", "measure_optimizer_per_tensor", "kept_shapes",
+__all__ = ["OPTIMIZER_BANDWIDTH_EFFICIENCY", "PER_TENSOR_PROBE", "measure_optimizer", "measure_optimizer_per_tensor",
+           "kept_shapes",
            "step_concurrency", "flat_shard_numel",
            "optimizer_roofline_s_per_param",
            "measure_call_overhead", "step_terms", "tp_collective_phases", "predicted_phases"]
@@ -148,20 +152,27 @@ def kept_shapes(shapes) -> list[tuple[int, ...]]:
     return kept
 
 
+# The per-tensor probe: this many tensors of this many elements against one flat buffer of them all.
+PER_TENSOR_PROBE = (64, 256)
+
+
 def measure_optimizer_per_tensor(optimizer: str, shapes, *, concurrent: int = 1) -> tuple[float, float]:
     """(seconds per parameter, seconds per tensor) of ``optimizer.step()`` over unflattened tensors of
-    ``shapes`` on this CPU: the mean rate over those tensors (``measure_optimizer``), and what they cost
-    beyond one flat buffer of the same size, divided by their count (at least 0; both with
-    ``concurrent``). Torch's CPU optimizers loop over tensors: AdamW pays tens of microseconds per
-    tensor, which a model-mean rate per element spreads over the big tensors and a stage of a few small
-    tensors (a head) then misses by 10-60x."""
+    ``shapes`` on this CPU: the mean rate over those tensors (``measure_optimizer``), and what a tensor
+    costs beyond its elements: ``PER_TENSOR_PROBE`` small tensors against one flat buffer of their size,
+    the difference over their count (at least 0; both with ``concurrent``). Torch's CPU optimizers loop
+    over tensors: AdamW pays tens of microseconds per tensor, which a model-mean rate per element spreads
+    over the big tensors and a stage of a few small tensors (a head) then misses. The probe is small so
+    the per-element noise of the two timings (a few % of a model's 4M-element step, tens of
+    microseconds per tensor when divided by a model's 20-50 tensors) does not drown the term."""
     kept = kept_shapes([tuple(int(d) for d in s) for s in shapes])
-    n = sum(int(np.prod(s)) if s else 1 for s in kept)
     mixed = measure_optimizer(optimizer, kept, concurrent=concurrent)
     if len(kept) < 2:
         return mixed, 0.0
-    per_elem = measure_optimizer(optimizer, [(n,)], concurrent=concurrent)
-    return mixed, max(0.0, (mixed - per_elem) * n / len(kept))
+    count, size = PER_TENSOR_PROBE
+    many = measure_optimizer(optimizer, [(size,)] * count, concurrent=concurrent)
+    one = measure_optimizer(optimizer, [(size * count,)], concurrent=concurrent)
+    return mixed, max(0.0, (many - one) * size)
 
 
 def step_concurrency(cluster) -> int:
