@@ -45,6 +45,11 @@ class Prepared:
         if self.cluster is not None:
             rho = cpu_replicated_fraction(gm, self.example_inputs, self.costs, self.cluster)
             if rho is not None:
+                from autopar.cost.tp_measure import cpu_sp_covered
+
+                covered = cpu_sp_covered(gm, self.example_inputs, self.costs, self.cluster)
+                if covered is not None:    # SP's replicated work as measured here, not the graph's count
+                    self.costs.tp_sp_covered = covered
                 return rho
         rho = replicated_fraction_of_graph(gm) if gm is not None else None
         return replicated_fraction_of(self.analysis.stats) if rho is None else rho

@@ -97,6 +97,9 @@ def test_overlap_is_never_negative_nor_above_the_unoverlapped_price():
     kind = tp_cost.group_kind(cluster, (0, 1), (1, 1))
     costs.fwd_table = costs.bwd_table = {"a": np.full((1, n), 1e-1)}
     f0, b0 = tp_cost.kind_block_times(costs, kind, 1.0, 0.3, False, overlap=False)
+    assert not kind.hides_comm          # emulated CPU ranks (gloo) hide nothing: cost.tp.comm_hides
+    assert np.allclose(tp_cost.kind_block_times(costs, kind, 1.0, 0.3, False, overlap=True)[1], b0)
+    kind = dataclasses.replace(kind, hides_comm=True)                   # as on a group of GPUs (NCCL)
     f1, b1 = tp_cost.kind_block_times(costs, kind, 1.0, 0.3, False, overlap=True)
     assert np.allclose(f0, f1) and (b1 <= b0).all() and (b1[pairs > 0] < b0[pairs > 0]).all()
 
@@ -112,7 +115,7 @@ def test_planner_sets_sequence_parallel_where_priced_no_slower_and_supported():
     cluster = _tp_cluster()
     kind = tp_cost.group_kind(cluster, (0, 1), (1, 1))
     assert tp_cost.sp_pays(costs, kind, 1.0, 0.3)                       # less replicated work, cheap calls
-    slow = dataclasses.replace(kind, alpha_s=1.0)                        # a collective call costs a second
+    slow = dataclasses.replace(kind, alpha_s=1.0, sp_link=(1.0, 0.0, 1.0, 0.0))  # a collective call costs a second
     assert not tp_cost.sp_pays(costs, slow, 1.0, 0.3)
     f, b = tp_cost.kind_block_times(costs, slow, 1.0, 0.3)              # None: as the planner sets it
     f0, b0 = tp_cost.kind_block_times(costs, slow, 1.0, 0.3, False)

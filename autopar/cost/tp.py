@@ -19,6 +19,7 @@ Terms
   pair, and a block without a pair runs whole on every rank.
 - member (``Member``): one data-parallel participant of a pipeline stage: a TP group (its ranks, head
   shares, kind and node; a single rank when its degree is 1), as the joint planner lays them out.
+- backward overlap: priced only on groups whose collectives run on their own engine (``comm_hides``).
 - group time of a block: the slowest rank's share of it (ranks synchronise at every all-reduce, so the
   maximum is taken block by block) plus its all-reduces.
 """
@@ -51,7 +52,7 @@ __all__ = [
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
     "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
     "SP_COLLECTIVES_PER_PAIR", "TP_BACKWARD_OVERLAP", "sp_blocks", "sp_pad", "tp_backward_comm_s", "group_wgrad_s",
-    "sp_pays", "stage_sequence_parallel", "with_sequence_parallel",
+    "sp_pays", "stage_sequence_parallel", "with_sequence_parallel", "sp_alpha_beta", "comm_hides",
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
@@ -182,6 +183,9 @@ class GroupKind:
     shares: tuple[int, ...]
     alpha_s: float            # all-reduce latency term over the group
     beta_s_per_byte: float    # all-reduce seconds per byte of the buffer
+    # SP's all-gather and reduce-scatter on their own links (``sp_alpha_beta``); None: from the all-reduce's
+    sp_link: tuple[float, float, float, float] | None = None
+    hides_comm: bool = True   # the backward overlap hides collectives on this group (``comm_hides``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,11 +202,34 @@ class Member:
         return self.kind.types[0]
 
 
+def sp_alpha_beta(cluster: "Cluster", ranks: Sequence[int]) -> tuple[float, float, float, float]:
+    """(all-gather seconds, its seconds per byte of the gathered buffer, reduce-scatter seconds, its
+    seconds per byte) of one ring call over ``ranks``, each on its own operation's link (``ring_link``'s
+    ``op``; emulated links are measured per operation): (n - 1) latencies and (n - 1) / n of the bytes."""
+    ranks = tuple(ranks)
+    n = len(ranks)
+    if n < 2:
+        return 0.0, 0.0, 0.0, 0.0
+    out = []
+    for op in ("all_gather", "reduce_scatter"):
+        bw, lat = ring_link(cluster, ranks, op=op)
+        out += [(n - 1) * lat, (n - 1) / n / bw]
+    return tuple(out)
+
+
+def comm_hides(cluster: "Cluster", ranks: Sequence[int]) -> bool:
+    """Whether a collective over ``ranks`` runs beside their compute, so the backward overlap hides it:
+    only where every rank's collectives run on an engine of their own (NCCL, ``DeviceSpec.backend``).
+    CPU and emulated ranks (gloo) hide nothing: gloo's thread runs on the rank's own core."""
+    return all(cluster.devices[r].spec.backend == "nccl" for r in ranks)
+
+
 def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) -> GroupKind:
     ranks = tuple(int(r) for r in ranks)
     alpha, beta = allreduce_alpha_beta(cluster, ranks)
+    sp = sp_alpha_beta(cluster, ranks) if len(ranks) > 1 else None
     return GroupKind(tuple(cluster.devices[r].spec.name for r in ranks), tuple(int(s) for s in shares),
-                     alpha, beta)
+                     alpha, beta, sp, comm_hides(cluster, ranks))
 
 
 def sp_blocks(costs: ModelCosts) -> np.ndarray | None:
@@ -215,12 +242,12 @@ def sp_blocks(costs: ModelCosts) -> np.ndarray | None:
 
 
 def _block_rho(costs: ModelCosts, rho: float, sequence_parallel: bool) -> np.ndarray | float:
-    """The replicated time fraction per block: ``rho``, and in SP blocks ``max(0, rho - covered)``
-    (``cost.tp_tables``: SP shards the token-wise work outside the pairs along the sequence)."""
+    """The replicated time fraction per block: ``rho``, and in SP blocks ``rho - covered`` in [0, 0.95]
+    (``cost.tp_tables``: SP shards the token-wise work outside the pairs; ``cost.tp_measure``: as timed)."""
     sp = sp_blocks(costs) if sequence_parallel else None
     if sp is None or costs.tp_sp_covered is None:
         return rho
-    return np.where(sp, np.maximum(0.0, rho - np.asarray(costs.tp_sp_covered, float)), rho)
+    return np.where(sp, np.clip(rho - np.asarray(costs.tp_sp_covered, float), 0.0, 0.95), rho)
 
 
 def rank_block_times(costs: ModelCosts, types: Sequence[str], shares: Sequence[int], micro_batch: float,
@@ -255,13 +282,14 @@ def sp_pad(shares: Sequence[int]) -> float:
 
 
 def tp_allreduce_block_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
-                         sequence_parallel: bool = False, pad: float = 1.0) -> np.ndarray:
+                         sequence_parallel: bool = False, pad: float = 1.0, sp_link=None) -> np.ndarray:
     """Per block, the seconds of a TP group's collectives in *one* direction at ``micro_batch``, none
     overlapped: one all-reduce per Linear pair (``tp_pairs_of``; half of ``TP_ALLREDUCES_PER_BLOCK``
     without the counts), each of the block's output, over the group's ring (``allreduce_alpha_beta``);
     under ``sequence_parallel``, in SP blocks (``sp_blocks``), a reduce-scatter and an all-gather per
     pair instead: the same ring bytes (times ``pad``, ``sp_pad``) and two latency terms, one per call
-    (``SP_COLLECTIVES_PER_PAIR``; what a gloo or NCCL call costs beyond its bytes). The same again in
+    (``SP_COLLECTIVES_PER_PAIR``; what a gloo or NCCL call costs beyond its bytes); with ``sp_link``
+    (``sp_alpha_beta``) each on its own operation's link. The same again in
     the other direction (Megatron's g in forward, f in backward); ``tp_backward_comm_s`` takes off
     what the backward overlap hides."""
     pairs = tp_pairs_of(costs)
@@ -270,12 +298,17 @@ def tp_allreduce_block_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: flo
     out = count * (alpha_s + beta_s_per_byte * nbytes)
     sp = sp_blocks(costs) if sequence_parallel else None
     if sp is not None:
-        out = np.where(sp, count * (SP_COLLECTIVES_PER_PAIR * alpha_s + beta_s_per_byte * nbytes * pad), out)
+        if sp_link is None:
+            call = SP_COLLECTIVES_PER_PAIR * alpha_s + beta_s_per_byte * nbytes * pad
+        else:
+            call = sp_link[0] + sp_link[2] + (sp_link[1] + sp_link[3]) * nbytes * pad
+        out = np.where(sp, count * call, out)
     return out
 
 
 def tp_backward_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
-                       wgrad_s: np.ndarray | None, sequence_parallel: bool = False, pad: float = 1.0) -> np.ndarray:
+                       wgrad_s: np.ndarray | None, sequence_parallel: bool = False, pad: float = 1.0,
+                       sp_link=None) -> np.ndarray:
     """Per block, the *exposed* seconds of a TP group's backward collectives: ``tp_allreduce_block_s``
     less what runs under the columns' weight-gradient GEMMs (``passes.tp_overlap``: f's backward
     collective starts after the columns' input gradients and is waited for after their weight
@@ -284,14 +317,15 @@ def tp_backward_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float
     beside it stays exposed) and ``w_p`` = ``wgrad_s[block, p]``, the pair's weight-gradient seconds
     on the group's rank that has least of them. So it is never negative and never above the
     unoverlapped price; ``wgrad_s`` None (no overlap, or no tables) gives that price."""
-    whole = tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad)
+    whole = tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad, sp_link)
     pairs = tp_pairs_of(costs)
     if wgrad_s is None or pairs is None:
         return whole
     nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
     sp = sp_blocks(costs) if sequence_parallel else None
     sp = np.zeros(costs.num_blocks, dtype=bool) if sp is None else sp
-    c = np.where(sp, alpha_s + beta_s_per_byte * nbytes * pad / 2, alpha_s + beta_s_per_byte * nbytes)
+    rs = alpha_s + beta_s_per_byte * nbytes * pad / 2 if sp_link is None else sp_link[2] + sp_link[3] * nbytes * pad
+    c = np.where(sp, rs, alpha_s + beta_s_per_byte * nbytes)
     width = wgrad_s.shape[1]
     used = np.minimum(pairs, width)
     mask = np.arange(width)[None, :] < used[:, None]
@@ -330,9 +364,10 @@ def _kind_times_of(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
     fwd, bwd = f.max(axis=0), b.max(axis=0)
     if len(kind.types) > 1:
         pad = sp_pad(kind.shares) if sp else 1.0
-        fwd = fwd + tp_allreduce_block_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, sp, pad)
-        w = group_wgrad_s(costs, kind.types, kind.shares, micro_batch) if overlap else None
-        bwd = bwd + tp_backward_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, w, sp, pad)
+        fwd = fwd + tp_allreduce_block_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, sp, pad, kind.sp_link)
+        w = group_wgrad_s(costs, kind.types, kind.shares, micro_batch) if overlap and kind.hides_comm else None
+        bwd = bwd + tp_backward_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, w, sp, pad,
+                                       kind.sp_link)
     return fwd, bwd
 
 
@@ -342,8 +377,8 @@ def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
     """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples:
     the slowest rank's compute (``rank_block_times``; ranks meet at every collective, so block by
     block) plus the group's collectives: forward's all exposed (``tp_allreduce_block_s``), backward's
-    less what the overlap hides (``tp_backward_comm_s``; ``overlap`` None: ``TP_BACKWARD_OVERLAP``).
-    ``sequence_parallel``: True / False as a stage runs it; None: as the planner sets it
+    less what the overlap hides (``tp_backward_comm_s``; ``overlap`` None: ``TP_BACKWARD_OVERLAP``; only
+    on a kind that ``hides_comm``). ``sequence_parallel``: True / False as a stage runs it; None: as the planner sets it
     (``sp_pays``: where SP is supported and priced no slower on this kind at this micro-batch)."""
     n = costs.num_blocks
     if micro_batch <= 0:

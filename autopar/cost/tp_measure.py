@@ -15,6 +15,13 @@ ranks run (``autopar.runtime.emulate``), each timed by the thread's CPU time (le
 after a warm-up, the two taking turns so that both see the same neighbours). With ``r`` the shard's time over the whole model's, ``o`` the part of the whole
 model's time in blocks without a pair (from the cost tables; they run whole on every TP rank) and
 ``f`` the shard's fraction, ``rho = ((r - o) / (1 - o) - f) / (1 - f)``, clipped to ``[0, 0.9]``.
+The shard is timed as the engine lowers it (``autopar.lowering.lower``): the rewrite with the backward
+overlap (``passes.tp_overlap``), and again sequence-parallel (``passes.tp_sp.sp_rewrite``, the engine's
+deferred gradient sums) where the graph has SP blocks: ``TpFractionMeasure.sp_step``. On this CPU SP
+does not shrink the replicated time as the graph's count says (``cost.tp_tables``' covered work, 0.48
+of gpt-tiny's SP block): what stays is per-operator cost, and SP adds its own scatters and slices
+(gpt-tiny, shares (2, 1, 1): the shard's forward 0.53 of the whole model's plain, 0.60 with SP and the
+overlap). ``cpu_sp_covered`` gives the planner the covered work measured so (``ModelCosts.tp_sp_covered``).
 Forward and backward are measured apart (``TpFractionMeasure``: backward's is the smaller, by 0.25-0.85
 on the accuracy models); the cost model prices both with one fraction, their time-weighted mean
 (``TpFractionMeasure.step``), the one ``autopar.cost.tp.best_shares`` balances whole steps with.
@@ -43,11 +50,11 @@ from autopar.cost.measure_cache import cache_dir, load_json, machine_id, save_js
 from autopar.cost.tp import tp_pairs_of
 
 __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_fraction", "MEASURE_SHARES",
-           "MEASURE_BATCH"]
+           "MEASURE_BATCH", "cpu_sp_covered"]
 
 MEASURE_SHARES = (1, 3)     # TP index 0 holds a quarter of every pair
 MEASURE_BATCH = 32          # samples per timed run: mid-range of the tables' micro-batches
-_VERSION = 3                # in the cache key: bump when the measurement changes
+_VERSION = 4                # in the cache key: bump when the measurement changes
 _MEMO: dict[str, "TpFractionMeasure | None"] = {}
 
 
@@ -59,6 +66,7 @@ class TpFractionMeasure:
     batch: int
     ratios: tuple[float, float]   # shard over whole model: forward, backward
     step: float = 0.0       # of forward plus backward (the mean weighted by the whole model's times)
+    sp_step: float | None = None   # the same, sequence-parallel (None: no SP block to time)
 
 
 def _scalar(out) -> torch.Tensor:
@@ -123,6 +131,8 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
     shard owning none of a pair, a graph that does not run on the tiled inputs)."""
     from autopar.passes.tp import tp_rewrite
     from autopar.passes.tp_match import find_tp_pairs
+    from autopar.passes.tp_overlap import overlap_tp_backward
+    from autopar.passes.tp_sp import SP_META_KEY, sp_rewrite
 
     if any(p.is_meta or p.device.type != "cpu" for p in gm.parameters()):
         return None
@@ -140,7 +150,7 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
     if key in disk:
         d = disk[key]
         out = TpFractionMeasure(d["forward"], d["backward"], d["fraction"], d["batch"], tuple(d["ratios"]),
-                                d["step"])
+                                d["step"], d.get("sp_step"))
         _MEMO[key] = out
         return out
     threads = torch.get_num_threads()
@@ -151,7 +161,13 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
     try:
         with torch.random.fork_rng(devices=[]):
             local = tp_rewrite(gm, MEASURE_SHARES, 0, pairs=pairs)
-            (whole_f, whole_b), (shard_f, shard_b) = _time([gm, local], inputs, repeats)
+            overlap_tp_backward(local)          # as the engines run it (unbound: no communication)
+            local_sp = sp_rewrite(tp_rewrite(gm, MEASURE_SHARES, 0, pairs=pairs), MEASURE_SHARES, 0,
+                                  defer_param_grads=True)
+            overlap_tp_backward(local_sp)
+            mods = [gm, local] + ([local_sp] if local_sp.meta[SP_META_KEY].blocks else [])
+            times = _time(mods, inputs, repeats)
+            (whole_f, whole_b), (shard_f, shard_b) = times[:2]
     except Exception:                           # noqa: BLE001 - a graph the timing cannot run keeps the estimate
         return None
     finally:
@@ -163,25 +179,46 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
             p.grad = g
     if not (whole_f > 0 and whole_b > 0):
         return None
-    pair_blocks = tp_pairs_of(costs)
-    t = costs.device_types[0]
-    rhos = []
-    for shard, whole, table in ((shard_f, whole_f, costs.fwd_time(t, batch)), (shard_b, whole_b, costs.bwd_time(t, batch))):
-        total = float(np.sum(table))
-        o = float(np.sum(table[pair_blocks <= 0])) / total if pair_blocks is not None and total > 0 else 0.0
-        o = min(max(o, 0.0), 0.9)
-        r = shard / whole
-        rhos.append(float(np.clip(((r - o) / (1.0 - o) - f) / (1.0 - f), 0.0, 0.9)))
-    step = float(np.clip((rhos[0] * whole_f + rhos[1] * whole_b) / (whole_f + whole_b), min(rhos), max(rhos)))
+    rhos, step = _fractions(costs, batch, f, (whole_f, whole_b), (shard_f, shard_b))
+    sp_step = _fractions(costs, batch, f, (whole_f, whole_b), times[2])[1] if len(times) > 2 else None
     out = TpFractionMeasure(rhos[0], rhos[1], float(f), int(batch), (shard_f / whole_f, shard_b / whole_b),
-                            float(step))
+                            float(step), sp_step)
     _MEMO[key] = out
     if use_cache:
         disk = load_json(path)
         disk[key] = dict(forward=out.forward, backward=out.backward, fraction=out.fraction, batch=out.batch,
-                         ratios=list(out.ratios), step=out.step)
+                         ratios=list(out.ratios), step=out.step, sp_step=out.sp_step)
         save_json(path, disk)
     return out
+
+
+def _fractions(costs, batch: int, f: float, whole: tuple, shard: tuple) -> tuple[list[float], float]:
+    """(forward, backward) replicated fractions and their step mean from the whole model's and the
+    shard's (forward, backward) seconds (the module docstring's formula)."""
+    pair_blocks = tp_pairs_of(costs)
+    t = costs.device_types[0]
+    rhos = []
+    for s, w, table in ((shard[0], whole[0], costs.fwd_time(t, batch)), (shard[1], whole[1], costs.bwd_time(t, batch))):
+        total = float(np.sum(table))
+        o = float(np.sum(table[pair_blocks <= 0])) / total if pair_blocks is not None and total > 0 else 0.0
+        o = min(max(o, 0.0), 0.9)
+        rhos.append(float(np.clip(((s / w - o) / (1.0 - o) - f) / (1.0 - f), 0.0, 0.9)))
+    step = float(np.clip((rhos[0] * whole[0] + rhos[1] * whole[1]) / (whole[0] + whole[1]), min(rhos), max(rhos)))
+    return rhos, step
+
+
+def cpu_sp_covered(gm, example_inputs: tuple, costs, cluster) -> np.ndarray | None:
+    """Per block the replicated work sequence parallelism removes, measured (``ModelCosts.tp_sp_covered``
+    for ``cost.tp``'s SP blocks: ``step - sp_step`` of ``measure_replicated_fraction``, 0 elsewhere)
+    where ``cpu_replicated_fraction`` measures; None otherwise (the graph's table stands). Negative
+    where SP measured slower than plain (its scatters and slices on this CPU): priced so."""
+    if cpu_replicated_fraction(gm, example_inputs, costs, cluster) is None:
+        return None
+    m = measure_replicated_fraction(gm, example_inputs, costs)
+    sup = getattr(costs, "tp_sp_supported", None)
+    if m is None or m.sp_step is None or sup is None or len(sup) != costs.num_blocks:
+        return None
+    return np.where(np.asarray(sup) > 0, m.step - m.sp_step, 0.0)
 
 
 def cpu_replicated_fraction(gm, example_inputs: tuple, costs, cluster) -> float | None:
