@@ -6,7 +6,7 @@ Plans (4 threaded ranks, global batch 10, micro-batches 4+3+3, 2 rank stages x 2
 is the TP member (0, 1), rank stage 1 the TP member (2, 3) (or, in one plan, two one-rank members 2 and
 3); chunk sizes are uneven (blocks 0-1 | 2 | 3 | 4-5) and each chunk has its own uneven TP shares, so the
 two chunks of one rank hold different shards; one plan turns on sequence parallelism on some chunks
-(H1's ``Stage.sequence_parallel``), one recomputes a chunk. The backward overlap (``passes.tp_overlap``)
+(H1's ``Stage.sequence_parallel``), one recomputes a chunk, one computes in bf16. The backward overlap (``passes.tp_overlap``)
 is on, as lowering applies it by default. SGD with momentum and AdamW (eps 1e-6).
 """
 
@@ -71,17 +71,27 @@ def _run(case, rank, world_size, plan, optimizer) -> PipelineEngine:
 
 
 class FourRanks(threaded_ranks(4)):
-    def test_tp_chunks_gpt_sgd_and_adamw(self):
-        for optimizer in ("sgd", "adamw"):
-            engine = _run("gpt-tiny", self.rank, self.world_size, _tp_tp(), optimizer)
-            assert engine.chunks == ((0, 2) if self.rank < 2 else (1, 3))
-            assert set(engine._locals) == set(engine.chunks)      # both chunks run their TP shard
+    def test_tp_chunks_gpt_adamw(self):
+        engine = _run("gpt-tiny", self.rank, self.world_size, _tp_tp(), "adamw")   # SGD: the llama tests
+        assert engine.chunks == ((0, 2) if self.rank < 2 else (1, 3))
+        assert set(engine._locals) == set(engine.chunks)      # both chunks run their TP shard
 
     def test_tp_chunks_llama_sequence_parallel_and_recompute(self):
         _run("llama-tiny", self.rank, self.world_size, _tp_tp(sp=(0, 2, 3), recompute=(1,)), "adamw")
 
     def test_tp_chunks_next_to_data_parallel_members(self):
         _run("llama-tiny", self.rank, self.world_size, _tp_dp(), "sgd")
+
+    def test_tp_chunks_bf16(self):
+        """Every chunk's TP module computes under autocast (the later ones: the engine's
+        ``_chunk_precision``), as the one-device bf16 autocast run does (tests/test_precision.py)."""
+        from test_precision import make_engine, train_and_check
+
+        engine = make_engine("gpt-tiny", _tp_tp(), "sgd", self.rank, self.world_size, "bf16")
+        # a later chunk's input may be fp32 (a LayerNorm's output), so the check of the run alone would
+        # pass with that chunk in fp32 too: its module must be autocast
+        assert all(getattr(engine._prog(s).gm, "_autopar_precision", None) for s in engine.chunks)
+        train_and_check(engine, "gpt-tiny", "sgd", "bf16")
 
 
 def test_chunks_of_a_rank_stage_must_share_its_members():

@@ -201,6 +201,8 @@ class PipelineEngine(PipelineMessages):
                 load_shards(local, self.programs[s].gm)     # cut again from the broadcast weights
                 bind_tp_group(local, self.tp_group.pg)      # every chunk: the same member, the same group
                 self._locals[s] = chunk
+                if s != self.stage:
+                    self._chunk_precision(chunk, s)
                 for shard in tp_layout(local).params:
                     source = self.programs[s].gm.get_parameter(shard.source)
                     if id(source) in self._shards:
@@ -391,6 +393,21 @@ class PipelineEngine(PipelineMessages):
         if prog.is_last:
             return compute_loss(out, values[num_local + num_received], self.inputs.loss_fn) * weight
         return tuple(out)
+
+    def _chunk_precision(self, local, stage: int) -> None:
+        """A later chunk's TP module under ``EngineInputs.precision`` (build_engine autocasts the modules
+        ``runtime.precision.program_modules`` lists; this does the same for chunks it may not list:
+        idempotent). fp16 with the loss inside the model would need its loss scaler here: refused."""
+        precision = self.inputs.precision
+        if precision == "fp32":
+            return
+        from autopar.runtime.precision import autocast_forward, relax_dtype_asserts
+
+        if precision == "fp16" and self.inputs.loss_fn is None and self.programs[stage].is_last:
+            raise PlanError(f"plan.virtual_stages: fp16 with the loss inside the model on the last chunk "
+                            f"(stage {stage}) of a tensor-parallel member is not supported; give a loss_fn")
+        relax_dtype_asserts(local.gm)
+        autocast_forward(local.gm, precision, self.device)
 
     def _prog(self, stage: int):
         """The program this rank runs for ``stage``: its tensor-parallel shard on a TP member."""
