@@ -61,7 +61,7 @@ def markdown(rows: list[dict]) -> str:
     parts = ["# TP / pipeline steps per rank and phase (emulated demo cluster, before calibration)", "",
              "Measured / predicted ms per rank (median over steps; emulated devices; predicted by the cost "
              "model). Load: load average at the start and end of the model's run (2 cores, shared).", ""]
-    phases = ("forward", "backward", "optimizer", "all_reduce", "p2p", "wait")
+    phases = ("forward", "backward", "optimizer", "all_reduce", "all_gather", "reduce_scatter", "p2p", "wait")
     for row in rows:
         shares = "; ".join(f"blocks {s['blocks'][0]}-{s['blocks'][1]} {s['groups']} {s['tp_shares'] or ''}"
                            for s in row["layout"])
