@@ -1,3 +1,3 @@
-from autopar.cli.main import main
+from autopar.cli.main import run
 
-raise SystemExit(main())
+run()

@@ -490,5 +490,5 @@ def run() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in _QUICK_EXIT:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(rc if isinstance(rc, int) else 1)
+        os._exit(0 if rc is None else rc if isinstance(rc, int) else 1)
     raise SystemExit(rc)
