@@ -153,6 +153,9 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
                                 track_memory=spec.track_memory)
         compiled = autopar.compile(case.model, cluster, case.example_inputs, spec.global_batch, case.loss_fn,
                                    run=run, strategy=strategy,
+                                   # the targets' shape and dtype let the cost model time the loss
+                                   example_targets=case.batch(int(case.example_inputs[0].shape[0]),
+                                                              seed=spec.seed)[1] if case.loss_fn else None,
                                    zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute,
                                    **({"replan": spec.replan} if spec.replan != "off" else {}),
                                    **({"checkpoint_dir": f"{spec.checkpoint_dir}/{strategy}",

@@ -321,7 +321,8 @@ def _hidden_allreduce_s(costs, cluster, stage, dar) -> float:
 
 
 def tp_collective_phases(costs, alpha_s: float, beta_s_per_byte: float, micro_batch: float, types, shares,
-                         sequence_parallel: bool, blocks: slice = slice(None)) -> dict[str, float]:
+                         sequence_parallel: bool, blocks: slice = slice(None), sp_link=None,
+                         hides: bool = True) -> dict[str, float]:
     """Seconds per collective kind of one micro-batch's TP collectives on a group (ring ``alpha_s`` /
     ``beta_s_per_byte``, ranks of ``types`` with head ``shares``) over ``blocks``, as
     ``cost.tp.kind_block_times`` prices them: forward all exposed (``tp_allreduce_block_s``), backward
@@ -329,18 +330,25 @@ def tp_collective_phases(costs, alpha_s: float, beta_s_per_byte: float, micro_ba
     ``TP_BACKWARD_OVERLAP``). Plain blocks: ``all_reduce``. Sequence-parallel blocks (``sp_blocks``,
     with ``sequence_parallel``): per pair and direction a ``reduce_scatter`` and an ``all_gather``, each
     one latency term and half the padded ring bytes (``sp_pad``); in backward the overlap hides only
-    f's reduce-scatter, so g's all-gather stays whole and the reduce-scatter takes the rest."""
+    f's reduce-scatter, so g's all-gather stays whole and the reduce-scatter takes the rest.
+    ``sp_link`` (``cost.tp.sp_alpha_beta``): each SP call on its own operation's link, as the plan is
+    priced; ``hides`` (``cost.tp.comm_hides``): whether the group's backward overlap hides anything."""
     from autopar.cost import tp as tp_cost
 
     pad = tp_cost.sp_pad(shares) if sequence_parallel else 1.0
-    fwd = tp_cost.tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad)
-    w = tp_cost.group_wgrad_s(costs, types, shares, micro_batch) if tp_cost.TP_BACKWARD_OVERLAP else None
-    bwd = tp_cost.tp_backward_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch, w, sequence_parallel, pad)
+    fwd = tp_cost.tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad,
+                                       sp_link)
+    w = (tp_cost.group_wgrad_s(costs, types, shares, micro_batch)
+         if tp_cost.TP_BACKWARD_OVERLAP and hides else None)
+    bwd = tp_cost.tp_backward_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch, w, sequence_parallel, pad,
+                                     sp_link)
     sp = tp_cost.sp_blocks(costs) if sequence_parallel else None
     sp = np.zeros(costs.num_blocks, dtype=bool) if sp is None else sp
     pairs = tp_cost.tp_pairs_of(costs)
     count = tp_cost.TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
-    half = count * (alpha_s + beta_s_per_byte * costs.out_bytes * max(float(micro_batch), 0.0) * pad / 2)
+    nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
+    half = count * (alpha_s + beta_s_per_byte * nbytes * pad / 2 if sp_link is None
+                    else sp_link[0] + sp_link[1] * nbytes * pad)      # one direction's all-gathers
     gather = np.where(sp, half + np.minimum(half, bwd), 0.0)           # forward's, and backward's g
     scatter = np.where(sp, (fwd - half) + np.maximum(bwd - half, 0.0), 0.0)
     out = {"all_reduce": float(np.where(sp, 0.0, fwd + bwd)[blocks].sum()),
@@ -384,6 +392,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
             sp_on = bool(getattr(st, "sequence_parallel", False)) and tp_group
             if tp_group:
                 alpha, beta = tp_cost.allreduce_alpha_beta(cluster, members)
+                kind = tp_cost.group_kind(cluster, members, shares)   # its SP links and overlap rule
+                sp_link, hides = kind.sp_link, kind.hides_comm
                 types = tuple(cluster.devices[r].spec.name for r in members)
                 held = tp_cost.tp_rank_params(costs, blocks, np.asarray(shares, float) / sum(shares), rho)
             for i, r in enumerate(members):
@@ -405,7 +415,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                     _add(d, "backward", b + c)
                     if tp_group:                           # Megatron's f / g collectives, both directions
                         for op, sec in tp_collective_phases(costs, alpha, beta, x, types, shares, sp_on,
-                                                            blocks).items():
+                                                            blocks, sp_link, hides).items():
                             _add(d, op, sec)
                     if not single and s + 1 < plan.num_stages:
                         _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
