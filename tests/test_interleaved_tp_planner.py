@@ -93,3 +93,27 @@ def test_interleaved_memory_follows_the_schedule():
         one = tuple(dataclasses.replace(st, groups=tuple((g[0],) for g in st.groups), tp_shares=()) for st in stages)
         mine, summed = interleaved_memory_bytes(costs, one, 0, V), pipeline_memory_bytes(costs, one, "interleaved-1f1b", 0, V)
         assert all(mine[r] <= summed[r] for r in mine)
+
+
+def test_recompute_fits_an_over_memory_variant_and_the_bound_is_below_the_simulated_step():
+    from autopar.planner.pp_virtual import _fit_and_price, busiest_rank_stage_s
+
+    costs, cluster = _case()
+    plan = _hybrid(costs, cluster, num_micro=4)[0][1]
+    stages = chunked_stages(plan.stages, chunk_sizes([st.num_layers for st in plan.stages], 2))
+    for flags in ((), (0,), (0, 1, 2, 3)):   # the bound holds with and without recomputing chunks
+        chunks = tuple(dataclasses.replace(st, recompute=s in flags) for s, st in enumerate(stages))
+        probe = dataclasses.replace(plan, schedule="interleaved-1f1b", stages=chunks, virtual_stages=2)
+        assert busiest_rank_stage_s(costs, cluster, chunks, 2) <= plan_timeline(probe, costs, cluster)[1] * (1 + 1e-9)
+    need = max(interleaved_memory_bytes(costs, stages, 0, 2).values())
+    for gb in (x / 1000 for x in range(1, 4000)):    # the least memory the flat plan fits in
+        _, tight = _case(memory_GB=gb)
+        if fits_memory(tight, plan.predicted.memory_bytes, MEMORY_FRACTION):
+            break
+    assert not fits_memory(tight, {0: need}, MEMORY_FRACTION)
+    got = _fit_and_price(costs, tight, plan, stages, 2, MEMORY_FRACTION, float("inf"))
+    assert got is not None
+    fitted, _, step = got
+    assert any(st.recompute for st in fitted.stages) and fits_memory(tight, fitted.predicted.memory_bytes, MEMORY_FRACTION)
+    assert fitted.predicted.memory_bytes == interleaved_memory_bytes(costs, fitted.stages, 0, 2)
+    assert step == pytest.approx(plan_timeline(fitted, costs, cluster)[1], rel=1e-12)

@@ -19,6 +19,12 @@ Terms
   climb: a few simulations per plan, ``HYBRID_TOP`` plans), priced by the same simulator and checked by
   ``interleaved_memory_bytes``; a variant is kept only where it fits and is predicted faster. Its
   chunks keep their rank stage's members, shares and SP / recompute flags, as the engine requires.
+  A variant over memory turns on recompute chunk by chunk on the over-memory rank stages only
+  (``_recompute_until_fits``: earliest chunk first, by the cheap bound, then the exact memory); a
+  schedule-free step bound (``busiest_rank_stage_s``) drops it before any simulation where its
+  busiest rank stage alone is not faster than the flat plan. On llama-140b / hethub-768 / 1024
+  (PREDICTED) every variant then fits but none pays: recomputing the first chunks costs more than
+  interleaving saves (V = 2: 56.33 s against 48.62 s flat).
 - interleaved memory (``interleaved_memory_bytes``): per rank, at the moment of its action list when
   its chunks' live activations peak, the sum over its chunks of ``cost.memory.stage_memory_bytes``
   for that chunk (TP shards and all) holding the micro-batches live in it then; the loss's bytes only
@@ -32,15 +38,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from autopar.cost.memory import fits_memory, loss_bytes_per_sample, stage_memory_bytes
-from autopar.cost.pipeline import PipelineContext, pipeline_memory_bytes, plan_timeline
+from autopar.cost.memory import (fits_memory, loss_bytes_per_sample, stage_input_bytes, stage_memory_bytes,
+                                 usable_bytes)
+from autopar.cost.pipeline import PipelineContext, pipeline_memory_bytes, plan_timeline, stage_durations
 from autopar.errors import PlanError
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.ir.schedule import Timeline, make_schedule
 
 
 __all__ = ["VIRTUAL_COUNTS", "MAX_VIRTUAL_STAGES", "check_virtual_stages", "chunk_sizes", "chunked_stages",
-           "interleaved_plans", "HYBRID_TOP", "interleaved_memory_bytes", "interleave_hybrid"]
+           "interleaved_plans", "HYBRID_TOP", "interleaved_memory_bytes", "interleave_hybrid",
+           "busiest_rank_stage_s"]
 
 VIRTUAL_COUNTS: tuple[int, ...] = (2, 3, 4)
 MAX_VIRTUAL_STAGES = 64
@@ -149,9 +157,10 @@ def _live_at_peak(stages: Sequence[Stage], V: int, weight: Sequence[float], exac
     S = len(stages)
     R, M = S // V, len(stages[0].micro_batches[0])
     out = [0] * S
+    schedule = make_schedule("interleaved-1f1b", S, M, V) if exact else None
     for p in range(R):
         if exact:
-            acts = make_schedule("interleaved-1f1b", S, M, V).actions[p]
+            acts = schedule.actions[p]
         else:   # the warm-up forwards and the first steady one: rounds of R micro-batches, chunks in order
             order = [v * R + p for g in range(0, M, R) for v in range(V) for _ in range(g, min(g + R, M))]
             acts = [_Fwd(c) for c in order[:min(V * M, 2 * (R - p - 1) + (V - 1) * R + 1)]]
@@ -185,8 +194,9 @@ def interleaved_memory_bytes(costs, stages: Sequence[Stage], zero_stage: int, vi
     as were live in it then (its largest ones; at least one), less the loss's bytes on every chunk
     but the last; summed over a rank's chunks. ``exact=False``: a cheap lower bound (``_live_at_peak``)."""
     S, V = len(stages), virtual_stages
-    weight = [float(costs.act_bytes[st.block_start:st.block_stop].sum()) * max(max(mb) for mb in st.micro_batches)
-              for st in stages]
+    # a recomputing chunk holds only its input per live micro-batch
+    weight = [(stage_input_bytes(costs, st) if st.recompute else float(costs.act_bytes[st.block_start:st.block_stop].sum()))
+              * max(max(mb) for mb in st.micro_batches) for st in stages]
     live_at_peak = _live_at_peak(stages, V, weight, exact)
     out: dict[int, int] = {}
     for s, st in enumerate(stages):
@@ -214,29 +224,89 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
                   if x[1].schedule in ("1f1b", "interleaved-1f1b") and x[1].virtual_stages == 1
                   and x[1].num_stages >= 2]
     for step0, plan, label in flat_plans[:top]:
-        rho = plan.predicted.breakdown.get("tp_replicated_fraction")
         R = plan.num_stages
         for V in virtual_counts:
             sizes = chunk_sizes([st.num_layers for st in plan.stages], V)
             if sizes is None or R * V > MAX_VIRTUAL_STAGES:
                 continue
-            stages = chunked_stages(plan.stages, sizes)
-            low = interleaved_memory_bytes(costs, stages, plan.zero_stage, V, rho, exact=False)
-            if not fits_memory(cluster, low, memory_fraction):
-                continue   # not even the warm-up fits: no schedule to build (it may take seconds)
-            mem = interleaved_memory_bytes(costs, stages, plan.zero_stage, V, rho)
-            if not fits_memory(cluster, mem, memory_fraction):
+            got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction, step0)
+            if got is None:
                 continue
-            probe = dataclasses.replace(plan, schedule="interleaved-1f1b", stages=stages, virtual_stages=V,
-                                        predicted=dataclasses.replace(plan.predicted, memory_bytes=mem))
-            timeline, step = plan_timeline(probe, costs, cluster)
-            if step >= step0 * (1 - 1e-9):
-                continue
+            probe, timeline, step = got
+            stages, mem = probe.stages, probe.predicted.memory_bytes
             breakdown = {**plan.predicted.breakdown, "bubble_fraction": timeline.bubble_fraction,
                          "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
                          "num_stages": float(len(stages)), "virtual_stages": float(V)}
             predicted = dataclasses.replace(plan.predicted, step_time_s=step, memory_bytes=mem, breakdown=breakdown,
                                             samples_per_s=plan.global_batch_size / step if step > 0 else 0.0)
             out.append((step, dataclasses.replace(probe, predicted=predicted),
-                        f"{label.rsplit(' ', 2)[0]} interleaved-1f1b V={V} chunks={list(sizes)} zero-{plan.zero_stage}"))
+                        f"{label.rsplit(' ', 2)[0]} interleaved-1f1b V={V} chunks={list(sizes)}{_recompute_label(stages)} "
+                        f"zero-{plan.zero_stage}"))
     return out
+
+
+def _recompute_label(stages: Sequence[Stage]) -> str:
+    flags = [s for s, st in enumerate(stages) if st.recompute]
+    return f" recompute={flags}" if flags else ""
+
+
+def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int, memory_fraction: float,
+                   step0: float) -> tuple[Plan, Timeline, float] | None:
+    """(plan, timeline, step seconds) of ``plan`` interleaved as ``stages`` (V chunks per rank stage)
+    with the recompute that makes it fit, or None where it cannot fit or is not predicted faster than
+    ``step0``. The lower bound's recompute is priced first: the exact memory (a schedule to build:
+    seconds on large pipelines) can only turn on more chunks, which only adds forwards, so a variant
+    already too slow there is dropped without it; before either simulation, one whose busiest rank
+    stage's compute alone (``busiest_rank_stage_s``) is not below ``step0``."""
+    rho = plan.predicted.breakdown.get("tp_replicated_fraction")
+    priced = None
+    for exact in (False, True):
+        fitted = _recompute_until_fits(costs, cluster, stages, plan.zero_stage, V, rho, memory_fraction, exact)
+        if fitted is None:
+            return None
+        stages, mem = fitted
+        probe = dataclasses.replace(plan, schedule="interleaved-1f1b", stages=stages, virtual_stages=V,
+                                    predicted=dataclasses.replace(plan.predicted, memory_bytes=mem))
+        if busiest_rank_stage_s(costs, cluster, stages, V, rho) >= step0 * (1 - 1e-9):
+            return None   # its busiest rank stage alone takes longer than the flat plan's step
+        if priced is None or priced[0].stages != stages:
+            priced = (probe, *plan_timeline(probe, costs, cluster))
+        if priced[2] >= step0 * (1 - 1e-9):
+            return None
+    return probe, priced[1], priced[2]
+
+
+def busiest_rank_stage_s(costs, cluster, stages: Sequence[Stage], V: int, rho=None) -> float:
+    """A lower bound of an interleaved plan's step that needs no schedule: over rank stages p, the
+    forward and backward seconds of all of p's chunks and micro-batches (``stage_durations``, a
+    recompute chunk's rerun forwards included; a rank runs its actions one at a time), plus the
+    fastest forward and backward of every virtual stage before p (p's first action is its chunk 0's
+    forward, which waits for virtual stages 0..p-1; its last is chunk 0's backward, which virtual
+    stages p-1..0 follow)."""
+    fwd, bwd = stage_durations(costs, cluster, stages, replicated_fraction=rho)[:2]
+    per_stage, edge = (fwd + bwd).sum(axis=1), fwd.min(axis=1) + bwd.min(axis=1)
+    R = len(stages) // V
+    return float(max(per_stage[p::R].sum() + edge[:p].sum() for p in range(R)))
+
+
+def _recompute_until_fits(costs, cluster, stages: tuple[Stage, ...], zero_stage: int, V: int, rho,
+                          memory_fraction: float, exact: bool) -> tuple[tuple[Stage, ...], dict[int, int]] | None:
+    """(chunks, memory) of an interleaved variant that fits by ``interleaved_memory_bytes(exact=exact)``,
+    or None: as given, else recompute turned on one chunk at a time on every rank stage holding a rank
+    over its usable memory (its earliest chunk not yet recomputing: the one with the most
+    micro-batches in flight), re-checked after each round, until it fits or an over-memory rank stage
+    has no chunk left to turn on."""
+    R = len(stages) // V
+    while True:
+        mem = interleaved_memory_bytes(costs, stages, zero_stage, V, rho, exact=exact)
+        if fits_memory(cluster, mem, memory_fraction):
+            return stages, mem
+        over = {r for r, v in mem.items() if v > usable_bytes(cluster.devices[r].spec, memory_fraction)}
+        turn = set()
+        for p in range(R):
+            if any(r in over for g in stages[p].groups for r in g):
+                left = [s for s in range(p, len(stages), R) if not stages[s].recompute]
+                if not left:
+                    return None   # this rank stage recomputes every chunk and is still over
+                turn.add(left[0])
+        stages = tuple(dataclasses.replace(st, recompute=True) if s in turn else st for s, st in enumerate(stages))
