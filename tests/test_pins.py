@@ -68,7 +68,7 @@ def test_pinned_plan_equals_the_pin(pin):
     d = plan_dims(plan, cluster)
     # the same, spelled out: the pin's dimensions read off the plan's stages
     if pin.pp is not None:
-        assert len(plan.stages) == pin.pp
+        assert plan.rank_stages == pin.pp
     if pin.dp is not None:
         assert all(len(st.groups) == pin.dp for st in plan.stages)
     for st in plan.stages:
@@ -89,7 +89,7 @@ def test_plan_with_config_routes_a_pin_and_attaches_the_bounds():
     cluster = _cluster()
     pin = Pin(pp=2)
     plan = plan_with_config(_costs(), cluster, 16, PlanConfig(num_heads=8, pin=pin))
-    assert pin_violation(plan, pin, cluster) is None and len(plan.stages) == 2
+    assert pin_violation(plan, pin, cluster) is None and plan.rank_stages == 2
     assert plan.predicted.compute_bound_samples_per_s > 0 and plan.predicted.mfu > 0
 
 

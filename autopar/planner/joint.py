@@ -20,8 +20,7 @@ Terms
   members of one kind share every cost (identical blocks already share one row of the cost tables).
 - candidate: a (layout, grouping, micro-batch count). Its stage cost tensor (TP-aware times, memory
   per rank, p2p transfers; see ``autopar.cost.joint.joint_cost_tensor``) goes to ``pp_planner.split_blocks``, the exact split
-  DP; the best candidates by the split estimate are built and predicted by the schedule simulator
-  (``pp_planner.plan_timeline``, which prices TP members through ``autopar.cost.tp``).
+  DP; the best candidates by the split estimate are simulated (``pp_planner.plan_timeline``).
 - ZeRO inside a pipeline stage shards states over the stage's members. ZeRO-1 moves the same bytes
   as the all-reduce it replaces (optimizer state sharded, the gradient accumulated whole over the
   micro-batches and reduced once). ZeRO-2 shards the gradient too, so it must be reduced after every
@@ -42,14 +41,11 @@ Terms
   every TP rank) plus one micro-batch's full activations, for one more forward in its backward
   (``Stage.recompute``; priced by ``pp_planner.stage_durations``). Keeping is never slower, so the
   split DP takes it per stage exactly: an entry recomputes only where keeping does not fit. Off by
-  default: it more than doubles planning time on large clusters (llama-140b on hethub-768: 3.3 s ->
-  7.7 s, for the same plan there: its bubble binds, not its memory), and it trades compute for
-  memory, which a user should choose. The bound then lets each type alone recompute too.
-- single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates
-  too, so ``auto`` is never predicted slower than any of them.
-- cache: plans are kept as JSON under ``$AUTOPAR_CACHE_DIR/plans/`` (default
-  ``~/.cache/autopar/plans/``), keyed by a hash of the cost tables, the cluster signature and the
-  arguments.
+  default: it more than doubles planning time on large clusters for the same plan there (llama-140b
+  on hethub-768: its bubble binds, not its memory). The bound then lets each type alone recompute too.
+- single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates too.
+- interleaving: the best 1F1B plans are tried at 2-4 chunks per rank stage (``pp_virtual.interleave_hybrid``).
+- cache: JSON under ``$AUTOPAR_CACHE_DIR/plans/``, keyed by the cost tables, cluster and arguments.
 """
 
 from __future__ import annotations
@@ -79,6 +75,7 @@ from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
 from autopar.planner.dp import plan_dp
 from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
 from autopar.planner.order import best_first
+from autopar.planner.pp_virtual import interleave_hybrid
 from autopar.planner.pp import (
     StageGrouping, member_shares, micro_candidates, micro_sizes, min_bottleneck, plan_pipeline, plan_timeline,
     split_blocks,
@@ -421,6 +418,9 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
             for x in _predict(ctx, built, schedules, label, zero_choices):
                 scored.append(x)
                 best = min(best, x.step_time_s)
+    if schedule in ("auto", "interleaved-1f1b"):   # the best few interleaved where that fits and pays
+        scored += [_Scored(*x) for x in interleave_hybrid(costs, cluster, [(x.step_time_s, x.plan, x.label)
+                                                                          for x in scored], memory_fraction)]
     fastest = min((x.step_time_s for x in scored), default=math.inf)
     scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.plan.schedule != "1f1b", x.step_time_s))
     return scored
