@@ -18,7 +18,7 @@ from torch import nn
 
 from autopar.passes.meta import TENSOR
 
-__all__ = ["TPPair", "LinearUse", "find_tp_pairs", "linear_use", "attr_value"]
+__all__ = ["TPPair", "LinearUse", "find_tp_pairs", "linear_use", "attr_value", "node_shape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +138,10 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     if isinstance(val, torch.Tensor):
         return tuple(int(s) for s in val.shape)
     tm = node.meta.get("tensor_meta")
-    if tm is not None and hasattr(tm, "shape"):
-        return tuple(int(s) for s in tm.shape)
-    return None
+    return tuple(int(s) for s in tm.shape) if tm is not None and hasattr(tm, "shape") else None
+
+
+node_shape = _shape   # public: passes.tp_sp reads shapes by the same rule
 
 
 def linear_use(gm: fx.GraphModule, node: fx.Node) -> LinearUse | None:

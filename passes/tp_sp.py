@@ -49,13 +49,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.passes.meta import BLOCK, COST, TENSOR
+from autopar.passes.meta import BLOCK, COST
 from autopar.passes.tp import CopyToGroup, ReduceFromGroup
 from autopar.passes.tp_sp_comm import (
     SEQ_DIM, SeqContext, SeqGather, SeqGatherToGroup, SeqLength, SeqReduceScatter, SeqScatter, SumGradOverGroup,
     bind_sp_collectives, seq_ranges,
 )
-from autopar.passes.tp_match import attr_value, find_tp_pairs
+from autopar.passes.tp_match import attr_value, find_tp_pairs, node_shape
 
 __all__ = ["SPAnalysis", "SPLayout", "SP_META_KEY", "SEQ_DIM", "sp_block_analysis", "sp_supported_blocks",
            "sp_rewrite", "bind_sp_collectives", "seq_ranges", "SeqContext", "SeqScatter", "SeqGather",
@@ -130,14 +130,7 @@ def _shape(node: Any, gm: fx.GraphModule | None = None) -> tuple[int, ...] | Non
         except AttributeError:
             t = None
         return tuple(t.shape) if isinstance(t, torch.Tensor) else None
-    info = node.meta.get(TENSOR)
-    if info is not None:
-        return tuple(int(s) for s in info.shape)
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
-    tm = node.meta.get("tensor_meta")
-    return tuple(int(s) for s in tm.shape) if tm is not None and hasattr(tm, "shape") else None
+    return node_shape(node)
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):

@@ -52,6 +52,15 @@ from autopar.runtime.communicator import (PendingCollective, emulation_paused, p
 __all__ = ["GroupAllReduce", "GroupReduceScatter", "pg_reduce_scatter_into_async"]
 
 
+def _waiter(pending: PendingCollective) -> Callable[[], None]:
+    """The wait of a started collective: blocks outside the emulated clock's accounting."""
+    def wait() -> None:
+        if not pending.done:
+            with emulation_paused():
+                pending.wait()
+    return wait
+
+
 class GroupAllReduce:
     """The sum over one process group (``None``: the default group); see the module docstring."""
 
@@ -67,13 +76,7 @@ class GroupAllReduce:
         """Issue the all-reduce of ``tensor`` in place (not to be read or written until the wait);
         returns the wait."""
         with emulation_paused():
-            pending = pg_all_reduce_async(tensor, group=self.group)
-
-        def wait() -> None:
-            if not pending.done:
-                with emulation_paused():
-                    pending.wait()
-        return wait
+            return _waiter(pg_all_reduce_async(tensor, group=self.group))
 
     def __repr__(self) -> str:
         ranks = pg_ranks(self.group) if pg_is_initialized() else "?"
@@ -112,13 +115,7 @@ class GroupReduceScatter:
         (neither to be read or written until the wait; the emulated clock as in
         ``GroupAllReduce.start``); returns the wait."""
         with emulation_paused():
-            pending = pg_reduce_scatter_into_async(output, tensor, group=self.group)
-
-        def wait() -> None:
-            if not pending.done:
-                with emulation_paused():
-                    pending.wait()
-        return wait
+            return _waiter(pg_reduce_scatter_into_async(output, tensor, group=self.group))
 
     def __repr__(self) -> str:
         ranks = pg_ranks(self.group) if pg_is_initialized() else "?"
