@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: the machine and versions record, and writing JSON + markdown results."""
+"""Shared benchmark helpers: the machine and versions record, writing JSON + markdown results, and the
+interleaved timing loop of the benchmarks that compare several compiled plans in one launch."""
 
 from __future__ import annotations
 
@@ -45,3 +46,24 @@ def md_table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def interleaved_steps(runs: list[dict], batch: int, warmup: int, steps: int, key: str = "engine") -> None:
+    """Step every run's ``run[key]`` (an engine or a compiled job) on the same global batches, the order
+    reversed every other step so that drift hits every run alike; after ``warmup`` steps, append the
+    slowest rank's step seconds to ``run["times"]`` and the loss to ``run["losses"]``. Call on every rank."""
+    import torch
+
+    from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_barrier
+
+    for step in range(warmup + steps):
+        for run in (runs if step % 2 == 0 else runs[::-1]):
+            inputs, targets = run["case"].batch(batch, seed=step)
+            pg_barrier()
+            t0 = time.perf_counter()
+            loss = run[key].step(inputs, targets)
+            dt = torch.tensor([time.perf_counter() - t0])
+            pg_all_reduce(dt, op=ReduceOp.MAX)
+            if step >= warmup:
+                run["times"].append(float(dt))
+                run["losses"].append(float(loss))

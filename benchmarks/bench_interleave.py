@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import md_table, write_results  # noqa: E402
+from _common import interleaved_steps, md_table, write_results  # noqa: E402
 
 SPEEDS = (1.0, 1.0, 0.5, 0.5)
 CLUSTER = {"name": "pp-4-mixed", "nodes": [{"devices": [
@@ -45,7 +45,6 @@ def worker(rank: int, steps: int, warmup: int, batch: int) -> list[dict]:
     import autopar
     from autopar.cluster.model import Cluster
     from autopar.models import build
-    from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_barrier
 
     cluster = Cluster.from_dict(CLUSTER)
     runs = []
@@ -56,17 +55,7 @@ def worker(rank: int, steps: int, warmup: int, batch: int) -> list[dict]:
                                    strategy="pp", zero_stage=0, schedule=schedule, pp_layers=PP_LAYERS)
         compiled.engine.overlap_sends = overlap
         runs.append(dict(label=label, case=case, engine=compiled.engine, plan=compiled.plan, times=[], losses=[]))
-    for step in range(warmup + steps):
-        for run in (runs if step % 2 == 0 else runs[::-1]):
-            inputs, targets = run["case"].batch(batch, seed=step)
-            pg_barrier()
-            t0 = time.perf_counter()
-            loss = run["engine"].step(inputs, targets)
-            dt = torch.tensor([time.perf_counter() - t0])
-            pg_all_reduce(dt, op=ReduceOp.MAX)
-            if step >= warmup:
-                run["times"].append(float(dt))
-                run["losses"].append(float(loss))
+    interleaved_steps(runs, batch, warmup, steps)
     return [dict(label=r["label"], plan_json=r["plan"].to_json(), times=r["times"], losses=r["losses"])
             for r in runs]
 

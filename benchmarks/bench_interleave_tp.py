@@ -24,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import md_table, write_results  # noqa: E402
+from _common import interleaved_steps, md_table, write_results  # noqa: E402
 
 SPEEDS = (1.0, 0.5)          # per node of two devices: a TP member each
 CLUSTER = {"name": "tp-pp-2x2-mixed", "nodes": [{"devices": [
@@ -63,7 +63,6 @@ def worker(rank: int, steps: int, warmup: int, batch: int, micro: int) -> list[d
     import autopar
     from autopar.cluster.model import Cluster
     from autopar.models import build
-    from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_barrier
 
     cluster = Cluster.from_dict(CLUSTER)
     runs = []
@@ -72,17 +71,7 @@ def worker(rank: int, steps: int, warmup: int, batch: int, micro: int) -> list[d
         compiled = autopar.compile(case.model, cluster, case.example_inputs, batch, case.loss_fn, strategy=plan,
                                    run=autopar.RunConfig(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)))
         runs.append(dict(label=label, case=case, engine=compiled.engine, times=[], losses=[]))
-    for step in range(warmup + steps):
-        for run in (runs if step % 2 == 0 else runs[::-1]):
-            inputs, targets = run["case"].batch(batch, seed=step)
-            pg_barrier()
-            t0 = time.perf_counter()
-            loss = run["engine"].step(inputs, targets)
-            dt = torch.tensor([time.perf_counter() - t0])
-            pg_all_reduce(dt, op=ReduceOp.MAX)
-            if step >= warmup:
-                run["times"].append(float(dt))
-                run["losses"].append(float(loss))
+    interleaved_steps(runs, batch, warmup, steps)
     return [dict(label=r["label"], times=r["times"], losses=r["losses"]) for r in runs]
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import md_table, write_results  # noqa: E402
+from _common import interleaved_steps, md_table, write_results  # noqa: E402
 
 MODEL = "gpt-tiny"
 OVERRIDES = dict(num_layers=6, hidden_size=288, num_heads=4)   # ~6.3M parameters
@@ -36,7 +35,6 @@ def worker(rank: int, global_batch: int, steps: int, warmup: int, zero_stage: in
 
     import autopar
     from autopar.models import build
-    from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_barrier
 
     cluster = make_cluster(speeds)
     runs = {}
@@ -47,19 +45,7 @@ def worker(rank: int, global_batch: int, steps: int, warmup: int, zero_stage: in
                                    run=autopar.RunConfig(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                                          overlap=overlap))
         runs[overlap] = dict(case=case, compiled=compiled, times=[], losses=[])
-    order = [True, False]
-    for step in range(warmup + steps):
-        for overlap in (order if step % 2 == 0 else order[::-1]):
-            run = runs[overlap]
-            inputs, targets = run["case"].batch(global_batch, seed=step)
-            pg_barrier()
-            t0 = time.perf_counter()
-            loss = run["compiled"].step(inputs, targets)
-            dt = torch.tensor([time.perf_counter() - t0])
-            pg_all_reduce(dt, op=ReduceOp.MAX)
-            if step >= warmup:
-                run["times"].append(float(dt))
-                run["losses"].append(float(loss))
+    interleaved_steps([runs[True], runs[False]], global_batch, warmup, steps, key="compiled")
     c = runs[True]["compiled"]
     return dict(times={str(k): v["times"] for k, v in runs.items()},
                 losses={str(k): v["losses"] for k, v in runs.items()},
