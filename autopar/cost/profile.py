@@ -225,14 +225,17 @@ def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock
     fwd_runs, bwd_runs, fwd_total, bwd_total = [], [], [], []
     plain_fwd, plain_bwd = [], []
 
-    def plain() -> None:       # the graph as a step runs it: one module, no hooks
+    def run_once(module) -> tuple[float, float, float]:   # forward with grad, then one whole backward
         t0 = stamp()
-        outs = [o for o in torch.utils._pytree.tree_flatten(whole(*inputs))[0]
+        outs = [o for o in torch.utils._pytree.tree_flatten(module(*inputs))[0]
                 if isinstance(o, torch.Tensor) and o.requires_grad]
         t1 = stamp()
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        t2 = stamp()
+        return t0, t1, stamp()
+
+    def plain() -> None:       # the graph as a step runs it: one module, no hooks
+        t0, t1, t2 = run_once(whole)
         plain_fwd.append(t1 - t0)
         plain_bwd.append(t2 - t1)
 
@@ -246,14 +249,7 @@ def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock
                 break
             fwd_marks.clear()
             grad_marks.clear()
-            t0 = stamp()
-            outs = [o for o in torch.utils._pytree.tree_flatten(split(*inputs))[0]
-                    if isinstance(o, torch.Tensor) and o.requires_grad]
-            t1 = stamp()
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            t2 = stamp()
-            del outs
+            t0, t1, t2 = run_once(split)
             if whole is not None:
                 plain()
             if r < _WARMUP:
