@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
+__all__ = ["MatmulLog", "OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
            "single_device_state", "train_one_device", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks",
            "stages_of"]
 
@@ -221,3 +222,19 @@ def stages_of(stages) -> tuple:
                          tp_shares=tuple(tp[0]) if tp else ()))
         start = stop
     return tuple(out)
+
+
+
+class MatmulLog(TorchDispatchMode):
+    """Logs this thread's matrix products (``("mm", output shape)``) into ``log``, between the events a
+    test's logged collectives write there (the backward overlap's order tests)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.log.append(("mm", tuple(out.shape)))
+        return out

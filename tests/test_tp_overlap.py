@@ -20,7 +20,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.testing._internal.common_utils import run_tests
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.lowering import lower
@@ -30,7 +29,7 @@ from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs
 from autopar.runtime.tp import TensorParallelEngine, shard_stage_module
 from autopar.runtime.tp_comm import GroupAllReduce
-from oracle import (RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run,
+from oracle import (MatmulLog, RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run,
                     stages_of, threaded_ranks)
 
 STEPS = 3
@@ -161,20 +160,6 @@ class TwoRanks(threaded_ranks(2)):
         _train_and_check(engine, "llama-tiny", "adamw")
 
 
-class _Events(TorchDispatchMode):
-    """Logs this thread's matrix products (their output shapes) between the collective's own events."""
-
-    def __init__(self, log):
-        super().__init__()
-        self.log = log
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
-            self.log.append(("mm", tuple(out.shape)))
-        return out
-
-
 class _LoggedAllReduce(GroupAllReduce):
     """The real group all-reduce, with its start and wait written to a log."""
 
@@ -214,7 +199,7 @@ class ThreeRanks(threaded_ranks(3)):
                          if isinstance(m, nn.Linear) and n.endswith(("c_attn", "c_fc"))}
         assert len(fused) >= 2 and len(weight_shapes) == 2
         loss = loss_fn(local(*inputs), targets)
-        with _Events(log):
+        with MatmulLog(log):
             loss.backward()
         starts = [i for i, e in enumerate(log) if e[0] == "start"]
         waits = [i for i, e in enumerate(log) if e[0] == "wait"]

@@ -18,7 +18,6 @@ import threading
 
 import torch
 from torch.testing._internal.common_utils import run_tests
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.lowering import lower
@@ -29,7 +28,7 @@ from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs
 from autopar.runtime.tp import TensorParallelEngine
 from autopar.runtime.tp_comm import GroupAllReduce, GroupReduceScatter
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run, \
+from oracle import MatmulLog, RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run, \
     threaded_ranks
 
 _LOCK = threading.Lock()
@@ -55,20 +54,6 @@ class _Logged:
             wait()
             self.log.append(("wait", tuple(tensor.shape)))
         return logged
-
-
-class _Events(TorchDispatchMode):
-    """Logs this thread's matrix products (their output shapes) between the collective's events."""
-
-    def __init__(self, log):
-        super().__init__()
-        self.log = log
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
-            self.log.append(("mm", tuple(out.shape)))
-        return out
 
 
 def _sp_engine(rank, world_size):
@@ -116,7 +101,7 @@ class TwoRanks(threaded_ranks(2)):
         weight_shapes = {tuple(p.shape) for m in fused for p in m.parameters()} | {
             tuple(engine.gm.get_parameter(n).shape) for n, _ in engine.gm.named_parameters()}
         loss = loss_fn(engine.gm(*inputs), targets)
-        with _Events(log):
+        with MatmulLog(log):
             loss.backward()
         starts = [i for i, e in enumerate(log) if e[0] == "start"]
         waits = [i for i, e in enumerate(log) if e[0] == "wait"]
