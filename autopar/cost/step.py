@@ -391,9 +391,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
             tp_group = len(members) > 1               # priced with the pieces the plan is priced with
             sp_on = bool(getattr(st, "sequence_parallel", False)) and tp_group
             if tp_group:
-                alpha, beta = tp_cost.allreduce_alpha_beta(cluster, members)
-                kind = tp_cost.group_kind(cluster, members, shares)   # its SP links and overlap rule
-                sp_link, hides = kind.sp_link, kind.hides_comm
+                kind = tp_cost.group_kind(cluster, members, shares)   # its links and overlap rule
+                alpha, beta, sp_link, hides = kind.alpha_s, kind.beta_s_per_byte, kind.sp_link, kind.hides_comm
                 types = tuple(cluster.devices[r].spec.name for r in members)
                 held = tp_cost.tp_rank_params(costs, blocks, np.asarray(shares, float) / sum(shares), rho)
             for i, r in enumerate(members):
