@@ -31,7 +31,7 @@ Terms
   parallelism, whose planner models its per-micro-step gathers.
 - search: every (grouping, micro-batch count) gets a cheap lower bound of its split estimate
   (``autopar.cost.joint.split_lower_bound``) and they are visited best-first; the search stops once the bound exceeds
-  the best estimate found (x ``_ESTIMATE_SLACK``, so near-ties still reach the simulator), and the
+  the best estimate found (x ``ESTIMATE_SLACK``, so near-ties still reach the simulator), and the
   split DP's own bottleneck bound (M x least bottleneck) prunes again after the cost tensor. Layouts
   whose load-balance bound (batch / summed member speed) cannot beat the best single strategy are
   dropped, and so are the counts M >= S of a grouping that cannot hold the model at its largest count. The ``_SHORTLIST`` best
@@ -53,7 +53,6 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -62,10 +61,7 @@ import numpy as np
 
 from autopar.config import DP_STRATEGIES, MEMORY_FRACTION, PP_STRATEGIES, PlanConfig
 from autopar.cost import tp as tp_cost
-from autopar.cost.comm import allgather_time_s
-from autopar.cost.pipeline import stage_optimizer_s
-from autopar.cost.joint import JointContext, joint_cost_tensor, joint_split_feasible, prepare_stages, \
-    split_lower_bound
+from autopar.cost.joint import JointContext, joint_cost_tensor, prepare_stages
 from autopar.cost.memory import check_zero_stage, fits_memory, stage_memory_bytes
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
@@ -74,12 +70,9 @@ from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
 from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
 from autopar.planner.dp import plan_dp
 from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
-from autopar.planner.order import best_first
+from autopar.planner.joint_search import ESTIMATE_SLACK, GroupingState, search
 from autopar.planner.pp_virtual import interleave_hybrid
-from autopar.planner.pp import (
-    StageGrouping, member_shares, micro_candidates, micro_sizes, min_bottleneck, plan_pipeline, plan_timeline,
-    split_blocks,
-)
+from autopar.planner.pp import StageGrouping, member_shares, micro_sizes, plan_pipeline, plan_timeline
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -91,7 +84,6 @@ __all__ = [
 
 SINGLE_STRATEGIES: tuple[str, ...] = DP_STRATEGIES + PP_STRATEGIES + ("tp",)
 _SHORTLIST = 8          # candidates per layout (by split estimate) that the simulator ranks
-_ESTIMATE_SLACK = 1.1   # a split estimate this much above the best prediction is not simulated
 _TIE = 1e-3             # relative step-time difference below which 1F1B wins (less memory)
 _EXACT_SPLITS = 24      # a shortlisted (grouping, M) with at most this many splits has each one simulated
 
@@ -162,184 +154,9 @@ def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[s
     return out
 
 
-def _tail_signature(ctx: JointContext, groups: Sequence[tuple[int, ...]]) -> tuple:
-    """Stages of one signature (member kinds in order, members per node) have the same tail."""
-    key = ("tail_sig", id(groups))
-    hit = ctx.cache.get(key)
-    if hit is not None and hit[0] is groups:
-        return hit[1]
-    # rank tuple -> (kind id, node) of its member: ``ctx.members`` is complete once ``_entries`` ran
-    of = ctx.cache.setdefault("member_of", {})
-    try:
-        kinds = tuple([of[g][0] for g in groups])
-    except KeyError:
-        for g in groups:
-            if g not in of:
-                of[g] = (ctx.member_kind_id(ctx.members[g]), ctx.members[g].node)
-        kinds = tuple([of[g][0] for g in groups])
-    sig = kinds, tuple(sorted(Counter([of[g][1] for g in groups]).values()))
-    ctx.cache[key] = (groups, sig)   # keeps ``groups`` alive, so its id is not reused
-    return sig
-
-
-def _stage_tail_s(ctx: JointContext, groups: Sequence[tuple[int, ...]], start: int, stop: int, zero: int) -> float:
-    """Gradient all-reduce + optimizer step + ZeRO gather of a stage of ``groups`` on blocks [start, stop)
-    (what ``cost.pipeline`` adds after the schedule), cached by the stage's ``_tail_signature`` and the
-    span's parameter count and bytes (all the tail depends on: spans of as many identical blocks share it)."""
-    seen = ctx.cache.setdefault("tail_at", {})   # (groups object, span, zero) -> seconds: before the key
-    at = (id(groups), start, stop, _tail_zero(zero))
-    hit = seen.get(at)
-    if hit is not None and hit[0] is groups:
-        return hit[1]
-    c = ctx.costs
-    cum_p, cum_w = ctx.cache.get("cum_params") or ctx.cache.setdefault(
-        "cum_params", (np.concatenate([[0.0], np.cumsum(c.params)]), np.concatenate([[0.0], np.cumsum(c.param_bytes)])))
-    key = ("tail", _tail_signature(ctx, groups), float(cum_p[stop] - cum_p[start]),
-           float(cum_w[stop] - cum_w[start]), _tail_zero(zero))
-    if key not in ctx.cache:
-        ctx.cache[key] = _stage_tail_uncached(ctx, groups, start, stop, zero)
-    seen[at] = (groups, ctx.cache[key])   # keeps ``groups`` alive, so its id is not reused
-    return ctx.cache[key]
-
-
-def _tail_zero(zero: int) -> int:
-    """The ZeRO stage as far as a stage's tail depends on it: ZeRO-1 and ZeRO-2 shard the optimizer
-    step and gather the parameters alike (``_stage_tail_uncached``: ZeRO-2's per-micro-batch reduce
-    moves ZeRO-1's bytes), so they share one cache entry. A tail that comes to differ between them
-    (ZeRO in tensor-parallel stages) returns ``zero`` here."""
-    return min(zero, 1)
-
-
-def _tail_lower_bound(ctx: JointContext, entry: "_GroupingState", num_micro: int) -> float:
-    """A bound below the tail ``max_s tail_s`` of every split of ``entry``: with tail_s ~ a_s + b_s P_s
-    affine in the stage's parameters P_s (rings, optimizer steps and gathers are), and sum_s P_s = P,
-    max_s >= max(max_s a'_s, P / sum_s 1 / b_s); a'_s is the stage's tail on the lightest block,
-    and x 0.95 leaves room for the part that is not exactly affine."""
-    z = ctx.zero_for(num_micro)
-    key = ("tail_lb", id(entry), z)
-    if key not in ctx.cache:
-        c = ctx.costs
-        n = c.num_blocks
-        light = int(np.argmin(c.params))
-        p_light, p_all = float(c.params[light]), float(c.params.sum())
-        top, inv = 0.0, 0.0
-        for groups in entry.grouping.stages:
-            t1 = _stage_tail_s(ctx, groups, light, light + 1, z)
-            t2 = _stage_tail_s(ctx, groups, 0, n, z)
-            top = max(top, t1)
-            b = (t2 - t1) / (p_all - p_light) if p_all > p_light else 0.0
-            inv = inv + 1.0 / b if b > 0 and inv != math.inf else math.inf
-        spread = p_all / inv if 0 < inv < math.inf else 0.0
-        ctx.cache[key] = 0.95 * max(top, spread)
-    return ctx.cache[key]
-
-
-def _stage_tail_uncached(ctx: JointContext, groups, start: int, stop: int, zero: int) -> float:
-    members = [ctx.members[g] for g in groups]
-    tp = any(len(m.ranks) > 1 for m in members)
-    stage = Stage(block_start=start, block_stop=stop, groups=tuple(groups), micro_batches=((1,),) * len(groups),
-                  tp_shares=tuple(m.shares for m in members) if tp else ())
-    out = tp_cost.stage_sync_time_s(ctx.costs, ctx.cluster, stage, ctx.rho)
-    out += stage_optimizer_s(ctx.costs, ctx.cluster, stage, zero, ctx.rho)
-    if zero >= 1 and len(groups) > 1 and not tp:
-        out += allgather_time_s(ctx.cluster, [g[0] for g in groups],
-                                float(ctx.costs.param_bytes[start:stop].sum()))
-    return out
-
-
-@dataclass
-class _GroupingState:
-    layout: MemberLayout
-    grouping: StageGrouping
-    prep: list
-    feasible: bool | None = None
-
-
-def _search(ctx: JointContext, entries: list[_GroupingState], schedule: str, num_micro: int | None, deadline,
-            best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...], tuple[bool, ...]]], int]:
-    """Best-first over every (grouping, micro-batch count) by ``split_lower_bound`` + ``_tail_lower_bound``
-    (a heap keyed by the split bound alone until an item comes first: the costly tail bound is only
-    computed for what the split bound does not prune, in the same order as sorting by both), each
-    solved by the exact split DP unless its bound (or the tensor's bottleneck bound M x floor)
-    exceeds the best estimate found x ``_ESTIMATE_SLACK``. A grouping that cannot hold the model at
-    its largest count (the least activation memory once 1F1B is full) is not tried at any count >= S.
-    Returns (estimate, entry index, M, sizes, recompute per stage) of every solved candidate, and how
-    many were solved."""
-    items = []
-    largest = []              # per entry: its largest micro-batch count
-    for e, entry in enumerate(entries):
-        S = len(entry.prep)
-        counts = ((num_micro,) if num_micro is not None else
-                  micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
-        largest.append(counts[-1])
-        for M in counts:
-            items.append((split_lower_bound(ctx, entry.prep, M), e, M))
-    best_est = best_s
-    found = []
-    solved = 0
-
-    tails: dict = {}
-
-    def tail(e, entry, M, sizes) -> float:
-        """What follows the schedule (``cost.pipeline`` ``_finish_s``: gradient all-reduce, optimizer
-        step, ZeRO gather) on the slowest stage: the split estimate leaves it out, so ranking by the
-        estimate alone would favour many members per stage (whose all-reduce it ignores)."""
-        z = ctx.zero_for(M)
-        out, start = 0.0, 0
-        for s, k in enumerate(sizes):
-            key = (e, s, start, start + k, z)
-            if key not in tails:
-                tails[key] = _stage_tail_s(ctx, entry.grouping.stages[s], start, start + k, z)
-            out = max(out, tails[key])
-            start += k
-        return out
-
-    def solve(entry, M):
-        if not joint_split_feasible(ctx, entry.prep, M, schedule, ctx.recompute):
-            return "infeasible"   # most (grouping, M) of a large model: no tensor needed to know
-        cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
-        floor = min_bottleneck(cost)
-        if not math.isfinite(floor):
-            return "infeasible"
-        if M * floor > best_est * _ESTIMATE_SLACK:
-            return None
-        got = split_blocks(cost, M)
-        if got is None:
-            return None
-        bounds = np.concatenate([[0], np.cumsum(got[0])])
-        flags = tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in range(len(got[0])))
-        return got[0], got[1], flags
-
-    # the tail bound is costly: only for what the split bound alone does not prune
-    order = best_first(items, lambda e, M: _tail_lower_bound(ctx, entries[e], M), lambda: best_est * _ESTIMATE_SLACK)
-    for i, (bound, e, M) in enumerate(order):
-        if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
-            break
-        entry = entries[e]
-        S = len(entry.prep)
-        if schedule != "gpipe" and M >= S:
-            # From M = S on, every stage has its full 1F1B depth in flight and shares only shrink as
-            # M grows: the largest count needs the least memory, so if it does not fit none does.
-            if entry.feasible is None:
-                top = largest[e]
-                entry.feasible = top < S or solve(entry, top) != "infeasible"
-            if not entry.feasible:
-                continue
-        got = solve(entry, M)
-        solved += 1
-        if got is None or got == "infeasible":
-            continue
-        sizes, est, flags = got
-        est += tail(e, entry, M, sizes)
-        found.append((est, e, M, sizes, flags))
-        best_est = min(best_est, est)
-    found.sort(key=lambda x: x[0])
-    return found, solved
-
-
-def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> list[_GroupingState]:
+def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> list[GroupingState]:
     n = ctx.costs.num_blocks
-    entries: list[_GroupingState] = []
+    entries: list[GroupingState] = []
     for lay in layouts:
         for m in lay.members:
             ctx.members[m.ranks] = m
@@ -351,7 +168,7 @@ def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> l
             if gr.num_stages > n or any(g not in ctx.members for st in gr.stages for g in st):
                 continue
             stages = [[ctx.members[g] for g in st] for st in gr.stages]
-            entries.append(_GroupingState(lay, gr, prepare_stages(ctx, stages)))
+            entries.append(GroupingState(lay, gr, prepare_stages(ctx, stages)))
     return entries
 
 
@@ -367,7 +184,7 @@ def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int
                              replicated_fraction=replicated_fraction)
     ctx = JointContext(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, None, math.inf)
-    found, _ = _search(ctx, entries, "1f1b", None, None, math.inf)
+    found, _ = search(ctx, entries, "1f1b", None, None, math.inf)
     if not found:
         return None
     est, e, M, sizes, _flags = found[0]
@@ -402,11 +219,11 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {},
                        recompute or force_recompute, force_recompute)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
-    found, _ = _search(ctx, entries, split_schedule, num_micro, deadline, best_s)
+    found, _ = search(ctx, entries, split_schedule, num_micro, deadline, best_s)
     scored: list[_Scored] = []
     best = best_s
     for est, e, M, sizes, flags in found[:shortlist]:
-        if est > best * _ESTIMATE_SLACK:
+        if est > best * ESTIMATE_SLACK:
             break
         entry = entries[e]
         stages = [[ctx.members[g] for g in st] for st in entry.grouping.stages]
@@ -426,7 +243,7 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     return scored
 
 
-def _splits_to_predict(ctx: JointContext, entry: _GroupingState, M: int, schedule: str, sizes, flags) -> list:
+def _splits_to_predict(ctx: JointContext, entry: GroupingState, M: int, schedule: str, sizes, flags) -> list:
     """The splits of a shortlisted (grouping, M) the simulator predicts: the split DP's (it minimises
     the estimate, which is no bound of the simulated step), or every split that fits when there are
     at most ``_EXACT_SPLITS`` of them, so the choice equals brute force over pinned splits there."""
