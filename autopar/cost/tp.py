@@ -19,7 +19,9 @@ Terms
   pair, and a block without a pair runs whole on every rank.
 - member (``Member``): one data-parallel participant of a pipeline stage: a TP group (its ranks, head
   shares, kind and node; a single rank when its degree is 1), as the joint planner lays them out.
-- backward overlap: priced only on groups whose collectives run on their own engine (``comm_hides``).
+- overlaps: priced only on groups whose collectives run on their own engine (``comm_hides``): the
+  backward one, and under SP the forward chunked collective-matmul (``cost.tp_fwd``, which holds the
+  collectives' prices).
 - group time of a block: the slowest rank's share of it (ranks synchronise at every all-reduce, so the
   maximum is taken block by block) plus its all-reduces.
 """
@@ -35,6 +37,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost.comm import allreduce_time_s, ring_link
+from autopar.cost import tp_fwd
+from autopar.cost.tp_fwd import (  # re-exported: the collectives' half of the TP cost model
+    SP_COLLECTIVES_PER_PAIR, TP_ALLREDUCES_PER_BLOCK, group_wgrad_s, sp_blocks, sp_pad, tp_allreduce_block_s,
+    tp_backward_comm_s, tp_block_comm_s, tp_pairs_of,
+)
 from autopar.cost.tp_tables import (  # re-exported: the graph's TP tables
     replicated_fraction_of_graph, tp_memory_replicated_per_block, tp_pairs_per_block,
 )
@@ -56,9 +63,7 @@ __all__ = [
 ]
 
 DEFAULT_REPLICATED_FRACTION = 0.1
-TP_ALLREDUCES_PER_BLOCK = 4           # 2 in forward, 2 in backward
 DEFAULT_NUM_UNITS = 64                # shard units when the model's head count is not given
-SP_COLLECTIVES_PER_PAIR = 2           # SP: a reduce-scatter and an all-gather per pair and direction
 # The runtime overlaps f's backward collective with the columns' weight gradients (passes.tp_overlap,
 # applied by the TP engines by default): priced by tp_backward_comm_s
 TP_BACKWARD_OVERLAP = True
@@ -232,15 +237,6 @@ def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) 
                      alpha, beta, sp, comm_hides(cluster, ranks))
 
 
-def sp_blocks(costs: ModelCosts) -> np.ndarray | None:
-    """Per block whether sequence parallelism runs it (``ModelCosts.tp_sp_supported``, blocks with a
-    Linear pair only), or None for tables without SP facts (SP is then never priced)."""
-    sup, pairs = getattr(costs, "tp_sp_supported", None), tp_pairs_of(costs)
-    if sup is None or pairs is None or len(sup) != costs.num_blocks:
-        return None
-    return (np.asarray(sup) > 0) & (pairs > 0)
-
-
 def _block_rho(costs: ModelCosts, rho: float, sequence_parallel: bool) -> np.ndarray | float:
     """The replicated time fraction per block: ``rho``, and in SP blocks ``rho - covered`` in [0, 0.95]
     (``cost.tp_tables``: SP shards the token-wise work outside the pairs; ``cost.tp_measure``: as timed)."""
@@ -273,86 +269,13 @@ def rank_block_times(costs: ModelCosts, types: Sequence[str], shares: Sequence[i
     return fwd, bwd
 
 
-def sp_pad(shares: Sequence[int]) -> float:
-    """How much larger than the tensor the SP collectives' buffer is: the sequence shards follow the
-    TP shares and the collectives take equal chunks, so each is padded to the largest (t x its
-    fraction); 1 for even shares."""
-    s = np.asarray(shares, dtype=np.float64)
-    return float(len(s) * s.max() / s.sum()) if len(s) else 1.0
-
-
-def tp_allreduce_block_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
-                         sequence_parallel: bool = False, pad: float = 1.0, sp_link=None) -> np.ndarray:
-    """Per block, the seconds of a TP group's collectives in *one* direction at ``micro_batch``, none
-    overlapped: one all-reduce per Linear pair (``tp_pairs_of``; half of ``TP_ALLREDUCES_PER_BLOCK``
-    without the counts), each of the block's output, over the group's ring (``allreduce_alpha_beta``);
-    under ``sequence_parallel``, in SP blocks (``sp_blocks``), a reduce-scatter and an all-gather per
-    pair instead: the same ring bytes (times ``pad``, ``sp_pad``) and two latency terms, one per call
-    (``SP_COLLECTIVES_PER_PAIR``; what a gloo or NCCL call costs beyond its bytes); with ``sp_link``
-    (``sp_alpha_beta``) each on its own operation's link. The same again in
-    the other direction (Megatron's g in forward, f in backward); ``tp_backward_comm_s`` takes off
-    what the backward overlap hides."""
-    pairs = tp_pairs_of(costs)
-    count = TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
-    nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
-    out = count * (alpha_s + beta_s_per_byte * nbytes)
-    sp = sp_blocks(costs) if sequence_parallel else None
-    if sp is not None:
-        if sp_link is None:
-            call = SP_COLLECTIVES_PER_PAIR * alpha_s + beta_s_per_byte * nbytes * pad
-        else:
-            call = sp_link[0] + sp_link[2] + (sp_link[1] + sp_link[3]) * nbytes * pad
-        out = np.where(sp, count * call, out)
-    return out
-
-
-def tp_backward_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
-                       wgrad_s: np.ndarray | None, sequence_parallel: bool = False, pad: float = 1.0,
-                       sp_link=None) -> np.ndarray:
-    """Per block, the *exposed* seconds of a TP group's backward collectives: ``tp_allreduce_block_s``
-    less what runs under the columns' weight-gradient GEMMs (``passes.tp_overlap``: f's backward
-    collective starts after the columns' input gradients and is waited for after their weight
-    gradients). Per pair ``p``: exposed = max(0, c_p - w_p), with ``c_p`` f's backward collective (an
-    all-reduce; under SP a reduce-scatter: one latency term and half the ring bytes, the g all-gather
-    beside it stays exposed) and ``w_p`` = ``wgrad_s[block, p]``, the pair's weight-gradient seconds
-    on the group's rank that has least of them. So it is never negative and never above the
-    unoverlapped price; ``wgrad_s`` None (no overlap, or no tables) gives that price."""
-    whole = tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad, sp_link)
-    pairs = tp_pairs_of(costs)
-    if wgrad_s is None or pairs is None:
-        return whole
-    nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
-    sp = sp_blocks(costs) if sequence_parallel else None
-    sp = np.zeros(costs.num_blocks, dtype=bool) if sp is None else sp
-    rs = alpha_s + beta_s_per_byte * nbytes * pad / 2 if sp_link is None else sp_link[2] + sp_link[3] * nbytes * pad
-    c = np.where(sp, rs, alpha_s + beta_s_per_byte * nbytes)
-    width = wgrad_s.shape[1]
-    used = np.minimum(pairs, width)
-    mask = np.arange(width)[None, :] < used[:, None]
-    hidden = np.where(mask, np.minimum(c[:, None], wgrad_s), 0.0).sum(axis=1)
-    return np.maximum(whole - hidden, 0.0)
-
-
-def group_wgrad_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int],
-                  micro_batch: float) -> np.ndarray | None:
-    """[block, pair] the columns' weight-gradient seconds on the group's rank with least of them: the
-    pair's share of the block's backward (``ModelCosts.tp_wgrad_share``) times the rank's whole-block
-    backward times its fraction (the columns are sharded wholly); None without the tables."""
-    share = getattr(costs, "tp_wgrad_share", None)
-    if share is None or share.ndim != 2 or share.shape[0] != costs.num_blocks or micro_batch <= 0:
-        return None
-    s = np.asarray(shares, dtype=np.float64)
-    f = s / s.sum()
-    per_rank = np.stack([costs.bwd_time(t, micro_batch) * k for t, k in zip(types, f)])
-    return share * per_rank.min(axis=0)[:, None]
-
-
 def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
     """``kind_block_times`` with both flags given, memoised in ``costs._cache`` (the planner asks for
     SP and plain alike at every (kind, micro-batch); keyed by the tables' identities too, so a table
     replaced on the costs is not served stale)."""
     key = ("tp_kind", kind, float(micro_batch), rho, sp, overlap, id(costs.fwd_table), id(costs.bwd_table),
-           id(costs.tp_pairs), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share))
+           id(costs.tp_pairs), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share),
+           tp_fwd.overlap_key(costs))
     hit = costs._cache.get(key)
     if hit is None:
         hit = costs._cache[key] = _kind_times_of(costs, kind, micro_batch, rho, sp, overlap)
@@ -362,12 +285,10 @@ def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
 def _kind_times_of(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
     f, b = rank_block_times(costs, kind.types, kind.shares, micro_batch, rho, sp)
     fwd, bwd = f.max(axis=0), b.max(axis=0)
-    if len(kind.types) > 1:
-        pad = sp_pad(kind.shares) if sp else 1.0
-        fwd = fwd + tp_allreduce_block_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, sp, pad, kind.sp_link)
-        w = group_wgrad_s(costs, kind.types, kind.shares, micro_batch) if overlap and kind.hides_comm else None
-        bwd = bwd + tp_backward_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, w, sp, pad,
-                                       kind.sp_link)
+    if len(kind.types) > 1:     # the collectives, less what the overlaps hide (cost.tp_fwd)
+        cf, cb = tp_block_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, kind.types, kind.shares,
+                                 sp, kind.sp_link, kind.hides_comm, overlap)
+        fwd, bwd = fwd + cf, bwd + cb
     return fwd, bwd
 
 
@@ -376,10 +297,12 @@ def kind_block_times(costs: ModelCosts, kind: GroupKind, micro_batch: float,
                      overlap: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of every block on a group of ``kind`` at ``micro_batch`` samples:
     the slowest rank's compute (``rank_block_times``; ranks meet at every collective, so block by
-    block) plus the group's collectives: forward's all exposed (``tp_allreduce_block_s``), backward's
-    less what the overlap hides (``tp_backward_comm_s``; ``overlap`` None: ``TP_BACKWARD_OVERLAP``; only
-    on a kind that ``hides_comm``). ``sequence_parallel``: True / False as a stage runs it; None: as the planner sets it
-    (``sp_pays``: where SP is supported and priced no slower on this kind at this micro-batch)."""
+    block) plus the group's collectives less what the overlaps hide (``cost.tp_fwd.tp_block_comm_s``):
+    forward's less the chunked collective-matmul's part (``cost.tp_fwd.TP_FORWARD_OVERLAP``), backward's
+    less the weight-gradient overlap's (``tp_backward_comm_s``; ``overlap`` None: ``TP_BACKWARD_OVERLAP``),
+    both only on a kind that ``hides_comm`` (the forward one under SP only). ``sequence_parallel``: True /
+    False as a stage runs it; None: as the planner sets it (``sp_pays``: where SP is supported and priced
+    no slower on this kind at this micro-batch)."""
     n = costs.num_blocks
     if micro_batch <= 0:
         return np.zeros(n), np.zeros(n)
@@ -404,16 +327,6 @@ def sp_pays(costs: ModelCosts, kind: GroupKind, micro_batch: float, replicated_f
     p = _kind_times(costs, kind, micro_batch, replicated_fraction, False, ov)
     s = _kind_times(costs, kind, micro_batch, replicated_fraction, True, ov)
     return float(s[0].sum() + s[1].sum()) <= float(p[0].sum() + p[1].sum())
-
-
-def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
-    """The per-block pair counts a ``ModelCosts`` carries (``tp_pairs``, from ``tp_pairs_per_block``),
-    or None for tables without them: every block is then priced as a transformer layer
-    (``TP_ALLREDUCES_PER_BLOCK`` all-reduces, sharded by the work factors)."""
-    pairs = getattr(costs, "tp_pairs", None)
-    if pairs is None or len(pairs) != costs.num_blocks:
-        return None
-    return np.asarray(pairs, dtype=np.float64)
 
 
 def kind_times(costs: ModelCosts, cluster: "Cluster", kind: GroupKind, micro_batch: float, blocks: slice,

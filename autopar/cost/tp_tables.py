@@ -25,6 +25,12 @@ Terms (the graph's ``passes.meta.COST`` and ``BLOCK`` annotations; ``passes.tp_m
   (their weight-gradient GEMMs cost the same) over twice the block's work (backward ~ 2x forward): the
   part of the block's backward that f's backward collective can overlap (``passes.tp_overlap``, H2).
   Pairs in graph order per block; 0-padded to the most pairs of any block.
+- forward GEMM shares (``tp_fwd_col_share`` / ``tp_fwd_row_share`` / ``tp_bwd_row_share``, [block, pair],
+  laid out like ``tp_wgrad_share``): the pair's column Linears' forward FLOPs over the block's work (what
+  f's forward all-gather, chunked, overlaps), the row Linear's forward FLOPs over it (what g's forward
+  reduce-scatter overlaps), and the row's forward FLOPs over twice the block's work (its input-gradient
+  GEMM repeats them: what g's backward all-gather overlaps); ``cost.tp_fwd`` prices the overlap
+  (``passes.tp_fwd_overlap``). Each a share of one direction's time, all of a block's at most 1.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["replicated_fraction_of_graph", "tp_memory_replicated_per_block", "tp_pairs_per_block", "FLOP_PER_BYTE", "sp_supported_of_graph", "tp_sp_tables", "tp_wgrad_shares", "tp_graph_tables",
-           "tp_graph_tables_of"]
+           "tp_graph_tables_of", "tp_gemm_shares"]
 
 FLOP_PER_BYTE = 150.0
 
@@ -268,6 +274,38 @@ def tp_wgrad_shares(gm, num_blocks: int) -> np.ndarray | None:
     return out
 
 
+def tp_gemm_shares(gm, num_blocks: int) -> dict[str, np.ndarray] | None:
+    """``ModelCosts`` keywords of the [block, pair] forward GEMM shares (module docstring:
+    ``tp_fwd_col_share``, ``tp_fwd_row_share``, ``tp_bwd_row_share``); None without pairs."""
+    from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_match import find_tp_pairs
+
+    n = int(num_blocks)
+    pairs = find_tp_pairs(gm)
+    if not pairs:
+        return None
+    nodes = {x.name: x for x in gm.graph.nodes}
+    heavy, _ = _block_work(gm, n, set())
+    total = heavy + _light_all(gm, n)
+
+    def flops(name):
+        return float(getattr(nodes[name].meta.get(COST), "fwd_flops", 0.0)) if name in nodes else 0.0
+
+    per_block: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    for p in pairs:
+        b = nodes[p.row_node].meta.get(BLOCK)
+        if b is None or not 0 <= b < n or total[b] <= 0:
+            continue
+        per_block[b].append((sum(flops(c) for c in p.column_nodes) / total[b], flops(p.row_node) / total[b]))
+    width = max(1, max((len(x) for x in per_block), default=0))
+    col, row = np.zeros((n, width)), np.zeros((n, width))
+    for b, xs in enumerate(per_block):
+        for j, (c, r) in enumerate(xs):
+            col[b, j], row[b, j] = c, r
+    col, row = np.clip(col, 0.0, 1.0), np.clip(row, 0.0, 1.0)
+    return {"tp_fwd_col_share": col, "tp_fwd_row_share": row, "tp_bwd_row_share": row / 2.0}
+
+
 def tp_graph_tables(gm, num_blocks: int) -> dict:
     """``ModelCosts`` keywords of the SP and overlap tables of an analysed graph ({} without pairs)."""
     out = {}
@@ -277,6 +315,7 @@ def tp_graph_tables(gm, num_blocks: int) -> dict:
     w = tp_wgrad_shares(gm, num_blocks)
     if w is not None:
         out["tp_wgrad_share"] = w
+    out.update(tp_gemm_shares(gm, num_blocks) or {})
     return out
 
 

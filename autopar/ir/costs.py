@@ -148,6 +148,12 @@ class ModelCosts:
     tp_sp_covered: np.ndarray | None = None
     tp_sp_act_replicated: np.ndarray | None = None
     tp_wgrad_share: np.ndarray | None = None
+    # per block and pair, the shares of the block's forward that the columns' forward GEMMs (fed by f) and
+    # the row's forward GEMM (feeding g) take, and of its backward that the row's input-gradient GEMM
+    # takes: what the chunked forward collective-matmul overlaps (cost.tp_fwd). None: not priced
+    tp_fwd_col_share: np.ndarray | None = None
+    tp_fwd_row_share: np.ndarray | None = None
+    tp_bwd_row_share: np.ndarray | None = None
     # parameter tensors per block, and per device type the seconds ``optimizer.step()`` pays per tensor
     # beyond its per-element rate when it steps unflattened tensors (torch's CPU optimizers loop over
     # tensors); ``optimizer_time``. None / {}: no per-tensor term
@@ -159,7 +165,8 @@ class ModelCosts:
         for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
         for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
-                     "tp_sp_act_replicated", "tp_wgrad_share", "param_tensors"):
+                     "tp_sp_act_replicated", "tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share",
+                     "tp_bwd_row_share", "param_tensors"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 

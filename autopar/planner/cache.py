@@ -62,8 +62,14 @@ def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
                          *[None if getattr(costs, k) is None else [float(x) for x in getattr(costs, k)]
                            for k in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported",
                                      "tp_sp_covered", "tp_sp_act_replicated")],
-                         None if costs.tp_wgrad_share is None else [float(x) for x in np.ravel(costs.tp_wgrad_share)]
+                         *[None if getattr(costs, k, None) is None else [list(np.shape(getattr(costs, k))),
+                                                                         [float(x) for x in np.ravel(getattr(costs, k))]]
+                           for k in ("tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share", "tp_bwd_row_share")]
                          ]).encode())
+    from autopar.cost import tp as tp_cost, tp_fwd   # the overlap switches a caller may turn (benchmarks)
+
+    h.update(repr((tp_cost.TP_BACKWARD_OVERLAP, tp_fwd.TP_FORWARD_OVERLAP, sorted(tp_fwd.FWD_OVERLAP_PATTERNS),
+                   tp_fwd.FWD_OVERLAP_CHUNKS)).encode())
     h.update(cluster.signature().encode())
     h.update(json.dumps(args, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
