@@ -445,7 +445,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                                     device=ctx.device, weights=weights, roots=(gm,))
             mat.mark_deterministic(model)
         program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
-                        params=[p for p in model.parameters() if p.requires_grad], tp_overlap=run.overlap)
+                        params=[p for p in model.parameters() if p.requires_grad], tp_overlap=run.overlap,
+                        tp_overlap_forward=run.overlap_forward, backends=[d.spec.backend for d in cluster.devices])
         # the clock stretches this rank's CPU time less what the memory tracking itself cost
         clock = emulate.clock_for(cluster.devices[ctx.rank],
                                   time_scale=emulate.emulation_time_scale(ctx.world_size),

@@ -256,6 +256,11 @@ class RunConfig:
     # (autopar.runtime.dp_overlap); tensor parallel: f's backward all-reduce runs while the column
     # weight gradients are computed (passes.tp_overlap); False: every collective blocking, after what it needs.
     overlap: bool = True
+    # Tensor parallel with sequence parallelism: f's forward all-gather and g's reduce-scatter cut into
+    # chunks and pipelined against the column / row GEMMs (passes.tp_fwd_overlap). None (auto): only on
+    # TP groups whose ranks are all NCCL (on gloo the collective shares the rank's core); True forces it
+    # (needs overlap=True: it runs in the fused node the backward overlap builds); False: off.
+    overlap_forward: bool | None = None
     # The rank's memory meter (autopar.runtime.memory.meter_for's track): None as the device says (an
     # emulated device tracks tensor bytes and enforces memory_GB); False: no tracking, no limit (its
     # per-operator cost is CPU time an emulated clock stretches, e.g. to measure prediction accuracy).
@@ -273,3 +278,8 @@ class RunConfig:
         _choice(self.zero3_granularity, "zero3_granularity", get_args(Zero3Granularity))
         if not isinstance(self.overlap, bool):
             raise PlanError(f"overlap: {self.overlap!r} must be True or False")
+        if self.overlap_forward is not None and not isinstance(self.overlap_forward, bool):
+            raise PlanError(f"overlap_forward: {self.overlap_forward!r} must be True, False or None (auto)")
+        if self.overlap_forward and not self.overlap:
+            raise PlanError("overlap_forward: True needs overlap=True (the forward overlap runs in the node "
+                            "the backward overlap fuses)")

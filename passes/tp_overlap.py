@@ -38,6 +38,10 @@ engine's and a pipeline stage's TP member's. Not meant for zero-bubble schedules
 stage's backward where the input and the weight paths part, which a fused node is, so it would run
 (and communicate) in both halves; the pipeline engine runs ``zb-h1`` on one-rank members only.
 
+Forward (``chunks`` > 1, set by ``passes.tp_fwd_overlap.overlap_tp_forward`` on an SP f): f's
+all-gather is cut into chunks and pipelined against the columns (chunk c+1 in flight while the columns
+compute chunk c's rows), the outputs reassembled in token order; the backward is the same.
+
 Emulation and measurement: see ``autopar.runtime.communicator.GroupAllReduce`` (the collective leaves
 when the emulated device has reached it, and the wait is not charged as compute).
 """
@@ -55,7 +59,7 @@ from torch import nn
 from autopar.passes.meta import COST
 from autopar.passes.tp_match import LinearUse, linear_use
 
-__all__ = ["FusedColumns", "overlap_tp_backward", "has_backward_comm"]
+__all__ = ["FusedColumns", "overlap_tp_backward", "has_backward_comm", "chunkable_f"]
 
 
 def has_backward_comm(module: Any) -> bool:
@@ -72,24 +76,57 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def chunkable_f(f: Any) -> bool:
+    """Whether f's forward collective can be chunked against the columns (``passes.tp_fwd_overlap``):
+    an f with ``forward_chunks`` (an SP f's all-gather, ``SeqGatherToGroup``) whose collectives are
+    bound. A plain TP f's forward is the identity: nothing to overlap."""
+    return callable(getattr(f, "forward_chunks", None)) and bool(getattr(f, "chunkable", False))
+
+
+def _columns_chunked(f, x, chunks, weights, biases, dtype):
+    """f's all-gather and the columns, chunk by chunk (``SeqGatherToGroup.forward_chunks``: chunk c+1's
+    all-gather in flight while the columns compute chunk c's rows); the gathered input (cast) and the
+    columns' outputs reassembled in token order, as the unchunked forward computes them."""
+    dim = f.dim % x.dim()
+    xc, outs = None, None
+    for laid, spans in f.forward_chunks(x, chunks):
+        lc = laid if dtype is None else laid.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            ys = [F.linear(lc, w, b) for w, b in zip(weights, biases)]
+        if xc is None:
+            shape = list(x.shape)
+            shape[dim] = f.sp.length(f.key)
+            xc = lc.new_empty(shape)
+            outs = [y.new_empty(shape[:-1] + [y.shape[-1]]) for y in ys]
+        for p, (a, b) in enumerate(spans):
+            if b > a:
+                xc.narrow(dim, a, b - a).copy_(lc[p].narrow(dim, 0, b - a))
+                for out, y in zip(outs, ys):
+                    out.narrow(dim, a, b - a).copy_(y[p].narrow(dim, 0, b - a))
+    return xc, tuple(outs)
+
+
 class _FusedColumnsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, f, has_bias, x, *params):
-        xf = f(x)                                   # f's forward; no autograd inside Function.forward
+    def forward(ctx, f, has_bias, chunks, x, *params):
         weights, biases, k = [], [], 0
         for hb in has_bias:
             weights.append(params[k])
             biases.append(params[k + 1] if hb else None)
             k += 2 if hb else 1
-        dtype = _autocast_dtype(xf.device.type)
+        dtype = _autocast_dtype(x.device.type)
         if dtype is not None:     # cast as autocast casts a linear's operands, then compute without it
-            xc = xf.to(dtype)
             weights_c = [w.to(dtype) for w in weights]
             biases_c = [None if b is None else b.to(dtype) for b in biases]
         else:
-            xc, weights_c, biases_c = xf, weights, biases
-        with torch.autocast(xf.device.type, enabled=False):
-            outs = tuple(F.linear(xc, w, b) for w, b in zip(weights_c, biases_c))
+            weights_c, biases_c = weights, biases
+        if chunks > 1 and chunkable_f(f):           # the forward overlap (passes.tp_fwd_overlap)
+            xc, outs = _columns_chunked(f, x, chunks, weights_c, biases_c, dtype)
+        else:
+            xf = f(x)                               # f's forward; no autograd inside Function.forward
+            xc = xf if dtype is None else xf.to(dtype)
+            with torch.autocast(xf.device.type, enabled=False):
+                outs = tuple(F.linear(xc, w, b) for w, b in zip(weights_c, biases_c))
         ctx.f = f
         ctx.has_bias = has_bias
         ctx.x_dtype = x.dtype
@@ -105,7 +142,7 @@ class _FusedColumnsFn(torch.autograd.Function):
         live = [i for i, g in enumerate(grads) if g is not None]
         # 1. the input gradient, summed as autograd sums the columns' (the last column first)
         grad_x, wait = None, None
-        if need[2] and live:
+        if need[3] and live:
             for i in reversed(live):
                 term = torch.matmul(grads[i].to(xc.dtype), weights[i]).to(ctx.x_dtype)
                 grad_x = term if grad_x is None else grad_x + term
@@ -113,7 +150,7 @@ class _FusedColumnsFn(torch.autograd.Function):
             grad_x, wait = ctx.f.backward_comm_async(grad_x)
         # 3. the weight and bias gradients, while it is in flight
         out: list[torch.Tensor | None] = []
-        k = 3
+        k = 4
         x2 = xc.reshape(-1, xc.shape[-1])
         for i, hb in enumerate(ctx.has_bias):
             g = grads[i]
@@ -125,7 +162,7 @@ class _FusedColumnsFn(torch.autograd.Function):
         # 4. wait for the collective
         if wait is not None:
             wait()
-        return (None, None, grad_x, *out)
+        return (None, None, None, grad_x, *out)
 
 
 class FusedColumns(nn.Module):
@@ -133,16 +170,17 @@ class FusedColumns(nn.Module):
     the input and, per column, its weight and (where it has one) its bias; returns the columns'
     outputs as a tuple."""
 
-    def __init__(self, f: nn.Module, has_bias: tuple[bool, ...]):
+    def __init__(self, f: nn.Module, has_bias: tuple[bool, ...], chunks: int = 1):
         super().__init__()
         self.f = f
         self.has_bias = tuple(bool(b) for b in has_bias)
+        self.chunks = int(chunks)     # > 1: the forward overlap (passes.tp_fwd_overlap sets it)
 
     def forward(self, x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _FusedColumnsFn.apply(self.f, self.has_bias, x, *params)
+        return _FusedColumnsFn.apply(self.f, self.has_bias, self.chunks, x, *params)
 
     def extra_repr(self) -> str:
-        return f"columns={len(self.has_bias)}, has_bias={self.has_bias}"
+        return f"columns={len(self.has_bias)}, has_bias={self.has_bias}, chunks={self.chunks}"
 
 
 def _columns(gm: fx.GraphModule, f_node: fx.Node) -> list[tuple[fx.Node, LinearUse]] | None:

@@ -9,6 +9,11 @@ A bound sum with a ``start(...) -> wait`` method (``autopar.runtime.tp_comm``) a
 asynchronously: the backward of f (``SeqGatherToGroup.backward_comm_async``, called by
 ``passes.tp_overlap.FusedColumns``) starts its reduce-scatter and the columns' weight gradients run
 while it is in flight (``SeqContext.start_reduce_scatter``).
+
+Chunked (the forward overlap, ``passes.tp_fwd_overlap``): ``SeqContext.gather_chunks`` all-gathers a
+shard piece by piece (chunk c = piece c of every member's shard, ``chunk_spans``), chunk c+1 in flight
+while the caller computes on chunk c; ``SeqContext.start_reduce_scatter_laid`` starts the
+reduce-scatter of one chunk's rows laid out position by position (``laid_out``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch import nn
 from autopar.passes.tp import unit_ranges
 
 __all__ = ["SEQ_DIM", "seq_ranges", "SeqContext", "SeqScatter", "SeqGather", "SeqGatherToGroup",
-           "SeqReduceScatter", "SumGradOverGroup", "SeqLength", "SPModule", "bind_sp_collectives"]
+           "SeqReduceScatter", "SumGradOverGroup", "SeqLength", "SPModule", "bind_sp_collectives", "laid_out"]
 
 SEQ_DIM = 1
 
@@ -160,6 +165,78 @@ class SeqContext:
             result.copy_(out.narrow(dim, 0, size))
         return result, wait_cut
 
+    # -- chunked collectives (the forward overlap, ``passes.tp_fwd_overlap``) ------------------------
+    def chunk_spans(self, seq_len: int, chunks: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per chunk c, per member m: the (start, stop) tokens of piece c of m's shard. Every shard is
+        cut into ``chunks`` contiguous pieces of nearly equal length (piece c of a shard [a, b) is
+        ``[a + (b-a)c/k, a + (b-a)(c+1)/k)``, floored), capped at the longest shard's length so that
+        no chunk is empty; a shorter shard may have empty pieces (padded, as shards are)."""
+        ranges = self.ranges(seq_len)
+        k = max(1, min(int(chunks), max(b - a for a, b in ranges)))
+        return tuple(tuple((a + (b - a) * c // k, a + (b - a) * (c + 1) // k) for a, b in ranges)
+                     for c in range(k))
+
+    def position_of_me(self, like: torch.Tensor) -> int:
+        """This member's group position (``order``'s inverse at ``rank_index``)."""
+        return self.order(like).index(self.rank_index)
+
+    def gather_chunks(self, x: torch.Tensor, dim: int, seq_len: int, chunks: int):
+        """The all-gather of ``x`` (this member's shard of a sequence of ``seq_len`` tokens) cut into
+        chunks (``chunk_spans``), pipelined: yields, chunk by chunk, ``(laid, spans)`` with ``laid``
+        the gathered piece of every member laid out group position by position (``[P, *x.shape]``
+        with ``dim`` the chunk's width, each piece padded to the widest) and ``spans[p]`` the (start,
+        stop) tokens of position p's piece in the full sequence. Chunk c+1's all-gather is started
+        before chunk c is yielded, so the caller's work on chunk c runs while it is in flight: where
+        the bound all-gather has ``start_into`` (``autopar.runtime.tp_comm.GroupAllGather``), else
+        each chunk's all-gather blocks. Must be bound (``bound``) and iterated to the end."""
+        order = self.order(x)
+        plan = self.chunk_spans(seq_len, chunks)
+        a0 = self.ranges(seq_len)[self.rank_index][0]
+        start_into = getattr(self.all_gather, "start_into", None)
+
+        def issue(spans):
+            width = max(b - a for a, b in spans)
+            a, b = spans[self.rank_index]
+            piece = _pad(x.narrow(dim, a - a0, b - a), dim, width).contiguous()
+            laid = piece.new_empty((len(order), *piece.shape))
+            if start_into is not None:
+                wait = start_into(laid.view(-1), piece.view(-1))
+            else:
+                self.all_gather(list(laid.unbind(0)), piece)
+                wait = _no_wait
+            return laid, wait, tuple(spans[m] for m in order)
+
+        pending = issue(plan[0])
+        for c in range(len(plan)):
+            ahead = issue(plan[c + 1]) if c + 1 < len(plan) else None
+            laid, wait, spans = pending
+            wait()
+            yield laid, spans
+            pending = ahead
+
+    def start_reduce_scatter_laid(self, laid: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start the sum over the group of ``laid`` (``[P, ...]``: position p's rows for the member at
+        group position p, as ``laid_out`` builds it); returns the tensor that holds this member's
+        rows of the sum (``laid.shape[1:]``) once the wait has been called, and the wait. Uses the
+        bound reduce-scatter, or the all-reduce (this member's position kept), started where it has
+        ``start``; unbound (no sum bound): this member's own rows."""
+        rs, ar = self.reduce_scatter_into, self.all_reduce
+        if rs is not None:
+            out = laid.new_empty(laid.shape[1:])
+            start = getattr(rs, "start", None)
+            if start is not None:
+                return out, start(out.view(-1), laid.view(-1))
+            rs(out.view(-1), laid.view(-1))
+            return out, _no_wait
+        mine = laid[self.position_of_me(laid)]
+        if ar is None:
+            return mine, _no_wait
+        start = getattr(ar, "start", None)
+        if start is not None:
+            return mine, start(laid)
+        ar(laid)
+        return mine, _no_wait
+
     def _scatter_buffers(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For a reduce-scatter of ``x`` along ``dim``: the padded output (contiguous, for the flat
         view), the input laid out group position by position (each member's tokens padded to the
@@ -175,6 +252,12 @@ class SeqContext:
 
 def _ab(r: tuple[int, int]) -> tuple[int, int]:
     return r[0], r[1] - r[0]
+
+
+def laid_out(x: torch.Tensor, dim: int, spans: tuple[tuple[int, int], ...], width: int) -> torch.Tensor:
+    """``[P, ...]``: the tokens ``spans[p]`` of ``x`` (a full-sequence tensor) at position p, each
+    padded with zeros to ``width`` along ``dim`` (contiguous: a reduce-scatter's input layout)."""
+    return torch.stack([_pad(x.narrow(dim, a, b - a), dim, width) for a, b in spans])
 
 
 def _pad(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:
@@ -275,6 +358,17 @@ class SeqGatherToGroup(SPModule):
         asynchronous where the runtime bound a collective with ``start``, as
         ``autopar.runtime.tp.bind_sp_group`` does)."""
         return self.sp.start_reduce_scatter(grad, self.dim)
+
+    def forward_chunks(self, x: torch.Tensor, chunks: int):
+        """This f's forward all-gather of ``x`` cut into chunks and pipelined (``SeqContext.gather_chunks``,
+        for ``passes.tp_overlap.FusedColumns``' chunked forward); only where ``chunkable``."""
+        return self.sp.gather_chunks(x, self.dim, self.sp.length(self.key), chunks)
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether ``forward_chunks`` may run: the collectives are bound (else the forward keeps the
+        unbound gather's zeros, unchunked)."""
+        return self.sp.bound
 
 
 class SeqReduceScatter(SPModule):

@@ -10,6 +10,8 @@ The passes, in order (each a function over fx graphs from ``autopar.passes``):
    parallelism on it (``passes.tp_sp.sp_rewrite``: the blocks it supports; the others as they were);
 3. for a ``"tp"`` plan: the TP rewrite of the whole graph for this rank (an idle rank gets the
    one-rank rewrite: it never runs and holds no shard), with SP as in 2;
+   on a TP member in 2 and 3: the backward overlap (``passes.tp_overlap``) and, where
+   ``forward_overlap_on`` says, the forward overlap (``passes.tp_fwd_overlap``);
 4. for a ``"dp"`` plan: with ``Stage.recompute`` the split at every block (the engine recomputes block
    by block); at ZeRO-3 without recomputation, the gather units and the graph with their hooks
    (``autopar.lowering.zero3_units``).
@@ -33,8 +35,9 @@ from autopar.passes.split import split_stages
 from autopar.passes.tp import tp_rewrite
 from autopar.passes.tp_sp import sp_rewrite
 from autopar.passes.tp_overlap import overlap_tp_backward
+from autopar.passes.tp_fwd_overlap import overlap_tp_forward
 
-__all__ = ["lower", "num_blocks", "tp_shares_of", "tp_member_module"]
+__all__ = ["lower", "num_blocks", "tp_shares_of", "tp_member_module", "forward_overlap_on"]
 
 
 def num_blocks(gm) -> int:
@@ -63,13 +66,39 @@ def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.
     return sp_rewrite(local, shares, tp_index, defer_param_grads=defer_sp_grads)
 
 
+def forward_overlap_on(plan: Plan, rank: int, choice: bool | None, backends: Sequence[str] | None,
+                       tp_overlap: bool = True) -> bool:
+    """Whether ``rank``'s TP member chunks its forward collectives (``passes.tp_fwd_overlap``):
+    ``choice`` True / False (``RunConfig.overlap_forward``) as asked; None (auto) only with the
+    backward overlap on and where every rank of the member has backend ``"nccl"`` (``backends``: per
+    rank, ``DeviceSpec.backend``; None: unknown, off), the rule of ``autopar.cost.tp.comm_hides``."""
+    if choice is not None:
+        return bool(choice)
+    stage, member, _ = rank_position(plan, rank)
+    if not tp_overlap or backends is None or stage is None or member is None:
+        return False
+    ranks = plan.stages[stage].groups[member]
+    return len(ranks) > 1 and all(backends[r] == "nccl" for r in ranks)
+
+
+def _overlap(gm: fx.GraphModule, tp_overlap: bool, forward: bool) -> None:
+    if tp_overlap or forward:
+        overlap_tp_backward(gm)     # f's backward collective overlaps the weight gradients
+    if forward:
+        overlap_tp_forward(gm)      # f's all-gather / g's reduce-scatter chunked against the GEMMs
+
+
 def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool = False,
           tp_granularity: int = 8, params: Sequence[nn.Parameter] | None = None,
-          tp_overlap: bool = True) -> RankProgram:
+          tp_overlap: bool = True, tp_overlap_forward: bool | None = None,
+          backends: Sequence[str] | None = None) -> RankProgram:
     """This rank's program for ``plan`` (see the module docstring). ``gm``: the captured graph with
     block annotations (``passes.analyze``); ``tp_granularity``: MLP features per TP granule of a
     ``"tp"`` plan; ``params``: the trainable parameters ZeRO-3 units index (default: ``gm``'s);
-    ``tp_overlap``: a TP rank's f collectives overlap its weight gradients (``passes.tp_overlap``)."""
+    ``tp_overlap``: a TP rank's f collectives overlap its weight gradients (``passes.tp_overlap``);
+    ``tp_overlap_forward`` / ``backends``: its SP forward collectives are chunked against the GEMMs
+    (``passes.tp_fwd_overlap``; ``forward_overlap_on`` decides)."""
+    forward = forward_overlap_on(plan, rank, tp_overlap_forward, backends, tp_overlap)
     if gm is not None and use_triton:
         from autopar.passes.triton_patterns import substitute_kernels
 
@@ -84,11 +113,10 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             import dataclasses
 
             local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
-            if tp_overlap:
-                overlap_tp_backward(local.gm)     # f's backward all-reduce overlaps the weight gradients
+            _overlap(local.gm, tp_overlap, forward)
         chunks = ()    # interleaving on a TP member: every later chunk of this rank rewritten alike
         if local is not None and len(plan.stages[stage].groups[member]) > 1:
-            chunks = tuple(_tp_chunk(plan, s, member, tp_index, stages[s], tp_overlap)
+            chunks = tuple(_tp_chunk(plan, s, member, tp_index, stages[s], tp_overlap, forward)
                            for s in plan.chunks_of(rank)[1:])
         return RankProgram(**common, stages=stages, local_stage=local, local_chunks=chunks)
     if kind == "tp":
@@ -98,8 +126,7 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             module = tp_rewrite(gm, (1,), 0)
         else:
             module = tp_member_module(plan, 0, member, tp_index, gm, tp_granularity, defer_sp_grads=True)
-            if tp_overlap:
-                overlap_tp_backward(module)       # f's backward all-reduce overlaps the weight gradients
+            _overlap(module, tp_overlap, forward)
         return RankProgram(**common, tp_module=module)
     st = plan.stages[0]
     if st.recompute:
@@ -115,12 +142,11 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
     return RankProgram(**common)
 
 
-def _tp_chunk(plan: Plan, stage: int, member: int, tp_index: int, program, tp_overlap: bool):
+def _tp_chunk(plan: Plan, stage: int, member: int, tp_index: int, program, tp_overlap: bool, forward: bool):
     """The stage program ``program`` of chunk ``stage`` rewritten for ``tp_index`` of ``member`` (as
-    the rank stage's is above: TP, SP where asked, the backward overlap)."""
+    the rank stage's is above: TP, SP where asked, the backward and forward overlaps)."""
     import dataclasses
 
     gm = tp_member_module(plan, stage, member, tp_index, program.gm)
-    if tp_overlap:
-        overlap_tp_backward(gm)
+    _overlap(gm, tp_overlap, forward)
     return dataclasses.replace(program, gm=gm)

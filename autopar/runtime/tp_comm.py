@@ -13,6 +13,11 @@ Terms
   same reduce-scatter asynchronously and returns its wait: ``SeqContext.start_reduce_scatter`` (the
   backward of an SP f, ``SeqGatherToGroup.backward_comm_async``) uses it, so a sequence-parallel
   block's f overlaps its reduce-scatter with the weight gradients as a TP block's f does its all-reduce.
+- ``GroupAllGather(group)``: sequence parallelism's ``all_gather``. Called as ``(outputs, tensor)``
+  it blocks (``communicator.pg_all_gather``: an unchunked f's forward); ``start_into(output, tensor)``
+  issues the all-gather into one flat tensor asynchronously and returns its wait: the forward
+  overlap's chunked all-gather (``passes.tp_fwd_overlap``, ``SeqContext.gather_chunks``) starts chunk
+  c+1 before the columns (or, in a chunked row's backward, the input gradient) compute chunk c.
 - hidden / exposed: of a backward collective's time, the part the weight gradients computed while it
   was in flight covered, and the rest, which the backward waits for.
 
@@ -45,11 +50,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.communicator import (PendingCollective, emulation_paused, pg_all_reduce, pg_all_reduce_async,
+from autopar.runtime.communicator import (PendingCollective, emulation_paused, pg_all_gather,
+                                        pg_all_gather_into_async, pg_all_reduce, pg_all_reduce_async,
                                         pg_group_size, pg_is_initialized, pg_ranks, pg_reduce_scatter_into,
                                         record_issue, record_issued)
 
-__all__ = ["GroupAllReduce", "GroupReduceScatter", "pg_reduce_scatter_into_async"]
+__all__ = ["GroupAllReduce", "GroupReduceScatter", "GroupAllGather", "pg_reduce_scatter_into_async"]
 
 
 def _waiter(pending: PendingCollective) -> Callable[[], None]:
@@ -120,3 +126,29 @@ class GroupReduceScatter:
     def __repr__(self) -> str:
         ranks = pg_ranks(self.group) if pg_is_initialized() else "?"
         return f"GroupReduceScatter(ranks={ranks})"
+
+
+class GroupAllGather:
+    """The all-gather over one process group (``None``: the default group) as
+    ``SeqContext.all_gather`` calls it: ``(outputs, tensor)`` blocks (``communicator.pg_all_gather``);
+    ``start_into(output, tensor)`` issues the all-gather of ``tensor`` into the flat ``output`` (every
+    rank's tensor in group order) asynchronously and returns its wait (the emulated clock as in
+    ``GroupAllReduce.start``): the chunked forward of an SP f (``SeqContext.gather_chunks``,
+    ``passes.tp_fwd_overlap``) and of a chunked row's backward use it."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any = None):
+        self.group = group
+
+    def __call__(self, outputs: list, tensor: torch.Tensor) -> None:
+        pg_all_gather(outputs, tensor, group=self.group)
+
+    def start_into(self, output: torch.Tensor, tensor: torch.Tensor) -> Callable[[], None]:
+        """Issue the all-gather (neither tensor to be read or written until the wait); returns the wait."""
+        with emulation_paused():
+            return _waiter(pg_all_gather_into_async(output, tensor, group=self.group))
+
+    def __repr__(self) -> str:
+        ranks = pg_ranks(self.group) if pg_is_initialized() else "?"
+        return f"GroupAllGather(ranks={ranks})"
