@@ -53,9 +53,10 @@ def _member_speeds(costs, cluster, plan, tp_comm: bool) -> float:
             for x in xs:
                 if len(ranks) > 1 and st.tp_shares:
                     kind = tp_cost.group_kind(cluster, ranks, st.tp_shares[g])
-                    if not tp_comm:
-                        kind = dataclasses.replace(kind, alpha_s=0.0, beta_s_per_byte=0.0)
-                    f, b = tp_cost.kind_block_times(costs, kind, float(x), rho)
+                    if not tp_comm:      # every collective free, SP's own links too
+                        kind = dataclasses.replace(kind, alpha_s=0.0, beta_s_per_byte=0.0,
+                                                   sp_link=None if kind.sp_link is None else (0.0,) * 4)
+                    f, b = tp_cost.kind_block_times(costs, kind, float(x), rho, bool(st.sequence_parallel))
                 else:
                     name = cluster.devices[ranks[0]].spec.name
                     f, b = costs.fwd_time(name, float(x)), costs.bwd_time(name, float(x))
@@ -104,7 +105,8 @@ def waterfall(plan, costs, cluster) -> list[dict]:
              ("micro-batch size (each device at its member's micro-batches)", _device_speeds(costs, cluster, plan)),
              ("TP replication (unsharded work computed whole on every TP rank)",
               _member_speeds(costs, cluster, plan, tp_comm=False)),
-             ("TP communication (all-reduces inside every block)", _member_speeds(costs, cluster, plan, tp_comm=True)),
+             ("TP communication (the collectives inside every block, less what the overlaps hide)",
+              _member_speeds(costs, cluster, plan, tp_comm=True)),
              ("stage imbalance (the busiest stage's compute bounds the step)", B / busiest),
              ("pipeline bubble and p2p (the simulated schedule)", B / timeline.step_time_s),
              ("after the schedule (gradient all-reduce, optimizer, ZeRO gather)", B / step)]
@@ -118,14 +120,15 @@ def waterfall(plan, costs, cluster) -> list[dict]:
 def what_ifs(costs, cluster, batch: int, num_heads, rho: float, c0: float, bubble_points: float) -> list[dict]:
     """Priced what-ifs (PREDICTED): the joint planner rerun with one input changed, efficiency against
     the same compute bound ``c0``. Which of them the runtime runs today is said in each row. Sequence
-    parallelism and the backward TP overlap are in the plan itself now (``cost.tp``): their rows are
-    ablations (the plan without each), not what-ifs."""
+    parallelism and the backward and forward TP overlaps are in the plan itself now (``cost.tp``,
+    ``cost.tp_fwd``): their rows are ablations (the plan without each), not what-ifs."""
     import contextlib
     import dataclasses
     import importlib.util
 
     from autopar.cost import joint as joint_cost
     from autopar.cost import tp as tp_cost
+    from autopar.cost import tp_fwd
     from autopar.cost.memory import tp_span_factors
     from autopar.planner.joint import plan_auto
 
@@ -151,6 +154,16 @@ def what_ifs(costs, cluster, batch: int, num_heads, rho: float, c0: float, bubbl
             tp_cost.TP_BACKWARD_OVERLAP = old
 
     @contextlib.contextmanager
+    def fwd_patterns(on: bool, patterns=None):
+        old = tp_fwd.TP_FORWARD_OVERLAP, tp_fwd.FWD_OVERLAP_PATTERNS
+        tp_fwd.TP_FORWARD_OVERLAP = on
+        tp_fwd.FWD_OVERLAP_PATTERNS = old[1] if patterns is None else frozenset(patterns)
+        try:
+            yield
+        finally:
+            tp_fwd.TP_FORWARD_OVERLAP, tp_fwd.FWD_OVERLAP_PATTERNS = old
+
+    @contextlib.contextmanager
     def sp_time_only():
         old = joint_cost.tp_span_factors
         joint_cost.tp_span_factors = lambda c, r, f: tp_span_factors(c, r, f, sequence_parallel=False)
@@ -161,14 +174,22 @@ def what_ifs(costs, cluster, batch: int, num_heads, rho: float, c0: float, bubbl
 
     have = lambda m: importlib.util.find_spec(m) is not None   # noqa: E731
     sp_built, ov_built = have("autopar.passes.tp_sp"), have("autopar.passes.tp_overlap")
+    fwd_built = have("autopar.passes.tp_fwd_overlap")
+    priced = sorted(tp_fwd.FWD_OVERLAP_PATTERNS)
     no_sp = dataclasses.replace(costs, tp_sp_supported=None, _cache={})
     rows = [run("ablation: without sequence parallelism (Stage.sequence_parallel never set)", sp_built, c=no_sp),
             run("ablation: without the backward TP overlap (every backward collective exposed)", ov_built,
                 patch=no_overlap),
-            run("activation recomputation allowed (Stage.recompute; auto leaves it off by default)", True,
-                recompute=True),
-            run("ablation: SP's activations not in the joint search's memory caps (SP time only)", sp_built,
-                patch=sp_time_only)]
+            run(f"ablation: without the forward TP overlap (chunked collective-matmul, priced patterns "
+                f"{', '.join(priced)}: every forward collective exposed)", fwd_built,
+                patch=lambda: fwd_patterns(False))]
+    if "bwd_ag_row" not in tp_fwd.FWD_OVERLAP_PATTERNS:
+        rows.append(run("g's backward all-gather chunked under the row's input-gradient GEMM too (bwd_ag_row)",
+                        False, patch=lambda: fwd_patterns(True, (*priced, "bwd_ag_row"))))
+    rows += [run("activation recomputation allowed (Stage.recompute; auto leaves it off by default)", True,
+                 recompute=True),
+             run("ablation: SP's activations not in the joint search's memory caps (SP time only)", sp_built,
+                 patch=sp_time_only)]
     rows.append(dict(what_if="interleaved 1F1B with 2 virtual stages in the hybrid search: the bubble row "
                              "halved on the same plan (arithmetic ceiling, memory not priced)", built=False,
                      of_bound=None, points=bubble_points / 2))
