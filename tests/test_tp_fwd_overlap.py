@@ -31,7 +31,7 @@ from autopar.passes.tp import tp_rewrite
 from autopar.passes.tp_fwd_overlap import FWD_OVERLAP_CHUNKS, FusedRowScatter, overlap_tp_forward
 from autopar.passes.tp_overlap import FusedColumns, overlap_tp_backward
 from autopar.passes.tp_sp import sp_rewrite
-from autopar.passes.tp_sp_comm import SPModule, bind_sp_collectives
+from autopar.passes.tp_sp_comm import SeqContext, SPModule, bind_sp_collectives, laid_out
 from autopar.runtime.communicator import pg_all_gather
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs
@@ -116,6 +116,31 @@ def _train_and_check(engine, name, optimizer, steps=2):
 
 
 class TwoRanks(threaded_ranks(2)):
+    def test_chunked_gather_and_reduce_scatter_with_empty_pieces_equal_the_unchunked_ones(self):
+        """7 tokens, shares 3/1: shards of 5 and 2 tokens, 4 chunks: the short shard's pieces 0 and 2
+        are empty (all padding)."""
+        torch.manual_seed(self.rank)
+        x = torch.randn(2, 7, 5)
+        for gather in (GroupAllGather(None), lambda outs, t: pg_all_gather(outs, t)):
+            sp = SeqContext(SHARES, self.rank)
+            sp.all_reduce, sp.all_gather, sp.reduce_scatter_into = GroupAllReduce(None), gather, GroupReduceScatter(None)
+            mine = sp.local(x, 1, 7)
+            full = torch.zeros_like(x)
+            for laid, spans in sp.gather_chunks(mine, 1, 7, 4):
+                for p, (a, b) in enumerate(spans):
+                    full[:, a:b] = laid[p][:, :b - a]
+            assert torch.equal(full, sp.gather(mine, 1, 7))
+            pieces, pending = [], []
+            for spans in sp.chunk_spans(7, 4):
+                width = max(b - a for a, b in spans)
+                out, wait = sp.start_reduce_scatter_laid(
+                    laid_out(x, 1, tuple(spans[m] for m in sp.order(x)), width))
+                pending.append((out, wait, spans[self.rank][1] - spans[self.rank][0]))
+            for out, wait, n in pending:
+                wait()
+                pieces.append(out[:, :n])
+            assert torch.equal(torch.cat(pieces, 1), sp.reduce_scatter(x, 1))
+
     def test_chunked_equals_unchunked_fp32_and_bf16_async_and_blocking_gathers(self):
         with _LOCK:
             _, _, loss_fn, _ = prepared_case("gpt-tiny")
@@ -197,6 +222,19 @@ class FourRanks(threaded_ranks(4)):
         if self.rank < 2:
             _async_gathers(program.local_stage.gm)
         _train_and_check(engine, "gpt-tiny", "sgd")
+
+
+def test_chunk_spans_cover_every_shard_in_order():
+    sp = SeqContext(SHARES, 0)
+    for seq_len in (2, 7, 32, 33):
+        for k in (1, 3, 4, 40):
+            chunks = sp.chunk_spans(seq_len, k)
+            assert len(chunks) == max(1, min(k, max(b - a for a, b in sp.ranges(seq_len))))
+            for m, (a, b) in enumerate(sp.ranges(seq_len)):
+                pieces = [c[m] for c in chunks]
+                assert pieces[0][0] == a and pieces[-1][1] == b
+                assert all(p[1] == q[0] and p[0] <= p[1] for p, q in zip(pieces, pieces[1:]))
+            assert all(max(b - a for a, b in c) > 0 for c in chunks)       # no empty chunk
 
 
 def test_auto_only_on_nccl_groups_and_run_config_validation():
