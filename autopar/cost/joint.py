@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "joint_split_feasible",
-           "split_lower_bound"]
+           "split_lower_bound", "split_lower_bounds"]
 
 _ROW_CACHE = 512   # stage row parts kept per search (~0.2 MB each at 82 blocks)
 
@@ -373,6 +373,57 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     if inv <= 0:
         return 0.0
     return (num_micro - 1) / inv + low
+
+
+def split_lower_bounds(ctx: JointContext, prep: Sequence[StagePrep], counts: Sequence[int]) -> list[float]:
+    """``split_lower_bound(ctx, prep, M)`` for every M of ``counts``, the same floats: each stage's q_s
+    is looked up once per distinct load and micro-batch size, and the sums sum_s 1 / q_s run in stage
+    order for all the sizes at once (``np.cumsum`` adds sequentially, as the one-count loop does)."""
+    B = ctx.global_batch
+    key = ("slb_ids", id(prep))
+    hit = ctx.cache.get(key)
+    if hit is None or hit[0] is not prep:
+        lids = [st.load_id if st.load_id >= 0 else ("prep", id(st)) for st in prep]
+        hit = ctx.cache[key] = (prep, lids, {})
+    lids, done = hit[1], hit[2]
+    if not lids:
+        return [0.0] * len(counts)
+    sizes = [-(-B // M) for M in counts]   # micro_sizes(B, M)[0]
+    todo = sorted({b for b in sizes if b not in done})
+    if todo:
+        first: dict = {}                     # load id -> its first stage
+        for s, lid in enumerate(lids):
+            first.setdefault(lid, s)
+        uniq = list(first)
+        pos = {lid: u for u, lid in enumerate(uniq)}
+        idx = np.fromiter((pos[lid] for lid in lids), dtype=np.intp, count=len(lids))
+        q = np.array([[_stage_q(ctx, prep[first[lid]], lid, b) for lid in uniq] for b in todo], dtype=np.float64)
+        bad = (q <= 0).any(axis=1)
+        with np.errstate(divide="ignore"):
+            inv = np.cumsum(1.0 / q[:, idx], axis=1)[:, -1]
+        low = q.min(axis=1)
+        for b, x, lo, z in zip(todo, inv.tolist(), low.tolist(), bad.tolist()):
+            done[b] = (0.0, 0.0) if z else (x, lo)
+    out = []
+    for M, b in zip(counts, sizes):
+        inv_b, low_b = done[b]
+        out.append(0.0 if inv_b <= 0 else (M - 1) / inv_b + low_b)
+    return out
+
+
+def _stage_q(ctx: JointContext, st: StagePrep, lid, b: int) -> float:
+    """q_s of ``split_lower_bound`` of a stage of load ``lid`` at micro-batch size ``b`` (cached by
+    load id when the stage is interned, as ``_split_bound_terms`` does)."""
+    qs = ctx.cache.setdefault(("slb_q", b), {})
+    q = qs.get(lid)
+    if q is None:
+        q = 0.0
+        for (kid, _f, _room, _caps), k in zip(st.kinds, ctx.shares(st, b)):
+            if k > 0:
+                q = max(q, ctx.ratio(kid, k))
+        if st.load_id >= 0:
+            qs[lid] = q
+    return q
 
 
 def _split_bound_terms(ctx: JointContext, prep: Sequence[StagePrep], lids: list, b: int) -> tuple[float, float]:

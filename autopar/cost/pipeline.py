@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -78,6 +78,9 @@ class PipelineContext:
     global_batch: int
     zero_stage: int
     memory_fraction: float
+    # what ``pipeline_cost_tensor`` computes once per call of the planner: the span sums, the p2p
+    # links and the stage rows (by micro-batch size, recompute and the stage's member types)
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def type_of(self, rank: int) -> str:
         return self.cluster.devices[rank].spec.name
@@ -94,13 +97,23 @@ def pipeline_cost_tensor(ctx: PipelineContext, stages: Sequence[Sequence[tuple[i
     c = ctx.costs
     n = c.num_blocks
     b = micro_sizes(ctx.global_batch, num_micro)[0]
-    params, wbytes, act = span_sums(c.params), span_sums(c.param_bytes), span_sums(c.act_bytes)
-    input_bytes = np.concatenate([[0.0], c.out_bytes])
-    valid = (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) > 0
-    links = [StageLink(*p2p_alpha_beta(ctx.cluster, st[0][0], nxt[0][0]), min(len(st), len(nxt)))
-             for st, nxt in zip(stages, stages[1:])] + [None]
+    spans = ctx.cache.get("spans")
+    if spans is None:
+        spans = ctx.cache["spans"] = (
+            span_sums(c.params), span_sums(c.param_bytes), span_sums(c.act_bytes),
+            np.concatenate([[0.0], c.out_bytes]), (np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None]) > 0)
+    params, wbytes, act, input_bytes, valid = spans
+    pairs = ctx.cache.setdefault("p2p", {})   # (src, dst) -> alpha-beta terms
+    links = []
+    for st, nxt in zip(stages, stages[1:]):
+        pair = (st[0][0], nxt[0][0])
+        if pair not in pairs:
+            pairs[pair] = p2p_alpha_beta(ctx.cluster, *pair)
+        links.append(StageLink(*pairs[pair], min(len(st), len(nxt))))
+    links.append(None)
 
-    cache: dict = {}   # stages of the same member types, counts and memory share one row
+    # stages of the same member types, counts and memory share one row, at every count of this size
+    cache: dict = ctx.cache.setdefault(("rows", b, bool(recompute)), {})
 
     def parts(s: int) -> RowParts:
         members = stages[s]
@@ -300,13 +313,18 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
         rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
         tp_zero = bool(tp_cost.tp_zero_stage(stage, zero_stage))   # ZeRO-1 over the members (runtime.tp_zero)
     blocks = slice(stage.block_start, stage.block_stop)
+    helds: dict = {}   # head shares -> per rank parameters: members of equal shares hold alike
     for g, members in enumerate(stage.groups):
         held = None
         if tp and len(members) > 1:
-            shares = np.asarray(stage.tp_shares[g], dtype=np.float64)
-            held = tp_cost.tp_rank_params(costs, blocks, shares / max(shares.sum(), 1.0), rho)
-            if tp_zero:
-                held = held / nm
+            key = tuple(stage.tp_shares[g])
+            held = helds.get(key)
+            if held is None:
+                shares = np.asarray(stage.tp_shares[g], dtype=np.float64)
+                held = tp_cost.tp_rank_params(costs, blocks, shares / max(shares.sum(), 1.0), rho)
+                if tp_zero:
+                    held = held / nm
+                helds[key] = held
         for i, r in enumerate(members):
             n, tensors, flat = p, k, False
             if held is not None:

@@ -184,7 +184,7 @@ def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int
                              replicated_fraction=replicated_fraction)
     ctx = JointContext(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, None, math.inf)
-    found, _ = search(ctx, entries, "1f1b", None, None, math.inf)
+    found, _ = search(ctx, entries, "1f1b", None, None, math.inf, keep=1)
     if not found:
         return None
     est, e, M, sizes, _flags = found[0]
@@ -219,7 +219,7 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {},
                        recompute or force_recompute, force_recompute)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
-    found, _ = search(ctx, entries, split_schedule, num_micro, deadline, best_s)
+    found, _ = search(ctx, entries, split_schedule, num_micro, deadline, best_s, keep=shortlist)
     scored: list[_Scored] = []
     best = best_s
     for est, e, M, sizes, flags in found[:shortlist]:

@@ -11,6 +11,7 @@ Terms
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ import numpy as np
 
 from autopar.cost import tp as tp_cost
 from autopar.cost.comm import allgather_time_s
-from autopar.cost.joint import JointContext, joint_cost_tensor, joint_split_feasible, split_lower_bound
+from autopar.cost.joint import JointContext, joint_cost_tensor, joint_split_feasible, split_lower_bounds
 from autopar.cost.pipeline import stage_optimizer_s
 from autopar.ir.plan import Stage
 from autopar.planner.layouts import MemberLayout
@@ -128,7 +129,8 @@ class GroupingState:
 
 
 def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_micro: int | None, deadline,
-            best_s: float) -> tuple[list[tuple[float, int, int, tuple[int, ...], tuple[bool, ...]]], int]:
+           best_s: float, keep: int | None = None) -> tuple[list[tuple[float, int, int, tuple[int, ...],
+                                                                       tuple[bool, ...]]], int]:
     """Best-first over every (grouping, micro-batch count) by ``split_lower_bound`` + ``tail_lower_bound``
     (a heap keyed by the split bound alone until an item comes first: the costly tail bound is only
     computed for what the split bound does not prune, in the same order as sorting by both), each
@@ -136,7 +138,13 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
     exceeds the best estimate found x ``ESTIMATE_SLACK``. A grouping that cannot hold the model at
     its largest count (the least activation memory once 1F1B is full) is not tried at any count >= S.
     Returns (estimate, entry index, M, sizes, recompute per stage) of every solved candidate, and how
-    many were solved."""
+    many were solved.
+
+    ``keep``: only the first ``keep`` of the returned list are wanted (the caller's shortlist); an item
+    whose bound exceeds the ``keep``-th least estimate found so far cannot be among them (its estimate
+    is at least its bound; the list is sorted stably, so a later item that ties comes after), so the
+    limit is the lesser of that and the slack limit. The first ``keep`` entries are the same as
+    without it, in the same order; only fewer of the rest are solved."""
     items = []
     largest = []              # per entry: its largest micro-batch count
     for e, entry in enumerate(entries):
@@ -144,11 +152,15 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
         counts = ((num_micro,) if num_micro is not None else
                   micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
         largest.append(counts[-1])
-        for M in counts:
-            items.append((split_lower_bound(ctx, entry.prep, M), e, M))
+        items += [(bound, e, M) for bound, M in zip(split_lower_bounds(ctx, entry.prep, counts), counts)]
     best_est = best_s
     found = []
     solved = 0
+    kept: list[float] = []    # max-heap (negated) of the ``keep`` least estimates found
+
+    def limit() -> float:
+        slack = best_est * ESTIMATE_SLACK
+        return min(slack, -kept[0]) if keep is not None and len(kept) >= keep else slack
 
     tails: dict = {}
 
@@ -173,7 +185,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
         floor = min_bottleneck(cost)
         if not math.isfinite(floor):
             return "infeasible"
-        if M * floor > best_est * ESTIMATE_SLACK:
+        if M * floor > limit():
             return None
         got = split_blocks(cost, M)
         if got is None:
@@ -183,7 +195,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
         return got[0], got[1], flags
 
     # the tail bound is costly: only for what the split bound alone does not prune
-    order = best_first(items, lambda e, M: tail_lower_bound(ctx, entries[e], M), lambda: best_est * ESTIMATE_SLACK)
+    order = best_first(items, lambda e, M: tail_lower_bound(ctx, entries[e], M), limit)
     for i, (bound, e, M) in enumerate(order):
         if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
             break
@@ -205,5 +217,10 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
         est += tail(e, entry, M, sizes)
         found.append((est, e, M, sizes, flags))
         best_est = min(best_est, est)
+        if keep is not None:
+            if len(kept) < keep:
+                heapq.heappush(kept, -est)
+            elif est < -kept[0]:
+                heapq.heapreplace(kept, -est)
     found.sort(key=lambda x: x[0])
     return found, solved
