@@ -184,8 +184,9 @@ def what_ifs(costs, cluster, batch: int, num_heads, rho: float, c0: float, bubbl
                 f"{', '.join(priced)}: every forward collective exposed)", fwd_built,
                 patch=lambda: fwd_patterns(False))]
     if "bwd_ag_row" not in tp_fwd.FWD_OVERLAP_PATTERNS:
-        rows.append(run("g's backward all-gather chunked under the row's input-gradient GEMM too (bwd_ag_row)",
-                        False, patch=lambda: fwd_patterns(True, (*priced, "bwd_ag_row"))))
+        rows.append(run("g's backward all-gather chunked under the row's input-gradient GEMM too (bwd_ag_row: "
+                        "passes.tp_fwd_overlap's (c), not in cost.tp_fwd.FWD_OVERLAP_PATTERNS)",
+                        fwd_built, patch=lambda: fwd_patterns(True, (*priced, "bwd_ag_row"))))
     rows += [run("activation recomputation allowed (Stage.recompute; auto leaves it off by default)", True,
                  recompute=True),
              run("ablation: SP's activations not in the joint search's memory caps (SP time only)", sp_built,
