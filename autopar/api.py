@@ -21,7 +21,7 @@ from autopar.errors import ClusterError, PlanError, RuntimeInputError
 from autopar.ir.plan import Plan
 
 __all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare", "plan_config", "plan_from_costs",
-           "model_num_heads"]
+           "model_num_heads", "planning_analysis_options"]
 
 
 @dataclass
@@ -55,6 +55,16 @@ class Prepared:
         return replicated_fraction_of(self.analysis.stats) if rho is None else rho
 
 
+def planning_analysis_options() -> dict:
+    """``passes.analyze.analyze`` keywords of an analysis that plans (``prepare``, ``autopar plan``): its
+    module's code generated only if run (``lazy_code``), its annotations cached by graph under
+    ``$AUTOPAR_CACHE_DIR/analysis`` (``passes.analysis_cache``). The runtime's analysis (``compile``)
+    takes neither: it runs its module, wrapped."""
+    from autopar.cost.measure_cache import cache_dir
+
+    return {"lazy_code": True, "cache_dir": cache_dir() / "analysis"}
+
+
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
             measure: bool | None = None, progress=None, analysis=None, precision: str | None = None,
             loss_fn=None, example_targets=None) -> Prepared:
@@ -65,7 +75,7 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     from autopar.passes.analyze import analyze
 
     t0 = time.perf_counter()
-    analysis = analysis or analyze(model, tuple(example_inputs))
+    analysis = analysis or analyze(model, tuple(example_inputs), **planning_analysis_options())
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
                         optimizer=optimizer, measure=measure, progress=progress, precision=precision,

@@ -34,7 +34,6 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.passes.capture import align_inputs
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
@@ -213,6 +212,8 @@ class _Analyzer(fx.Interpreter):
             saved.append(t)
             return t
 
+        from torch.utils.flop_counter import FlopCounterMode   # here: it imports triton (~0.2 s), which
+                                                              # an analysis read from the cache never needs
         counter = _CountingOps()
         with FlopCounterMode(display=False) as fc, counter:
             if with_backward:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from autopar.passes.analysis import annotate_pass
+from autopar.passes.analysis_cache import annotate_cached
 from autopar.passes.blocks import Block, BlockStats, assign_blocks_pass, block_stats
 from autopar.passes.capture import CaptureError, Captured, capture
 
@@ -54,11 +55,18 @@ def _batch_size(example_inputs: tuple) -> int:
     raise CaptureError("example_inputs: need at least one tensor with a batch dimension (dim 0)")
 
 
-def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto") -> Analysis:
+def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto", lazy_code: bool = False,
+            cache_dir=None) -> Analysis:
+    """``lazy_code``: the captured module generates its Python code when first run (``capture``; for an
+    analysis that plans, not one the runtime runs). ``cache_dir``: annotations are read from and
+    written to this folder (``passes.analysis_cache``; the same annotations, value for value)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    captured = capture(model, example_inputs, method=method)
-    annotate_pass(captured.gm, example_inputs)
+    captured = capture(model, example_inputs, method=method, lazy_code=lazy_code)
+    if cache_dir is None:
+        annotate_pass(captured.gm, example_inputs)
+    else:
+        annotate_cached(captured.gm, example_inputs, cache_dir)
     blocks = assign_blocks_pass(captured.gm)
     stats, tied = block_stats(captured.gm, blocks)
     return Analysis(captured=captured, batch_size=_batch_size(example_inputs), blocks=blocks, stats=stats,

@@ -158,21 +158,41 @@ class _Tracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model)`` with ``_Tracer``."""
+def _graph_module(root: nn.Module, graph: fx.Graph, name: str, lazy_code: bool) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, name)``; with ``lazy_code``, one that generates and compiles its
+    Python code only when first called or asked for ``code`` (torch's ``_LazyGraphModule``, where this
+    torch has it): llama-140b's 5 851 nodes take ~0.3 s to generate, which planning never runs. Not for
+    a module the runtime wraps (``autopar.runtime.precision.autocast_forward`` binds an instance
+    ``forward`` that calls the class's; a lazy class ``forward`` calls the module again, wrapper
+    included), so ``capture`` generates eagerly by default."""
+    if lazy_code:
+        try:
+            from torch.fx._lazy_graph_module import _LazyGraphModule
+        except ImportError:     # a torch without it: generate now
+            pass
+        else:
+            return _LazyGraphModule(root, graph, name)
+    return fx.GraphModule(root, graph, name)
+
+
+def _symbolic_trace(model: nn.Module, lazy_code: bool = False) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)`` with ``_Tracer`` (``_graph_module`` for ``lazy_code``)."""
     tracer = _Tracer()
     graph = tracer.trace(model)
-    return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    return _graph_module(tracer.root, graph, model.__class__.__name__, lazy_code)
 
 
-def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", "fx", "export"] = "auto") -> Captured:
-    """Capture ``model`` as an fx GraphModule; see the module docstring for the order of attempts."""
+def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", "fx", "export"] = "auto",
+            lazy_code: bool = False) -> Captured:
+    """Capture ``model`` as an fx GraphModule; see the module docstring for the order of attempts.
+    ``lazy_code``: an fx-traced module generates its Python code when first run, not now
+    (``_graph_module``; for graphs that are analysed, not run, such as planning's)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     fx_error = None
     if method in ("auto", "fx"):
         try:
-            gm = _symbolic_trace(model)
+            gm = _symbolic_trace(model, lazy_code)
             return Captured(gm=gm, method="fx")
         except Exception as exc:  # noqa: BLE001 - any tracing failure sends us to the fallback
             fx_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]

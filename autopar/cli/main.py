@@ -82,14 +82,14 @@ def _write_json(obj, dest: str) -> None:
 
 
 def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str | None = None):
-    from autopar.api import prepare
+    from autopar.api import planning_analysis_options, prepare
 
     from autopar.cost.profile import DEFAULT_SAMPLE_BATCHES
     from autopar.passes.analyze import analyze
 
     case = _planning_case(model_spec)   # one build (a 140B model on meta takes ~0.7 s)
     t0 = time.perf_counter()
-    analysis = analyze(case.model, case.example_inputs)
+    analysis = analyze(case.model, case.example_inputs, **planning_analysis_options())
     analyze_s = time.perf_counter() - t0
     advance, stop = (lambda: None), (lambda: None)
     if need_measure and sys.stderr.isatty():
