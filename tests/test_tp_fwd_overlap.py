@@ -181,22 +181,31 @@ class TwoRanks(threaded_ranks(2)):
             (inputs, targets), = batches("llama-tiny", 2, 1)   # 2 x 32 tokens: shards 24 / 8, pieces 6 / 2
         sp.order(inputs[0].float())                            # learnt once, before the log
         with MatmulLog(log):
-            engine.gm(*inputs)
-        # every f: start 0, start 1, mm(0), start 2, mm(1), start 3, mm(2), mm(3)  (P x B x 6 rows: 24)
-        ag = [i for i, e in enumerate(log) if e[0] == "ag"]
-        assert len(ag) == 8 * FWD_OVERLAP_CHUNKS, log
-        for f in range(8):
-            starts = ag[f * 4:(f + 1) * 4]
-            for c in range(1, 4):
-                between = [e for e in log[starts[c - 1] + 1:starts[c]] if e[0] == "mm"]
-                assert (c == 1) == (not between), (f, c, log[starts[0]:starts[-1] + 1])
-                if between:
-                    assert all(shape[0] == 2 * 2 * 6 for _, shape in between), between
-        # every row: mm(c) then its reduce-scatter, before mm(c+1)
-        rs = [i for i, e in enumerate(log) if e[0] == "rs"]
+            loss = loss_fn(engine.gm(*inputs), targets)
+        forward, n = list(log), len(log)
+        with MatmulLog(log):
+            loss.backward()
+        backward = log[n:]
+
+        def pipelined(events):
+            """Every chunked all-gather: start 0, start 1, mm(0), start 2, mm(1), start 3, mm(2), mm(3),
+            each mm on the chunk's P x B x 6 rows (24)."""
+            ag = [i for i, e in enumerate(events) if e[0] == "ag"]
+            assert len(ag) == 8 * FWD_OVERLAP_CHUNKS, events
+            for f in range(8):
+                starts = ag[f * 4:(f + 1) * 4] + [None]
+                for c in range(1, 5):
+                    between = [e for e in events[starts[c - 1] + 1:starts[c]] if e[0] == "mm"]
+                    assert (c == 1) == (not between), (f, c, events[starts[0]:starts[3] + 1])
+                    if 1 < c < 4:
+                        assert all(shape[0] == 2 * 2 * 6 for _, shape in between), between
+        pipelined(forward)       # (a) f's all-gather against the columns
+        pipelined(backward)      # (c) g's backward all-gather against the row's input gradient
+        # (b) every row: mm(c) then its reduce-scatter, before mm(c+1)
+        rs = [i for i, e in enumerate(forward) if e[0] == "rs"]
         assert len(rs) == 8 * FWD_OVERLAP_CHUNKS
         for i in rs:
-            assert log[i - 1][0] == "mm" and log[i - 1][1][0] == 2 * 2 * 6, log[i - 3:i + 1]
+            assert forward[i - 1][0] == "mm" and forward[i - 1][1][0] == 2 * 2 * 6, forward[i - 3:i + 1]
         for p in engine.gm.parameters():
             p.grad = None
         _train_and_check(engine, "llama-tiny", "adamw")
