@@ -48,21 +48,12 @@ from torch import nn
 
 from autopar.passes.meta import COST
 from autopar.passes.tp_match import linear_use
-from autopar.passes.tp_overlap import FusedColumns
+from autopar.passes.tp_overlap import FusedColumns, autocast_dtype
 from autopar.passes.tp_sp_comm import SeqReduceScatter, laid_out
 
 __all__ = ["FWD_OVERLAP_CHUNKS", "FusedRowScatter", "overlap_tp_forward"]
 
 FWD_OVERLAP_CHUNKS = 4   # k: pieces per shard (capped at the longest shard's length)
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (RuntimeError, TypeError):     # a device type without autocast
-        return None
-    return None
 
 
 class _RowScatterFn(torch.autograd.Function):
@@ -71,7 +62,7 @@ class _RowScatterFn(torch.autograd.Function):
         sp, dim = g.sp, g.dim % x.dim()
         seq_len = x.shape[dim]
         sp.lengths[g.key] = seq_len                 # g is where the full stream's length is set
-        dtype = _autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x.device.type)
         if dtype is not None:     # cast as autocast casts a linear's operands, then compute without it
             xc, wc = x.to(dtype), weight.to(dtype)
             bc = None if bias is None else bias.to(dtype)
@@ -132,7 +123,7 @@ class FusedRowScatter(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self.g.sp.bound:                               # unbound: g's own (uncommunicating) forward
-            dtype = _autocast_dtype(x.device.type)
+            dtype = autocast_dtype(x.device.type)
             if dtype is not None:
                 x, weight = x.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)

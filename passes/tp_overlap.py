@@ -59,7 +59,7 @@ from torch import nn
 from autopar.passes.meta import COST
 from autopar.passes.tp_match import LinearUse, linear_use
 
-__all__ = ["FusedColumns", "overlap_tp_backward", "has_backward_comm", "chunkable_f"]
+__all__ = ["FusedColumns", "overlap_tp_backward", "has_backward_comm", "chunkable_f", "autocast_dtype"]
 
 
 def has_backward_comm(module: Any) -> bool:
@@ -67,10 +67,11 @@ def has_backward_comm(module: Any) -> bool:
     return callable(getattr(module, "backward_comm_async", None))
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype where autocast is on for ``device_type``, else None."""
     try:
         if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
+            return torch.getautocast_dtype(device_type)
     except (RuntimeError, TypeError):     # a device type without autocast
         return None
     return None
@@ -114,7 +115,7 @@ class _FusedColumnsFn(torch.autograd.Function):
             weights.append(params[k])
             biases.append(params[k + 1] if hb else None)
             k += 2 if hb else 1
-        dtype = _autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x.device.type)
         if dtype is not None:     # cast as autocast casts a linear's operands, then compute without it
             weights_c = [w.to(dtype) for w in weights]
             biases_c = [None if b is None else b.to(dtype) for b in biases]
