@@ -71,7 +71,7 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype where autocast is on for ``device_type``, else None."""
     try:
         if torch.is_autocast_enabled(device_type):
-            return torch.getautocast_dtype(device_type)
+            return torch.get_autocast_dtype(device_type)
     except (RuntimeError, TypeError):     # a device type without autocast
         return None
     return None
