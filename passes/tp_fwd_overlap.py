@@ -32,7 +32,9 @@ on TP groups whose every rank's backend is NCCL (the collective runs on an engin
 rule as ``autopar.cost.tp.comm_hides``): on gloo the collective runs on the rank's own core and
 chunking only adds k-1 collectives' latency. True forces it, False turns it off. The async all-gather
 needs ``autopar.runtime.tp_comm.GroupAllGather`` bound as SP's ``all_gather`` (``start_into``); with
-a plain all-gather bound each chunk's all-gather blocks (same results, no overlap).
+a plain all-gather bound, (a) and (c) gather the whole shard once, blocking, and cut the chunks from it
+(same results and collectives as unchunked, no overlap); (b) needs only the bound reduce-scatter's
+``start``.
 
 Emulation: every start and wait pauses the emulated clock (``autopar.runtime.tp_comm``), so an
 emulated run is never charged waiting as compute. The exposure model the pricing implements is in

@@ -187,24 +187,25 @@ class SeqContext:
         with ``dim`` the chunk's width, each piece padded to the widest) and ``spans[p]`` the (start,
         stop) tokens of position p's piece in the full sequence. Chunk c+1's all-gather is started
         before chunk c is yielded, so the caller's work on chunk c runs while it is in flight: where
-        the bound all-gather has ``start_into`` (``autopar.runtime.tp_comm.GroupAllGather``), else
-        each chunk's all-gather blocks. Must be bound (``bound``) and iterated to the end."""
+        the bound all-gather has ``start_into`` (``autopar.runtime.tp_comm.GroupAllGather``). A bound
+        all-gather without it gathers the whole shard once, blocking (``gather``, as unchunked: no
+        collective more), and the chunks are cut from the result. Must be bound (``bound``) and
+        iterated to the end."""
         order = self.order(x)
         plan = self.chunk_spans(seq_len, chunks)
         a0 = self.ranges(seq_len)[self.rank_index][0]
         start_into = getattr(self.all_gather, "start_into", None)
+        full = self.gather(x, dim, seq_len) if start_into is None else None
 
         def issue(spans):
             width = max(b - a for a, b in spans)
+            by_position = tuple(spans[m] for m in order)
+            if full is not None:
+                return laid_out(full, dim, by_position, width), _no_wait, by_position
             a, b = spans[self.rank_index]
             piece = _pad(x.narrow(dim, a - a0, b - a), dim, width).contiguous()
             laid = piece.new_empty((len(order), *piece.shape))
-            if start_into is not None:
-                wait = start_into(laid.view(-1), piece.view(-1))
-            else:
-                self.all_gather(list(laid.unbind(0)), piece)
-                wait = _no_wait
-            return laid, wait, tuple(spans[m] for m in order)
+            return laid, start_into(laid.view(-1), piece.view(-1)), by_position
 
         pending = issue(plan[0])
         for c in range(len(plan)):
