@@ -15,6 +15,7 @@ each repeat times one forward on the global batch inside a compute block, a barr
 on/off, off/on. Reported: the forward's wall time (max over ranks), median and IQR, and the paired ratio.
 
     python benchmarks/bench_tp_fwd_overlap.py [--repeats 15] [--speeds 1.0,1.0] [--seq-len 256]
+    python benchmarks/bench_tp_fwd_overlap.py --check-exact     # chunked == unchunked on gloo processes
 """
 
 from __future__ import annotations
@@ -97,6 +98,47 @@ def worker(rank: int, global_batch: int, repeats: int, warmup: int, speeds: list
                 tokens=int(inputs[0].numel()), hidden=overrides["hidden_size"])
 
 
+def exact_worker(rank: int, shares: list[int]) -> dict:
+    """``--check-exact``: gpt-tiny's SP TP module for this rank chunked and unchunked (both with
+    ``GroupAllGather`` bound), one forward and backward each in fp32 and under CPU autocast bf16: the
+    losses and the largest relative gradient difference over the parameters."""
+    import torch
+
+    from autopar.models import build
+    from autopar.passes.analyze import analyze
+    from autopar.passes.tp import tp_rewrite
+    from autopar.passes.tp_fwd_overlap import overlap_tp_forward
+    from autopar.passes.tp_overlap import overlap_tp_backward
+    from autopar.passes.tp_sp import sp_rewrite
+    from autopar.passes.tp_sp_comm import bind_sp_collectives
+    from autopar.runtime.tp_comm import GroupAllGather, GroupAllReduce, GroupReduceScatter
+
+    case = build("gpt-tiny", seed=0)
+    gm = analyze(case.model, case.example_inputs).captured.gm
+    mods = []
+    for chunked in (False, True):
+        local = sp_rewrite(tp_rewrite(gm, tuple(shares), rank), tuple(shares), rank)
+        overlap_tp_backward(local)
+        if chunked:
+            overlap_tp_forward(local)
+        bind_sp_collectives(local, GroupAllReduce(None), GroupAllGather(None), GroupReduceScatter(None))
+        mods.append(local)
+    inputs, targets = case.batch(3, seed=1)
+    out = {}
+    for autocast in (False, True):
+        res = []
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = case.loss_fn(m(*inputs), targets)
+            loss.backward()
+            res.append((float(loss.detach()), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        err = max(((res[1][1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in res[0][1].items())
+        out["bf16" if autocast else "fp32"] = dict(loss_unchunked=res[0][0], loss_chunked=res[1][0],
+                                                   max_rel_grad_diff=err, grads=len(res[0][1]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
@@ -105,6 +147,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--speeds", default="1.0,1.0", help="emulated device speeds")
     ap.add_argument("--shares", default="3,3", help="TP head shares per device (the model has 6 heads)")
+    ap.add_argument("--check-exact", action="store_true",
+                    help="instead: gpt-tiny (4 heads) chunked vs unchunked on gloo, losses and gradients")
     args = ap.parse_args()
 
     import autopar
@@ -112,6 +156,11 @@ def main() -> None:
 
     speeds = [float(x) for x in args.speeds.split(",")]
     shares = [int(x) for x in args.shares.split(",")]
+    if args.check_exact:     # gpt-tiny has 4 heads: shares 3,1 unless given
+        shares = shares if sum(shares) == 4 else [3, 1]
+        for rank, res in enumerate(autopar.launch(exact_worker, make_cluster(speeds), shares)):
+            print(f"rank {rank}, shares {shares}: {res}")
+        return
     overrides = dict(OVERRIDES, seq_len=args.seq_len)
     load0 = os.getloadavg()[0]
     res = autopar.launch(worker, make_cluster(speeds), args.global_batch, args.repeats, args.warmup, speeds,
