@@ -147,11 +147,11 @@ class TwoRanks(threaded_ranks(2)):
             (inputs, targets), = batches("gpt-tiny", 3, 1)
         ref = _sp_module("gpt-tiny", self.rank, False, False)
         assert not any(isinstance(m, FusedRowScatter) for m in ref.modules())
+        chunked = {a: _sp_module("gpt-tiny", self.rank, True, a) for a in (True, False)}
         for autocast in (False, True):
             want_out, want_grads = _run(ref, inputs, targets, loss_fn, autocast)
             for async_gather in (True, False):
-                got_out, got_grads = _run(_sp_module("gpt-tiny", self.rank, True, async_gather), inputs, targets,
-                                          loss_fn, autocast)
+                got_out, got_grads = _run(chunked[async_gather], inputs, targets, loss_fn, autocast)
                 tol = 2e-2 if autocast else 1e-5
                 assert torch.allclose(got_out, want_out, rtol=tol, atol=tol), (autocast, async_gather)
                 assert set(got_grads) == set(want_grads)
