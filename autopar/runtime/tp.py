@@ -53,7 +53,6 @@ inside ``clock.compute()``; the f / g all-reduces inside forward and backward bl
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -73,7 +72,7 @@ from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
-from autopar.runtime.tp_comm import GroupAllReduce, GroupReduceScatter
+from autopar.runtime.tp_comm import GroupAllGather, GroupAllReduce, GroupReduceScatter
 from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
 __all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
@@ -104,7 +103,7 @@ def bind_sp_group(local_gm: fx.GraphModule, group=None) -> None:
     overlapped with its columns' weight gradients (``passes.tp_overlap``)."""
     if not pg_is_initialized() or SP_META_KEY not in getattr(local_gm, "meta", {}):
         return
-    bind_sp_collectives(local_gm, GroupAllReduce(group), functools.partial(pg_all_gather, group=group),
+    bind_sp_collectives(local_gm, GroupAllReduce(group), GroupAllGather(group),
                         GroupReduceScatter(group))
 
 
