@@ -57,12 +57,13 @@ class Prepared:
 
 def planning_analysis_options() -> dict:
     """``passes.analyze.analyze`` keywords of an analysis that plans (``prepare``, ``autopar plan``): its
-    module's code generated only if run (``lazy_code``), its annotations cached by graph under
-    ``$AUTOPAR_CACHE_DIR/analysis`` (``passes.analysis_cache``). The runtime's analysis (``compile``)
-    takes neither: it runs its module, wrapped."""
+    module's code generated only if run (``lazy_code``), repeated module calls traced once
+    (``replay_repeats``, ``passes.tracer``), its annotations cached by graph under
+    ``$AUTOPAR_CACHE_DIR/analysis`` (``passes.analysis_cache``); the same analysis, faster. The
+    runtime's analysis (``compile``) takes none of them: it runs its module, wrapped."""
     from autopar.cost.measure_cache import cache_dir
 
-    return {"lazy_code": True, "cache_dir": cache_dir() / "analysis"}
+    return {"lazy_code": True, "replay_repeats": True, "cache_dir": cache_dir() / "analysis"}
 
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",

@@ -56,13 +56,14 @@ def _batch_size(example_inputs: tuple) -> int:
 
 
 def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto", lazy_code: bool = False,
-            cache_dir=None) -> Analysis:
-    """``lazy_code``: the captured module generates its Python code when first run (``capture``; for an
-    analysis that plans, not one the runtime runs). ``cache_dir``: annotations are read from and
-    written to this folder (``passes.analysis_cache``; the same annotations, value for value)."""
+            replay_repeats: bool = False, cache_dir=None) -> Analysis:
+    """``lazy_code``, ``replay_repeats``: the captured module generates its Python code when first run,
+    and repeated module calls are traced once (``capture``; the same graph, for an analysis that plans,
+    not one the runtime runs). ``cache_dir``: annotations are read from and written to this folder
+    (``passes.analysis_cache``; the same annotations, value for value)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    captured = capture(model, example_inputs, method=method, lazy_code=lazy_code)
+    captured = capture(model, example_inputs, method=method, lazy_code=lazy_code, replay_repeats=replay_repeats)
     if cache_dir is None:
         annotate_pass(captured.gm, example_inputs)
     else:

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.passes.tracer import Tracer
 
 __all__ = ["CaptureError", "Captured", "capture", "module_path", "output_to_loss", "align_inputs", "retarget_device"]
 
@@ -137,27 +138,6 @@ def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, bo
     return gm, static
 
 
-class _Tracer(fx.Tracer):
-    """``fx.Tracer`` that looks a parameter's name up in a table. The stock tracer searches every
-    parameter of the model for each parameter a traced (non-leaf) module reads: llama-140b's 161 norms
-    x 723 parameters, a fifth of its trace. The same graph otherwise."""
-
-    def trace(self, root, concrete_args=None):
-        self._param_names: dict[int, str] = {}
-        if isinstance(root, nn.Module):
-            for name, p in root.named_parameters():
-                self._param_names.setdefault(id(p), name)
-        return super().trace(root, concrete_args)
-
-    def getattr(self, attr, attr_val, parameter_proxy_cache):
-        name = self._param_names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
-        if name is None or self.param_shapes_constant:
-            return super().getattr(attr, attr_val, parameter_proxy_cache)
-        if name not in parameter_proxy_cache:
-            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
-        return parameter_proxy_cache[name]
-
-
 def _graph_module(root: nn.Module, graph: fx.Graph, name: str, lazy_code: bool) -> fx.GraphModule:
     """``fx.GraphModule(root, graph, name)``; with ``lazy_code``, one that generates and compiles its
     Python code only when first called or asked for ``code`` (torch's ``_LazyGraphModule``, where this
@@ -175,24 +155,26 @@ def _graph_module(root: nn.Module, graph: fx.Graph, name: str, lazy_code: bool) 
     return fx.GraphModule(root, graph, name)
 
 
-def _symbolic_trace(model: nn.Module, lazy_code: bool = False) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model)`` with ``_Tracer`` (``_graph_module`` for ``lazy_code``)."""
-    tracer = _Tracer()
+def _symbolic_trace(model: nn.Module, lazy_code: bool = False, replay: bool = False) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)`` with ``passes.tracer.Tracer`` (``replay``: repeated module
+    calls copied; ``_graph_module`` for ``lazy_code``)."""
+    tracer = Tracer(replay=replay)
     graph = tracer.trace(model)
     return _graph_module(tracer.root, graph, model.__class__.__name__, lazy_code)
 
 
 def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", "fx", "export"] = "auto",
-            lazy_code: bool = False) -> Captured:
+            lazy_code: bool = False, replay_repeats: bool = False) -> Captured:
     """Capture ``model`` as an fx GraphModule; see the module docstring for the order of attempts.
     ``lazy_code``: an fx-traced module generates its Python code when first run, not now
-    (``_graph_module``; for graphs that are analysed, not run, such as planning's)."""
+    (``_graph_module``); ``replay_repeats``: a module call that repeats a traced one copies its nodes
+    (``passes.tracer``). Both give the same graph, for graphs that are analysed, not run: planning's."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     fx_error = None
     if method in ("auto", "fx"):
         try:
-            gm = _symbolic_trace(model, lazy_code)
+            gm = _symbolic_trace(model, lazy_code, replay_repeats)
             return Captured(gm=gm, method="fx")
         except Exception as exc:  # noqa: BLE001 - any tracing failure sends us to the fallback
             fx_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]

@@ -135,3 +135,85 @@ def test_a_lazy_module_runs_as_the_eager_one():
     eager = capture(case.model, case.example_inputs).gm
     lazy = capture(case.model, case.example_inputs, lazy_code=True).gm
     torch.testing.assert_close(lazy(*case.example_inputs), eager(*case.example_inputs), rtol=0, atol=0)
+
+
+# -- repeated module calls traced once (passes.tracer) --------------------------------------------------
+def _graph(gm):
+    """Everything of a traced graph: each node's name, op, target, arguments, type and metadata, and the
+    code generated from it."""
+    return [(n.name, n.op, n.target, repr(n.args), repr(n.kwargs), n.type, repr(dict(n.meta)))
+            for n in gm.graph.nodes], gm.code
+
+
+def _same_trace(model, inputs) -> int:
+    """Asserts the replayed trace equals the stock one; returns how many module calls it copied."""
+    from autopar.passes.tracer import Tracer
+
+    stock = capture(model, inputs)
+    fast = capture(model, inputs, lazy_code=True, replay_repeats=True)
+    assert stock.method == fast.method == "fx"
+    assert _graph(fast.gm) == _graph(stock.gm)
+    tracer = Tracer(replay=True)
+    tracer.trace(model)
+    torch.testing.assert_close(fast.gm(*inputs), stock.gm(*inputs), rtol=0, atol=0) \
+        if not any(p.is_meta for p in model.parameters()) else None
+    return tracer.replayed
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny", "bert-tiny", "vit-tiny", "resnet-tiny", "llama-7b"])
+def test_a_replayed_trace_equals_the_stock_one(name):
+    case = zoo.build(name, device="meta")
+    copied = _same_trace(case.model, case.example_inputs)
+    assert copied > 0 or name == "resnet-tiny"     # the shortcut was taken (resnet's blocks differ in shape)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, width, k, gate=False, table=None):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.k, self.gate = k, gate
+        if table is not None:
+            self.table = table            # a plain tensor attribute (fx makes it a get_attr)
+
+    def forward(self, x, scale=1.0):
+        y = self.fc(x) * self.k * scale
+        if self.gate:                      # Python control flow on the module's state
+            y = torch.sigmoid(y)
+        if hasattr(self, "table"):
+            y = y + self.table
+        return x + y
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers, twice=(), nested=None, shared=None):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.twice = set(twice)
+        self.nested = nested
+        self.shared = shared
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i in self.twice:
+                x = layer(x, scale=0.5)    # called again: its nodes name the second call "@1"
+        if self.nested is not None:
+            x = self.nested(x)
+        if self.shared is not None:
+            x = self.shared(x) + self.layers[0].fc(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("build,copied", [
+    (lambda: _Stack([_Scaled(8, 2.0) for _ in range(4)]), 3),
+    (lambda: _Stack([_Scaled(8, 2.0), _Scaled(8, 3.0), _Scaled(8, 2.0), _Scaled(8, 2.0, gate=True)]), 1),
+    (lambda: _Stack([_Scaled(8, 2.0) for _ in range(3)], twice=(0, 2)), 2),     # first calls; the second are traced
+    (lambda: _Stack([_Scaled(8, 2.0) for _ in range(3)], nested=nn.Sequential(_Scaled(8, 2.0), _Scaled(8, 2.0))), 4),
+    (lambda: (lambda t: _Stack([_Scaled(8, 2.0, table=t) for _ in range(3)]))(torch.ones(8)), 0),  # one shared tensor
+    (lambda: _Stack([_Scaled(8, 2.0, table=torch.ones(8)) for _ in range(3)]), 0),   # own tensors: by identity
+    (lambda: (lambda s: _Stack([s, _Scaled(8, 2.0), s], shared=s))(_Scaled(8, 2.0)), 1),        # one module twice
+], ids=["same", "state differs", "called twice", "nested", "shared tensor", "own tensors", "shared module"])
+def test_replay_keeps_the_stock_graph_where_calls_differ(build, copied):
+    torch.manual_seed(0)
+    model = build()
+    assert _same_trace(model, (torch.randn(2, 8),)) == copied
