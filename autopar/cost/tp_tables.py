@@ -249,29 +249,10 @@ def tp_sp_tables(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def tp_wgrad_shares(gm, num_blocks: int) -> np.ndarray | None:
-    """[block, pair] weight-gradient share of the block's backward (module docstring); None without pairs."""
-    from autopar.passes.meta import BLOCK, COST
-    from autopar.passes.tp_match import find_tp_pairs
-
-    n = int(num_blocks)
-    pairs = find_tp_pairs(gm)
-    if not pairs:
-        return None
-    nodes = {x.name: x for x in gm.graph.nodes}
-    heavy, _ = _block_work(gm, n, set())
-    total = heavy + _light_all(gm, n)
-    per_block: list[list[float]] = [[] for _ in range(n)]
-    for p in pairs:
-        b = nodes[p.row_node].meta.get(BLOCK)
-        if b is None or not 0 <= b < n or total[b] <= 0:
-            continue
-        flops = sum(getattr(nodes[c].meta.get(COST), "fwd_flops", 0.0) for c in p.column_nodes if c in nodes)
-        per_block[b].append(min(1.0, flops / (2.0 * total[b])))
-    width = max((len(x) for x in per_block), default=0)
-    out = np.zeros((n, max(width, 1)))
-    for b, xs in enumerate(per_block):
-        out[b, :len(xs)] = xs
-    return out
+    """[block, pair] weight-gradient share of the block's backward (module docstring): the columns'
+    forward share (``tp_gemm_shares``) over 2; None without pairs."""
+    g = tp_gemm_shares(gm, num_blocks)
+    return None if g is None else g["tp_fwd_col_share"] / 2.0
 
 
 def tp_gemm_shares(gm, num_blocks: int) -> dict[str, np.ndarray] | None:
@@ -312,10 +293,10 @@ def tp_graph_tables(gm, num_blocks: int) -> dict:
     sp = tp_sp_tables(gm, num_blocks)
     if sp is not None:
         out["tp_sp_supported"], out["tp_sp_covered"], out["tp_sp_act_replicated"] = sp
-    w = tp_wgrad_shares(gm, num_blocks)
-    if w is not None:
-        out["tp_wgrad_share"] = w
-    out.update(tp_gemm_shares(gm, num_blocks) or {})
+    g = tp_gemm_shares(gm, num_blocks)     # one pass for the weight-gradient and forward GEMM shares
+    if g is not None:
+        out["tp_wgrad_share"] = g["tp_fwd_col_share"] / 2.0
+        out.update(g)
     return out
 
 
