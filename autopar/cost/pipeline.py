@@ -166,6 +166,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
     tp_seen: dict = {}
     tp_ids: dict = {}
+    kinds: dict = {}   # (ranks, head shares) -> the group's kind
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
         seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
@@ -176,7 +177,10 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
             if len(members) > 1 and st.tp_shares:
                 from autopar.cost import tp as tp_cost  # local: the TP cost model imports nothing from here
 
-                kind = tp_cost.group_kind(cluster, members, st.tp_shares[g])
+                at_key = (tuple(members), tuple(st.tp_shares[g]))   # chunks of one rank stage: the same groups
+                kind = kinds.get(at_key)
+                if kind is None:
+                    kind = kinds[at_key] = tp_cost.group_kind(cluster, members, st.tp_shares[g])
                 t = tp_ids.setdefault(kind, len(tp_ids))
             call = max(costs.call_overhead(cluster.devices[r].spec.name) for r in members)
             xs = st.micro_batches[g]
@@ -220,15 +224,18 @@ def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None
     return tp_cost.stage_sync_time_s(costs, cluster, stage, replicated_fraction)   # the one definition
 
 
-def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[Timeline, float]:
+def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", *,
+                  durations: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple[Timeline, float]:
     """The simulated timeline of a pipeline plan's schedule and its step time (the last stage to finish
     its backward and then its gradient all-reduce). The planner predicts with this same function.
     Tensor-parallel members are priced with the replicated fraction the joint planner recorded in
-    ``plan.predicted.breakdown["tp_replicated_fraction"]`` (``autopar.cost.tp``'s default if absent)."""
+    ``plan.predicted.breakdown["tp_replicated_fraction"]`` (``autopar.cost.tp``'s default if absent).
+    ``durations``: ``stage_durations`` of these stages at that fraction, when the caller has them."""
     stages = plan.stages
     M = plan.num_micro_batches
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
-    fwd, bwd, comm = stage_durations(costs, cluster, stages, replicated_fraction=rho)
+    fwd, bwd, comm = durations if durations is not None else \
+        stage_durations(costs, cluster, stages, replicated_fraction=rho)
     name = plan.schedule if plan.schedule in SCHEDULES and plan.schedule != "auto" else "1f1b"
     wgrad = None
     if name == "zb-h1":

@@ -267,23 +267,28 @@ def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int
         stages, mem = fitted
         probe = dataclasses.replace(plan, schedule="interleaved-1f1b", stages=stages, virtual_stages=V,
                                     predicted=dataclasses.replace(plan.predicted, memory_bytes=mem))
-        if busiest_rank_stage_s(costs, cluster, stages, V, rho) >= step0 * (1 - 1e-9):
+        if priced is not None and priced[0].stages == stages:
+            durations = priced[3]
+        else:
+            durations = stage_durations(costs, cluster, stages, replicated_fraction=rho)
+        if busiest_rank_stage_s(costs, cluster, stages, V, rho, durations=durations) >= step0 * (1 - 1e-9):
             return None   # its busiest rank stage alone takes longer than the flat plan's step
         if priced is None or priced[0].stages != stages:
-            priced = (probe, *plan_timeline(probe, costs, cluster))
+            priced = (probe, *plan_timeline(probe, costs, cluster, durations=durations), durations)
         if priced[2] >= step0 * (1 - 1e-9):
             return None
     return probe, priced[1], priced[2]
 
 
-def busiest_rank_stage_s(costs, cluster, stages: Sequence[Stage], V: int, rho=None) -> float:
+def busiest_rank_stage_s(costs, cluster, stages: Sequence[Stage], V: int, rho=None, *, durations=None) -> float:
     """A lower bound of an interleaved plan's step that needs no schedule: over rank stages p, the
     forward and backward seconds of all of p's chunks and micro-batches (``stage_durations``, a
     recompute chunk's rerun forwards included; a rank runs its actions one at a time), plus the
     fastest forward and backward of every virtual stage before p (p's first action is its chunk 0's
     forward, which waits for virtual stages 0..p-1; its last is chunk 0's backward, which virtual
     stages p-1..0 follow)."""
-    fwd, bwd = stage_durations(costs, cluster, stages, replicated_fraction=rho)[:2]
+    fwd, bwd = (durations if durations is not None else
+                stage_durations(costs, cluster, stages, replicated_fraction=rho))[:2]
     per_stage, edge = (fwd + bwd).sum(axis=1), fwd.min(axis=1) + bwd.min(axis=1)
     R = len(stages) // V
     return float(max(per_stage[p::R].sum() + edge[:p].sum() for p in range(R)))
