@@ -22,13 +22,16 @@ Terms
   the mean difference of the least times of each (the steady clock charges the least;
   ``ModelCosts.call_overhead_s``,
   scaled like the block tables). 0 on GPU types, whose launch overheads are in the block tables.
+  On clusters with emulated types the call is timed as the engines call, after the sleep the clock
+  really takes (``autopar.cost.engine_call``: 20-60 ms, where this 10 ms sleep at 2 rows saw a third
+  of the penalty), and that figure is the call overhead.
 
 Measurements are cached with the block timings (``autopar.cost.measure_cache.measure_cache_path()``).
 
 Predicted phases (``predicted_phases``): per rank of a plan, the cost model's seconds of each phase
 of a step that ``autopar.ir.profile`` measures: forward and backward (the rank's micro-batches on its
-stage's blocks, a tensor-parallel rank its work factor, each compute call's overhead split between
-them), optimizer (its parameters or its ZeRO shard, plus one call), the collectives by kind (data
+stage's blocks, a tensor-parallel rank its work factor; each compute call's overhead in the phase the
+call begins with: a micro-step's in forward, a pipeline's forward and backward calls one each), optimizer (its parameters or its ZeRO shard, plus one call), the collectives by kind (data
 parallel: the ZeRO stage's all-reduce / reduce-scatter / all-gather, or broadcasts where the shards are uneven, as
 ``autopar.cost.comm.zero_collectives`` prices the engine's, the bucketed gradient all-reduce only for
 its exposed part, what overlap leaves after the slowest rank's last backward, which is all the
@@ -255,13 +258,15 @@ def flat_shard_numel(analysis, cluster) -> int:
 
 
 def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
-               measured: bool = False) -> dict[str, dict[str, float]]:
+               measured: bool = False, loss_fn=None, example_targets=None) -> dict[str, dict[str, float]]:
     """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param``,
     ``optimizer_s_per_tensor`` (``measure_optimizer_per_tensor``; with real weights only) and
     ``call_overhead_s``, each per device type of ``cluster`` (see the module docstring), as keyword
     arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
     overhead is measured too, else it is 0); a model without real weights has its optimizer timed on
-    the flat buffer."""
+    the flat buffer. On a cluster with emulated types the call overhead is the engines' call after the
+    clock's sleep (``autopar.cost.engine_call``: a data-parallel micro-step, with ``loss_fn`` on
+    ``example_targets`` where given), else ``measure_call_overhead``."""
 
     types = cluster.device_types()
     specs = {t: cluster.spec_of(t) for t in types}
@@ -277,9 +282,16 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
         cpu_opt = cpu_flat
         if shapes:
             cpu_opt, cpu_tensor = measure_optimizer_per_tensor(optimizer, shapes, concurrent=k)
-        if measured and real and example_inputs is not None:
-            cpu_call = measure_call_overhead(analysis, example_inputs)
     scale = emulation_time_scale(len(cluster))
+    if cpu_types and measured and real and example_inputs is not None:
+        fastest = max((specs[t].speed for t in cpu_types if specs[t].is_emulated), default=None)
+        if fastest is not None and scale / fastest > 1:
+            from autopar.cost.engine_call import measure_engine_calls
+
+            cpu_call = measure_engine_calls(analysis, example_inputs, sleep_factor=scale / fastest - 1,
+                                            loss_fn=loss_fn, example_targets=example_targets).micro_step_s
+        else:
+            cpu_call = measure_call_overhead(analysis, example_inputs)
     for t, spec in specs.items():
         if t in cpu_types:
             speed = spec.speed / scale if spec.is_emulated else 1.0
@@ -409,9 +421,10 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                         f, b = float(costs.fwd_time(t, x)[blocks].sum()), float(costs.bwd_time(t, x)[blocks].sum())
                     if st.recompute:
                         b += f
-                    c = call / 2 if single else call      # a micro-step is one call, a pipeline F or B one each
-                    _add(d, "forward", f + c)
-                    _add(d, "backward", b + c)
+                    # a micro-step is one call, its cold start paid in the forward it begins with (where the
+                    # recorder measures it, autopar.cost.engine_call); a pipeline's F and B one call each
+                    _add(d, "forward", f + call)
+                    _add(d, "backward", b + (0.0 if single else call))
                     if tp_group:                           # Megatron's f / g collectives, both directions
                         for op, sec in tp_collective_phases(costs, alpha, beta, x, types, shares, sp_on,
                                                             blocks, sp_link, hides).items():

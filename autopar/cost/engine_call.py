@@ -1,0 +1,163 @@
+"""What a compute call costs an emulated rank beyond its blocks' hot timings, timed as the engines call.
+
+Why: the block tables (``autopar.cost.profile.measure_blocks``) take the least of hot repeats, one
+run right after the other. An emulated rank never runs hot: its clock sleeps after every compute block
+(``autopar.runtime.emulate``: ``target - wall``, i.e. ``cpu x (time_scale / speed - 1)``, tens of
+milliseconds), and the call after the sleep starts with cold caches. On bert-tiny dp on the demo cluster
+(native, load 3-4, ``/tmp``-style launch script) a micro-step's engine code itself added 0-0.65 ms to the
+plain graph's forward + loss + backward (13.08 vs 13.11 ms at 32 rows, 3.57 vs 2.92 ms at 3 rows, least of
+12 hot runs in the rank's own process), while the same call after a 40 ms sleep cost 0.5-1.5 ms more,
+and in the forward (the backward right after it runs hot). ``autopar.cost.step.measure_call_overhead``
+priced that start after a 10 ms sleep at 2 rows: 0.14 ms there, 0.2-0.3 ms alone on one core, against
+0.6-1.2 ms after 40-160 ms (the penalty grows with the sleep up to ~40 ms, then stays).
+
+What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the engines run a call, at
+``micro_batch`` rows tiled from the example inputs:
+- the loss (``loss_fn`` on the tiled targets, else the outputs' sum) weighted by the micro-batch's share
+  of the batch, as every engine weights it, and the backward accumulating into the gradients already
+  there (the data-parallel engine's ``.grad`` are views of one flat buffer, kept between steps);
+- the data-parallel engine's call, a micro-step: forward, loss and backward as one compute block, after a
+  sleep (``micro_step_s``: its least minus the least hot micro-step);
+- the pipeline engine's calls: a stage's forward (with the loss on the last stage) after a sleep and its
+  backward after another (``forward_s``, ``backward_s``: each call's least minus its least hot run);
+- hot and cold runs interleaved (a hot micro-step, a cold one, a cold forward, a cold backward), so all
+  see the same moments of the host; the median over ``repeats`` of each repeat's cold minus hot time;
+- the sleep: ``call_gap_s``, what the clock of the cluster's fastest emulated type sleeps after the hot
+  micro-step (``time_scale / speed - 1`` times it), within 20-60 ms (the penalty stops growing near 40 ms).
+
+Priced (``autopar.cost.step``): ``call_overhead_s`` is ``micro_step_s`` scaled like the block tables (a
+call's CPU time is stretched as its blocks'); every planner prices it per compute call already (one per
+data-parallel micro-step, one per pipeline forward and one per backward), and
+``autopar.cost.step.predicted_phases`` lays a data-parallel micro-step's out in ``forward``, where the
+recorder measures it (``autopar.runtime.recorder``: a micro-step's block is forward until the graph's
+forward hook fires). Not measured here: the tensor-parallel and ZeRO-3 engines split a micro-step into
+several blocks (the clock settles before each collective), and each block after a collective starts
+cold again; those calls are priced as one.
+
+Cached in ``measure.json`` (``autopar.cost.measure_cache``) by the graph, micro-batch, sleep, loss, CPU
+threads and ``machine_id()``, so another machine measures its own. Emulated figures only: GPU types
+pay none of this (``call_overhead_s`` 0 there).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
+
+__all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH"]
+
+# The sleep a cold call is timed after, in seconds: at least / at most (``call_gap_s``).
+CALL_GAP_RANGE_S = (0.02, 0.06)
+# Rows the calls are timed at: the penalty is a cache refill and hardly depends on the rows (bert-tiny
+# after a 40 ms sleep: 0.86, 1.18, 0.84 ms at 2, 8, 32 rows; load 3.6, one core).
+CALL_MICRO_BATCH = 8
+_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCalls:
+    """CPU seconds a call costs beyond its hot time when it starts after ``gap_s`` of sleep (see the
+    module docstring), on this CPU, at ``micro_batch`` rows; ``hot_s`` the hot micro-step."""
+    micro_step_s: float     # the data-parallel engine's call: forward + loss + backward
+    forward_s: float        # the pipeline engine's forward call
+    backward_s: float       # the pipeline engine's backward call
+    hot_s: float
+    gap_s: float
+    micro_batch: int
+
+    def to_dict(self) -> dict:
+        return {"micro_step_s": self.micro_step_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "hot_s": self.hot_s, "gap_s": self.gap_s, "micro_batch": self.micro_batch}
+
+
+def call_gap_s(hot_s: float, sleep_factor: float) -> float:
+    """The sleep after a call of ``hot_s`` CPU seconds on a clock that stretches CPU time by
+    ``sleep_factor + 1`` (``time_scale / speed``), within ``CALL_GAP_RANGE_S``."""
+    lo, hi = CALL_GAP_RANGE_S
+    return float(min(hi, max(lo, hot_s * max(0.0, float(sleep_factor)))))
+
+
+def _loss_of(out, loss_fn, targets):
+    if loss_fn is not None and targets is not None:
+        return loss_fn(out, targets)
+    leaves = [o for o in torch.utils._pytree.tree_flatten(out)[0]
+              if isinstance(o, torch.Tensor) and o.requires_grad]
+    return sum(o.float().sum() for o in leaves) if leaves else None
+
+
+def _paired(cold: list, hot: list) -> float:
+    """The median of the repeats' cold-minus-hot differences, at least 0: each pair ran at the same moment
+    of the host, so the host's drift between repeats cancels (differences of the least times moved by
+    1-2.6 ms between two measurements of resmlp at load 3)."""
+    import statistics
+
+    return max(0.0, float(statistics.median(c - h for c, h in zip(cold, hot))))
+
+
+def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float, loss_fn=None,
+                         example_targets=None, micro_batch: int = CALL_MICRO_BATCH, repeats: int = 9,
+                         use_cache: bool = True) -> EngineCalls:
+    """The calls' cost after the clock's sleep (see the module docstring), cached. ``sleep_factor``: the
+    fastest emulated type's ``time_scale / speed - 1`` (the sleep is ``call_gap_s`` of the hot micro-step).
+    Runs the captured graph, so the model's ``.grad`` are cleared afterwards."""
+    from autopar.passes.split import flat_inputs
+
+    if not sleep_factor > 0:
+        raise ValueError(f"sleep_factor: {sleep_factor!r} must be > 0 (an emulated clock sleeps after a call)")
+    if int(repeats) < 1:
+        raise ValueError(f"repeats: {repeats!r} must be an int >= 1")
+    sig = graph_signature(analysis)
+    with_loss = loss_fn is not None and example_targets is not None
+    key = (f"engine-call|v{_VERSION}|{sig}|b{int(micro_batch)}|s{float(sleep_factor):.3g}|loss{int(with_loss)}"
+           f"|cpu|t{torch.get_num_threads()}|{machine_id()}")
+    path = measure_cache_path()
+    cache = load_json(path) if use_cache else {}
+    if key not in cache:
+        gm = analysis.captured.gm
+        flat = flat_inputs(gm, tile_batch(tuple(example_inputs), int(micro_batch)))
+        targets = tile_batch((example_targets,), int(micro_batch))[0] if with_loss else None
+        held: list = []
+
+        def forward() -> None:
+            loss = _loss_of(gm(*flat), loss_fn if with_loss else None, targets)
+            held[:] = [] if loss is None else [loss * 0.5]     # weighted by the micro-batch's share
+
+        def backward() -> None:
+            if held:
+                held.pop().backward()
+
+        def timed(fn) -> float:
+            t0 = time.thread_time()
+            fn()
+            return time.thread_time() - t0
+
+        for _ in range(3):                                      # warm-up; gradients exist from here on
+            forward()
+            backward()
+        hot_f, hot_b, cold_step, cold_f, cold_b = [], [], [], [], []
+        gap = None
+        for _ in range(int(repeats)):
+            hot_f.append(timed(forward))
+            hot_b.append(timed(backward))
+            if gap is None:
+                gap = call_gap_s(hot_f[0] + hot_b[0], sleep_factor)
+            time.sleep(gap)
+            t0 = time.thread_time()
+            forward()
+            backward()
+            cold_step.append(time.thread_time() - t0)
+            time.sleep(gap)
+            cold_f.append(timed(forward))
+            time.sleep(gap)
+            cold_b.append(timed(backward))
+        gm.zero_grad(set_to_none=True)
+        hot = [f + b for f, b in zip(hot_f, hot_b)]
+        cache[key] = EngineCalls(_paired(cold_step, hot), _paired(cold_f, hot_f), _paired(cold_b, hot_b),
+                                 min(hot), float(gap), int(micro_batch)).to_dict()
+        if use_cache:
+            save_json(path, cache)
+    return EngineCalls(**cache[key])
