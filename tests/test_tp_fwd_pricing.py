@@ -125,16 +125,20 @@ def test_overlap_hides_forward_collectives_on_nccl_sp_groups_only(monkeypatch):
     kind = _nccl_kind()
     sp = tp_cost.sp_blocks(costs)
     assert sp is not None and sp.any()
+    assert tp_fwd.FWD_OVERLAP_PATTERNS == frozenset(tp_fwd.OVERLAP_PATTERNS)   # the default: all three
+    # (a) and (b) alone: the backward keeps its old price
+    monkeypatch.setattr(tp_fwd, "FWD_OVERLAP_PATTERNS", frozenset({"ag_columns", "row_rs"}))
     for x in (1.0, 4.0):
         old_f, old_b = _old_prices(costs, kind, x, True)
         f, b = _comm(costs, kind, x, True)
         assert (f[sp] < old_f[sp]).all() and (f >= 0).all() and (f <= old_f).all()
-        assert np.array_equal(f[~sp], old_f[~sp]) and np.array_equal(b, old_b)   # (c) is off by default
+        assert np.array_equal(f[~sp], old_f[~sp]) and np.array_equal(b, old_b)
         # the plan's price is compute plus this (cost.tp.kind_block_times, memoised by the switches)
         kf, kb = tp_cost.kind_block_times(costs, kind, x, 0.2, True)
         cf, cb = tp_cost.rank_block_times(costs, kind.types, kind.shares, x, 0.2, True)
         assert np.allclose(kf, cf.max(axis=0) + f) and np.allclose(kb, cb.max(axis=0) + b)
-    # (c): g's backward all-gather under the row's input-gradient GEMM, once the runtime runs it
+    # (c) too, the default (the runtime runs all three): g's backward all-gather under the row's
+    # input-gradient GEMM
     monkeypatch.setattr(tp_fwd, "FWD_OVERLAP_PATTERNS", frozenset(tp_fwd.OVERLAP_PATTERNS))
     old_f, old_b = _old_prices(costs, kind, 2.0, True)
     f, b = _comm(costs, kind, 2.0, True)

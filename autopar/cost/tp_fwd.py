@@ -47,10 +47,12 @@ SP_COLLECTIVES_PER_PAIR = 2           # SP: a reduce-scatter and an all-gather p
 # llama shards hold thousands)
 FWD_OVERLAP_CHUNKS = 4
 # Whether the chunked overlap is priced at all (the ablation bench turns it off), and which patterns
-# the runtime runs (the lead sets it from the runtime's delivery; OVERLAP_PATTERNS lists them all)
+# the runtime runs (OVERLAP_PATTERNS lists them all; passes.tp_fwd_overlap runs all three: f's
+# all-gather against the columns, g's reduce-scatter against the row, g's backward all-gather against
+# the row's input gradient)
 TP_FORWARD_OVERLAP = True
 OVERLAP_PATTERNS = ("ag_columns", "row_rs", "bwd_ag_row")
-FWD_OVERLAP_PATTERNS = frozenset({"ag_columns", "row_rs"})
+FWD_OVERLAP_PATTERNS = frozenset(OVERLAP_PATTERNS)
 
 
 def sp_blocks(costs: ModelCosts) -> np.ndarray | None:
