@@ -54,7 +54,7 @@ def _entries():
 
 def test_the_gap_is_the_clocks_sleep_within_its_range():
     lo, hi = CALL_GAP_RANGE_S
-    assert call_gap_s(0.01, 3.0) == pytest.approx(0.03)          # 3x the call: time_scale / speed = 4
+    assert call_gap_s(0.015, 3.0) == pytest.approx(0.045)        # 3x the call: time_scale / speed = 4
     assert call_gap_s(1e-4, 3.0) == lo and call_gap_s(1.0, 3.0) == hi
 
 

@@ -23,11 +23,16 @@ What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the 
 - hot and cold runs interleaved (a hot micro-step, a cold one, a cold forward, a cold backward), so all
   see the same moments of the host; the median over ``repeats`` of each repeat's cold minus hot time;
 - the sleep: ``call_gap_s``, what the clock of the cluster's fastest emulated type sleeps after the hot
-  micro-step (``time_scale / speed - 1`` times it), within 20-60 ms (the penalty stops growing near 40 ms).
+  micro-step (``time_scale / speed - 1`` times it), within 40-50 ms (the penalty stops growing near 40 ms;
+  the clock's real sleeps are 2-23x a call's CPU time, tens of milliseconds);
+- 2 rows: the penalty is a refill of caches and hardly depends on the rows, and the small call keeps the
+  hosts' noise small against it (at 8 rows two measurements at load 3 gave 0 and 3.3 ms on resmlp, at 2 rows
+  1.3 and 2.1; bert-tiny 0.68 and 0.59, gpt-tiny 0.73 and 0.58 ms).
 
-Priced (``autopar.cost.step``): ``call_overhead_s`` is ``micro_step_s`` scaled like the block tables (a
-call's CPU time is stretched as its blocks'); every planner prices it per compute call already (one per
-data-parallel micro-step, one per pipeline forward and one per backward), and
+Priced (``autopar.cost.step``): ``call_overhead_s`` is ``EngineCalls.per_call_s`` (the mean of the three
+call kinds) scaled like the block tables (a call's CPU time is stretched as its blocks'); every planner
+prices it per compute call already (one per data-parallel micro-step, one per pipeline forward and one
+per backward), and
 ``autopar.cost.step.predicted_phases`` lays a data-parallel micro-step's out in ``forward``, where the
 recorder measures it (``autopar.runtime.recorder``: a micro-step's block is forward until the graph's
 forward hook fires). Not measured here: the tensor-parallel and ZeRO-3 engines split a micro-step into
@@ -51,11 +56,11 @@ from autopar.cost.measure_cache import graph_signature, load_json, machine_id, m
 __all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH"]
 
 # The sleep a cold call is timed after, in seconds: at least / at most (``call_gap_s``).
-CALL_GAP_RANGE_S = (0.02, 0.06)
+CALL_GAP_RANGE_S = (0.04, 0.05)
 # Rows the calls are timed at: the penalty is a cache refill and hardly depends on the rows (bert-tiny
 # after a 40 ms sleep: 0.86, 1.18, 0.84 ms at 2, 8, 32 rows; load 3.6, one core).
-CALL_MICRO_BATCH = 8
-_VERSION = 1
+CALL_MICRO_BATCH = 2
+_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,13 @@ class EngineCalls:
     hot_s: float
     gap_s: float
     micro_batch: int
+
+    @property
+    def per_call_s(self) -> float:
+        """One figure per compute call (``ModelCosts.call_overhead_s``, which every planner charges per
+        call: one per data-parallel micro-step, one per pipeline forward and one per backward): the mean
+        of the three call kinds, so neither family's calls are priced by the other's alone."""
+        return (self.micro_step_s + self.forward_s + self.backward_s) / 3
 
     def to_dict(self) -> dict:
         return {"micro_step_s": self.micro_step_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
@@ -99,7 +111,7 @@ def _paired(cold: list, hot: list) -> float:
 
 
 def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float, loss_fn=None,
-                         example_targets=None, micro_batch: int = CALL_MICRO_BATCH, repeats: int = 9,
+                         example_targets=None, micro_batch: int = CALL_MICRO_BATCH, repeats: int = 11,
                          use_cache: bool = True) -> EngineCalls:
     """The calls' cost after the clock's sleep (see the module docstring), cached. ``sleep_factor``: the
     fastest emulated type's ``time_scale / speed - 1`` (the sleep is ``call_gap_s`` of the hot micro-step).

@@ -289,7 +289,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
             from autopar.cost.engine_call import measure_engine_calls
 
             cpu_call = measure_engine_calls(analysis, example_inputs, sleep_factor=scale / fastest - 1,
-                                            loss_fn=loss_fn, example_targets=example_targets).micro_step_s
+                                            loss_fn=loss_fn, example_targets=example_targets).per_call_s
         else:
             cpu_call = measure_call_overhead(analysis, example_inputs)
     for t, spec in specs.items():
