@@ -137,11 +137,14 @@ def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[s
     top = ctx.zero_for(len(stages[0].micro_batches[0]))   # ZeRO-2 only at one micro-batch
     zero_choices = [z for z in zero_choices if z <= top]
     for name in schedules:
-        zero = next((z for z in zero_choices if fits_memory(
-            ctx.cluster, stage_memory_bytes(ctx.costs, stages, name, z, ctx.rho), ctx.memory_fraction)), None)
+        zero, memory = None, None
+        for z in zero_choices:   # the least ZeRO stage that fits
+            memory = stage_memory_bytes(ctx.costs, stages, name, z, ctx.rho)
+            if fits_memory(ctx.cluster, memory, ctx.memory_fraction):
+                zero = z
+                break
         if zero is None:
             continue
-        memory = stage_memory_bytes(ctx.costs, stages, name, zero, ctx.rho)
         probe = _make_plan(ctx, "auto", name, stages, 1.0, memory, {"tp_replicated_fraction": ctx.rho})
         timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster)
         breakdown = {
