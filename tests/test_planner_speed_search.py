@@ -14,11 +14,11 @@ import pytest
 
 from autopar.cluster.model import Cluster
 from autopar.cost.joint import JointContext, prepare_stages, split_lower_bound, split_lower_bounds
-from autopar.cost.pipeline import PipelineContext, pipeline_cost_tensor
+from autopar.cost.pipeline import PipelineContext, pipeline_cost_tensor, pipeline_split_feasible
 from autopar.ir.costs import ModelCosts
 from autopar.planner.joint_search import GroupingState, search
 from autopar.planner.layouts import member_groupings, member_layouts
-from autopar.planner.pp import micro_candidates
+from autopar.planner.pp import micro_candidates, min_bottleneck
 
 
 def _cluster(memory_GB: float) -> Cluster:
@@ -85,3 +85,20 @@ def test_pipeline_rows_kept_across_calls_price_the_same():
             got = pipeline_cost_tensor(kept, stages, M, schedule)
             fresh = pipeline_cost_tensor(PipelineContext(costs, cluster, 24, 1, 0.9), stages, M, schedule)
             assert all(np.array_equal(x, y) for x, y in zip(got, fresh))
+
+
+def test_pipeline_split_feasible_is_a_finite_split_of_the_tensor():
+    """The pipeline planner skips the tensors of (grouping, count) where this is False."""
+    costs = _costs(5, 9)
+    seen = set()
+    for memory_GB in (1.5, 3, 6, 24):
+        cluster = _cluster(memory_GB)
+        ctx = PipelineContext(costs, cluster, 24, 0, 0.9)
+        for stages in ([((0,),), ((4,),)], [((0,), (1,)), ((4,), (5,)), ((6,),)], [((r,),) for r in range(6)]):
+            for M in (1, 2, 3, 6, 12):
+                for schedule in ("1f1b", "gpipe"):
+                    cost, _ = pipeline_cost_tensor(ctx, stages, M, schedule, recompute=memory_GB < 3)
+                    want = bool(np.isfinite(min_bottleneck(cost)))
+                    assert pipeline_split_feasible(ctx, stages, M, schedule, recompute=memory_GB < 3) == want
+                    seen.add(want)
+    assert seen == {True, False}

@@ -52,7 +52,7 @@ from autopar.config import SCHEDULES
 from autopar.cost.comm import allgather_time_s, allreduce_time_s, loss_allreduce_s, p2p_time_s
 from autopar.cost.memory import stage_input_bytes, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
-    stage_cost_tensor, stage_row_parts
+    stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
 from autopar.ir.plan import Plan, Stage
 from autopar.ir.schedule import Timeline, in_flight_micro_batches, make_schedule, simulate
@@ -60,7 +60,7 @@ from autopar.ir.schedule import Timeline, in_flight_micro_batches, make_schedule
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["PipelineContext", "pipeline_cost_tensor", "stage_durations", "stage_input_bytes", "plan_timeline",
+__all__ = ["PipelineContext", "pipeline_cost_tensor", "pipeline_split_feasible", "stage_durations", "stage_input_bytes", "plan_timeline",
            "stage_optimizer_s", "pipeline_memory_bytes", "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
 
 ZB_INPUT_SHARE = 0.95    # BI / whole backward, as the runtime's split measures (see the module docstring)
@@ -94,6 +94,23 @@ def pipeline_cost_tensor(ctx: PipelineContext, stages: Sequence[Sequence[tuple[i
     """``autopar.cost.stage.stage_cost_tensor`` of a grouping's ``stages`` (members: one-rank tuples)
     at ``num_micro`` micro-batches, with the member loads of the module docstring. ``recompute``:
     whether entries that do not fit keeping every activation may recompute them."""
+    links, b, parts = _grouping_rows(ctx, stages, num_micro, recompute)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return stage_cost_tensor(ctx.costs, links, num_micro, b, schedule, parts)
+
+
+def pipeline_split_feasible(ctx: PipelineContext, stages: Sequence[Sequence[tuple[int, ...]]], num_micro: int,
+                            schedule: str, recompute: bool = True) -> bool:
+    """Whether ``pipeline_cost_tensor`` (same arguments) has a split whose every stage is finite,
+    without building it (``autopar.cost.stage.stage_split_feasible``: the rows' fit masks alone)."""
+    links, b, parts = _grouping_rows(ctx, stages, num_micro, recompute)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return stage_split_feasible(ctx.costs, links, num_micro, b, schedule, parts)
+
+
+def _grouping_rows(ctx: PipelineContext, stages: Sequence[Sequence[tuple[int, ...]]], num_micro: int,
+                   recompute: bool):
+    """(links to the next stage, micro-batch size, ``parts(s)``: stage s's ``RowParts``) of a grouping."""
     c = ctx.costs
     n = c.num_blocks
     b = micro_sizes(ctx.global_batch, num_micro)[0]
@@ -148,8 +165,7 @@ def pipeline_cost_tensor(ctx: PipelineContext, stages: Sequence[Sequence[tuple[i
         cache[key] = stage_row_parts(state, act, input_bytes, valid, loads, recompute)
         return cache[key]
 
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return stage_cost_tensor(c, links, num_micro, b, schedule, parts)
+    return links, b, parts
 
 
 # -- exact stage durations, memory and the simulated prediction -------------------------------------

@@ -49,7 +49,8 @@ import numpy as np
 from autopar.config import MEMORY_FRACTION, PlanConfig, ScheduleChoice
 from autopar.cost.memory import check_zero_stage, stage_memory_bytes
 from autopar.cost.pipeline import (  # the cost model's public names stay importable from here (``__all__``)
-    PipelineContext, pipeline_cost_tensor, plan_timeline, stage_durations, stage_input_bytes, stage_optimizer_s,
+    PipelineContext, pipeline_cost_tensor, pipeline_split_feasible, plan_timeline, stage_durations, stage_input_bytes,
+    stage_optimizer_s,
 )
 from autopar.cost.stage import micro_sizes
 from autopar.errors import PlanError
@@ -309,19 +310,24 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
                   micro_candidates(ctx.global_batch, S, grouping.max_members))
         # The uniform (Megatron-style) baseline keeps every activation, as it did.
         one_type = all(len({ctx.type_of(m[0]) for m in st}) == 1 for st in grouping.stages)
-        made = {M: pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=recompute and not uniform)
+        rc_ok = recompute and not uniform
+        fits = {M: pipeline_split_feasible(ctx, grouping.stages, M, dp_schedule, recompute=rc_ok)
                 for M in counts[-1:] if dp_schedule == "1f1b" and M >= S and one_type}
         # From M = S on, 1F1B keeps S - s micro-batches in flight on stage s, and on a stage of one
         # device type each member's part of one, ceil(b / members), only shrinks as M grows: an entry
         # that fits at some count fits at every larger one. Where no split fits at the largest, none
         # fits at any count >= S, and those tensors are not built (they would add no candidate).
-        full = all(_any_split(cost) for cost, _ in made.values())
+        full = all(fits.values())
         for M in counts:
             tried += 1
             if not full and M >= S:
                 continue
-            cost, rc = made.get(M) or pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule,
-                                                            recompute=recompute and not uniform)
+            # a tensor with no split whose every stage is finite adds no candidate, pinned or not
+            ok = fits.get(M)
+            if not (ok if ok is not None else pipeline_split_feasible(ctx, grouping.stages, M, dp_schedule,
+                                                                      recompute=rc_ok)):
+                continue
+            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=rc_ok)
             tensors.append((grouping, M, cost, rc))
     chosen = tuple(PIPELINE_SCHEDULES if schedules is None else schedules) if schedule == "auto" else (schedule,)
     bad = [x for x in chosen if x not in ALL_SCHEDULES]
@@ -393,17 +399,6 @@ def _interleave(ctx: PipelineContext, scored: list[_Scored], schedule: str, virt
         raise PlanError(f"schedule: no 'interleaved-1f1b' plan with {list(counts)} chunks per rank stage fits "
                         f"(one-rank members, at least two rank stages, a block per chunk)")
     return out if schedule == "interleaved-1f1b" else scored + out
-
-
-
-def _any_split(cost: np.ndarray) -> bool:
-    """Whether some split of a stage cost tensor has every stage finite (entries j <= i ignored)."""
-    cost = np.array(cost, dtype=np.float64)
-    n1 = cost.shape[1]
-    if cost.shape[0] > n1 - 1:
-        return False
-    cost[:, np.tril_indices(n1)[0], np.tril_indices(n1)[1]] = np.inf
-    return bool(np.isfinite(min_bottleneck(cost)))
 
 
 # -- candidates and their simulated prediction --------------------------------------------------------
