@@ -60,8 +60,9 @@ from autopar.ir.schedule import Timeline, in_flight_micro_batches, make_schedule
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["PipelineContext", "pipeline_cost_tensor", "pipeline_split_feasible", "stage_durations", "stage_input_bytes", "plan_timeline",
-           "stage_optimizer_s", "pipeline_memory_bytes", "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
+__all__ = ["PipelineContext", "pipeline_cost_tensor", "pipeline_split_feasible", "stage_durations",
+           "stage_input_bytes", "plan_timeline", "stage_optimizer_s", "pipeline_memory_bytes",
+           "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
 
 ZB_INPUT_SHARE = 0.95    # BI / whole backward, as the runtime's split measures (see the module docstring)
 ZB_WEIGHT_SHARE = 0.85   # BW / whole backward

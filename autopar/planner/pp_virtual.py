@@ -260,24 +260,33 @@ def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int
     memory). The lower bound's recompute is priced next: the exact memory (a schedule to build:
     seconds on large pipelines) can only turn on more chunks, which only adds forwards, so a variant
     already too slow there is dropped without it; before either simulation, one whose busiest rank
-    stage's compute alone (``busiest_rank_stage_s``) is not below ``step0``."""
+    stage's compute alone (``busiest_rank_stage_s``) is not below ``step0``, also after each round
+    of recompute the fitting turns on (``_recompute_until_fits(too_slow=)``: later rounds only add)."""
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
-    durations = stage_durations(costs, cluster, stages, replicated_fraction=rho)
-    if busiest_rank_stage_s(costs, cluster, stages, V, rho, durations=durations) >= step0 * (1 - 1e-9):
+    timed: list = [None, None]   # the last chunks timed and their stage_durations
+
+    def durations_of(chunks):
+        if timed[0] is None or timed[0] != chunks:
+            timed[:] = [chunks, stage_durations(costs, cluster, chunks, replicated_fraction=rho)]
+        return timed[1]
+
+    def too_slow(chunks) -> bool:   # its busiest rank stage alone is no faster than the flat plan
+        busiest = busiest_rank_stage_s(costs, cluster, chunks, V, rho, durations=durations_of(chunks))
+        return busiest >= step0 * (1 - 1e-9)
+
+    if too_slow(stages):
         return None   # too slow before any recompute, which only adds forwards: no fitting variant is faster
-    timed = (stages, durations)
     priced = None
     for exact in (False, True):
-        fitted = _recompute_until_fits(costs, cluster, stages, plan.zero_stage, V, rho, memory_fraction, exact)
+        fitted = _recompute_until_fits(costs, cluster, stages, plan.zero_stage, V, rho, memory_fraction, exact,
+                                       too_slow)
         if fitted is None:
             return None
         stages, mem = fitted
         probe = dataclasses.replace(plan, schedule="interleaved-1f1b", stages=stages, virtual_stages=V,
                                     predicted=dataclasses.replace(plan.predicted, memory_bytes=mem))
-        if timed[0] != stages:
-            timed = (stages, stage_durations(costs, cluster, stages, replicated_fraction=rho))
-        durations = timed[1]
-        if busiest_rank_stage_s(costs, cluster, stages, V, rho, durations=durations) >= step0 * (1 - 1e-9):
+        durations = durations_of(stages)
+        if too_slow(stages):
             return None   # its busiest rank stage alone takes longer than the flat plan's step
         if priced is None or priced[0].stages != stages:
             priced = (probe, *plan_timeline(probe, costs, cluster, durations=durations))
@@ -301,14 +310,21 @@ def busiest_rank_stage_s(costs, cluster, stages: Sequence[Stage], V: int, rho=No
 
 
 def _recompute_until_fits(costs, cluster, stages: tuple[Stage, ...], zero_stage: int, V: int, rho,
-                          memory_fraction: float, exact: bool) -> tuple[tuple[Stage, ...], dict[int, int]] | None:
+                          memory_fraction: float, exact: bool,
+                          too_slow=None) -> tuple[tuple[Stage, ...], dict[int, int]] | None:
     """(chunks, memory) of an interleaved variant that fits by ``interleaved_memory_bytes(exact=exact)``,
     or None: as given, else recompute turned on one chunk at a time on every rank stage holding a rank
     over its usable memory (its earliest chunk not yet recomputing: the one with the most
     micro-batches in flight), re-checked after each round, until it fits or an over-memory rank stage
-    has no chunk left to turn on."""
+    has no chunk left to turn on. ``too_slow(chunks)``, when given, is asked after each round that
+    turned recompute on: True ends the search with None before the memory is priced again (for a
+    caller that drops any variant at least that slow: later rounds only turn more chunks on)."""
     R = len(stages) // V
+    first = True
     while True:
+        if not first and too_slow is not None and too_slow(stages):
+            return None
+        first = False
         mem = interleaved_memory_bytes(costs, stages, zero_stage, V, rho, exact=exact)
         if fits_memory(cluster, mem, memory_fraction):
             return stages, mem
