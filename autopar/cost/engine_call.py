@@ -18,9 +18,9 @@ What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the 
   there (the data-parallel engine's ``.grad`` are views of one flat buffer, kept between steps);
 - the data-parallel engine's call, a micro-step: forward, loss and backward as one compute block, after a
   sleep (``micro_step_s``: its least minus the least hot micro-step);
-- the pipeline engine's calls: a stage's forward (with the loss on the last stage) after a sleep and its
-  backward after another (``forward_s``, ``backward_s``: each call's least minus its least hot run);
-- hot and cold runs interleaved (a hot micro-step, a cold one, a cold forward, a cold backward), so all
+- the pipeline engine's calls: a stage's forward (with the loss on the last stage) after a sleep, the
+  micro-step's own forward, and its backward after another sleep (``forward_s``, ``backward_s``);
+- hot and cold runs interleaved (a hot micro-step, a cold one, a cold backward), so all
   see the same moments of the host; the median over ``repeats`` of each repeat's cold minus hot time;
 - the sleep: ``call_gap_s``, what the clock of the cluster's fastest emulated type sleeps after the hot
   micro-step (``time_scale / speed - 1`` times it), within 40-50 ms (the penalty stops growing near 40 ms;
@@ -60,7 +60,7 @@ CALL_GAP_RANGE_S = (0.04, 0.05)
 # Rows the calls are timed at: the penalty is a cache refill and hardly depends on the rows (bert-tiny
 # after a 40 ms sleep: 0.86, 1.18, 0.84 ms at 2, 8, 32 rows; load 3.6, one core).
 CALL_MICRO_BATCH = 2
-_VERSION = 2
+_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +157,11 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
             hot_b.append(timed(backward))
             if gap is None:
                 gap = call_gap_s(hot_f[0] + hot_b[0], sleep_factor)
-            time.sleep(gap)
-            t0 = time.thread_time()
+            time.sleep(gap)                 # a micro-step after the sleep: its forward is the stage forward's
+            cold_f.append(timed(forward))   # call too (the loss in it, as on a last stage)
+            cold_step.append(cold_f[-1] + timed(backward))
             forward()
-            backward()
-            cold_step.append(time.thread_time() - t0)
-            time.sleep(gap)
-            cold_f.append(timed(forward))
-            time.sleep(gap)
+            time.sleep(gap)                 # a stage backward after the sleep
             cold_b.append(timed(backward))
         gm.zero_grad(set_to_none=True)
         hot = [f + b for f, b in zip(hot_f, hot_b)]
