@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -67,3 +71,20 @@ def interleaved_steps(runs: list[dict], batch: int, warmup: int, steps: int, key
             if step >= warmup:
                 run["times"].append(float(dt))
                 run["losses"].append(float(loss))
+
+
+def tree_of(rev: str) -> Path:
+    """``/tmp/autopar-src-REV``: made from the commit REV when missing (``git archive`` of autopar,
+    passes and kernels, ``autopar.passes`` / ``autopar.kernels`` linked in as the editable install maps
+    them); an existing folder of that name is used as it is."""
+    dest = Path(tempfile.gettempdir()) / f"autopar-src-{rev}"
+    if not (dest / "autopar").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        arch = subprocess.run(["git", "archive", rev, "autopar", "passes", "kernels"], cwd=ROOT,
+                              capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
+        for sub in ("passes", "kernels"):
+            link = dest / "autopar" / sub
+            if not link.exists():
+                link.symlink_to(dest / sub, target_is_directory=True)
+    return dest

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import md_table, write_results  # noqa: E402
+from _common import md_table, tree_of, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,23 +49,6 @@ print(json.dumps(dict(cpu_s=r.ru_utime + r.ru_stime, analysis_s=prep.analyze_s, 
 sys.stdout.flush()
 os._exit(0)
 """
-
-
-def tree_of(rev: str) -> Path:
-    """``/tmp/autopar-src-REV``: made from the commit REV when missing (``git archive`` of autopar,
-    passes and kernels, ``autopar.passes`` / ``autopar.kernels`` linked in as the editable install maps
-    them); an existing folder of that name is used as it is."""
-    dest = Path(tempfile.gettempdir()) / f"autopar-src-{rev}"
-    if not (dest / "autopar").is_dir():
-        dest.mkdir(parents=True, exist_ok=True)
-        arch = subprocess.run(["git", "archive", rev, "autopar", "passes", "kernels"], cwd=ROOT,
-                              capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
-        for sub in ("passes", "kernels"):
-            link = dest / "autopar" / sub
-            if not link.exists():
-                link.symlink_to(dest / sub, target_is_directory=True)
-    return dest
 
 
 def front_run(tree: Path | None, cache: str, args) -> dict:

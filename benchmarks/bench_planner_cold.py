@@ -37,22 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import tree_of  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _tree(rev: str) -> Path:
-    """A source tree of ``rev`` under the temp directory (made once)."""
-    dest = Path(tempfile.gettempdir()) / f"autopar-src-{rev}"
-    if not (dest / "autopar").is_dir():
-        dest.mkdir(parents=True, exist_ok=True)
-        arch = subprocess.run(["git", "archive", rev, "autopar", "passes", "kernels"], cwd=ROOT,
-                              capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
-        for sub in ("passes", "kernels"):
-            link = dest / "autopar" / sub
-            if not link.exists():
-                link.symlink_to(dest / sub, target_is_directory=True)
-    return dest
 
 
 def cold_run(tree: Path | None, args, entry: str = "module") -> dict:
@@ -111,7 +98,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     if args.with_run_entry:
         runs["after, run()"] = []
-    after_tree = _tree(args.after) if args.after else None
+    after_tree = tree_of(args.after) if args.after else None
     if args.after_only:
         prev = json.loads((RESULTS / "planner_cold.json").read_text())
         if prev.get("before") != args.before:
@@ -123,7 +110,7 @@ def main(argv=None) -> int:
                 runs["after, run()"].append(cold_run(after_tree, args, entry="run"))
             print(*(v[-1]["wall_s"] for k, v in runs.items() if k != "before"), flush=True)
     else:
-        tree = _tree(args.before)
+        tree = tree_of(args.before)
         for _ in range(args.repeats):
             runs["before"].append(cold_run(tree, args))
             runs["after"].append(cold_run(after_tree, args))

@@ -26,6 +26,7 @@ same annotations, value for value (``tests/test_analysis_speed_front.py``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -105,10 +106,7 @@ def _value(a: Any) -> Any:
 
 
 def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, target.split("."), gm)
 
 
 def _module(mod: torch.nn.Module) -> tuple:

@@ -429,17 +429,9 @@ def _stage_q(ctx: JointContext, st: StagePrep, lid, b: int) -> float:
 def _split_bound_terms(ctx: JointContext, prep: Sequence[StagePrep], lids: list, b: int) -> tuple[float, float]:
     """(sum_s 1 / q_s, min_s q_s) of ``split_lower_bound`` at micro-batch size ``b``; (0, 0) when a
     q_s is 0 (the bound is then 0)."""
-    qs = ctx.cache.setdefault(("slb_q", b), {})   # per load id: q_s (the same for stages of equal loads)
     inv, low = 0.0, math.inf
     for st, lid in zip(prep, lids):
-        q = qs.get(lid)
-        if q is None:
-            q = 0.0
-            for (kid, _f, _room, _caps), k in zip(st.kinds, ctx.shares(st, b)):
-                if k > 0:
-                    q = max(q, ctx.ratio(kid, k))
-            if st.load_id >= 0:
-                qs[lid] = q
+        q = _stage_q(ctx, st, lid, b)   # per load id: q_s (the same for stages of equal loads)
         if q <= 0:
             return 0.0, 0.0
         inv += 1.0 / q
