@@ -337,34 +337,17 @@ def tp_collective_phases(costs, alpha_s: float, beta_s_per_byte: float, micro_ba
                          hides: bool = True) -> dict[str, float]:
     """Seconds per collective kind of one micro-batch's TP collectives on a group (ring ``alpha_s`` /
     ``beta_s_per_byte``, ranks of ``types`` with head ``shares``) over ``blocks``, as
-    ``cost.tp.kind_block_times`` prices them: forward all exposed (``tp_allreduce_block_s``), backward
-    what the overlap leaves (``tp_backward_comm_s`` with ``group_wgrad_s`` under
-    ``TP_BACKWARD_OVERLAP``). Plain blocks: ``all_reduce``. Sequence-parallel blocks (``sp_blocks``,
-    with ``sequence_parallel``): per pair and direction a ``reduce_scatter`` and an ``all_gather``, each
-    one latency term and half the padded ring bytes (``sp_pad``); in backward the overlap hides only
-    f's reduce-scatter, so g's all-gather stays whole and the reduce-scatter takes the rest.
-    ``sp_link`` (``cost.tp.sp_alpha_beta``): each SP call on its own operation's link, as the plan is
-    priced; ``hides`` (``cost.tp.comm_hides``): whether the group's backward overlap hides anything."""
+    ``cost.tp.kind_block_times`` prices them (``cost.tp_fwd.tp_collective_phase_s``: both overlaps, the
+    backward one under ``TP_BACKWARD_OVERLAP``, the chunked forward one on NCCL SP groups). Plain
+    blocks: ``all_reduce``; SP blocks: ``all_gather`` and ``reduce_scatter``. ``sp_link``
+    (``cost.tp.sp_alpha_beta``): each SP call on its own operation's link, as the plan is priced;
+    ``hides`` (``cost.tp.comm_hides``): whether the group's overlaps hide anything."""
     from autopar.cost import tp as tp_cost
+    from autopar.cost.tp_fwd import tp_collective_phase_s
 
-    pad = tp_cost.sp_pad(shares) if sequence_parallel else 1.0
-    fwd = tp_cost.tp_allreduce_block_s(costs, alpha_s, beta_s_per_byte, micro_batch, sequence_parallel, pad,
-                                       sp_link)
-    w = (tp_cost.group_wgrad_s(costs, types, shares, micro_batch)
-         if tp_cost.TP_BACKWARD_OVERLAP and hides else None)
-    bwd = tp_cost.tp_backward_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch, w, sequence_parallel, pad,
-                                     sp_link)
-    sp = tp_cost.sp_blocks(costs) if sequence_parallel else None
-    sp = np.zeros(costs.num_blocks, dtype=bool) if sp is None else sp
-    pairs = tp_cost.tp_pairs_of(costs)
-    count = tp_cost.TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
-    nbytes = costs.out_bytes * max(float(micro_batch), 0.0)
-    half = count * (alpha_s + beta_s_per_byte * nbytes * pad / 2 if sp_link is None
-                    else sp_link[0] + sp_link[1] * nbytes * pad)      # one direction's all-gathers
-    gather = np.where(sp, half + np.minimum(half, bwd), 0.0)           # forward's, and backward's g
-    scatter = np.where(sp, (fwd - half) + np.maximum(bwd - half, 0.0), 0.0)
-    out = {"all_reduce": float(np.where(sp, 0.0, fwd + bwd)[blocks].sum()),
-           "reduce_scatter": float(scatter[blocks].sum()), "all_gather": float(gather[blocks].sum())}
+    per = tp_collective_phase_s(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel,
+                                sp_link, hides, tp_cost.TP_BACKWARD_OVERLAP)
+    out = {k: float(v[blocks].sum()) for k, v in per.items()}
     return {k: v for k, v in out.items() if v > 0}
 
 
