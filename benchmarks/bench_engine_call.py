@@ -13,6 +13,7 @@ A diagnosis, not a speed benchmark: it reads the clock's per-position least CPU 
 ZeRO-3 skips the engine-against-plain part (its weights are gathered only inside a step).
 
     PYTHONPATH=. python benchmarks/bench_engine_call.py [--model bert-tiny] [--zero-stage auto|0-3] [--gap 0.04]
+        [--overlap on|off]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def worker(rank: int, model_name: str, batch: int, gap: float, zero, repeats: int = 12) -> dict:
+def worker(rank: int, model_name: str, batch: int, gap: float, zero, repeats: int = 12, overlap: bool = True) -> dict:
     import autopar
     from autopar.cluster.model import builtin
     from autopar.runtime.base import compute_loss
@@ -37,7 +38,8 @@ def worker(rank: int, model_name: str, batch: int, gap: float, zero, repeats: in
     case = autopar.models.load(model_name, device="cpu", seed=0)
     cluster = builtin("demo")
     targets = case.batch(int(case.example_inputs[0].shape[0]), seed=0)[1]
-    run = autopar.RunConfig(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), track_memory=False)
+    run = autopar.RunConfig(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), track_memory=False,
+                            overlap=overlap)
     compiled = autopar.compile(case.model, cluster, case.example_inputs, batch, case.loss_fn, run=run,
                                strategy="dp", example_targets=targets, zero_stage=zero)
     data = [case.batch(batch, seed=s) for s in range(6)]
@@ -90,12 +92,15 @@ def main(argv=None) -> None:
     ap.add_argument("--global-batch", type=int, default=48)
     ap.add_argument("--zero-stage", default="auto")
     ap.add_argument("--gap", type=float, default=0.04, help="the sleep before a cold call, seconds")
+    ap.add_argument("--overlap", choices=("on", "off"), default="on",
+                    help="RunConfig.overlap: the gradient buckets' all-reduce during the last backward")
     args = ap.parse_args(argv)
     zero = args.zero_stage if args.zero_stage == "auto" else int(args.zero_stage)
-    res = autopar.launch(worker, builtin("demo"), args.model, args.global_batch, args.gap, zero)
+    res = autopar.launch(worker, builtin("demo"), args.model, args.global_batch, args.gap, zero, 12,
+                         args.overlap == "on")
     pred = res[0]["predicted_ms"]
-    print(f"{args.model} dp zero={zero} on the demo cluster (emulated), native CPU ms per step's micro-steps; "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(f"{args.model} dp zero={zero} overlap {args.overlap} on the demo cluster (emulated), native CPU ms per "
+          f"step's micro-steps; load {os.getloadavg()[0]:.1f}")
     for r in res:
         f = r["factor"]
         mbs = pred.get(r["rank"], pred.get(str(r["rank"]))) or []
