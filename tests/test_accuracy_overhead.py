@@ -13,7 +13,8 @@ from torch import nn
 
 from autopar.cluster.model import Cluster
 from autopar.cost import engine_call
-from autopar.cost.engine_call import CALL_GAP_RANGE_S, EngineCalls, call_gap_s, measure_engine_calls
+from autopar.cost.engine_call import (BUCKET_GAP_RANGE_S, CALL_GAP_RANGE_S, EngineCalls, bucket_gap_s, call_gap_s,
+                                      measure_engine_calls)
 from autopar.cost.measure_cache import load_json, measure_cache_path
 from autopar.cost.step import predicted_phases, step_terms
 from autopar.ir.costs import ModelCosts
@@ -56,6 +57,9 @@ def test_the_gap_is_the_clocks_sleep_within_its_range():
     lo, hi = CALL_GAP_RANGE_S
     assert call_gap_s(0.015, 3.0) == pytest.approx(0.045)        # 3x the call: time_scale / speed = 4
     assert call_gap_s(1e-4, 3.0) == lo and call_gap_s(1.0, 3.0) == hi
+    lo, hi = BUCKET_GAP_RANGE_S                  # a bucket launch settles about half the backward
+    assert bucket_gap_s(0.01, 3.0) == pytest.approx(0.015)
+    assert bucket_gap_s(1e-5, 3.0) == lo and bucket_gap_s(1.0, 3.0) == hi
 
 
 def test_calls_are_measured_in_form_cached_and_per_machine(cache, tiny, monkeypatch):
@@ -65,9 +69,12 @@ def test_calls_are_measured_in_form_cached_and_per_machine(cache, tiny, monkeypa
     assert isinstance(got, EngineCalls) and got.micro_batch == 2
     lo, hi = CALL_GAP_RANGE_S
     assert lo <= got.gap_s <= hi and 0 < got.hot_s < 1
-    for v in (got.micro_step_s, got.forward_s, got.backward_s):   # cold minus hot, clamped: never negative
+    for v in (got.micro_step_s, got.forward_s, got.backward_s, got.bucket_s):   # cold minus hot, clamped: >= 0
         assert math.isfinite(v) and 0 <= v < 1
     assert all(p.grad is None for p in case.model.parameters()), "the probe leaves no gradients behind"
+    assert all(not p._post_accumulate_grad_hooks for p in a.captured.gm.parameters()), "nor its pause hook"
+    assert "bucket_s" in load_json(measure_cache_path())[_entries()[0]], "one entry holds every figure"
+    assert EngineCalls(**{k: v for k, v in got.to_dict().items() if k != "bucket_s"}).bucket_s == 0.0
     assert measure_engine_calls(a, case.example_inputs, sleep_factor=1.0, loss_fn=case.loss_fn,
                                 example_targets=targets, micro_batch=2, repeats=3) == got     # from the cache
     assert len(_entries()) == 1

@@ -25,6 +25,14 @@ What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the 
 - the sleep: ``call_gap_s``, what the clock of the cluster's fastest emulated type sleeps after the hot
   micro-step (``time_scale / speed - 1`` times it), within 40-50 ms (the penalty stops growing near 40 ms;
   the clock's real sleeps are 2-23x a call's CPU time, tens of milliseconds);
+- a backward paused half-way (``bucket_s``): the data-parallel engine's last backward is paused at every
+  gradient bucket's launch (``autopar.runtime.dp_overlap``: the clock settles, i.e. sleeps, before the
+  all-reduce is issued), and the rest of that backward starts cold; timed as a backward whose middle
+  parameter's gradient hook sleeps ``bucket_gap_s`` (the clock's settling of half the hot backward),
+  against the hot backward right before it. resmlp at load 1.1: 0.70 and 0.41 ms; in resmlp dp runs on
+  the demo cluster (load 1.1-1.4) overlap on charged the micro-step 6.0 / 6.9 ms more than overlap off
+  on the speed-1 rank (84 rows) and 1.7 / 8.3 ms on the speed-0.5 rank (28 rows), 16 buckets: 0.1-0.5
+  ms a launch. Not priced yet (see docs/insitu-profile.md, session 8, H6);
 - 2 rows: the penalty is a refill of caches and hardly depends on the rows, and the small call keeps the
   hosts' noise small against it (at 8 rows two measurements at load 3 gave 0 and 3.3 ms on resmlp, at 2 rows
   1.3 and 2.1; bert-tiny 0.68 and 0.59, gpt-tiny 0.73 and 0.58 ms).
@@ -53,14 +61,18 @@ import torch
 
 from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
-__all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH"]
+__all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
+           "bucket_gap_s", "BUCKET_GAP_RANGE_S"]
 
 # The sleep a cold call is timed after, in seconds: at least / at most (``call_gap_s``).
 CALL_GAP_RANGE_S = (0.04, 0.05)
+# The sleep a bucket launch's pause is timed with (``bucket_gap_s``): the clock settles the backward
+# done since its last settle, shorter than a call's gap (resmlp dp on the demo cluster: 16 buckets)
+BUCKET_GAP_RANGE_S = (0.005, 0.05)
 # Rows the calls are timed at: the penalty is a cache refill and hardly depends on the rows (bert-tiny
 # after a 40 ms sleep: 0.86, 1.18, 0.84 ms at 2, 8, 32 rows; load 3.6, one core).
 CALL_MICRO_BATCH = 2
-_VERSION = 3
+_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +85,9 @@ class EngineCalls:
     hot_s: float
     gap_s: float
     micro_batch: int
+    # a backward resumed after a pause half-way, as a gradient bucket's launch pauses the data-parallel
+    # engine's last backward (autopar.runtime.dp_overlap): its cold restart, per launch
+    bucket_s: float = 0.0
 
     @property
     def per_call_s(self) -> float:
@@ -83,7 +98,8 @@ class EngineCalls:
 
     def to_dict(self) -> dict:
         return {"micro_step_s": self.micro_step_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "hot_s": self.hot_s, "gap_s": self.gap_s, "micro_batch": self.micro_batch}
+                "hot_s": self.hot_s, "gap_s": self.gap_s, "micro_batch": self.micro_batch,
+                "bucket_s": self.bucket_s}
 
 
 def call_gap_s(hot_s: float, sleep_factor: float) -> float:
@@ -91,6 +107,13 @@ def call_gap_s(hot_s: float, sleep_factor: float) -> float:
     ``sleep_factor + 1`` (``time_scale / speed``), within ``CALL_GAP_RANGE_S``."""
     lo, hi = CALL_GAP_RANGE_S
     return float(min(hi, max(lo, hot_s * max(0.0, float(sleep_factor)))))
+
+
+def bucket_gap_s(backward_s: float, sleep_factor: float) -> float:
+    """The sleep of the clock's settling at a bucket launch half-way through a backward of ``backward_s``
+    CPU seconds (half of it stretched by ``sleep_factor``), within ``BUCKET_GAP_RANGE_S``."""
+    lo, hi = BUCKET_GAP_RANGE_S
+    return float(min(hi, max(lo, 0.5 * backward_s * max(0.0, float(sleep_factor)))))
 
 
 def _loss_of(out, loss_fn, targets):
@@ -150,23 +173,44 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
         for _ in range(3):                                      # warm-up; gradients exist from here on
             forward()
             backward()
-        hot_f, hot_b, cold_step, cold_f, cold_b = [], [], [], [], []
+        pause = {"on": False}
+        params = [p for p in gm.parameters() if p.requires_grad]
+        mid = params[len(params) // 2] if params else None
+
+        def paused(_p) -> None:                 # the bucket launch's pause: the clock's settling sleep
+            if pause["on"]:
+                pause["on"] = False
+                time.sleep(bucket_gap)
+
+        hook = mid.register_post_accumulate_grad_hook(paused) if mid is not None else None
+        hot_f, hot_b, cold_step, cold_f, cold_b, hot_b2, resumed = [], [], [], [], [], [], []
         gap = None
-        for _ in range(int(repeats)):
-            hot_f.append(timed(forward))
-            hot_b.append(timed(backward))
-            if gap is None:
-                gap = call_gap_s(hot_f[0] + hot_b[0], sleep_factor)
-            time.sleep(gap)                 # a micro-step after the sleep: its forward is the stage forward's
-            cold_f.append(timed(forward))   # call too (the loss in it, as on a last stage)
-            cold_step.append(cold_f[-1] + timed(backward))
-            forward()
-            time.sleep(gap)                 # a stage backward after the sleep
-            cold_b.append(timed(backward))
+        try:
+            for _ in range(int(repeats)):
+                hot_f.append(timed(forward))
+                hot_b.append(timed(backward))
+                if gap is None:
+                    gap = call_gap_s(hot_f[0] + hot_b[0], sleep_factor)
+                    bucket_gap = bucket_gap_s(hot_b[0], sleep_factor)
+                time.sleep(gap)                 # a micro-step after the sleep: its forward is the stage forward's
+                cold_f.append(timed(forward))   # call too (the loss in it, as on a last stage)
+                cold_step.append(cold_f[-1] + timed(backward))
+                forward()
+                time.sleep(gap)                 # a stage backward after the sleep
+                cold_b.append(timed(backward))
+                forward()                       # a backward paused half-way (thread time: the sleep is not in it)
+                hot_b2.append(timed(backward))  # against the hot backward right before it
+                forward()
+                pause["on"] = True
+                resumed.append(timed(backward))
+        finally:
+            if hook is not None:
+                hook.remove()
         gm.zero_grad(set_to_none=True)
         hot = [f + b for f, b in zip(hot_f, hot_b)]
         cache[key] = EngineCalls(_paired(cold_step, hot), _paired(cold_f, hot_f), _paired(cold_b, hot_b),
-                                 min(hot), float(gap), int(micro_batch)).to_dict()
+                                 min(hot), float(gap), int(micro_batch),
+                                 _paired(resumed, hot_b2)).to_dict()
         if use_cache:
             save_json(path, cache)
     return EngineCalls(**cache[key])
