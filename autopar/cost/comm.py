@@ -73,7 +73,7 @@ __all__ = [
     "pair_latency_s", "ring_link", "p2p_time_s", "allreduce_time_s", "reduce_scatter_time_s",
     "allgather_time_s", "broadcast_time_s", "zero_shard_sizes", "zero_shards_even", "zero_gather_s",
     "zero_reduce_scatter_rounds", "zero_reduce_scatter_s", "zero_units", "ZeroCollectives", "zero_collectives",
-    "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces",
+    "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces", "dp_bucket_restarts_s",
 ]
 
 Algorithm = Literal["ring", "hierarchical", "auto"]
@@ -411,3 +411,15 @@ def dp_allreduces(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], z
     buckets = grad_buckets(costs, blocks, bucket_bytes) if overlap else (grad_bytes,)
     times = [allreduce_time_s(cluster, ranks, b, link=link, algorithm=algorithm) for b in buckets]
     return DpAllReduces(float(sum(times)), times[-1], loss, len(buckets))
+
+
+def dp_bucket_restarts_s(costs: ModelCosts, device_types, buckets: int | None = None) -> list[float]:
+    """Seconds a data-parallel rank of each of ``device_types`` pays in its last backward for the cold
+    restarts after its gradient-bucket launches (ZeRO 0/1 with overlap, ``autopar.runtime.dp_overlap``):
+    ``ModelCosts.bucket_restart`` once per bucket (``buckets``; None: ``grad_buckets`` of every block),
+    0 on types no emulated clock runs."""
+    per = [costs.bucket_restart(t) for t in device_types]
+    if not any(per):
+        return [0.0] * len(per)
+    n = len(grad_buckets(costs)) if buckets is None else int(buckets)
+    return [n * p for p in per]

@@ -272,8 +272,8 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     specs = {t: cluster.spec_of(t) for t in types}
     cpu_types = [t for t, s in specs.items() if not is_mixed_precision(s)]
     mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.cost.profile)
-    opt, flat, call, per_tensor = {}, {}, {}, {}
-    cpu_opt = cpu_flat = cpu_call = cpu_tensor = 0.0
+    opt, flat, call, per_tensor, restart = {}, {}, {}, {}, {}
+    cpu_opt = cpu_flat = cpu_call = cpu_tensor = cpu_bucket = 0.0
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
@@ -288,8 +288,9 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
         if fastest is not None and scale / fastest > 1:
             from autopar.cost.engine_call import measure_engine_calls
 
-            cpu_call = measure_engine_calls(analysis, example_inputs, sleep_factor=scale / fastest - 1,
-                                            loss_fn=loss_fn, example_targets=example_targets).per_call_s
+            calls = measure_engine_calls(analysis, example_inputs, sleep_factor=scale / fastest - 1,
+                                         loss_fn=loss_fn, example_targets=example_targets)
+            cpu_call, cpu_bucket = calls.per_call_s, calls.bucket_s
         else:
             cpu_call = measure_call_overhead(analysis, example_inputs)
     for t, spec in specs.items():
@@ -298,11 +299,13 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
             opt[t], flat[t], call[t] = cpu_opt / speed, cpu_flat / speed, cpu_call / speed
             if cpu_tensor:
                 per_tensor[t] = cpu_tensor / speed
+            if cpu_bucket and spec.is_emulated:      # only an emulated clock pauses and sleeps
+                restart[t] = cpu_bucket / speed
         else:
             opt[t] = flat[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
             call[t] = 0.0
     return {"optimizer_s_per_param": opt, "optimizer_flat_s_per_param": flat, "call_overhead_s": call,
-            "optimizer_s_per_tensor": per_tensor}
+            "optimizer_s_per_tensor": per_tensor, "bucket_restart_s": restart}
 
 
 def _add(d: dict, key: str, value: float) -> None:
@@ -438,6 +441,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                         dar = comm.dp_allreduces(costs, cluster, ring, zero, blocks=blocks)
                         dar_exposed = dar.total_s - _hidden_allreduce_s(costs, cluster, st, dar)
                     _add(d, "all_reduce", dar_exposed)
+                    if zero < 2 and any(x > 0 for x in st.micro_batches[g]):
+                        _add(d, "backward", comm.dp_bucket_restarts_s(costs, [t], dar.buckets)[0])
                     if zc is None:                         # as the engine runs them (one function: comm's)
                         zc = comm.zero_collectives(costs, cluster, ring, zero, st.zero_shares or None,
                                                    recompute=st.recompute, blocks=blocks)

@@ -132,6 +132,9 @@ class ModelCosts:
     sources: dict[str, str] = field(default_factory=dict)  # device type -> "measured"/"roofline"/"emulated"
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)  # device type -> optimizer step s/param
     call_overhead_s: dict[str, float] = field(default_factory=dict)        # device type -> s per compute call
+    # device type -> s per gradient bucket launched in the data-parallel last backward (emulated types:
+    # the backward restarts cold after the launch's pause, autopar.cost.engine_call ``bucket_s``)
+    bucket_restart_s: dict[str, float] = field(default_factory=dict)
     optimizer_flat_s_per_param: dict[str, float] = field(default_factory=dict)  # ... over one flat buffer
     output_bytes: float = 0.0         # bytes of the graph's output (what the loss reads), per sample
     tp_pairs: np.ndarray | None = None  # Linear pairs TP shards per block (cost.tp.tp_pairs_per_block)
@@ -241,6 +244,10 @@ class ModelCosts:
     def call_overhead(self, device_type: str) -> float:
         """Fixed seconds per compute call on one ``device_type`` device (see the module docstring)."""
         return float(self.call_overhead_s.get(device_type, 0.0))
+
+    def bucket_restart(self, device_type: str) -> float:
+        """Seconds a data-parallel rank's last backward pays per gradient bucket launched from it."""
+        return float(self.bucket_restart_s.get(device_type, 0.0))
 
     def state_bytes(self, blocks: slice = slice(None), zero_stage: int = 0, shard_fraction: float = 1.0) -> float:
         """Weights + gradients + optimizer state of a block range, under a ZeRO stage

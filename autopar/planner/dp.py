@@ -337,8 +337,8 @@ def _share_candidates(costs, cluster, ranks, zero_stage, memory_fraction, worksp
 
 
 def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_s: float = 0.0,
-              recompute: bool = False, bwds=None) -> _Candidate:
-    rank_time = [sum(fns[i](b) for b in mb) for i, mb in enumerate(micro)]
+              recompute: bool = False, bwds=None, restarts=None) -> _Candidate:
+    rank_time = [sum(map(fns[i], mb)) + (restarts[i] if restarts and mb else 0.0) for i, mb in enumerate(micro)]
     slow = int(np.argmax(rank_time))
     steps = [len(mb) for mb in micro]
     if zc.per_micro_step_s > 0:
@@ -394,18 +394,19 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
                                      recompute=recompute)
             by_type[key] = lambda b, c=curve: float(c(b))
         fns.append(by_type[key])
-    bwds = None
+    bwds = restarts = None
     if overlap and zc.allreduce_s > 0:
         def backward_s(name):
             return lambda b: float(costs.bwd_time(name, b).sum()
                                    + (costs.fwd_time(name, b).sum() if recompute else 0.0))
         bwds = [backward_s(spec.name) for spec in specs]
+        restarts = comm.dp_bucket_restarts_s(costs, [spec.name for spec in specs])   # per bucket launched
 
     opt_s = optimizer_step_s(costs, cluster, ranks, zero_stage, fractions)
     kept = tuple(float(f) for f in fractions) if fractions is not None else ()
 
     def evaluate(shares, micro, note=""):
-        return replace(_evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute, bwds),
+        return replace(_evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute, bwds, restarts),
                        zero_shares=kept)
 
     if strategy == "uniform-dp":
