@@ -230,6 +230,14 @@ def tp_block_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, m
     chunked forward overlap hides (``ag_columns``, ``row_rs``), backward ``tp_backward_comm_s`` (with
     the weight-gradient overlap where ``backward_overlap`` and ``hides``) less ``bwd_ag_row``'s hidden
     part. Exactly the unchunked prices where no pattern applies."""
+    return _block_comm(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel, sp_link,
+                       hides, backward_overlap)[:2]
+
+
+def _block_comm(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel, sp_link, hides,
+                backward_overlap):
+    """``tp_block_comm_s``'s (forward, backward) and the hidden seconds per pattern they were taken
+    from (``tp_overlap_hidden_s``)."""
     pad = sp_pad(shares) if sequence_parallel else 1.0
     hid = tp_overlap_hidden_s(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel,
                               pad, sp_link, hides)
@@ -240,7 +248,7 @@ def tp_block_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, m
         fwd = np.maximum(fwd - hid["ag_columns"] - hid["row_rs"], 0.0)
     if hid["bwd_ag_row"].any():
         bwd = np.maximum(bwd - hid["bwd_ag_row"], 0.0)
-    return fwd, bwd
+    return fwd, bwd, hid
 
 
 def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
@@ -251,14 +259,12 @@ def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: fl
     ``ag_columns`` hides, backward's g less ``bwd_ag_row``'s) and ``reduce_scatter`` (forward's g less
     ``row_rs``'s, backward's f less the weight-gradient overlap). Summed over the kinds it is
     ``tp_block_comm_s``'s forward plus backward (``cost.step.tp_collective_phases`` reads it)."""
-    fwd, bwd = tp_block_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel,
-                               sp_link, hides, backward_overlap)
+    fwd, bwd, hid = _block_comm(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel,
+                                sp_link, hides, backward_overlap)
     n = costs.num_blocks
     sp = sp_blocks(costs) if sequence_parallel else None
     sp = np.zeros(n, dtype=bool) if sp is None else sp
     pad = sp_pad(shares) if sequence_parallel else 1.0
-    hid = tp_overlap_hidden_s(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, sequence_parallel,
-                              pad, sp_link, hides)
     pairs = tp_pairs_of(costs)
     count = TP_ALLREDUCES_PER_BLOCK / 2 if pairs is None else pairs
     ag_a, ag_b, _, _ = sp_call_links(alpha_s, beta_s_per_byte, sp_link)
