@@ -25,7 +25,9 @@ Distributed tests run on the threaded process group through ``threaded_ranks(n)`
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MatmulLog", "OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
+__all__ = ["train_and_check", "MatmulLog", "OPTIMIZERS", "RTOL", "OracleRun", "prepared_case", "optimizer_factory", "batches", "single_device_run",
            "single_device_state", "train_one_device", "assert_state_close", "state_rel_errors", "state_abs_errors", "threaded_ranks",
            "stages_of"]
 
@@ -238,3 +240,18 @@ class MatmulLog(TorchDispatchMode):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
             self.log.append(("mm", tuple(out.shape)))
         return out
+
+
+def train_and_check(engine, case_name: str, optimizer: str, steps: int = 2, lock=None) -> None:
+    """Train ``engine`` (a built engine with ``plan`` and ``step``) for ``steps`` steps on the oracle's
+    batches of ``case_name`` and assert its state and losses equal the one-device run's (``RTOL`` of
+    ``optimizer``; losses to 1e-5). ``lock``: held while the batches and the oracle are made (threaded
+    ranks share the oracle's cache)."""
+    B = engine.plan.global_batch_size
+    with lock if lock is not None else contextlib.nullcontext():
+        data = batches(case_name, B, steps)
+        ref = single_device_run(case_name, B, steps, optimizer)
+    losses = [engine.step(inputs, targets) for inputs, targets in data]
+    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
+    for got, want in zip(losses, ref.losses):
+        assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)

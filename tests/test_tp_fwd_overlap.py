@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import threading
 
 import pytest
@@ -38,8 +37,7 @@ from autopar.runtime.engine import EngineInputs
 from autopar.runtime.pipeline import PipelineEngine
 from autopar.runtime.tp import TensorParallelEngine
 from autopar.runtime.tp_comm import GroupAllGather, GroupAllReduce, GroupReduceScatter
-from oracle import MatmulLog, RTOL, assert_state_close, batches, optimizer_factory, prepared_case, \
-    single_device_run, stages_of, threaded_ranks
+from oracle import train_and_check, MatmulLog, batches, optimizer_factory, prepared_case, stages_of, threaded_ranks
 
 _LOCK = threading.Lock()
 SHARES = (3, 1)
@@ -105,14 +103,7 @@ class _Logged:
 
 
 def _train_and_check(engine, name, optimizer, steps=2):
-    B = engine.plan.global_batch_size
-    with _LOCK:
-        data = batches(name, B, steps)
-        ref = single_device_run(name, B, steps, optimizer)
-    losses = [engine.step(inputs, targets) for inputs, targets in data]
-    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
-    for got, want in zip(losses, ref.losses):
-        assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
+    train_and_check(engine, name, optimizer, steps, _LOCK)
 
 
 class TwoRanks(threaded_ranks(2)):

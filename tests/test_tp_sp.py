@@ -33,7 +33,6 @@ def test_stage_sequence_parallel_round_trip_and_old_json():
 
 import copy
 import importlib.util
-import math
 import threading
 import unittest
 
@@ -49,7 +48,7 @@ from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.pipeline import PipelineEngine
 from autopar.runtime.tp import TensorParallelEngine
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run, \
+from oracle import train_and_check as _oracle_train_and_check, batches, optimizer_factory, prepared_case, \
     stages_of, threaded_ranks
 
 _LOCK = threading.Lock()
@@ -75,15 +74,10 @@ def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size):
         lower(plan, gm, rank))
 
 
+
+
 def train_and_check(engine, name, optimizer, steps=2):
-    B = engine.plan.global_batch_size
-    with _LOCK:
-        data = batches(name, B, steps)
-        ref = single_device_run(name, B, steps, optimizer)
-    losses = [engine.step(inputs, targets) for inputs, targets in data]
-    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
-    for got, want in zip(losses, ref.losses):
-        assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
+    _oracle_train_and_check(engine, name, optimizer, steps, _LOCK)
 
 
 # ------------------------------------------------------------------------------------------------
