@@ -36,6 +36,8 @@ Terms
 from __future__ import annotations
 
 import math
+import operator
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,6 +58,8 @@ __all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "
            "split_lower_bound", "split_lower_bounds"]
 
 _ROW_CACHE = 512   # stage row parts kept per search (~0.2 MB each at 82 blocks)
+_RANKS = operator.attrgetter("ranks")
+_FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))
 
 
 # -- the cost tensor of one grouping -----------------------------------------------------------------
@@ -141,10 +145,11 @@ class JointContext:
         return self.cache["spans"]
 
     def shares(self, prep: "StagePrep", samples: int) -> tuple[int, ...]:
-        """``prep.shares(samples)``, cached: by the prep's load id (``prepare_stages``: stages of the same
-        members' kinds and counts share it), else by the prep (it lives as long as its grouping's entry)."""
-        if prep.load_id >= 0:
-            key = ("shares", prep.load_id, samples)
+        """``prep.shares(samples)``, cached: by the prep's share id (``prepare_stages``: stages of the same
+        member count, kind ids, speed fractions and counts, all ``StagePrep.shares`` reads, share it), else
+        by the prep (it lives as long as its grouping's entry)."""
+        if prep.share_id >= 0:
+            key = ("shares", prep.share_id, samples)
             hit = self.cache.get(key)
             if hit is None:
                 hit = self.cache[key] = prep.shares(samples)
@@ -221,6 +226,7 @@ class StagePrep:
     tp: bool = False                              # a member is a tensor-parallel group
     load_id: int = -1                             # equal for preps of equal loads (-1: not interned)
     tp_even: bool = False                         # TP members all of the same shares (ZeRO-1 runs)
+    share_id: int = -1                            # equal for preps of equal ``shares`` inputs (-1: not interned)
 
     def shares(self, samples: int) -> tuple[int, ...]:
         """Per ``kinds`` entry, the most samples of a micro-batch of ``samples`` any of its members
@@ -249,21 +255,30 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
     """The ``StagePrep`` of every stage of a grouping (members: ``Member``s)."""
     out = []
     links = ctx.cache.setdefault("p2p", {})            # (src, dst) -> alpha-beta terms
+    made = ctx.cache.setdefault("preps", {})           # (members' ids, link) -> its (frozen) StagePrep
+    last = len(stages) - 1
     for s, members in enumerate(stages):
-        num, kinds, counts, tp, load_id, tp_even = _stage_load(ctx, members)
-        p2p = None
-        if s < len(stages) - 1:
+        link = None
+        if s < last:
             nxt = stages[s + 1]
-            pair = (members[0].ranks[0], nxt[0].ranks[0])
-            if pair not in links:
-                links[pair] = p2p_alpha_beta(ctx.cluster, *pair)
-            p2p = StageLink(*links[pair], min(len(members), len(nxt)))
-        out.append(StagePrep(num, kinds, p2p, counts, tp, load_id, tp_even))
+            link = (members[0].ranks[0], nxt[0].ranks[0], min(len(members), len(nxt)))
+        key = (tuple(map(id, members)), link)   # ids stay valid: ``_stage_load`` keeps the members
+        prep = made.get(key)
+        if prep is None:
+            num, kinds, counts, tp, load_id, tp_even, share_id = _stage_load(ctx, members)
+            p2p = None
+            if link is not None:
+                pair = link[:2]
+                if pair not in links:
+                    links[pair] = p2p_alpha_beta(ctx.cluster, *pair)
+                p2p = StageLink(*links[pair], link[2])
+            prep = made[key] = StagePrep(num, kinds, p2p, counts, tp, load_id, tp_even, share_id)
+        out.append(prep)
     return out
 
 
 def _stage_load(ctx: JointContext, members: Sequence[Member]) -> tuple:
-    """(member count, kinds, counts, tp, load id, tp_even) of a ``StagePrep`` on ``members``: what
+    """(member count, kinds, counts, tp, load id, tp_even, share id) of a ``StagePrep`` on ``members``: what
     depends on the members alone, computed once per stage of the search (groupings share most stages:
     22 441 stages, 6 326 distinct, llama-140b on hethub-768); keyed by the members' ids and kept with
     them, so that no id is reused while the entry lives."""
@@ -272,22 +287,38 @@ def _stage_load(ctx: JointContext, members: Sequence[Member]) -> tuple:
     hit = done.get(key)
     if hit is not None:
         return hit[1]
-    facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (kind id, speed, room, rank caps)
-    got = []
-    for m in members:
-        f = facts.get(m.ranks)
-        if f is None or f[0] is not m:
-            f = facts[m.ranks] = (m, ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
-        got.append(f)
-    total = sum(f[2] for f in got)
-    per = [(i, x / total, room, caps) for _, i, x, room, caps in got]
-    kinds = tuple(sorted(set(per)))
-    counts = tuple(per.count(k) for k in kinds)
-    tp = any(len(m.ranks) > 1 for m in members)
+    facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (member, sig, tp, shares)
+    interned = ctx.cache.setdefault("member_sigs", {})  # (kind id, speed, room, rank caps), one object each
+    try:   # C-level passes over the members: a stage holds up to hundreds of them
+        got = list(map(facts.__getitem__, map(_RANKS, members)))
+        fresh = all(map(operator.is_, map(_FIRST, got), members))
+    except KeyError:
+        fresh = False
+    if not fresh:
+        for m in members:
+            f = facts.get(m.ranks)
+            if f is None or f[0] is not m:
+                sig = (ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
+                facts[m.ranks] = (m, interned.setdefault(sig, sig), len(m.ranks) > 1, tuple(m.shares))
+        got = list(map(facts.__getitem__, map(_RANKS, members)))
+    sigs = list(map(_SECOND, got))
+    total = sum(map(_SECOND, sigs))
+    of = dict(zip(map(id, sigs), sigs))
+    tally: dict = {}   # (kind id, speed fraction, room, caps) -> members: equal members counted at once
+    for sid, num in Counter(map(id, sigs)).items():
+        i, x, room, caps = of[sid]
+        k = (i, x / total, room, caps)
+        tally[k] = tally.get(k, 0) + num
+    kinds = tuple(sorted(tally))
+    counts = tuple(tally[k] for k in kinds)
+    tp = any(map(_THIRD, got))
+    shares = set(map(_FOURTH, got))
     ids = ctx.cache.setdefault("load_ids", {})
     load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
-    tp_even = tp and len(members) > 1 and len({tuple(m.shares) for m in members}) == 1
-    out = (len(members), kinds, counts, tp, load_id, tp_even)
+    tp_even = tp and len(members) > 1 and len(shares) == 1
+    sids = ctx.cache.setdefault("share_ids", {})   # what ``StagePrep.shares`` and ``_stage_q`` read
+    share_id = sids.setdefault((len(members), tuple((k[0], k[1]) for k in kinds), counts), len(sids))
+    out = (len(members), kinds, counts, tp, load_id, tp_even, share_id)
     done[key] = (tuple(members), out)
     return out
 
@@ -364,7 +395,7 @@ def split_lower_bound(ctx: JointContext, prep: Sequence[StagePrep], num_micro: i
     key = ("slb_ids", id(prep))
     hit = ctx.cache.get(key)
     if hit is None or hit[0] is not prep:
-        lids = [st.load_id if st.load_id >= 0 else ("prep", id(st)) for st in prep]
+        lids = [st.share_id if st.share_id >= 0 else ("prep", id(st)) for st in prep]
         hit = ctx.cache[key] = (prep, lids, {})   # the last: micro-batch size -> (sum 1 / q_s, min q_s)
     terms = hit[2].get(b)
     if terms is None:
@@ -383,7 +414,7 @@ def split_lower_bounds(ctx: JointContext, prep: Sequence[StagePrep], counts: Seq
     key = ("slb_ids", id(prep))
     hit = ctx.cache.get(key)
     if hit is None or hit[0] is not prep:
-        lids = [st.load_id if st.load_id >= 0 else ("prep", id(st)) for st in prep]
+        lids = [st.share_id if st.share_id >= 0 else ("prep", id(st)) for st in prep]
         hit = ctx.cache[key] = (prep, lids, {})
     lids, done = hit[1], hit[2]
     if not lids:
@@ -412,8 +443,8 @@ def split_lower_bounds(ctx: JointContext, prep: Sequence[StagePrep], counts: Seq
 
 
 def _stage_q(ctx: JointContext, st: StagePrep, lid, b: int) -> float:
-    """q_s of ``split_lower_bound`` of a stage of load ``lid`` at micro-batch size ``b`` (cached by
-    load id when the stage is interned, as ``_split_bound_terms`` does)."""
+    """q_s of ``split_lower_bound`` of a stage of share id ``lid`` at micro-batch size ``b`` (cached by
+    share id when the stage is interned: q_s reads only the kind ids and ``StagePrep.shares``)."""
     qs = ctx.cache.setdefault(("slb_q", b), {})
     q = qs.get(lid)
     if q is None:
@@ -421,7 +452,7 @@ def _stage_q(ctx: JointContext, st: StagePrep, lid, b: int) -> float:
         for (kid, _f, _room, _caps), k in zip(st.kinds, ctx.shares(st, b)):
             if k > 0:
                 q = max(q, ctx.ratio(kid, k))
-        if st.load_id >= 0:
+        if st.share_id >= 0:
             qs[lid] = q
     return q
 
@@ -431,7 +462,7 @@ def _split_bound_terms(ctx: JointContext, prep: Sequence[StagePrep], lids: list,
     q_s is 0 (the bound is then 0)."""
     inv, low = 0.0, math.inf
     for st, lid in zip(prep, lids):
-        q = _stage_q(ctx, st, lid, b)   # per load id: q_s (the same for stages of equal loads)
+        q = _stage_q(ctx, st, lid, b)   # per share id: q_s (the same for stages of equal shares)
         if q <= 0:
             return 0.0, 0.0
         inv += 1.0 / q

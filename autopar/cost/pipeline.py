@@ -172,18 +172,21 @@ def _grouping_rows(ctx: PipelineContext, stages: Sequence[Sequence[tuple[int, ..
 # -- exact stage durations, memory and the simulated prediction -------------------------------------
 
 def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stage], *,
-                    replicated_fraction: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    replicated_fraction: float | None = None,
+                    kinds: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds [stage][micro] (slowest member, each with its
     type's ``ModelCosts.call_overhead``) and transfer seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
     first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
-    ``autopar.cost.tp`` with ``replicated_fraction`` (None: its default)."""
+    ``autopar.cost.tp`` with ``replicated_fraction`` (None: its default). ``kinds``: a memo of TP
+    groups' kinds ((ranks, head shares) -> ``tp_cost.group_kind`` on ``cluster``) the caller keeps
+    across calls on the same cluster (the joint planner prices the same members in every candidate)."""
     S = len(stages)
     M = max(len(mb) for st in stages for mb in st.micro_batches)
     fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
     tp_seen: dict = {}
     tp_ids: dict = {}
-    kinds: dict = {}   # (ranks, head shares) -> the group's kind
+    kinds = {} if kinds is None else kinds   # (ranks, head shares) -> the group's kind
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
         seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds

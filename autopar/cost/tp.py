@@ -388,7 +388,9 @@ def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[
     sizes = {len(g) for g in groups}
     if fractions is None:
         fractions = [[1.0 / len(g)] * len(g) for g in groups]
-    biggest = max(float(work_factors(f, replicated_fraction).max()) for f in fractions)
+    # members given one fractions object (``stage_allreduce_time_s``: equal shares) hold alike
+    biggest = max(float(work_factors(f, replicated_fraction).max())
+                  for f in {id(f): f for f in fractions}.values())
     nbytes = grad * biggest
     if len(sizes) == 1:
         t = sizes.pop()
@@ -407,7 +409,11 @@ def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
                            replicated_fraction: float | None = None) -> float:
     """``dp_allreduce_time_s`` of a ``Stage`` whose members are TP groups (``stage.tp_shares``)."""
     rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
-    fractions = [np.asarray(s, float) / sum(s) for s in stage.tp_shares] if stage.tp_shares else None
+    fractions = None
+    if stage.tp_shares:
+        of: dict = {}   # shares -> fractions: members of equal shares alike
+        fractions = [of[s] if s in of else of.setdefault(s, np.asarray(s, float) / sum(s))
+                     for s in map(tuple, stage.tp_shares)]
     return dp_allreduce_time_s(costs, cluster, stage.groups, slice(stage.block_start, stage.block_stop),
                                fractions, rho)
 
@@ -429,7 +435,7 @@ def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
 def _member_shares(stage) -> list[tuple[int, ...]]:
     """Each member's head shares (even when the stage gives none)."""
     if stage.tp_shares:
-        return [tuple(int(x) for x in s) for s in stage.tp_shares]
+        return [tuple(map(int, s)) for s in stage.tp_shares]
     return [(1,) * len(m) for m in stage.groups]
 
 
@@ -438,8 +444,10 @@ def tp_zero_stage(stage, zero_stage: int) -> int:
     ``zero_stage >= 1`` when the stage has at least two members, all with the same head shares
     (each TP index's ranks then share one flat layout; ``runtime.tp_zero.tp_zero_applies`` is the
     runtime's side of this rule), else 0 (different shardings reduce full-model buffers)."""
+    if zero_stage < 1 or len(stage.groups) < 2:
+        return 0
     shares = _member_shares(stage)
-    return 1 if zero_stage >= 1 and len(shares) > 1 and len(set(shares)) == 1 else 0
+    return 1 if len(set(shares)) == 1 else 0
 
 
 def tp_zero_saving_bytes(costs: ModelCosts, stage, zero_stage: int,

@@ -72,7 +72,7 @@ from autopar.planner.dp import plan_dp
 from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
 from autopar.planner.joint_search import ESTIMATE_SLACK, GroupingState, search
 from autopar.planner.pp_virtual import interleave_hybrid
-from autopar.planner.pp import StageGrouping, member_shares, micro_sizes, plan_pipeline, plan_timeline
+from autopar.planner.pp import StageGrouping, member_shares, micro_sizes, plan_pipeline, plan_timeline, stage_durations
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -136,6 +136,7 @@ def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[s
     out = []
     top = ctx.zero_for(len(stages[0].micro_batches[0]))   # ZeRO-2 only at one micro-batch
     zero_choices = [z for z in zero_choices if z <= top]
+    durations = None   # the same stages' durations under every schedule: priced once
     for name in schedules:
         zero, memory = None, None
         for z in zero_choices:   # the least ZeRO stage that fits
@@ -146,7 +147,10 @@ def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[s
         if zero is None:
             continue
         probe = _make_plan(ctx, "auto", name, stages, 1.0, memory, {"tp_replicated_fraction": ctx.rho})
-        timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster)
+        if durations is None:
+            durations = stage_durations(ctx.costs, ctx.cluster, stages, replicated_fraction=ctx.rho,
+                                        kinds=ctx.cache.setdefault("group_kinds", {}))
+        timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster, durations=durations)
         breakdown = {
             "tp_replicated_fraction": ctx.rho, "bubble_fraction": timeline.bubble_fraction,
             "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
@@ -168,7 +172,7 @@ def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> l
             continue   # not even perfect balance on this layout beats what is known
         grs = groupings if groupings is not None else member_groupings(cluster, lay, n, speed)
         for gr in grs:
-            if gr.num_stages > n or any(g not in ctx.members for st in gr.stages for g in st):
+            if gr.num_stages > n or not all(map(ctx.members.__contains__, itertools.chain.from_iterable(gr.stages))):
                 continue
             stages = [[ctx.members[g] for g in st] for st in gr.stages]
             entries.append(GroupingState(lay, gr, prepare_stages(ctx, stages)))
