@@ -50,6 +50,23 @@ cold again; those calls are priced as one.
 Cached in ``measure.json`` (``autopar.cost.measure_cache``) by the graph, micro-batch, sleep, loss, CPU
 threads and ``machine_id()``, so another machine measures its own. Emulated figures only: GPU types
 pay none of this (``call_overhead_s`` 0 there).
+
+Memory tracking (``measure_tracking``): an emulated rank steps under its memory meter
+(``autopar.runtime.memory.TrackedMeter``, a Python dispatch mode: a call per operator), and its clock
+stretches the CPU time less what the meter estimates the tracking cost (operators dispatched times a
+per-operator cost probed once per process on a 4-element add). The estimate falls short on real
+operators: gpt-tiny micro-steps at 13-32 rows (440 operators, one thread, load 6) cost 11-14 us per
+operator under tracking against the probe's 7.2, a residual of 1.6-2.9 ms per micro-step (13-18% of
+it), which the clock then stretches; in demo dp runs, tracking on against off in the same ranks charged
+20-25% more CPU per step (``docs/insitu-profile.md``, session 9). ``measure_tracking`` times that
+residual as a rank is charged: the micro-step (forward with the loss, then backward) plain, and under
+a fresh meter read through the clock's own CPU time less the tracking (``tracking``, a callable the
+caller gives, ``autopar.runtime.memory``'s: the cost model does not import the runtime), interleaved,
+the median of the paired differences per phase, at the smallest, a middle and the largest sample
+micro-batch (the residual grows with the rows: the operators' caches refill after every Python call),
+linear in the rows between them. ``autopar.cost.profile.model_costs`` adds it to emulated types'
+tables, spread over the blocks by their operator counts, and scaled like them. Cached like the calls,
+by graph, micro-batch, loss, threads and machine.
 """
 
 from __future__ import annotations
@@ -62,7 +79,7 @@ import torch
 from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
 __all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
-           "bucket_gap_s", "BUCKET_GAP_RANGE_S"]
+           "bucket_gap_s", "BUCKET_GAP_RANGE_S", "measure_tracking", "tracking_batches"]
 
 # The sleep a cold call is timed after, in seconds: at least / at most (``call_gap_s``).
 CALL_GAP_RANGE_S = (0.04, 0.05)
@@ -214,3 +231,89 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
         if use_cache:
             save_json(path, cache)
     return EngineCalls(**cache[key])
+
+
+_TRACKING_VERSION = 1
+
+
+def tracking_batches(batches) -> list[int]:
+    """The micro-batches ``measure_tracking`` times of ``batches`` (sorted): the smallest, the one in the
+    middle and the largest."""
+    bs = sorted({int(b) for b in batches})
+    return sorted({bs[0], bs[len(bs) // 2], bs[-1]}) if bs else []
+
+
+def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss_fn=None, example_targets=None,
+                     repeats: int = 7, use_cache: bool = True) -> dict[int, tuple[float, float]]:
+    """{micro-batch: (forward s, backward s)} of CPU time an emulated clock charges a micro-step under
+    memory tracking beyond the same micro-step untracked (see the module docstring), at every micro-batch
+    of ``batches``: measured at ``tracking_batches(batches)``, linear in the rows between them (the ends'
+    values beyond them), each at least 0. ``tracking``: a callable returning ``(meter, cpu_time)``, a fresh
+    meter (a context manager that tracks while entered) and the CPU-time clock an emulated clock reads
+    under it. Runs the captured graph, so the model's ``.grad`` are cleared afterwards."""
+    import statistics
+
+    import numpy as np
+
+    from autopar.passes.split import flat_inputs
+
+    if int(repeats) < 1:
+        raise ValueError(f"repeats: {repeats!r} must be an int >= 1")
+    want = [int(b) for b in batches]
+    if not want:
+        return {}
+    sig = graph_signature(analysis)
+    with_loss = loss_fn is not None and example_targets is not None
+    path = measure_cache_path()
+    cache = load_json(path) if use_cache else {}
+    changed = False
+    measured: dict[int, tuple[float, float]] = {}
+    gm = analysis.captured.gm
+    for b in tracking_batches(want):
+        key = (f"tracking|v{_TRACKING_VERSION}|{sig}|b{b}|loss{int(with_loss)}|cpu|t{torch.get_num_threads()}"
+               f"|{machine_id()}")
+        if key not in cache:
+            flat = flat_inputs(gm, tile_batch(tuple(example_inputs), b))
+            targets = tile_batch((example_targets,), b)[0] if with_loss else None
+            held: list = []
+
+            def forward() -> None:
+                loss = _loss_of(gm(*flat), loss_fn if with_loss else None, targets)
+                held[:] = [] if loss is None else [loss * 0.5]
+
+            def backward() -> None:
+                if held:
+                    held.pop().backward()
+
+            def timed(cpu) -> tuple[float, float]:
+                t0 = cpu()
+                forward()
+                t1 = cpu()
+                backward()
+                return t1 - t0, cpu() - t1
+
+            for _ in range(2):                       # warm-up, untracked then tracked
+                forward()
+                backward()
+            meter, cpu = tracking()
+            with meter:
+                timed(cpu)
+            plain, tracked = [], []
+            for _ in range(int(repeats)):
+                plain.append(timed(time.thread_time))
+                meter, cpu = tracking()
+                with meter:
+                    tracked.append(timed(cpu))
+            cache[key] = [max(0.0, float(statistics.median(t[i] - p[i] for p, t in zip(plain, tracked))))
+                          for i in (0, 1)]
+            changed = True
+        measured[b] = (float(cache[key][0]), float(cache[key][1]))
+    if changed:
+        gm.zero_grad(set_to_none=True)
+        if use_cache:
+            save_json(path, cache)
+    xs = sorted(measured)
+    out = {}
+    for b in want:
+        out[b] = tuple(max(0.0, float(np.interp(b, xs, [measured[x][i] for x in xs]))) for i in (0, 1))
+    return out

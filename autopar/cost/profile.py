@@ -399,6 +399,21 @@ def _tp_memory(analysis, num_blocks: int) -> dict:
     return {} if got is None else {"tp_param_replicated": got[0], "tp_act_replicated": got[1]}
 
 
+def _add_tracking(fwd_table: dict, bwd_table: dict, batches, stats, speeds: dict[str, float],
+                  residual_s: dict[int, tuple[float, float]]) -> None:
+    """Add ``residual_s`` (``engine_call.measure_tracking``: {micro-batch: (forward s, backward s)} of a
+    whole micro-step) to the tables of ``speeds``' types (``{type: the divisor of their tables}``), each
+    block its share of the graph's operators (``BlockStats.num_ops``; evenly where none are counted), in
+    place."""
+    ops = np.array([float(s.num_ops) for s in stats])
+    share = ops / ops.sum() if ops.sum() > 0 else np.full(len(ops), 1.0 / max(1, len(ops)))
+    rf = np.array([residual_s[int(b)][0] for b in batches])[:, None] * share[None, :]
+    rb = np.array([residual_s[int(b)][1] for b in batches])[:, None] * share[None, :]
+    for t, speed in speeds.items():
+        fwd_table[t] = np.asarray(fwd_table[t], dtype=np.float64) + rf / speed
+        bwd_table[t] = np.asarray(bwd_table[t], dtype=np.float64) + rb / speed
+
+
 def _output_bytes(analysis) -> float:
     """Bytes per sample of the captured graph's output tensors (what the loss function reads)."""
     from autopar.passes.meta import TENSOR
@@ -416,7 +431,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
                 efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
                 calibration="auto", precision: str | None = None, loss_fn=None,
-                example_targets=None) -> ModelCosts:
+                example_targets=None, tracking=None) -> ModelCosts:
     """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
 
     ``precision`` (``"fp32" | "bf16" | "fp16"``, a plan's ``precision=``): given other than fp32, the byte
@@ -436,6 +451,12 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     ``loss_fn`` with ``example_targets`` (the targets of ``example_inputs``' rows): the loss's forward
     and backward are timed too and added to the last block of the measured tables
     (``autopar.cost.loss``); without them the tables hold the model alone.
+
+    ``tracking`` (``autopar.cost.engine_call.measure_tracking``'s: a callable returning a fresh memory
+    meter and the CPU-time clock an emulated rank reads under it; None, default: not priced): what the
+    rank's memory tracking adds to a micro-step's charged CPU time beyond the meter's own estimate, added
+    to the measured tables of emulated types (whose ranks step under the meter), spread over the blocks
+    by their operator counts.
     """
     stats = analysis.stats
     batches = np.array(sorted(sample_batches), dtype=float)
@@ -483,6 +504,13 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
 
         add_loss_to_tables(fwd_table, bwd_table, batches,
                            measure_loss(analysis, model, example_inputs, loss_fn, example_targets, batches), speeds)
+    emulated = {t: v for t, v in speeds.items() if cluster.spec_of(t).is_emulated}
+    if emulated and tracking is not None:       # what the memory meter costs an emulated rank (engine_call)
+        from autopar.cost.engine_call import measure_tracking
+
+        _add_tracking(fwd_table, bwd_table, batches, stats, emulated,
+                      measure_tracking(analysis, example_inputs, [int(b) for b in batches], tracking=tracking,
+                                       loss_fn=loss_fn, example_targets=example_targets))
     per = analysis.batch_size
     # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
     all_gpu = all(is_mixed_precision(cluster.spec_of(t)) for t in types)
