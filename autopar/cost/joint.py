@@ -236,6 +236,10 @@ class StagePrep:
         if self.num_members == 1:
             return tuple(samples for _ in self.kinds)
         counts = self.counts or (1,) * len(self.kinds)
+        if len(self.kinds) == 1:   # the loop below with one entry
+            x = samples * self.kinds[0][1]
+            base = int(math.floor(x + 1e-9))
+            return (base + 1,) if x - base > 1e-9 and samples - base * counts[0] > 0 else (base,)
         exact = [samples * f for _, f, _, _ in self.kinds]
         base = [int(math.floor(x + 1e-9)) for x in exact]
         rest = samples - sum(b * n for b, n in zip(base, counts))
@@ -428,7 +432,15 @@ def split_lower_bounds(ctx: JointContext, prep: Sequence[StagePrep], counts: Seq
         uniq = list(first)
         pos = {lid: u for u, lid in enumerate(uniq)}
         idx = np.fromiter((pos[lid] for lid in lids), dtype=np.intp, count=len(lids))
-        q = np.array([[_stage_q(ctx, prep[first[lid]], lid, b) for lid in uniq] for b in todo], dtype=np.float64)
+        rows = []
+        for b in todo:
+            qs = ctx.cache.setdefault(("slb_q", b), {})   # ``_stage_q``'s memo, read here first
+            row = list(map(qs.get, uniq))
+            for u, q in enumerate(row):
+                if q is None:
+                    row[u] = _stage_q(ctx, prep[first[uniq[u]]], uniq[u], b)
+            rows.append(row)
+        q = np.array(rows, dtype=np.float64)
         bad = (q <= 0).any(axis=1)
         with np.errstate(divide="ignore"):
             inv = np.cumsum(1.0 / q[:, idx], axis=1)[:, -1]

@@ -187,28 +187,39 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     tp_seen: dict = {}
     tp_ids: dict = {}
     kinds = {} if kinds is None else kinds   # (ranks, head shares) -> the group's kind
+    calls: dict = {}   # device types of a member -> its call overhead (the slowest type's)
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
         seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
-        done: set = set()
+        alike: dict = {}   # (member kind, call, micro-batch count) -> its members: priced as one matrix
         for g, members in enumerate(st.groups):
             t = cluster.devices[members[0]].spec.name
             kind = None
-            if len(members) > 1 and st.tp_shares:
-                from autopar.cost import tp as tp_cost  # local: the TP cost model imports nothing from here
+            types = (t,)
+            if len(members) > 1:
+                if st.tp_shares:
+                    from autopar.cost import tp as tp_cost  # local: the TP cost model imports nothing from here
 
-                at_key = (tuple(members), tuple(st.tp_shares[g]))   # chunks of one rank stage: the same groups
-                kind = kinds.get(at_key)
-                if kind is None:
-                    kind = kinds[at_key] = tp_cost.group_kind(cluster, members, st.tp_shares[g])
-                t = tp_ids.setdefault(kind, len(tp_ids))
-            call = max(costs.call_overhead(cluster.devices[r].spec.name) for r in members)
+                    at_key = (tuple(members), tuple(st.tp_shares[g]))   # chunks of one rank stage: the same groups
+                    kind = kinds.get(at_key)
+                    if kind is None:
+                        kind = kinds[at_key] = tp_cost.group_kind(cluster, members, st.tp_shares[g])
+                    t = tp_ids.setdefault(kind, len(tp_ids))
+                    types = kind.types
+                else:
+                    types = tuple(cluster.devices[r].spec.name for r in members)
+            call = calls.get(types)
+            if call is None:
+                call = calls[types] = max(costs.call_overhead(x) for x in types)
             xs = st.micro_batches[g]
-            if (t, call, xs) in done:
-                continue   # a member priced as one already seen, on the same micro-batches
-            done.add((t, call, xs))
-            arr = np.asarray(xs)
-            for x in dict.fromkeys(xs):
+            alike.setdefault((t, call, len(xs)), (kind, []))[1].append(xs)
+        for (t, call, n), (kind, rows) in alike.items():
+            if not n:
+                continue
+            arr = np.array(rows) if len(rows) > 1 else np.asarray(rows[0])[None, :]
+            vals = np.unique(arr)
+            fv, bv = np.empty(len(vals)), np.empty(len(vals))
+            for i, x in enumerate(vals.tolist()):
                 if (t, x) not in seen:
                     if kind is None:
                         seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
@@ -221,20 +232,27 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                     f, b = f + call, b + call
                     if st.recompute:   # the backward reruns the forward (another call)
                         b = b + f
-                at = np.flatnonzero(arr == x)
-                fwd[s, at] = np.maximum(fwd[s, at], f)
-                bwd[s, at] = np.maximum(bwd[s, at], b)
+                fv[i], bv[i] = f, b
+            at = np.searchsorted(vals, arr)   # each member's micro-batches' entries in ``vals``
+            fwd[s, :n] = np.maximum(fwd[s, :n], fv[at].max(axis=0))
+            bwd[s, :n] = np.maximum(bwd[s, :n], bv[at].max(axis=0))
         if s < S - 1:
             nxt = stages[s + 1]
             links = min(len(st.groups), len(nxt.groups))
             per_sample = float(costs.out_bytes[st.block_stop - 1])
             sent: dict[float, float] = {}   # bytes -> seconds over this boundary
-            sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
-            for m, size in enumerate(sizes + [0] * (M - len(sizes))):
+            if len({len(mb) for mb in st.micro_batches}) == 1:
+                sizes = np.array(st.micro_batches).sum(axis=0).tolist()
+            else:
+                sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
+            sizes += [0] * (M - len(sizes))
+            of_size: dict = {}   # samples of a micro-batch -> seconds over this boundary
+            for size in dict.fromkeys(sizes):
                 nbytes = per_sample * math.ceil(size / links)
                 if nbytes not in sent:
                     sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes)
-                comm[s, m] = sent[nbytes]
+                of_size[size] = sent[nbytes]
+            comm[s, :] = [of_size[x] for x in sizes]
     return fwd, bwd, comm
 
 
@@ -320,14 +338,15 @@ def _tied_stage_sets(costs: ModelCosts, stages: Sequence[Stage]) -> list[tuple[t
 
 
 def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_stage: int,
-                      replicated_fraction: float | None = None) -> float:
+                      replicated_fraction: float | None = None, *, types: dict | None = None) -> float:
     """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
     1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
     a tensor-parallel rank its shard (``cost.tp.tp_rank_params``: the parameters the rewrite leaves
     whole plus its share of the rest; 1/k of that under ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1,
     stepped as one flat buffer: ``runtime.tp_zero``). Unflattened, each rank pays the per-tensor term of
     the tensors it steps (``ModelCosts.optimizer_time``): a TP rank a piece of every tensor of the
-    stage, a ZeRO member 1/k of them."""
+    stage, a ZeRO member 1/k of them. ``types``: a memo (ranks -> their device types) the caller
+    keeps across calls on ``cluster``."""
     p = float(costs.params[stage.block_start:stage.block_stop].sum())
     k = costs.block_tensors(slice(stage.block_start, stage.block_stop))
     nm = len(stage.groups)
@@ -341,7 +360,17 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
         tp_zero = bool(tp_cost.tp_zero_stage(stage, zero_stage))   # ZeRO-1 over the members (runtime.tp_zero)
     blocks = slice(stage.block_start, stage.block_stop)
     helds: dict = {}   # head shares -> per rank parameters: members of equal shares hold alike
+    types = {} if types is None else types
+    alike: set = set()   # (device types, head shares): members that step alike
     for g, members in enumerate(stage.groups):
+        at = members if isinstance(members, tuple) else tuple(members)
+        names = types.get(at)
+        if names is None:
+            names = types[at] = tuple(cluster.devices[r].spec.name for r in at)
+        sig = (names, tuple(stage.tp_shares[g]) if tp and len(members) > 1 else None)
+        if sig in alike:
+            continue
+        alike.add(sig)
         held = None
         if tp and len(members) > 1:
             key = tuple(stage.tp_shares[g])
@@ -358,7 +387,7 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
                 n, flat = float(held[i]), tp_zero
             elif zero_stage >= 1 and nm > 1 and not tp:
                 n, tensors = p / nm, (None if k is None else k / nm)
-            t = cluster.devices[r].spec.name
+            t = names[i]
             if (t, n) in seen:
                 continue
             seen.add((t, n))

@@ -375,12 +375,14 @@ def group_speed(costs: ModelCosts, cluster: "Cluster", group: TpGroup, micro_bat
 
 def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[Sequence[int]],
                         blocks: slice, fractions: Sequence[Sequence[float]] | None = None,
-                        replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
+                        replicated_fraction: float = DEFAULT_REPLICATED_FRACTION, *,
+                        rings: dict | None = None) -> float:
     """The data-parallel gradient all-reduce of a block range among a stage's members (TP groups).
 
     Members of equal size t run t all-reduces at once, the j-th over the j-th rank of every member, of
     the largest shard (``fractions``: per member its ranks' share fractions; even when None); members
-    of unequal sizes are priced as one all-reduce of the largest shard over their first ranks."""
+    of unequal sizes are priced as one all-reduce of the largest shard over their first ranks.
+    ``rings``: a memo (members -> their distinct rings) the caller keeps across calls on ``cluster``."""
     groups = [tuple(g) for g in groups]
     if len(groups) < 2:
         return 0.0
@@ -394,20 +396,27 @@ def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[
     nbytes = grad * biggest
     if len(sizes) == 1:
         t = sizes.pop()
-        # Positions whose ranks have the same device types and nodes across members cost the same.
-        rings = {}
-        for j in range(t):
-            ring = [g[j] for g in groups]
-            key = tuple((cluster.devices[r].spec.name, cluster.devices[r].node - cluster.devices[ring[0]].node)
-                        for r in ring)
-            rings.setdefault(key, ring)
-        return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto") for ring in rings.values())
+        at = tuple(groups)
+        distinct = None if rings is None else rings.get(at)
+        if distinct is None:
+            # Positions whose ranks have the same device types and nodes across members cost the same.
+            of: dict = {}
+            for j in range(t):
+                ring = [g[j] for g in groups]
+                key = tuple((cluster.devices[r].spec.name, cluster.devices[r].node - cluster.devices[ring[0]].node)
+                            for r in ring)
+                of.setdefault(key, ring)
+            distinct = list(of.values())
+            if rings is not None:
+                rings[at] = distinct
+        return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto") for ring in distinct)
     return allreduce_time_s(cluster, [g[0] for g in groups], nbytes, algorithm="auto")
 
 
 def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
-                           replicated_fraction: float | None = None) -> float:
-    """``dp_allreduce_time_s`` of a ``Stage`` whose members are TP groups (``stage.tp_shares``)."""
+                           replicated_fraction: float | None = None, *, rings: dict | None = None) -> float:
+    """``dp_allreduce_time_s`` of a ``Stage`` whose members are TP groups (``stage.tp_shares``;
+    ``rings``: its memo)."""
     rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
     fractions = None
     if stage.tp_shares:
@@ -415,17 +424,18 @@ def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
         fractions = [of[s] if s in of else of.setdefault(s, np.asarray(s, float) / sum(s))
                      for s in map(tuple, stage.tp_shares)]
     return dp_allreduce_time_s(costs, cluster, stage.groups, slice(stage.block_start, stage.block_stop),
-                               fractions, rho)
+                               fractions, rho, rings=rings)
 
 
 def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
-                      replicated_fraction: float | None = None) -> float:
+                      replicated_fraction: float | None = None, *, rings: dict | None = None) -> float:
     """Seconds of a ``Stage``'s gradient all-reduce over its members (0 with one member): over TP
-    members ``stage_allreduce_time_s``, else one ring of the members' ranks on the stage's gradient."""
+    members ``stage_allreduce_time_s`` (``rings``: its memo), else one ring of the members' ranks on
+    the stage's gradient."""
     if len(stage.groups) < 2:
         return 0.0
     if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
-        return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
+        return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction, rings=rings)
     grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
     return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
 
