@@ -74,17 +74,17 @@ def test_the_residual_is_what_the_meters_clock_charges_beyond_plain(cache, tiny)
     model, inputs, an, targets = tiny
     entered: list = []
     got = measure_tracking(an, inputs, [1, 2, 4, 8], tracking=_probe(entered=entered),
-                           loss_fn=nn.functional.mse_loss, example_targets=targets, repeats=3)
+                           loss_fn=nn.functional.mse_loss, example_targets=targets, repeats=3, gap_s=0.002)
     assert sorted(got) == [1, 2, 4, 8]
     for f, b in got.values():            # each phase: +extra_s on the stand-in clock, the real work ~equal
         assert f == pytest.approx(_EXTRA_S, abs=0.01) and b == pytest.approx(_EXTRA_S, abs=0.01)
     assert len(entered) == 3 * (1 + 3)   # three batches timed, a warm-up and three repeats each
     assert all(p.grad is None for p in model.parameters())
     keys = [k for k in load_json(measure_cache_path()) if k.startswith("tracking|")]
-    assert len(keys) == 3 and any("|b8|" in k for k in keys) and all("|loss1|" in k for k in keys)
+    assert len(keys) == 3 and any("|b8|" in k for k in keys) and all("|g0.002|loss1|" in k for k in keys)
     # cached: a second call times nothing
     again = measure_tracking(an, inputs, [1, 2, 4, 8], tracking=_probe(entered=entered),
-                             loss_fn=nn.functional.mse_loss, example_targets=targets, repeats=3)
+                             loss_fn=nn.functional.mse_loss, example_targets=targets, repeats=3, gap_s=0.002)
     assert again == got and len(entered) == 12
 
 
@@ -93,19 +93,21 @@ def test_the_residual_is_linear_in_the_rows_between_the_timed_batches(cache, tin
 
     _, inputs, an, _ = tiny
     path = measure_cache_path()
-    measure_tracking(an, inputs, [2, 4, 8], tracking=_probe(0.0), repeats=1)
+    measure_tracking(an, inputs, [2, 4, 8], tracking=_probe(0.0), repeats=1, gap_s=0.0)
     data = load_json(path)
     keys = {int(k.split("|b")[1].split("|")[0]): k for k in data if k.startswith("tracking|")}
     assert sorted(keys) == [2, 4, 8]
     for b, k in keys.items():           # known figures at the timed batches
         data[k] = [0.001 * b, 0.002 * b] if b != 4 else [0.010, 0.0]
     save_json(path, data)
-    got = measure_tracking(an, inputs, [2, 3, 4, 8], tracking=_probe(0.0), repeats=1)   # the same three timed
+    got = measure_tracking(an, inputs, [2, 3, 4, 8], tracking=_probe(0.0), repeats=1, gap_s=0.0)   # cached
     assert got[2] == pytest.approx((0.002, 0.004))
     assert got[3] == pytest.approx((0.006, 0.002))      # half-way between 2 and 4
     assert got[8] == pytest.approx((0.008, 0.016))
     with pytest.raises(ValueError, match="repeats"):
         measure_tracking(an, inputs, [2], tracking=_probe(), repeats=0)
+    with pytest.raises(ValueError, match="gap_s"):
+        measure_tracking(an, inputs, [2], tracking=_probe(), gap_s=-1.0)
 
 
 def test_tables_get_it_by_operator_counts_scaled_like_them():

@@ -61,8 +61,11 @@ it), which the clock then stretches; in demo dp runs, tracking on against off in
 20-25% more CPU per step (``docs/insitu-profile.md``, session 9). ``measure_tracking`` times that
 residual as a rank is charged: the micro-step (forward with the loss, then backward) plain, and under
 a fresh meter read through the clock's own CPU time less the tracking (``tracking``, a callable the
-caller gives, ``autopar.runtime.memory``'s: the cost model does not import the runtime), interleaved,
-the median of the paired differences per phase, at the smallest, a middle and the largest sample
+caller gives, ``autopar.runtime.memory``'s: the cost model does not import the runtime), each after a
+sleep of ``gap_s`` (a rank's every call starts after its clock's sleep, and the tracking's Python code
+and data start cold too: at 32 rows, load 8-10, the residual was 1.9-4.7 ms after a 0.1 s sleep
+against 1.9-2.3 hot, noisy; demo dp ranks charged 3.6-5.5 ms more per micro-step at 19-32 rows with
+tracking on), interleaved, the median of the paired differences per phase, at the smallest, a middle and the largest sample
 micro-batch (the residual grows with the rows: the operators' caches refill after every Python call),
 linear in the rows between them. ``autopar.cost.profile.model_costs`` adds it to emulated types'
 tables, spread over the blocks by their operator counts, and scaled like them. Cached like the calls,
@@ -233,7 +236,7 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
     return EngineCalls(**cache[key])
 
 
-_TRACKING_VERSION = 1
+_TRACKING_VERSION = 2
 
 
 def tracking_batches(batches) -> list[int]:
@@ -244,13 +247,15 @@ def tracking_batches(batches) -> list[int]:
 
 
 def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss_fn=None, example_targets=None,
-                     repeats: int = 7, use_cache: bool = True) -> dict[int, tuple[float, float]]:
+                     repeats: int = 7, gap_s: float = CALL_GAP_RANGE_S[0],
+                     use_cache: bool = True) -> dict[int, tuple[float, float]]:
     """{micro-batch: (forward s, backward s)} of CPU time an emulated clock charges a micro-step under
     memory tracking beyond the same micro-step untracked (see the module docstring), at every micro-batch
     of ``batches``: measured at ``tracking_batches(batches)``, linear in the rows between them (the ends'
     values beyond them), each at least 0. ``tracking``: a callable returning ``(meter, cpu_time)``, a fresh
     meter (a context manager that tracks while entered) and the CPU-time clock an emulated clock reads
-    under it. Runs the captured graph, so the model's ``.grad`` are cleared afterwards."""
+    under it; ``gap_s``: the sleep before every timed micro-step (0: hot). Runs the captured graph, so the
+    model's ``.grad`` are cleared afterwards."""
     import statistics
 
     import numpy as np
@@ -259,6 +264,8 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
 
     if int(repeats) < 1:
         raise ValueError(f"repeats: {repeats!r} must be an int >= 1")
+    if not gap_s >= 0:
+        raise ValueError(f"gap_s: {gap_s!r} must be >= 0")
     want = [int(b) for b in batches]
     if not want:
         return {}
@@ -270,8 +277,8 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
     measured: dict[int, tuple[float, float]] = {}
     gm = analysis.captured.gm
     for b in tracking_batches(want):
-        key = (f"tracking|v{_TRACKING_VERSION}|{sig}|b{b}|loss{int(with_loss)}|cpu|t{torch.get_num_threads()}"
-               f"|{machine_id()}")
+        key = (f"tracking|v{_TRACKING_VERSION}|{sig}|b{b}|g{float(gap_s):.3g}|loss{int(with_loss)}|cpu"
+               f"|t{torch.get_num_threads()}|{machine_id()}")
         if key not in cache:
             flat = flat_inputs(gm, tile_batch(tuple(example_inputs), b))
             targets = tile_batch((example_targets,), b)[0] if with_loss else None
@@ -286,6 +293,8 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
                     held.pop().backward()
 
             def timed(cpu) -> tuple[float, float]:
+                if gap_s > 0:
+                    time.sleep(gap_s)
                 t0 = cpu()
                 forward()
                 t1 = cpu()
