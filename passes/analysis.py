@@ -1,7 +1,9 @@
 """Analysis: annotate every node of a captured graph with shapes, FLOPs, bytes and memory.
 
-The graph is interpreted on *fake* tensors (``FakeTensorMode``), so a 140B-parameter model on the
-``meta`` device is analysed without allocating a byte of its weights. For each node we record:
+The graph is interpreted on *meta values* (``passes.meta_values``: meta tensors standing for the
+model's, as fake tensors do, without the ``torch._dynamo`` import that ``FakeTensorMode`` costs), or on
+fake tensors (``FakeTensorMode``) where meta cannot run it (``annotate_pass``), so a 140B-parameter
+model on the ``meta`` device is analysed without allocating a byte of its weights. For each node we record:
 
 - ``node.meta["autopar.tensor"]``: ``TensorInfo`` (shape, dtype) of its output (first tensor output);
 - ``node.meta["autopar.cost"]``: ``NodeCost``: forward and backward FLOPs (``torch.utils.flop_counter``
@@ -28,15 +30,15 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.passes.capture import align_inputs
+from autopar.passes.capture import CaptureError, align_inputs
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
+from autopar.passes.meta_values import MetaValueMode, dynamo_deferred, flop_total_mode
 from autopar.passes.repeats import Segment, describe, repeated_segments
 
 __all__ = ["TensorInfo", "NodeCost", "annotate_pass", "OP_CLASSES"]
@@ -106,6 +108,10 @@ def _element_flops(name: str) -> int:
 
 
 class _CountingOps(torch.utils._python_dispatch.TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False   # else torch wraps __torch_dispatch__ in torch._dynamo.disable, importing torch._dynamo
+
     def __init__(self):
         super().__init__()
         self.count = 0
@@ -116,10 +122,18 @@ class _CountingOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 class _Analyzer(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode, with_backward: bool,
-                 copy_repeats: bool = True):
+    def __init__(self, gm: fx.GraphModule, fake_mode, with_backward: bool, copy_repeats: bool = True):
+        """``fake_mode``: the mode the graph runs under: ``FakeTensorMode`` or
+        ``passes.meta_values.MetaValueMode``."""
         super().__init__(gm, garbage_collect_values=True)
         self.fake_mode = fake_mode
+        if isinstance(fake_mode, MetaValueMode):
+            self._as_val, self._flops = fake_mode.twin, flop_total_mode
+        else:
+            # Imported here: it imports triton (~0.2 s), which an analysis read from the cache never needs.
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._as_val, self._flops = fake_mode.from_tensor, lambda: FlopCounterMode(display=False)
         self.with_backward = with_backward
         self._cache: dict[Any, tuple[float, float, tuple[int, ...], int]] = {}
         self._param_ids = {id(p) for p in gm.parameters()} | {id(b) for b in gm.buffers()}
@@ -212,10 +226,8 @@ class _Analyzer(fx.Interpreter):
             saved.append(t)
             return t
 
-        from torch.utils.flop_counter import FlopCounterMode   # here: it imports triton (~0.2 s), which
-                                                              # an analysis read from the cache never needs
         counter = _CountingOps()
-        with FlopCounterMode(display=False) as fc, counter:
+        with self._flops() as fc, counter:
             if with_backward:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = getattr(self, n.op)(n.target, args2, kwargs2)
@@ -235,7 +247,7 @@ class _Analyzer(fx.Interpreter):
                 mod_params = [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
             wrt = leaves + mod_params
             if wrt:
-                with FlopCounterMode(display=False) as fb:
+                with self._flops() as fb:
                     torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs],
                                         allow_unused=True)
                 bwd = float(fb.get_total_flops())
@@ -245,7 +257,7 @@ class _Analyzer(fx.Interpreter):
         saved_inputs = []
         # Identify saved tensors by storage: ops often save a view (a reshape, a transpose) of an input.
         leaf_st = {_storage(t): i for i, t in enumerate(det) if isinstance(t, torch.Tensor)}
-        param_st = {_storage(self.fake_mode.from_tensor(p)) for p in mod_params_all(self.module, n)}
+        param_st = {_storage(self._as_val(p)) for p in mod_params_all(self.module, n)}
         out_st = {_storage(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)}
         seen = set()
         for t in saved:
@@ -457,14 +469,48 @@ def _out_bytes(out: Any) -> float:
     return float(sum(_nbytes(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)))
 
 
+def _meta_runnable(x: Any) -> bool:
+    return not isinstance(x, torch.Tensor) or type(x) in (torch.Tensor, torch.nn.Parameter)
+
+
 def annotate_pass(gm: fx.GraphModule, example_inputs: tuple, *, with_backward: bool = True,
-                  copy_repeats: bool = True) -> fx.GraphModule:
+                  copy_repeats: bool = True, tensors: Literal["auto", "meta", "fake"] = "auto") -> fx.GraphModule:
     """Annotate every node of ``gm`` in place (see the module docstring) and return it. With
     ``copy_repeats`` (the default), a block that repeats an interpreted one takes its annotations
-    (``passes.repeats``); without, every node is interpreted: the same annotations, slower."""
+    (``passes.repeats``); without, every node is interpreted: the same annotations, slower.
+
+    ``tensors``: what the graph is interpreted on. "meta": meta values (``passes.meta_values``: meta
+    twins of its parameters, buffers and inputs, without ``torch._dynamo``); "fake": ``FakeTensorMode``
+    (whose constructor imports ``torch._dynamo``, ~1 s cold); "auto" (the default): meta, and where
+    interpreting on meta raises anything (an op without a meta kernel, an in-place change of a tensor's
+    shape, a higher-order op, a data-dependent op), the whole graph again on fake tensors, from the
+    annotations it had before, whose annotations or error are the result. Both give the same
+    annotations where both run (``tests/test_analysis_meta.py``)."""
+    inputs = align_inputs(gm, tuple(example_inputs))
+    grad = torch.no_grad if not with_backward else torch.enable_grad
+    read = [*tree_flatten(inputs)[0], *gm.parameters(), *gm.buffers()]
+    if tensors != "fake" and all(_meta_runnable(x) for x in read):
+        before = [(n, {k: n.meta[k] for k in (TENSOR, COST, ATTR_BYTES) if k in n.meta}) for n in gm.graph.nodes]
+        mode = MetaValueMode()
+        try:
+            meta_inputs = tree_map(lambda t: mode.twin(t) if isinstance(t, torch.Tensor) else t, inputs)
+            with grad(), dynamo_deferred():
+                _Analyzer(gm, mode, with_backward, copy_repeats).run(*meta_inputs)
+            return gm
+        except Exception:  # noqa: BLE001 -- the rule: anything meta cannot run runs on fake tensors
+            for n, kept in before:      # as it was: the fake interpretation starts where meta did
+                for k in (TENSOR, COST, ATTR_BYTES):
+                    n.meta.pop(k, None)
+                n.meta.update(kept)
+            if tensors == "meta":
+                raise
+    elif tensors == "meta":
+        raise CaptureError("annotate_pass(tensors='meta'): the graph reads a tensor subclass, which meta "
+                           "values do not stand for; tensors='auto' interprets it on fake tensors")
+    from torch._subclasses.fake_tensor import FakeTensorMode   # here: it imports torch._dynamo (~1 s)
+
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
-                           align_inputs(gm, tuple(example_inputs)))
-    with torch.no_grad() if not with_backward else torch.enable_grad():
+    fake_inputs = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, inputs)
+    with grad():
         _Analyzer(gm, fake_mode, with_backward, copy_repeats).run(*fake_inputs)
     return gm
