@@ -39,13 +39,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command == "consolidate":
         shapes = consolidate(args.directory, args.out)
         console.print(f"wrote {len(shapes)} tensors ({sum(math.prod(s) for s in shapes.values()):,} elements) "
-                      f"to {args.out}")
+                      f"to {args.out}", soft_wrap=True)
         return 0
     manifest, entries = describe(args.directory)
     console.print(f"checkpoint {manifest.path}: step {manifest.step}, saved by {manifest.meta.get('world_size', '?')}"
-                  f" ranks, {len(manifest.files)} files, {_size(manifest.total_bytes)}")
+                  f" ranks, {len(manifest.files)} files, {_size(manifest.total_bytes)}", soft_wrap=True)
     if "strategy" in manifest.meta:
-        console.print(f"plan: {manifest.meta['strategy']}")
+        console.print(f"plan: {manifest.meta['strategy']}", soft_wrap=True)
     table = Table("tensor", "shape", "dtype", "elements", "pieces")
     for e in entries:
         table.add_row(e.fqn, "x".join(map(str, e.shape)) or "scalar", e.dtype, f"{e.numel:,}", str(e.num_chunks))
