@@ -53,6 +53,7 @@ def test_models_lists_the_zoo(capsys):
     (["analyze", "--model", "no-such-model"], "no-such-model"),
     (["plan", "--model", "gpt-tiny", "--cluster", "nowhere.yaml", "--global-batch", "8"], "nowhere.yaml"),
     (["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "0"], "global_batch_size"),
+    (["train", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "0"], "global_batch_size"),
     (["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "8", "--pp-layers", "2,x"],
      "--pp-layers: '2,x'"),
     (["train", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "8", "--compare", "fastest"],

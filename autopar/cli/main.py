@@ -165,8 +165,11 @@ def cmd_plan(args) -> int:
     from autopar.config import Pin
 
     pp_layers = _block_counts(args.pp_layers, "--pp-layers") if args.pp_layers else None
+    from autopar.planner.entry import check_request
+
     pin = Pin.parse(args.pin) if args.pin else None
     cluster = _load_cluster(args.cluster)
+    check_request(cluster, args.global_batch)   # before the analysis and the profiling
     case, prep = _prepare(args.model, cluster, precision=args.precision)
     timings: dict = {}
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
@@ -299,6 +302,9 @@ def cmd_train(args) -> int:
 
     factory_of(args.model)   # a model that cannot be built fails here, before any process starts
     cluster = _load_cluster(args.cluster)
+    from autopar.planner.entry import check_request
+
+    check_request(cluster, args.global_batch)   # before any process starts
     strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
     for s in strategies[1:]:   # before any process starts
         if s not in STRATEGIES:
