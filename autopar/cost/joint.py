@@ -50,6 +50,7 @@ from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.cost.tp import Member
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
+from autopar.ir.schedule import in_flight_micro_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -58,6 +59,7 @@ __all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "
            "split_lower_bound", "split_lower_bounds"]
 
 _ROW_CACHE = 512   # stage row parts kept per search (~0.2 MB each at 82 blocks)
+_TENSOR_CACHE = 32  # cost tensors kept per search (S x 0.06 MB each at 82 blocks)
 _RANKS = operator.attrgetter("ranks")
 _FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))
 
@@ -266,10 +268,11 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
         if s < last:
             nxt = stages[s + 1]
             link = (members[0].ranks[0], nxt[0].ranks[0], min(len(members), len(nxt)))
-        key = (tuple(map(id, members)), link)   # ids stay valid: ``_stage_load`` keeps the members
+        ids = tuple(map(id, members))
+        key = (ids, link)   # ids stay valid: ``_stage_load`` keeps the members
         prep = made.get(key)
         if prep is None:
-            num, kinds, counts, tp, load_id, tp_even, share_id = _stage_load(ctx, members)
+            num, kinds, counts, tp, load_id, tp_even, share_id = _stage_load(ctx, members, ids)
             p2p = None
             if link is not None:
                 pair = link[:2]
@@ -281,30 +284,26 @@ def prepare_stages(ctx: JointContext, stages: Sequence[Sequence[Member]]) -> lis
     return out
 
 
-def _stage_load(ctx: JointContext, members: Sequence[Member]) -> tuple:
+def _stage_load(ctx: JointContext, members: Sequence[Member], key: tuple | None = None) -> tuple:
     """(member count, kinds, counts, tp, load id, tp_even, share id) of a ``StagePrep`` on ``members``: what
     depends on the members alone, computed once per stage of the search (groupings share most stages:
     22 441 stages, 6 326 distinct, llama-140b on hethub-768); keyed by the members' ids and kept with
-    them, so that no id is reused while the entry lives."""
+    them, so that no id is reused while the entry lives (``key``: those ids, when the caller has them)."""
     done = ctx.cache.setdefault("stage_loads", {})
-    key = tuple(map(id, members))
+    key = tuple(map(id, members)) if key is None else key
     hit = done.get(key)
     if hit is not None:
         return hit[1]
-    facts = ctx.cache.setdefault("member_facts", {})   # ranks -> (member, sig, tp, shares)
-    interned = ctx.cache.setdefault("member_sigs", {})  # (kind id, speed, room, rank caps), one object each
+    facts = ctx.cache.setdefault("member_facts", {})   # member id -> (member, sig, tp, shares), kept alive
     try:   # C-level passes over the members: a stage holds up to hundreds of them
-        got = list(map(facts.__getitem__, map(_RANKS, members)))
-        fresh = all(map(operator.is_, map(_FIRST, got), members))
+        got = list(map(facts.__getitem__, key))
     except KeyError:
-        fresh = False
-    if not fresh:
+        interned = ctx.cache.setdefault("member_sigs", {})  # (kind id, speed, room, rank caps), one object each
         for m in members:
-            f = facts.get(m.ranks)
-            if f is None or f[0] is not m:
+            if id(m) not in facts:
                 sig = (ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
-                facts[m.ranks] = (m, interned.setdefault(sig, sig), len(m.ranks) > 1, tuple(m.shares))
-        got = list(map(facts.__getitem__, map(_RANKS, members)))
+                facts[id(m)] = (m, interned.setdefault(sig, sig), len(m.ranks) > 1, tuple(m.shares))
+        got = list(map(facts.__getitem__, key))
     sigs = list(map(_SECOND, got))
     total = sum(map(_SECOND, sigs))
     of = dict(zip(map(id, sigs), sigs))
@@ -327,24 +326,51 @@ def _stage_load(ctx: JointContext, members: Sequence[Member]) -> tuple:
     return out
 
 
+def _tensor_key(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, schedule: str,
+                recompute: bool) -> tuple:
+    """All a grouping's cost tensor and its feasibility depend on at ``num_micro`` micro-batches: the
+    micro-batch size, each stage's in-flight count (from M = S on, 1F1B's no longer grows with M),
+    the ZeRO stage searched with and the flags; counts that agree on these get the same tensor."""
+    b = micro_sizes(ctx.global_batch, num_micro)[0]
+    S = len(prep)
+    fly = tuple(in_flight_micro_batches(schedule, s, S, num_micro) for s in range(S))
+    return id(prep), b, fly, ctx.zero_for(num_micro), schedule, bool(recompute)
+
+
 def joint_cost_tensor(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, schedule: str,
                       recompute: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``autopar.cost.stage.stage_cost_tensor`` of a prepared grouping at ``num_micro`` micro-batches
     (member loads: see the module docstring); ``recompute``: whether entries that do not fit keeping
-    every activation may recompute them. Stages of the same loads share one row."""
-    b = micro_sizes(ctx.global_batch, num_micro)[0]
-    return stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule,
-                             _grouping_parts(ctx, prep, num_micro, recompute))
+    every activation may recompute them. Stages of the same loads share one row. The last
+    ``_TENSOR_CACHE`` tensors are kept by ``_tensor_key`` (read-only: callers must not write them)."""
+    key = _tensor_key(ctx, prep, num_micro, schedule, recompute)
+    made = ctx.cache.setdefault("tensors", {})
+    hit = made.get(key)
+    if hit is not None and hit[0] is prep:
+        return hit[1]
+    b = key[1]
+    out = stage_cost_tensor(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule,
+                            _grouping_parts(ctx, prep, num_micro, recompute))
+    if len(made) >= _TENSOR_CACHE:
+        made.pop(next(iter(made)))
+    made[key] = (prep, out)   # keeps ``prep`` alive, so its id is not reused
+    return out
 
 
 def joint_split_feasible(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, schedule: str,
                          recompute: bool = True) -> bool:
     """Whether some split of the grouping fits at ``num_micro`` micro-batches: exactly whether
     ``joint_cost_tensor``'s least bottleneck is finite, without building it
-    (``autopar.cost.stage.stage_split_feasible``)."""
-    b = micro_sizes(ctx.global_batch, num_micro)[0]
-    return stage_split_feasible(ctx.costs, [st.p2p for st in prep], num_micro, b, schedule,
-                                _grouping_parts(ctx, prep, num_micro, recompute))
+    (``autopar.cost.stage.stage_split_feasible``); remembered by ``_tensor_key``."""
+    key = _tensor_key(ctx, prep, num_micro, schedule, recompute)
+    done = ctx.cache.setdefault("feasible", {})
+    hit = done.get(key)
+    if hit is not None and hit[0] is prep:
+        return hit[1]
+    got = stage_split_feasible(ctx.costs, [st.p2p for st in prep], num_micro, key[1], schedule,
+                               _grouping_parts(ctx, prep, num_micro, recompute))
+    done[key] = (prep, got)
+    return got
 
 
 def _grouping_parts(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int, recompute: bool):

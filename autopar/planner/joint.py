@@ -171,10 +171,14 @@ def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> l
         if ctx.global_batch / sum(speed[m.kind] for m in lay.members) >= best_s:
             continue   # not even perfect balance on this layout beats what is known
         grs = groupings if groupings is not None else member_groupings(cluster, lay, n, speed)
+        member = ctx.members.__getitem__
         for gr in grs:
-            if gr.num_stages > n or not all(map(ctx.members.__contains__, itertools.chain.from_iterable(gr.stages))):
+            if gr.num_stages > n:
                 continue
-            stages = [[ctx.members[g] for g in st] for st in gr.stages]
+            try:
+                stages = [list(map(member, st)) for st in gr.stages]
+            except KeyError:
+                continue   # a grouping of members that are not the layout's
             entries.append(GroupingState(lay, gr, prepare_stages(ctx, stages)))
     return entries
 
