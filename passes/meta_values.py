@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import types
 from typing import Any
 
@@ -205,9 +206,10 @@ def dynamo_deferred():
     """While this lasts, ``import torch._dynamo`` gives a stand-in whose ``disable`` is ``_DeferredDisable``
     (module docstring); anything else asked of it raises (``AttributeError``, ``ModuleNotFoundError`` for
     its submodules), which ``passes.analysis`` answers by interpreting on fake tensors after the stand-in
-    is gone. Process-wide while it lasts: for the analysis, which runs before planning starts threads.
-    Where ``torch._dynamo`` is already imported, nothing changes."""
-    if "torch._dynamo" in sys.modules:
+    is gone. Process-wide while it lasts, so only where this is the process's one thread (another could
+    import ``torch._dynamo`` meanwhile); elsewhere, and where ``torch._dynamo`` is already imported,
+    nothing changes (the first such call imports it)."""
+    if "torch._dynamo" in sys.modules or threading.active_count() > 1:
         yield
         return
     stand_in = types.ModuleType("torch._dynamo", "autopar's stand-in while it analyses a graph (passes.meta_values)")

@@ -87,6 +87,14 @@ def test_data_dependent_op_raises_fakes_error_naming_the_node():
 
 _FRESH = r"""
 import json, sys, torch
+from autopar.passes.meta_values import _DeferredDisable, dynamo_deferred
+def f(x):
+    return x + 1
+deferred = _DeferredDisable(f)
+with dynamo_deferred():
+    stand_in = sys.modules["torch._dynamo"]
+    in_window = (deferred(1), hasattr(f, "__dynamo_disable"), getattr(stand_in, "_autopar_stand_in", False))
+after_window = "torch._dynamo" in sys.modules
 import autopar.models as zoo
 from autopar.passes.analysis import annotate_pass
 from autopar.passes.capture import capture
@@ -99,6 +107,7 @@ for name, device in (("llama-tiny", "meta"), ("gpt-tiny", "cpu")):
     out[name] = [repr((n.name, n.meta.get(TENSOR), n.meta.get(COST))) for n in gm.graph.nodes]
 out["dynamo_after_meta"] = "torch._dynamo" in sys.modules
 import torch._dynamo                     # the real one, after the stand-in
+out["deferred"] = [*in_window, after_window, deferred(1), getattr(f, "__dynamo_disable") is not deferred]
 out["real_dynamo"] = hasattr(torch._dynamo, "optimize")
 out["ref_after_import"] = tuple(torch.empty(3, device="meta").pow(2).shape)   # a deferred disable, replaced
 for name, device in (("llama-tiny", "meta"), ("gpt-tiny", "cpu")):
@@ -116,5 +125,25 @@ def test_cold_analysis_imports_no_dynamo_and_matches_fake_in_a_fresh_process():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["dynamo_after_meta"] is False
     assert out["real_dynamo"] is True and out["ref_after_import"] == [3]
+    # In the window the deferred disable calls the function itself; once torch._dynamo is imported it
+    # installs torch's own disable where torch looks for it.
+    assert out["deferred"] == [2, False, True, False, 2, True]
     for name in ("llama-tiny", "gpt-tiny"):
         assert out[name] == out[name + "/fake"], name
+
+
+def test_dynamo_deferred_stays_out_of_the_way_of_other_threads():
+    import threading
+
+    from autopar.passes.meta_values import dynamo_deferred
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        with dynamo_deferred():
+            got = sys.modules.get("torch._dynamo")
+            assert got is None or not getattr(got, "_autopar_stand_in", False)
+    finally:
+        stop.set()
+        other.join()
