@@ -22,3 +22,20 @@ def _no_rank_context_left():
     launch = sys.modules.get("autopar.runtime.launch")
     if launch is not None and launch.is_initialized():
         launch.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_cache_root(tmp_path_factory):
+    """One cache folder for this test process (one per pytest-xdist worker), for tests that measure the
+    same zoo model on the same emulated cluster and test neither the caches nor the measurement
+    itself: the first such test measures the tables, the others read them (gpt-tiny on the demo
+    cluster takes 10-30 s to measure here)."""
+    return tmp_path_factory.mktemp("shared-cache")
+
+
+@pytest.fixture
+def shared_cache(shared_cache_root, monkeypatch):
+    """Point ``$AUTOPAR_CACHE_DIR`` at ``shared_cache_root`` for this test (after the files' own
+    private-cache fixtures, which run first as autouse)."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(shared_cache_root))
+    return shared_cache_root

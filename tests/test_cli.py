@@ -12,7 +12,7 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
 
 
-def test_analyze_json(capsys):
+def test_analyze_json(capsys, shared_cache):
     assert main(["analyze", "--model", "gpt-tiny", "--cluster", "demo", "--batch", "4", "--json", "-"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["capture"] == "fx" and d["batch"] == 4

@@ -114,7 +114,7 @@ def test_pinned_zero_stage_that_clashes_with_the_config():
 
 
 @pytest.mark.slow
-def test_cli_pin_and_explain(capsys):
+def test_cli_pin_and_explain(capsys, shared_cache):
     from autopar.cli.main import main
 
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "24",

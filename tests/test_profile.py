@@ -31,10 +31,10 @@ def test_roofline_features_scale_with_the_micro_batch():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(shared_cache_root):
     import os
 
-    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["AUTOPAR_CACHE_DIR"] = str(shared_cache_root)
     case = zoo.build("gpt-tiny")
     return case, analyze(case.model, case.example_inputs)
 
