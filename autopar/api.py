@@ -68,7 +68,7 @@ def planning_analysis_options() -> dict:
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
             measure: bool | None = None, progress=None, analysis=None, precision: str | None = None,
-            loss_fn=None, example_targets=None) -> Prepared:
+            loss_fn=None, example_targets=None, tracking=None) -> Prepared:
     """Analysis (unless given) and cost tables of ``model`` on ``cluster`` (bytes at ``precision``:
     ``autopar.cost.profile.model_costs``; with ``loss_fn`` and ``example_targets``, the targets of
     ``example_inputs``, the loss's time is in the last block's: ``autopar.cost.loss``)."""
@@ -80,8 +80,17 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
                         optimizer=optimizer, measure=measure, progress=progress, precision=precision,
-                        loss_fn=loss_fn, example_targets=example_targets)
+                        loss_fn=loss_fn, example_targets=example_targets, tracking=tracking)
     return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1, tuple(example_inputs), cluster)
+
+
+def _tracking_probe():
+    """A fresh memory meter and the CPU-time clock an emulated rank reads under it (``compile``'s), for
+    ``autopar.cost.engine_call.measure_tracking``."""
+    from autopar.runtime import memory as rank_memory
+
+    meter = rank_memory.TrackedMeter()
+    return meter, rank_memory.cpu_time_less_tracking(meter)
 
 
 def plan_config(config: PlanConfig | None = None, **options) -> PlanConfig:
@@ -424,7 +433,9 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                 check_request(cluster, global_batch_size)   # before the costly analysis, as plan does
                 prepared = prepare(model, cluster, example_inputs, optimizer=_optimizer_kind(optimizer),
                                    measure=run.measure, precision=plan_options.precision,
-                                   loss_fn=loss_fn, example_targets=example_targets)   # loss priced with targets
+                                   loss_fn=loss_fn, example_targets=example_targets,   # loss priced with targets
+                                   # emulated ranks step under the memory meter: price what it costs them
+                                   tracking=_tracking_probe if run.track_memory is not False else None)
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
                      optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
                      **({"strategy": strategy} if plan_options is None else {"config": plan_options}))
