@@ -248,7 +248,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 best = min(best, x.step_time_s)
     if schedule in ("auto", "interleaved-1f1b"):   # the best few interleaved where that fits and pays
         scored += [_Scored(*x) for x in interleave_hybrid(costs, cluster, [(x.step_time_s, x.plan, x.label)
-                                                                          for x in scored], memory_fraction)]
+                                                                          for x in scored], memory_fraction,
+                                                          kinds=ctx.cache.setdefault("group_kinds", {}))]
     fastest = min((x.step_time_s for x in scored), default=math.inf)
     scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.plan.schedule != "1f1b", x.step_time_s))
     return scored

@@ -213,12 +213,13 @@ def interleaved_memory_bytes(costs, stages: Sequence[Stage], zero_stage: int, vi
 
 
 def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], memory_fraction: float,
-                      virtual_counts: Sequence[int] = VIRTUAL_COUNTS, top: int = HYBRID_TOP
-                      ) -> list[tuple[float, Plan, str]]:
+                      virtual_counts: Sequence[int] = VIRTUAL_COUNTS, top: int = HYBRID_TOP, *,
+                      kinds: dict | None = None) -> list[tuple[float, Plan, str]]:
     """The interleaved variants (step seconds, plan, label) of the ``top`` fastest of ``best`` (the
     joint search's (step seconds, plan, label), 1F1B plans of at least two stages) that fit in
     ``memory_fraction`` of every rank's memory and are predicted faster than their flat plan (see the
-    module docstring)."""
+    module docstring). ``kinds``: ``stage_durations``' memo of TP groups' kinds on ``cluster``."""
+    kinds = {} if kinds is None else kinds
     out = []
     flat_plans = [x for x in sorted(best, key=lambda x: x[0])
                   if x[1].schedule in ("1f1b", "interleaved-1f1b") and x[1].virtual_stages == 1
@@ -229,7 +230,8 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
             sizes = chunk_sizes([st.num_layers for st in plan.stages], V)
             if sizes is None or R * V > MAX_VIRTUAL_STAGES:
                 continue
-            got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction, step0)
+            got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction, step0,
+                                 kinds=kinds)
             if got is None:
                 continue
             probe, timeline, step = got
@@ -251,7 +253,7 @@ def _recompute_label(stages: Sequence[Stage]) -> str:
 
 
 def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int, memory_fraction: float,
-                   step0: float) -> tuple[Plan, Timeline, float] | None:
+                   step0: float, *, kinds: dict | None = None) -> tuple[Plan, Timeline, float] | None:
     """(plan, timeline, step seconds) of ``plan`` interleaved as ``stages`` (V chunks per rank stage)
     with the recompute that makes it fit, or None where it cannot fit or is not predicted faster than
     ``step0``. A variant whose busiest rank stage (``busiest_rank_stage_s``) is not below ``step0``
@@ -267,7 +269,7 @@ def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int
 
     def durations_of(chunks):
         if timed[0] is None or timed[0] != chunks:
-            timed[:] = [chunks, stage_durations(costs, cluster, chunks, replicated_fraction=rho)]
+            timed[:] = [chunks, stage_durations(costs, cluster, chunks, replicated_fraction=rho, kinds=kinds)]
         return timed[1]
 
     def too_slow(chunks) -> bool:   # its busiest rank stage alone is no faster than the flat plan
