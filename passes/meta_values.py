@@ -201,6 +201,15 @@ class _DeferredDisable:
         return real(*args, **kwargs)
 
 
+def _stand_in_disable(fn=None, recursive=True, *, wrapping=True, reason=None):
+    """The stand-in's ``disable``: only what ``torch._compile._disable_dynamo`` asks (a function, no
+    wrapper); any other use (a decorator, ``torch.compiler.disable``) raises, and the analysis then runs
+    on fake tensors with the real ``torch._dynamo``."""
+    if fn is None or wrapping:
+        raise RuntimeError("torch._dynamo stand-in (passes.meta_values): disable() beyond _disable_dynamo")
+    return _DeferredDisable(fn, recursive)
+
+
 @contextlib.contextmanager
 def dynamo_deferred():
     """While this lasts, ``import torch._dynamo`` gives a stand-in whose ``disable`` is ``_DeferredDisable``
@@ -214,7 +223,7 @@ def dynamo_deferred():
         return
     stand_in = types.ModuleType("torch._dynamo", "autopar's stand-in while it analyses a graph (passes.meta_values)")
     stand_in._autopar_stand_in = True
-    stand_in.disable = lambda fn=None, recursive=True, *, wrapping=True, reason=None: _DeferredDisable(fn, recursive)
+    stand_in.disable = _stand_in_disable
     sys.modules["torch._dynamo"] = stand_in
     torch._dynamo = stand_in
     try:

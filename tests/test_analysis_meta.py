@@ -147,3 +147,16 @@ def test_dynamo_deferred_stays_out_of_the_way_of_other_threads():
     finally:
         stop.set()
         other.join()
+
+
+def test_the_stand_in_serves_only_what_disable_dynamo_asks():
+    from autopar.passes.meta_values import _stand_in_disable
+
+    def f(x):
+        return x + 1
+
+    with pytest.raises(RuntimeError, match="stand-in"):
+        _stand_in_disable(f)                      # torch.compiler.disable's call: a wrapper, refused
+    with pytest.raises(RuntimeError, match="stand-in"):
+        _stand_in_disable(None, wrapping=False)   # the decorator form, refused
+    assert _stand_in_disable(f, wrapping=False)(1) == 2
