@@ -259,3 +259,21 @@ def test_prepared_stages_tensors_and_feasibility_are_those_of_fresh_contexts():
             if e > 4:
                 break
     assert repeats > 0   # counts of one micro-batch size and in-flight depth met the memo
+
+
+def test_kind_times_from_distinct_ranks_are_the_slowest_rank_of_all():
+    """``kind_block_times`` prices each distinct (device type, share) rank once: the same block times
+    as the slowest of every rank (``rank_block_times``) plus the collectives."""
+    cluster, rng = _cluster(), np.random.default_rng(9)
+    for case in range(30):
+        costs = _costs(case % 4)
+        ranks = [(0, 1), (0, 1, 2, 3), (8, 9), (8, 9, 10, 11), (2, 3)][case % 5]
+        shares = tuple(int(x) for x in rng.choice([2, 3, 3, 5], size=len(ranks)))
+        kind = tp_cost.group_kind(cluster, ranks, shares)
+        for mb in (1.0, 3.0, 7.0):
+            for sp in (False, True):
+                f, b = tp_cost.rank_block_times(costs, kind.types, kind.shares, mb, 0.1, sp)
+                cf, cb = tp_cost.tp_block_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, mb, kind.types,
+                                                 kind.shares, sp, kind.sp_link, kind.hides_comm, True)
+                got = tp_cost.kind_block_times(costs, kind, mb, 0.1, sequence_parallel=sp, overlap=True)
+                assert np.array_equal(got[0], f.max(axis=0) + cf) and np.array_equal(got[1], b.max(axis=0) + cb)

@@ -254,18 +254,26 @@ def rank_block_times(costs: ModelCosts, types: Sequence[str], shares: Sequence[i
     type times its work factor (``work_factors``; under ``sequence_parallel`` with the SP block's own
     replicated fraction, ``_block_rho``: the sequence shard is the rank's share too); a block without
     a Linear pair runs whole on every rank. Communication is ``tp_allreduce_block_s``'s."""
+    return _rank_rows(costs, types, shares, micro_batch, replicated_fraction, sequence_parallel, range(len(types)))
+
+
+def _rank_rows(costs: ModelCosts, types: Sequence[str], shares: Sequence[int], micro_batch: float,
+               replicated_fraction: float | None, sequence_parallel: bool, rows) -> tuple[np.ndarray, np.ndarray]:
+    """``rank_block_times``' rows of the ranks ``rows`` (indices into ``types``), each priced alike."""
     rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else _check_rho(replicated_fraction)
     n, r = costs.num_blocks, len(types)
+    rows = list(rows)
     if micro_batch <= 0:
-        return np.zeros((r, n)), np.zeros((r, n))
+        return np.zeros((len(rows), n)), np.zeros((len(rows), n))
     s = np.asarray(shares, dtype=np.float64)
-    f = s / s.sum()
+    f = (s / s.sum())[rows]
     rb = _block_rho(costs, rho, sequence_parallel)
-    factors = np.ones((r, 1)) if r == 1 else rb + (1.0 - rb) * f[:, None] * np.ones((1, n))
+    factors = np.ones((len(rows), 1)) if r == 1 else rb + (1.0 - rb) * f[:, None] * np.ones((1, n))
     pairs = tp_pairs_of(costs)
     sharded = np.ones(n, dtype=bool) if pairs is None else pairs > 0
-    fwd = np.stack([np.where(sharded, k, 1.0) * costs.fwd_time(t, micro_batch) for t, k in zip(types, factors)])
-    bwd = np.stack([np.where(sharded, k, 1.0) * costs.bwd_time(t, micro_batch) for t, k in zip(types, factors)])
+    kinds = [types[i] for i in rows]
+    fwd = np.stack([np.where(sharded, k, 1.0) * costs.fwd_time(t, micro_batch) for t, k in zip(kinds, factors)])
+    bwd = np.stack([np.where(sharded, k, 1.0) * costs.bwd_time(t, micro_batch) for t, k in zip(kinds, factors)])
     return fwd, bwd
 
 
@@ -283,7 +291,11 @@ def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
 
 
 def _kind_times_of(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
-    f, b = rank_block_times(costs, kind.types, kind.shares, micro_batch, rho, sp)
+    # ranks of one device type and share are priced alike: the slowest of the distinct ones
+    first: dict = {}
+    for i, pair in enumerate(zip(kind.types, kind.shares)):
+        first.setdefault(pair, i)
+    f, b = _rank_rows(costs, kind.types, kind.shares, micro_batch, rho, sp, first.values())
     fwd, bwd = f.max(axis=0), b.max(axis=0)
     if len(kind.types) > 1:     # the collectives, less what the overlaps hide (cost.tp_fwd)
         cf, cb = tp_block_comm_s(costs, kind.alpha_s, kind.beta_s_per_byte, micro_batch, kind.types, kind.shares,
