@@ -442,8 +442,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             payload = [p.to_json()]
         except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
             payload = [exc]
-    if ctx.world_size > 1:
-        pg_broadcast_objects(payload, src=0)
+    if ctx.world_size > 1:   # the others wait while rank 0 plans: longer than a step's timeout allows
+        pg_broadcast_objects(payload, src=0, group=_launch.planning_group())
     if isinstance(payload[0], BaseException):
         raise payload[0]
     the_plan = Plan.from_json(payload[0])

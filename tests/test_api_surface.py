@@ -198,15 +198,19 @@ def test_kernels_call():
 
 # -- launch --------------------------------------------------------------------------------------
 
-def _train(rank):                      # runs in every process (module level: the ranks import it)
+def _train(rank, plan_late_s: float = 0.0, measure=None):   # runs in every process (module level: the ranks import it)
+    import time
+
     import autopar
     from oracle import batches
 
     cluster = autopar.Cluster.from_yaml(TWO)
     case = autopar.models.build("mlp", device="cpu", seed=0)
+    if rank == 0:
+        time.sleep(plan_late_s)   # rank 0's planning, as if slow: the other ranks wait for its plan
     compiled = autopar.compile(case.model, cluster, case.example_inputs, global_batch_size=12, loss_fn=case.loss_fn,
                                optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-                               strategy="dp")
+                               strategy="dp", measure=measure)
     for inputs, targets in batches("mlp", 12, 2, seed=0):
         compiled.step(inputs, targets)
     return compiled.state_dict()
@@ -218,4 +222,15 @@ def test_launch_two_ranks_matches_one_device():
     assert len(results) == 2
     oracle = single_device_state("mlp", 12, steps=2, optimizer="sgd", seed=0)
     for state in results:                # the full state, on every rank
+        assert_state_close(state, oracle, RTOL["sgd"])
+
+
+@pytest.mark.launch
+def test_ranks_wait_for_a_plan_longer_than_a_step_may_wait():
+    # a cold plan (analysis, block timing, search) can take minutes on a loaded machine: the others wait
+    # for it on the planning group (PLANNING_TIMEOUT_S), not under step_timeout_s (which once ended the
+    # demo: rank 1's broadcast timed out after 60 s while rank 0 was still timing blocks)
+    results = autopar.launch(_train, autopar.Cluster.from_yaml(TWO), 9.0, False, step_timeout_s=6.0)
+    oracle = single_device_state("mlp", 12, steps=2, optimizer="sgd", seed=0)
+    for state in results:
         assert_state_close(state, oracle, RTOL["sgd"])

@@ -70,7 +70,7 @@ from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 __all__ = [
     "RankContext", "launch", "init", "shutdown", "context", "is_initialized",
     "default_backend", "subgroup_backend", "present_cluster", "failed_devices",
-    "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV",
+    "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV", "planning_group", "PLANNING_TIMEOUT_S",
 ]
 
 FAILED_ENV = "AUTOPAR_FAILED_DEVICES"     # ranks of the full cluster that failed, comma-separated
@@ -114,6 +114,12 @@ class RankContext:
 
 
 _context: RankContext | None = None   # set by init() in the rank's process, cleared by shutdown()
+_planning: Any = None                 # init()'s planning group (world of several ranks), cleared by shutdown()
+
+# How long ranks wait for rank 0's plan (``planning_group``): a cold plan analyses the model, times its
+# blocks and searches, minutes on a loaded machine, longer than a step's collective may wait. A rank that
+# dies meanwhile still stops the job at once: ``launch``'s monitor (or torchrun's agent) sees it exit.
+PLANNING_TIMEOUT_S = 1800.0
 
 
 def default_backend(cluster) -> str:
@@ -208,7 +214,17 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timeout)
     _context = RankContext(rank, world_size, cluster, device, speed, backend, local_rank, full_cluster)
+    global _planning
+    if world_size > 1:   # every rank runs init, so every rank creates it, in the same order
+        _planning = dist.new_group(timeout=timedelta(seconds=max(PLANNING_TIMEOUT_S, step_timeout_s)))
     return _context
+
+
+def planning_group() -> Any:
+    """The process group whose collectives wait up to ``PLANNING_TIMEOUT_S`` (every rank of the world),
+    for handing out rank 0's plan; ``None`` (the default group) when ``init`` made none: a world of one
+    rank, or process groups that autopar did not initialise."""
+    return _planning
 
 
 def failed_devices(cluster) -> tuple[int, ...]:
@@ -241,10 +257,10 @@ def present_cluster(cluster, world_size: int):
 
 def shutdown() -> None:
     """Destroy the default process group and forget this rank's context (no-op when not initialised)."""
-    global _context
+    global _context, _planning
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _context = None
+    _context = _planning = None
 
 
 # ---------------------------------------------------------------------------------------------------
