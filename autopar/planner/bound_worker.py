@@ -1,11 +1,13 @@
-"""The bounds' planner searches in a second process, alongside the main search: the upper bound plans
+"""The bounds' planner searches in side processes, alongside the main search: the upper bound plans
 every device type alone and the homogeneous MFU plans a homogeneous cluster (``bounds.bound_searches``),
 none of which depends on the plan they judge, so on a machine with a spare core they need not wait
-for it. llama-140b on hethub-768: the main search ~5 s, the bound searches ~3.5 s of CPU each cold.
+for it. llama-140b on hethub-768 (CPU seconds, cold): the main search ~2.5, the upper bound's plans
+~2.3, the homogeneous plan ~1.0.
 
 Terms
 - side process: a ``fork`` of the planning process (it inherits the cost tables and the cluster; no
-  pickling on the way in) that runs ``bound_searches`` and sends its result back through a pipe
+  pickling on the way in) that runs one part of ``bound_searches`` (``BOUND_PARTS``: one process per
+  part) and sends its result back through a pipe
   (the sub-plans pickle as plain frozen data). The result is the same function of the same inputs
   as computing it in the planning process: the same plans and figures, bit for bit.
 - worthwhile: Linux (``fork`` is the start method that shares the process as it is), at least two
@@ -17,7 +19,7 @@ Terms
   thread stay in-process.
 - fallback: whatever goes wrong in the side process (it dies, raises, cannot start, or has not
   answered ``_PATIENCE_X`` times the main search's time after it, at least ``_PATIENCE_S``) is not
-  trusted: the searches run again in the planning process, which then raises what they raise.
+  trusted: that part's searches run again in the planning process, which then raises what they raise.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from autopar.ir.costs import ModelCosts
-from autopar.planner.bounds import bound_searches
+from autopar.planner.bounds import BOUND_PARTS, bound_searches, merge_bound_parts
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -55,10 +57,15 @@ def side_process_worthwhile(cluster: "Cluster") -> bool:
 
 def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int,
                          **plan_kw) -> tuple[Callable[[], tuple], Callable[[], None], bool]:
-    """(``result()``, ``cancel()``, whether a side process was started): ``result()`` returns
-    ``bound_searches(costs, cluster, global_batch, **plan_kw)``, from the side process when it was
-    worthwhile and succeeded, else computed when asked; ``cancel()`` ends the side process when the
-    result is no longer wanted (the main search failed). Call one of them exactly once."""
+    """(``result()``, ``cancel()``, whether side processes were started): ``result()`` returns
+    ``bound_searches(costs, cluster, global_batch, **plan_kw)``, from the side processes when it was
+    worthwhile and they succeeded, else computed when asked; ``cancel()`` ends the side processes when
+    the result is no longer wanted (the main search failed). Call one of them exactly once.
+
+    Each of ``BOUND_PARTS`` (the upper bound's per-type plans; the homogeneous cluster's plan) runs in a
+    process of its own: with the main search that makes three processes on two cores, whose total CPU
+    the scheduler spreads over both, where one side process holding every search ended alone last
+    (llama-140b / hethub-768: the main search ~2.5 s, the upper bound ~2.3 s, the homogeneous ~1.0 s)."""
     def here() -> tuple:
         return bound_searches(costs, cluster, global_batch, **plan_kw)
 
@@ -67,21 +74,28 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
     import multiprocessing as mp   # local: only large clusters pay for its import
 
     ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
+    sides: list = []   # (part, receiving end, process)
     try:
-        proc = ctx.Process(target=_child, args=(send, costs, cluster, global_batch, plan_kw), daemon=True)
-        proc.start()
+        for part in BOUND_PARTS:
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(send, costs, cluster, global_batch, part, plan_kw), daemon=True)
+            try:
+                proc.start()
+            finally:
+                send.close()
+            sides.append((part, recv, proc))
     except OSError:   # pragma: no cover - no process could be made
-        recv.close()
-        send.close()
+        for _, recv, proc in sides:
+            recv.close()
+            proc.kill()
+            proc.join()
         return here, lambda: None, False
-    send.close()
 
     started = time.perf_counter()
 
-    def result() -> tuple:
-        # the bound searches take less than the main search (~3.5 s against ~5 s on llama-140b /
-        # hethub-768): a side process far slower than that is taken as hung and replaced
+    def one(part, recv, proc) -> tuple:
+        # the bound searches take about what the main search takes: a side process far slower than
+        # that is taken as hung and replaced
         patience = max(_PATIENCE_S, _PATIENCE_X * (time.perf_counter() - started))
         try:
             ok, got = recv.recv() if recv.poll(patience) else (False, None)
@@ -92,21 +106,26 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
             if proc.is_alive() and not ok:
                 proc.kill()
             proc.join()
-        return got if ok else here()
+        return got if ok else bound_searches(costs, cluster, global_batch, part=part, **plan_kw)
+
+    def result() -> tuple:
+        got = {part: one(part, recv, proc) for part, recv, proc in sides}
+        return merge_bound_parts(got["upper"], got["homogeneous"])
 
     def cancel() -> None:
-        recv.close()
-        proc.kill()
-        proc.join()
+        for _, recv, proc in sides:
+            recv.close()
+            proc.kill()
+            proc.join()
 
     return result, cancel, True
 
 
-def _child(send, costs, cluster, global_batch, plan_kw) -> None:
-    """The side process: the searches' result, or (False, None) when they raise (the planning process
-    then runs them itself and raises what they raise)."""
+def _child(send, costs, cluster, global_batch, part, plan_kw) -> None:
+    """A side process: the result of ``part`` of the searches, or (False, None) when they raise (the
+    planning process then runs that part itself and raises what it raises)."""
     try:
-        out = (True, bound_searches(costs, cluster, global_batch, **plan_kw))
+        out = (True, bound_searches(costs, cluster, global_batch, part=part, **plan_kw))
     except BaseException:   # noqa: BLE001 - any failure means: compute it in the planning process
         out = (False, None)
     try:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds",
-           "bound_searches",
+           "bound_searches", "BOUND_PARTS", "merge_bound_parts",
            "peak_flops_s", "model_flops_per_sample", "mfu", "homogeneous_cluster", "homogeneous_mfu"]
 
 _MAX_MICRO = 4096   # micro-batch sizes tried for the compute bound (the tables grow linearly beyond)
@@ -183,16 +183,30 @@ def homogeneous_mfu(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
     return mfu(costs, homo, plan.predicted.samples_per_s) if plan is not None else 0.0
 
 
-def bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int, **plan_kw) -> tuple:
+BOUND_PARTS = ("upper", "homogeneous")
+
+
+def bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, part: str = "all",
+                   **plan_kw) -> tuple:
     """The planner searches the bounds need, which do not depend on the plan they judge: (upper bound,
     its per-type details, homogeneous MFU, its details); ``plan_kw``: ``upper_bound_samples_per_s``'s
     keywords. ``with_all_bounds`` takes them ready (``searched=``) when they ran elsewhere
-    (``autopar.planner.bound_worker``: a second process alongside the main search)."""
-    details: dict = {}
-    upper = upper_bound_samples_per_s(costs, cluster, global_batch, details=details, **plan_kw)
-    homo: dict = {}
-    homo_mfu = homogeneous_mfu(costs, cluster, global_batch, details=homo, **plan_kw)
+    (``autopar.planner.bound_worker``: side processes alongside the main search).
+    ``part``: one of ``BOUND_PARTS`` computes only that half (the other's entries are None and {}), so
+    that the two can run apart; ``merge_bound_parts`` puts them back together."""
+    if part not in ("all",) + BOUND_PARTS:
+        raise ValueError(f"part: {part!r} is not 'all' or one of {BOUND_PARTS}")
+    upper, details, homo_mfu, homo = None, {}, None, {}
+    if part in ("all", "upper"):
+        upper = upper_bound_samples_per_s(costs, cluster, global_batch, details=details, **plan_kw)
+    if part in ("all", "homogeneous"):
+        homo_mfu = homogeneous_mfu(costs, cluster, global_batch, details=homo, **plan_kw)
     return upper, details, homo_mfu, homo
+
+
+def merge_bound_parts(upper_part: tuple, homogeneous_part: tuple) -> tuple:
+    """``bound_searches``'s whole result from its ``part="upper"`` and ``part="homogeneous"`` results."""
+    return upper_part[0], upper_part[1], homogeneous_part[2], homogeneous_part[3]
 
 
 def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
