@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -157,6 +158,51 @@ class PipelineSchedule:
 
 
 # -- generators -------------------------------------------------------------------------------------
+#
+# The generators share their Action objects (frozen, so sharing is safe): ``_row(s, kind, n)`` is the
+# list of Action(s, kind, m) for m < n, built once per (stage, kind) and grown as needed, so that a
+# planner pricing hundreds of schedules does not construct (and check) every action again. Their
+# schedules are registered as trusted (``_trust``): valid by construction, ``simulate`` does not check
+# their structure again (a deadlock is still found by the simulation itself).
+
+_ROWS: dict[tuple[int, str], list[Action]] = {}
+_ROWS_MAX_LEN = 1 << 13      # rows longer than this (micro-batches) are built uncached
+_ROWS_MAX_KEYS = 4096        # (stage, kind) rows kept; beyond, the cache starts over
+
+
+def _row(s: int, kind: str, n: int) -> list[Action]:
+    """Action(s, kind, m) for m in 0..n-1 (at least; the list is shared: never mutate it)."""
+    key = (s, kind)
+    row = _ROWS.get(key)
+    if row is not None and len(row) >= n:
+        return row
+    if n > _ROWS_MAX_LEN:
+        return [Action(s, kind, m) for m in range(n)]
+    old = row or []
+    row = old + [Action(s, kind, m) for m in range(len(old), n)]   # a new list: readers keep the old one
+    if len(_ROWS) >= _ROWS_MAX_KEYS:
+        _ROWS.clear()
+    _ROWS[key] = row
+    return row
+
+
+# id(schedule) -> (schedule, whether it has explicit communication) of schedules known to be valid:
+# generated ones, and checked ones (of tuples: immutable). Holding the schedule keeps its id unique.
+_TRUSTED: dict[int, tuple["PipelineSchedule", bool]] = {}
+_TRUSTED_MAX = 512
+
+
+def _remember_valid(schedule: "PipelineSchedule", explicit: bool) -> None:
+    if len(_TRUSTED) >= _TRUSTED_MAX:
+        _TRUSTED.pop(next(iter(_TRUSTED)))
+    _TRUSTED[id(schedule)] = (schedule, explicit)
+
+
+def _trust(schedule: "PipelineSchedule") -> "PipelineSchedule":
+    """Register a compute-only schedule a generator built (valid by construction) and return it."""
+    _remember_valid(schedule, False)
+    return schedule
+
 
 def _check_sizes(num_stages: int, num_micro: int) -> None:
     if num_stages < 1:
@@ -168,28 +214,26 @@ def _check_sizes(num_stages: int, num_micro: int) -> None:
 def gpipe(num_stages: int, num_micro: int) -> PipelineSchedule:
     """All forwards, then all backwards (in micro-batch order, as torch's ScheduleGPipe)."""
     _check_sizes(num_stages, num_micro)
-    acts = tuple(
-        tuple(Action(s, "F", m) for m in range(num_micro)) + tuple(Action(s, "B", m) for m in range(num_micro))
-        for s in range(num_stages)
-    )
-    return PipelineSchedule("gpipe", num_micro, acts)
+    M = num_micro
+    acts = tuple(tuple(_row(s, "F", M)[:M] + _row(s, "B", M)[:M]) for s in range(num_stages))
+    return _trust(PipelineSchedule("gpipe", num_micro, acts))
 
 
 def one_f_one_b(num_stages: int, num_micro: int) -> PipelineSchedule:
     """1F1B (PipeDream-flush): stage s runs min(S-1-s, M) warm-up forwards, then alternates one forward
     and one backward, then drains; it holds at most min(M, S-s) micro-batches' activations."""
     _check_sizes(num_stages, num_micro)
+    M = num_micro
     out = []
     for s in range(num_stages):
-        warmup = min(num_stages - 1 - s, num_micro)
-        acts = [Action(s, "F", m) for m in range(warmup)]
-        f, b = warmup, 0
-        while f < num_micro:
-            acts += [Action(s, "F", f), Action(s, "B", b)]
-            f, b = f + 1, b + 1
-        acts += [Action(s, "B", m) for m in range(b, num_micro)]
-        out.append(tuple(acts))
-    return PipelineSchedule("1f1b", num_micro, tuple(out))
+        fwd, bwd = _row(s, "F", M), _row(s, "B", M)
+        warmup = min(num_stages - 1 - s, M)
+        steady = M - warmup                        # pairs: forward warmup + i, then backward i
+        pairs: list = [None] * (2 * steady)
+        pairs[0::2] = fwd[warmup:M]
+        pairs[1::2] = bwd[:steady]
+        out.append(tuple(fwd[:warmup] + pairs + bwd[steady:M]))
+    return _trust(PipelineSchedule("1f1b", num_micro, tuple(out)))
 
 
 def interleaved_one_f_one_b(num_workers: int, num_micro: int, virtual_stages: int = 2) -> PipelineSchedule:
@@ -203,15 +247,17 @@ def interleaved_one_f_one_b(num_workers: int, num_micro: int, virtual_stages: in
     if virtual_stages < 1:
         raise ScheduleError(f"virtual_stages: need >= 1, got {virtual_stages}")
     if virtual_stages == 1:
-        return PipelineSchedule("interleaved-1f1b", num_micro, one_f_one_b(num_workers, num_micro).actions)
+        return _trust(PipelineSchedule("interleaved-1f1b", num_micro, one_f_one_b(num_workers, num_micro).actions))
     return _interleaved(num_workers, num_micro, virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
 def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
     rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
-    fwd = [[Action(v * W + w, "F", m) for r in rounds for v in range(V) for m in r] for w in range(W)]
-    bwd = [[Action(v * W + w, "B", m) for r in rounds for v in reversed(range(V)) for m in r] for w in range(W)]
+    fr = {s: _row(s, "F", M) for s in range(V * W)}
+    br = {s: _row(s, "B", M) for s in range(V * W)}
+    fwd = [[fr[v * W + w][m] for r in rounds for v in range(V) for m in r] for w in range(W)]
+    bwd = [[br[v * W + w][m] for r in rounds for v in reversed(range(V)) for m in r] for w in range(W)]
     for extra in range(V * M + 1):
         out = []
         for w in range(W):
@@ -221,11 +267,12 @@ def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
                 acts += [fwd[w][f], bwd[w][f - warmup]]
             acts += bwd[w][V * M - warmup:]
             out.append(tuple(acts))
-        sched = PipelineSchedule("interleaved-1f1b", M, tuple(out), V)
+        sched = _trust(PipelineSchedule("interleaved-1f1b", M, tuple(out), V))
         try:
             dry_run(sched)
             return sched
         except ScheduleError:
+            _TRUSTED.pop(id(sched), None)
             continue
     raise ScheduleError(f"interleaved-1f1b: no deadlock-free order for {W} workers x {V} chunks, {M} micro-batches")
 
@@ -238,28 +285,38 @@ def zb_h1(num_stages: int, num_micro: int) -> PipelineSchedule:
     _check_sizes(num_stages, num_micro)
     out = []
     for s in range(num_stages):
+        fwd, bi, bw = _row(s, "F", num_micro), _row(s, "BI", num_micro), _row(s, "BW", num_micro)
         warmup = min(num_stages - 1 - s, num_micro)
-        acts = [Action(s, "F", m) for m in range(warmup)]
+        acts = fwd[:warmup]
         f, pending = warmup, deque()
         for m in range(num_micro):
             if f < num_micro:
-                acts.append(Action(s, "F", f))
+                acts.append(fwd[f])
                 f += 1
-            acts.append(Action(s, "BI", m))
+            acts.append(bi[m])
             pending.append(m)
             while len(pending) > s:
-                acts.append(Action(s, "BW", pending.popleft()))
-        acts += [Action(s, "BW", m) for m in pending]
+                acts.append(bw[pending.popleft()])
+        acts += [bw[m] for m in pending]
         out.append(tuple(acts))
-    return PipelineSchedule("zb-h1", num_micro, tuple(out))
+    return _trust(PipelineSchedule("zb-h1", num_micro, tuple(out)))
 
 
 def make_schedule(name: str, num_stages: int, num_micro: int, virtual_stages: int = 1) -> PipelineSchedule:
     """The generator by name (``ALL_SCHEDULES``). ``num_stages``: the model's stages (a plan's
     ``len(plan.stages)``); ``virtual_stages``: chunks per worker, only for "interleaved-1f1b" (it must
-    divide ``num_stages``; the workers are ``num_stages // virtual_stages``)."""
+    divide ``num_stages``; the workers are ``num_stages // virtual_stages``). Remembered by its
+    arguments (the schedule is immutable; the planner asks for the same ones again)."""
     if name not in ALL_SCHEDULES:
         raise ScheduleError(f"schedule: unknown {name!r}; choose one of {sorted(ALL_SCHEDULES)}")
+    sched = _made(name, operator.index(num_stages), operator.index(num_micro), operator.index(virtual_stages))
+    if _TRUSTED.get(id(sched), (None,))[0] is not sched:
+        _trust(sched)   # evicted from the trusted ids meanwhile
+    return sched
+
+
+@functools.lru_cache(maxsize=32)
+def _made(name: str, num_stages: int, num_micro: int, virtual_stages: int) -> PipelineSchedule:
     if name == "interleaved-1f1b":
         if virtual_stages < 1 or num_stages % virtual_stages:
             raise ScheduleError(f"virtual_stages: {virtual_stages} must be >= 1 and divide num_stages "
@@ -371,7 +428,19 @@ def _as_matrix(x, shape: tuple[int, int], name: str) -> np.ndarray:
 
 def _validate(schedule: PipelineSchedule, num_micro: int) -> bool:
     """Structural checks; returns whether the schedule has explicit communication. Actions are compared
-    as (stage, kind, micro) tuples (an ``Action``'s equality; tuples hash without a Python call)."""
+    as (stage, kind, micro) tuples (an ``Action``'s equality; tuples hash without a Python call).
+    Generated schedules and ones checked before (by identity) are not checked again."""
+    known = _TRUSTED.get(id(schedule))
+    if known is not None and known[0] is schedule and num_micro == schedule.num_micro:
+        return known[1]
+    explicit = _check_structure(schedule, num_micro)
+    if (num_micro == schedule.num_micro and type(schedule.actions) is tuple
+            and all(type(acts) is tuple for acts in schedule.actions)):
+        _remember_valid(schedule, explicit)   # immutable: valid for good
+    return explicit
+
+
+def _check_structure(schedule: PipelineSchedule, num_micro: int) -> bool:
     S, nw = schedule.num_stages, schedule.num_workers
     explicit = False
     seen: set[tuple[int, str, int]] = set()
@@ -444,88 +513,110 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
     ptr = [0] * nw
     lists = schedule.actions
     last = S - 1
+    # the implied receives' Actions of the transfers (shared rows, not one new Action per transfer)
+    recv_f = [_row(s, "RECV_F", M) if s > 0 else None for s in range(S)] if not explicit else None
+    recv_b = [_row(s, "RECV_B", M) if s < last else None for s in range(S)] if not explicit else None
 
     queue = deque(range(nw))
     queued = [True] * nw
     while queue:
         w = queue.popleft()
         queued[w] = False
-        progressed = False
         acts = lists[w]
         n_acts = len(acts)
         ev, tr = events[w], transfers[w]
-        while ptr[w] < n_acts:
-            action = acts[ptr[w]]
+        i0 = i = ptr[w]
+        fw, bz = free[w], busy[w]   # the worker's free time and busy seconds, written back below
+        while i < n_acts:
+            action = acts[i]
             s, k, m = action.stage, action.kind, action.micro
-            # when the inputs of the action are available on its worker (None: a dependency is not done)
+            # when the inputs of the action are available on its worker (break: a dependency is not done)
             if k == "F":
                 if s == 0:
                     t_ready = 0.0
                 elif explicit:
                     t_ready = d_recv_f[s][m]
+                    if t_ready is None:
+                        break
                 else:
-                    t = d_f[s - 1][m]
-                    t_ready = None if t is None else t + comm_f[s - 1][m]
+                    t0 = d_f[s - 1][m]
+                    if t0 is None:
+                        break
+                    t_ready = t0 + comm_f[s - 1][m]
+                start = fw if fw > t_ready else t_ready
+                dur = fwd[s][m]
+                end = start + dur
+                bz += dur
+                fw = end
+                ev.append((action, start, end))
+                if s > 0 and not explicit:
+                    tr.append((recv_f[s][m], t0, t_ready))
+                d_f[s][m] = end
             elif k == "B" or k == "BI":
                 t_f = d_f[s][m]
                 if t_f is None:
-                    t_ready = None
-                elif s == last:
+                    break
+                if s == last:
                     t_ready = t_f
-                else:
-                    t = d_recv_b[s][m] if explicit else d_g[s + 1][m]
+                elif explicit:
+                    t = d_recv_b[s][m]
                     if t is None:
-                        t_ready = None
-                    else:
-                        if not explicit:
-                            t = t + comm_b[s][m]
-                        t_ready = t_f if t_f > t else t
+                        break
+                    t_ready = t_f if t_f > t else t
+                else:
+                    t0 = d_g[s + 1][m]
+                    if t0 is None:
+                        break
+                    t = t0 + comm_b[s][m]
+                    t_ready = t_f if t_f > t else t
+                start = fw if fw > t_ready else t_ready
+                dur = bwd[s][m] if k == "B" else bwd[s][m] - wgr[s][m]
+                end = start + dur
+                bz += dur
+                fw = end
+                ev.append((action, start, end))
+                d_g[s][m] = end
+                if s < last and not explicit:
+                    tr.append((recv_b[s][m], t0, t))
+                done[k][s][m] = end
             elif k == "BW":
                 t_ready = d_bi[s][m]
-            elif k == "SEND_F":
-                t_ready = d_f[s][m]
-            elif k == "SEND_B":
-                t_ready = d_g[s][m]
-            elif k == "RECV_F":
-                t = d_send_f[s - 1][m]
-                t_ready = None if t is None else t + comm_f[s - 1][m]
-            else:   # RECV_B
-                t = d_send_b[s + 1][m]
-                t_ready = None if t is None else t + comm_b[s][m]
-            if t_ready is None:
-                break
-            fw = free[w]
-            if k in _COMPUTE:
+                if t_ready is None:
+                    break
                 start = fw if fw > t_ready else t_ready
-                dur = (fwd[s][m] if k == "F" else bwd[s][m] if k == "B" else wgr[s][m] if k == "BW"
-                       else bwd[s][m] - wgr[s][m])
+                dur = wgr[s][m]
                 end = start + dur
-                busy[w] += dur
-                free[w] = end
+                bz += dur
+                fw = end
                 ev.append((action, start, end))
-                if k == "B" or k == "BI":
-                    d_g[s][m] = end
-                if not explicit:
-                    if k == "F" and s > 0:
-                        t0 = d_f[s - 1][m]
-                        tr.append((Action(s, "RECV_F", m), t0, t0 + comm_f[s - 1][m]))
-                    elif (k == "B" or k == "BI") and s < last:
-                        t0 = d_g[s + 1][m]
-                        tr.append((Action(s, "RECV_B", m), t0, t0 + comm_b[s][m]))
-            elif k == "SEND_F" or k == "SEND_B":
-                end = start = fw if fw > t_ready else t_ready   # asynchronous: issued, no worker time
-                ev.append((action, start, end))
-            else:   # a blocking receive: the worker waits until the data has arrived
-                start = fw
-                end = fw if fw > t_ready else t_ready
-                free[w] = end
-                ev.append((action, start, end))
-                comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
-                tr.append((action, t_ready - comm, t_ready))
-            done[k][s][m] = end
-            ptr[w] += 1
-            progressed = True
-        if progressed:
+                done[k][s][m] = end
+            else:
+                if k == "SEND_F":
+                    t_ready = d_f[s][m]
+                elif k == "SEND_B":
+                    t_ready = d_g[s][m]
+                elif k == "RECV_F":
+                    t = d_send_f[s - 1][m]
+                    t_ready = None if t is None else t + comm_f[s - 1][m]
+                else:   # RECV_B
+                    t = d_send_b[s + 1][m]
+                    t_ready = None if t is None else t + comm_b[s][m]
+                if t_ready is None:
+                    break
+                if k == "SEND_F" or k == "SEND_B":
+                    end = start = fw if fw > t_ready else t_ready   # asynchronous: issued, no worker time
+                    ev.append((action, start, end))
+                else:   # a blocking receive: the worker waits until the data has arrived
+                    start = fw
+                    end = fw if fw > t_ready else t_ready
+                    fw = end
+                    ev.append((action, start, end))
+                    comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
+                    tr.append((action, t_ready - comm, t_ready))
+                done[k][s][m] = end
+            i += 1
+        ptr[w], free[w], busy[w] = i, fw, bz
+        if i > i0:
             for n in ((w - 1) % nw, (w + 1) % nw):
                 if n != w and not queued[n] and ptr[n] < len(lists[n]):
                     queue.append(n)
