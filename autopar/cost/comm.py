@@ -99,13 +99,21 @@ def _check_nbytes(nbytes: float) -> None:
 
 
 def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
+    """``ranks`` as a tuple, checked (ranks of ``cluster``, none twice) once per cluster object: the
+    rings checked before are remembered with ``ring_link``'s memo."""
     ranks = tuple(ranks)
+    checked = _ring_memo_entry(cluster)[2]
+    if ranks in checked and set(map(type, ranks)) == _INT_TYPE:   # (True, 2) == (1, 2): ints only
+        return ranks
     if not ranks:
         raise ClusterError("ranks: empty; a collective needs at least one rank")
     for r in ranks:
         check_rank(cluster, r, "ranks")
     if len(set(ranks)) != len(ranks):
         raise ClusterError(f"ranks: {ranks} repeats a rank")
+    if len(checked) >= _RING_CHECKED_MAX:
+        checked.clear()
+    checked.add(ranks)
     return ranks
 
 
@@ -122,18 +130,25 @@ def ring_link(cluster: "Cluster", ranks: Sequence[int],
     return hit
 
 
-_RING_MEMO: dict[int, tuple["Cluster", dict]] = {}
+_RING_MEMO: dict[int, tuple["Cluster", dict, set]] = {}
 _RING_MEMO_CLUSTERS = 8
+_RING_CHECKED_MAX = 1 << 16   # checked rings kept per cluster; beyond, the set starts over
+_INT_TYPE = {int}
 
 
 def _ring_memo(cluster) -> dict:
     """The ``ring_link`` results of one cluster object (clusters are frozen; a few are kept, by identity)."""
+    return _ring_memo_entry(cluster)[1]
+
+
+def _ring_memo_entry(cluster) -> tuple:
+    """(cluster, its ``ring_link`` results, the rank tuples ``_ring`` has checked on it)."""
     entry = _RING_MEMO.get(id(cluster))
     if entry is None or entry[0] is not cluster:
         if len(_RING_MEMO) >= _RING_MEMO_CLUSTERS:
             _RING_MEMO.pop(next(iter(_RING_MEMO)))
-        entry = _RING_MEMO[id(cluster)] = (cluster, {})
-    return entry[1]
+        entry = _RING_MEMO[id(cluster)] = (cluster, {}, set())
+    return entry
 
 
 def _ring_link(cluster, ranks, link, op) -> tuple[float, float]:
