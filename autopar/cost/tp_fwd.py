@@ -137,13 +137,14 @@ def group_gemm_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int],
     """[block, pair] seconds of the GEMMs a [block, pair] ``share`` table names (a share of the block's
     forward, or with ``backward`` of its backward) on the group's rank with least of them: the share
     times the rank's whole-block time times its fraction (a pair's Linears are sharded wholly); None
-    without the table (or one of another block count) or at no micro-batch."""
+    without the table (or one of another block count) or at no micro-batch. Each distinct (device
+    type, fraction) rank is priced once (members of one type and share have the same row)."""
     if share is None or share.ndim != 2 or share.shape[0] != costs.num_blocks or micro_batch <= 0:
         return None
     s = np.asarray(shares, dtype=np.float64)
     f = s / s.sum()
     time = costs.bwd_time if backward else costs.fwd_time
-    per_rank = np.stack([time(t, micro_batch) * k for t, k in zip(types, f)])
+    per_rank = np.stack([time(t, micro_batch) * k for t, k in dict.fromkeys(zip(types, f.tolist()))])
     return share * per_rank.min(axis=0)[:, None]
 
 
