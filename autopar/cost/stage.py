@@ -93,13 +93,23 @@ def _in_flight_cap(holds, num: np.ndarray, per: np.ndarray) -> np.ndarray:
     ``holds(f)`` is ``num - per * f >= 0`` up to rounding: the quotient, then checked against
     ``holds`` itself one count either side, so that the cap is exactly the largest f the comparison
     the row is defined by accepts; ``_FITS_ANY`` where ``per`` <= 0 and ``num`` >= 0."""
+    pos = per > 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(per > 0, np.floor(num / np.where(per > 0, per, 1.0)), np.where(num >= 0, _FITS_ANY, -1.0))
-    q = np.clip(np.nan_to_num(q, nan=-1.0, posinf=_FITS_ANY, neginf=-1.0), -1.0, _FITS_ANY)
+        q = np.where(pos, np.floor(num / np.where(pos, per, 1.0)), np.where(num >= 0, _FITS_ANY, -1.0))
+    # the clip of nan_to_num(q, nan=-1, posinf=_FITS_ANY, neginf=-1) to [-1, _FITS_ANY]: fmax drops nan
+    q = np.minimum(np.fmax(q, -1.0), _FITS_ANY)
     exact = q < _FITS_ANY
-    q = np.where(exact & holds(q + 1), q + 1, q)
+    up = exact & holds(q + 1)
+    q = np.where(up, q + 1, q)
+    # two steps down where the count does not hold; an entry that stepped up holds (just checked), and
+    # one that held is left as it is by the second step, which only the ones stepped down need
+    down = exact & ~up & (q >= 0)
     for _ in range(2):
-        q = np.where(exact & (q >= 0) & ~holds(np.maximum(q, 0.0)), q - 1, q)
+        down &= ~holds(np.maximum(q, 0.0))
+        if not down.any():
+            break
+        q = np.where(down, q - 1, q)
+        down &= q >= 0
     return q
 
 
