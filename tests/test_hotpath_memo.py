@@ -137,7 +137,8 @@ def test_group_gemm_prices_each_distinct_rank_once():
     n = 5
     costs = ModelCosts.synthetic({"a": rng.uniform(0.01, 0.02, n), "b": rng.uniform(0.01, 0.03, n)})
     share = rng.uniform(0, 0.5, (n, 3))
-    for types, shares in [(["a"] * 4, [1] * 4), (["a", "a"], [3, 1]), (["a", "b", "a", "b"], [2, 1, 2, 1]), (["b", "a"], [1, 3])]:
+    groups = [(["a"] * 4, [1] * 4), (["a", "a"], [3, 1]), (["a", "b", "a", "b"], [2, 1, 2, 1]), (["b", "a"], [1, 3])]
+    for types, shares in groups:
         for backward in (False, True):
             time = costs.bwd_time if backward else costs.fwd_time
             f = np.asarray(shares, float) / sum(shares)
