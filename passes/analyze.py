@@ -7,13 +7,12 @@ blocks that share parameters. Everything per sample is the example's figure divi
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from autopar.ir.pauses import gc_paused
 from autopar.passes.analysis import annotate_pass
 from autopar.passes.analysis_cache import annotate_cached
 from autopar.passes.blocks import Block, BlockStats, assign_blocks_pass, block_stats
@@ -57,21 +56,6 @@ def _batch_size(example_inputs: tuple) -> int:
     raise CaptureError("example_inputs: need at least one tensor with a batch dimension (dim 0)")
 
 
-@contextlib.contextmanager
-def _no_gc_pauses():
-    """The cyclic garbage collector off while this lasts (as it was after): an analysis makes objects
-    that live on (a 5851-node graph, its annotations), and each full collection it set off would walk
-    them and every object torch's import made (llama-140b: capture, cache key and annotation 0.53 ->
-    0.40 s CPU). Garbage in cycles waits until the end; reference counting frees the rest as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto", lazy_code: bool = False,
             replay_repeats: bool = False, cache_dir=None) -> Analysis:
     """``lazy_code``, ``replay_repeats``: the captured module generates its Python code when first run,
@@ -80,7 +64,7 @@ def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto", la
     (``passes.analysis_cache``; the same annotations, value for value)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    with _no_gc_pauses():
+    with gc_paused():
         captured = capture(model, example_inputs, method=method, lazy_code=lazy_code,
                            replay_repeats=replay_repeats)
         if cache_dir is None:

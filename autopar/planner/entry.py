@@ -22,6 +22,7 @@ from autopar.config import DP_STRATEGIES, PP_STRATEGIES, PlanConfig
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
+from autopar.ir.pauses import gc_paused
 from autopar.planner.bound_worker import start_bound_searches
 from autopar.planner.bounds import with_all_bounds
 from autopar.planner.dp import plan_dp
@@ -62,14 +63,15 @@ def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, c
         tp_kw["replicated_fraction"] = config.replicated_fraction
     bound_kw = dict(schedule=config.schedule, recompute=config.recompute, memory_fraction=config.memory_fraction,
                     **tp_kw)
-    searched, cancel, _side = start_bound_searches(costs, cluster, global_batch, **bound_kw)
-    try:
-        p = _plan(costs, cluster, global_batch, config, strategy, tp_kw)
-    except BaseException:
-        cancel()
-        raise
-    planned = time.perf_counter()
-    p = with_all_bounds(p, costs, cluster, global_batch, searched=searched(), **bound_kw)
+    with gc_paused():   # the searches make many small objects; a collection would walk torch's too
+        searched, cancel, _side = start_bound_searches(costs, cluster, global_batch, **bound_kw)
+        try:
+            p = _plan(costs, cluster, global_batch, config, strategy, tp_kw)
+        except BaseException:
+            cancel()
+            raise
+        planned = time.perf_counter()
+        p = with_all_bounds(p, costs, cluster, global_batch, searched=searched(), **bound_kw)
     if timings is not None:
         timings.update(plan_s=planned - start, bounds_s=time.perf_counter() - planned)
     return p
