@@ -47,6 +47,7 @@ import json
 import operator
 import re
 from collections import deque
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -66,6 +67,7 @@ ALL_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1") 
 ActionKind = Literal["F", "B", "BI", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 _COMPUTE = ("F", "B", "BI", "BW")
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_END = itemgetter(2)   # an event's end
 _ACTION_RE = re.compile(r"^\s*(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BI|BW|F|B)(\d+)\s*$")
 
 
@@ -406,7 +408,7 @@ class Timeline:
     @property
     def stage_end_s(self) -> tuple[float, ...]:
         """When each worker finished its last action."""
-        return tuple(max((e for _, _, e in ev), default=0.0) for ev in self.events)
+        return tuple(max(map(_END, ev), default=0.0) for ev in self.events)
 
     def __repr__(self) -> str:
         return (f"Timeline({self.schedule_name!r}, stages={self.num_stages}, step={self.step_time_s:.4g}s, "
@@ -627,7 +629,7 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
         raise ScheduleError(
             f"schedule {schedule.name!r} deadlocks: stuck at {', '.join(map(repr, stuck))} "
             f"(each waits on an action that is ordered after another stuck action)")
-    step = max((e for ev in events for _, _, e in ev), default=0.0)
+    step = max((max(map(_END, ev)) for ev in events if ev), default=0.0)
     return Timeline(events=tuple(map(tuple, events)), transfers=tuple(map(tuple, transfers)),
                     step_time_s=float(step), busy_s=tuple(map(float, busy)), schedule_name=schedule.name)
 
