@@ -161,6 +161,13 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from autopar.ir.pauses import gc_paused
+
+    with gc_paused():   # a short process: importing torch and building the tables set off collections too
+        return _plan_command(args)
+
+
+def _plan_command(args) -> int:
     from autopar.api import model_num_heads, plan_from_costs
     from autopar.config import Pin
 
