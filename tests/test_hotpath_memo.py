@@ -15,9 +15,10 @@ from autopar.cluster.model import Cluster
 from autopar.cost import comm, tp_fwd
 from autopar.cost.stage import _FITS_ANY, _in_flight_cap
 from autopar.errors import ClusterError
-from autopar.ir import schedule as sch
+from autopar.ir import timeline as tl
 from autopar.ir.costs import ModelCosts
-from autopar.ir.schedule import Action, PipelineSchedule, ScheduleError, make_schedule, simulate
+from autopar.ir.schedule import Action, PipelineSchedule, ScheduleError, make_schedule
+from autopar.ir.timeline import simulate
 
 A = Action
 
@@ -86,8 +87,8 @@ def test_trusted_schedules_skip_the_check_and_malformed_ones_still_fail(monkeypa
     user = PipelineSchedule("1f1b", M, _ref_1f1b(S, M))
     want = simulate(user, ones, 2 * ones)        # checked once, then remembered by identity
     calls = []
-    real = sch._check_structure
-    monkeypatch.setattr(sch, "_check_structure", lambda *a: calls.append(a) or real(*a))
+    real = tl._check_structure
+    monkeypatch.setattr(tl, "_check_structure", lambda *a: calls.append(a) or real(*a))
     assert simulate(gen, ones, 2 * ones) == want
     assert simulate(user, ones, 2 * ones) == want
     assert calls == []

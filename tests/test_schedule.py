@@ -8,10 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import AutoparError
-from autopar.ir.schedule import (
-    Action, PipelineSchedule, ScheduleError, dry_run, gpipe, make_schedule, one_f_one_b, plot_timeline,
-    simulate, with_comm,
-)
+from autopar.ir.schedule import Action, PipelineSchedule, ScheduleError, gpipe, make_schedule, one_f_one_b, with_comm
+from autopar.ir.timeline import dry_run, plot_timeline, simulate
 
 
 def _check_timeline(tl, sched, fwd, bwd, comm):

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from autopar.errors import PlanError
 from autopar.ir.plan import Plan, Predicted
 from autopar.ir.schedule import (
-    ALL_SCHEDULES, Action, PipelineSchedule, ScheduleError, dry_run, in_flight_micro_batches, make_schedule,
-    simulate, with_comm,
+    ALL_SCHEDULES, Action, PipelineSchedule, ScheduleError, in_flight_micro_batches, make_schedule, with_comm,
 )
+from autopar.ir.timeline import dry_run, simulate
 from oracle import stages_of
 
 

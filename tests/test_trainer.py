@@ -1,8 +1,8 @@
-"""The measured timeline of a real pipeline run: engine traces -> schedule.Timeline -> Gantt PNG."""
+"""The measured timeline of a real pipeline run: engine traces -> timeline.Timeline -> Gantt PNG."""
 
 from autopar.cluster.model import Cluster
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.ir.schedule import plot_timeline
+from autopar.ir.timeline import plot_timeline
 from autopar.cli.trainer import StrategyResult, measured_timeline
 
 TWO = Cluster.from_yaml("benchmarks/clusters/two-emulated.yaml")

@@ -210,10 +210,11 @@ def run_comparison(spec: RunSpec, cluster) -> list[StrategyResult]:
 
 
 def measured_timeline(result: StrategyResult, cluster):
-    """A ``schedule.Timeline`` of a real pipeline run's last step (each stage drawn from its first rank),
-    for ``schedule.plot_timeline``; the labels name the stage, rank and device."""
+    """A ``timeline.Timeline`` of a real pipeline run's last step (each stage drawn from its first rank),
+    for ``timeline.plot_timeline``; the labels name the stage, rank and device."""
     from autopar.ir.plan import Plan
-    from autopar.ir.schedule import Action, Timeline
+    from autopar.ir.schedule import Action
+    from autopar.ir.timeline import Timeline
 
     plan = Plan.from_json(result.plan_json)
     events, transfers, busy, labels = [], [], [], []

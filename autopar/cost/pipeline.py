@@ -55,7 +55,8 @@ from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
 from autopar.ir.plan import Plan, Stage
-from autopar.ir.schedule import Timeline, in_flight_micro_batches, make_schedule, simulate
+from autopar.ir.schedule import in_flight_micro_batches, make_schedule
+from autopar.ir.timeline import Timeline, simulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster

@@ -56,7 +56,8 @@ from autopar.cost.stage import micro_sizes
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES, Timeline
+from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
+from autopar.ir.timeline import Timeline
 from autopar.planner.pp_virtual import VIRTUAL_COUNTS, check_virtual_stages, interleaved_plans
 from autopar.planner.split import min_bottleneck, split_blocks, split_objective  # re-exported (``__all__``)
 
@@ -521,9 +522,9 @@ def _describe(x: _Scored) -> str:
 
 
 def save_plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", path) -> Timeline:
-    """Simulate a pipeline plan and save its Gantt chart (``autopar.ir.schedule.plot_timeline``) to
+    """Simulate a pipeline plan and save its Gantt chart (``autopar.ir.timeline.plot_timeline``) to
     ``path``: one row per stage, labelled with its ranks and device types. Returns the timeline."""
-    from autopar.ir.schedule import plot_timeline
+    from autopar.ir.timeline import plot_timeline
 
     timeline, _ = plan_timeline(plan, costs, cluster)
     labels = []

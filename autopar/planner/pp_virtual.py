@@ -43,7 +43,8 @@ from autopar.cost.memory import (fits_memory, loss_bytes_per_sample, stage_input
 from autopar.cost.pipeline import PipelineContext, pipeline_memory_bytes, plan_timeline, stage_durations
 from autopar.errors import PlanError
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.ir.schedule import Timeline, make_schedule
+from autopar.ir.schedule import make_schedule
+from autopar.ir.timeline import Timeline
 
 
 __all__ = ["VIRTUAL_COUNTS", "MAX_VIRTUAL_STAGES", "check_virtual_stages", "chunk_sizes", "chunked_stages",
