@@ -73,11 +73,11 @@ def interleaved_steps(runs: list[dict], batch: int, warmup: int, steps: int, key
                 run["losses"].append(float(loss))
 
 
-def tree_of(rev: str) -> Path:
-    """``/tmp/autopar-src-REV``: made from the commit REV when missing (``git archive`` of autopar,
-    passes and kernels, ``autopar.passes`` / ``autopar.kernels`` linked in as the editable install maps
-    them); an existing folder of that name is used as it is."""
-    dest = Path(tempfile.gettempdir()) / f"autopar-src-{rev}"
+def tree_of(rev: str, dest: Path | None = None) -> Path:
+    """``dest`` (default ``/tmp/autopar-src-REV``): made from the commit REV when missing (``git archive``
+    of autopar, passes and kernels, ``autopar.passes`` / ``autopar.kernels`` linked in as the editable
+    install maps them); an existing folder holding ``autopar`` is used as it is."""
+    dest = Path(tempfile.gettempdir()) / f"autopar-src-{rev}" if dest is None else Path(dest)
     if not (dest / "autopar").is_dir():
         dest.mkdir(parents=True, exist_ok=True)
         arch = subprocess.run(["git", "archive", rev, "autopar", "passes", "kernels"], cwd=ROOT,

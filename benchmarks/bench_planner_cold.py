@@ -47,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import tree_of  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -57,17 +58,8 @@ def _temp() -> Path:
 
 
 def unpacked(rev: str) -> Path:
-    """The commit ``rev`` unpacked under this run's temporary folder (``git archive`` of autopar, passes
-    and kernels, ``autopar.passes`` / ``autopar.kernels`` linked in as the editable install maps them)."""
-    dest = Path(tempfile.mkdtemp(prefix=f"src-{rev}-", dir=_temp()))
-    arch = subprocess.run(["git", "archive", rev, "autopar", "passes", "kernels"], cwd=ROOT, capture_output=True,
-                          check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
-    for sub in ("passes", "kernels"):
-        link = dest / "autopar" / sub
-        if not link.exists():
-            link.symlink_to(dest / sub, target_is_directory=True)
-    return dest
+    """The commit ``rev`` unpacked under this run's temporary folder (``_common.tree_of``)."""
+    return tree_of(rev, Path(tempfile.mkdtemp(prefix=f"src-{rev}-", dir=_temp())))
 
 
 def seeded_cache(seed: str | None) -> str:
