@@ -16,12 +16,13 @@ import pytest
 from autopar.cluster.model import Cluster
 from autopar.cost import tp as tp_cost
 from autopar.cost.comm import p2p_time_s
-from autopar.cost.joint import JointContext, StagePrep, joint_cost_tensor, joint_split_feasible, prepare_stages
+from autopar.cost.joint import StagePrep, joint_cost_tensor, joint_split_feasible, prepare_stages
 from autopar.cost.pipeline import stage_durations, stage_optimizer_s
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Stage
 from autopar.planner.layouts import member_groupings, member_layouts
 from autopar.planner.pp import member_shares, micro_candidates, min_bottleneck
+from test_planner_speed_search import _entries
 
 TYPES = ("A100-80GB", "V100-16GB")
 
@@ -220,17 +221,8 @@ def test_one_kind_shares_are_the_general_rule():
 
 
 def _joint_entries(costs, cluster, batch):
-    ctx = JointContext(costs, cluster, batch, 2, 0.9, 0.1, {}, {}, False)
-    entries = []
-    for lay in member_layouts(costs, cluster, num_heads=8, degrees=(1, 2, 4), replicated_fraction=0.1):
-        for m in lay.members:
-            ctx.members[m.ranks] = m
-        speed = {m.kind: ctx.kind_speed(m.kind) for m in lay.members}
-        for gr in member_groupings(cluster, lay, costs.num_blocks, speed):
-            if gr.num_stages <= costs.num_blocks:
-                stages = [[ctx.members[g] for g in st] for st in gr.stages]
-                entries.append(prepare_stages(ctx, stages))
-    return ctx, entries
+    ctx, states = _entries(costs, cluster, batch)
+    return ctx, [st.prep for st in states]
 
 
 def test_prepared_stages_tensors_and_feasibility_are_those_of_fresh_contexts():
