@@ -144,6 +144,26 @@ def _loss_of(out, loss_fn, targets):
     return sum(o.float().sum() for o in leaves) if leaves else None
 
 
+def _micro_step(gm, example_inputs: tuple, micro_batch: int, loss_fn, example_targets):
+    """(forward, backward) of one micro-step of ``gm`` at ``micro_batch`` rows: the forward with the loss
+    (``loss_fn`` on the tiled targets; None: the outputs summed), kept for the backward that follows."""
+    from autopar.passes.split import flat_inputs
+
+    flat = flat_inputs(gm, tile_batch(tuple(example_inputs), micro_batch))
+    targets = tile_batch((example_targets,), micro_batch)[0] if loss_fn is not None else None
+    held: list = []
+
+    def forward() -> None:
+        loss = _loss_of(gm(*flat), loss_fn, targets)
+        held[:] = [] if loss is None else [loss * 0.5]     # weighted by the micro-batch's share
+
+    def backward() -> None:
+        if held:
+            held.pop().backward()
+
+    return forward, backward
+
+
 def _paired(cold: list, hot: list) -> float:
     """The median of the repeats' cold-minus-hot differences, at least 0: each pair ran at the same moment
     of the host, so the host's drift between repeats cancels (differences of the least times moved by
@@ -159,8 +179,6 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
     """The calls' cost after the clock's sleep (see the module docstring), cached. ``sleep_factor``: the
     fastest emulated type's ``time_scale / speed - 1`` (the sleep is ``call_gap_s`` of the hot micro-step).
     Runs the captured graph, so the model's ``.grad`` are cleared afterwards."""
-    from autopar.passes.split import flat_inputs
-
     if not sleep_factor > 0:
         raise ValueError(f"sleep_factor: {sleep_factor!r} must be > 0 (an emulated clock sleeps after a call)")
     if int(repeats) < 1:
@@ -173,17 +191,8 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
     cache = load_json(path) if use_cache else {}
     if key not in cache:
         gm = analysis.captured.gm
-        flat = flat_inputs(gm, tile_batch(tuple(example_inputs), int(micro_batch)))
-        targets = tile_batch((example_targets,), int(micro_batch))[0] if with_loss else None
-        held: list = []
-
-        def forward() -> None:
-            loss = _loss_of(gm(*flat), loss_fn if with_loss else None, targets)
-            held[:] = [] if loss is None else [loss * 0.5]     # weighted by the micro-batch's share
-
-        def backward() -> None:
-            if held:
-                held.pop().backward()
+        forward, backward = _micro_step(gm, example_inputs, int(micro_batch), loss_fn if with_loss else None,
+                                        example_targets)
 
         def timed(fn) -> float:
             t0 = time.thread_time()
@@ -256,11 +265,7 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
     meter (a context manager that tracks while entered) and the CPU-time clock an emulated clock reads
     under it; ``gap_s``: the sleep before every timed micro-step (0: hot). Runs the captured graph, so the
     model's ``.grad`` are cleared afterwards."""
-    import statistics
-
     import numpy as np
-
-    from autopar.passes.split import flat_inputs
 
     if int(repeats) < 1:
         raise ValueError(f"repeats: {repeats!r} must be an int >= 1")
@@ -280,17 +285,7 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
         key = (f"tracking|v{_TRACKING_VERSION}|{sig}|b{b}|g{float(gap_s):.3g}|loss{int(with_loss)}|cpu"
                f"|t{torch.get_num_threads()}|{machine_id()}")
         if key not in cache:
-            flat = flat_inputs(gm, tile_batch(tuple(example_inputs), b))
-            targets = tile_batch((example_targets,), b)[0] if with_loss else None
-            held: list = []
-
-            def forward() -> None:
-                loss = _loss_of(gm(*flat), loss_fn if with_loss else None, targets)
-                held[:] = [] if loss is None else [loss * 0.5]
-
-            def backward() -> None:
-                if held:
-                    held.pop().backward()
+            forward, backward = _micro_step(gm, example_inputs, b, loss_fn if with_loss else None, example_targets)
 
             def timed(cpu) -> tuple[float, float]:
                 if gap_s > 0:
@@ -313,8 +308,7 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
                 meter, cpu = tracking()
                 with meter:
                     tracked.append(timed(cpu))
-            cache[key] = [max(0.0, float(statistics.median(t[i] - p[i] for p, t in zip(plain, tracked))))
-                          for i in (0, 1)]
+            cache[key] = [_paired([t[i] for t in tracked], [p[i] for p in plain]) for i in (0, 1)]
             changed = True
         measured[b] = (float(cache[key][0]), float(cache[key][1]))
     if changed:
