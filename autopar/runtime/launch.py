@@ -164,7 +164,7 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     With ``rank=None`` (torchrun), RANK and WORLD_SIZE come from the environment and the rendezvous
     from MASTER_ADDR/MASTER_PORT. ``store``: rendezvous through this store instead (``launch``).
     """
-    global _context
+    global _context, _planning
     if _context is not None:
         raise LaunchError(f"init: already initialised as rank {_context.rank}; call "
                           f"autopar.runtime.shutdown() before initialising again")
@@ -214,7 +214,6 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timeout)
     _context = RankContext(rank, world_size, cluster, device, speed, backend, local_rank, full_cluster)
-    global _planning
     if world_size > 1:   # every rank runs init, so every rank creates it, in the same order
         _planning = dist.new_group(timeout=timedelta(seconds=max(PLANNING_TIMEOUT_S, step_timeout_s)))
     return _context
