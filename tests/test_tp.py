@@ -236,6 +236,9 @@ class TwoRanks(threaded_ranks(2)):
     def test_opaque_module_trains_exactly(self):
         with _LOCK:
             model, gm, _ = _two_mlps()
+        # fx's tracer patches nn.Module.__call__ process-wide while it traces: no rank runs its module
+        # until every rank (a thread here) has traced its own
+        torch.distributed.barrier()
         local = shard_stage_module(gm, (3, 1), self.rank, None)
         assert local.opaque.up.weight is model.opaque.up.weight
         x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
