@@ -3,7 +3,8 @@ two third-party-style models that are not in the zoo, before and after calibrati
 
 Emulated: the devices are CPU processes of this machine slowed to their speed (the built-in ``demo``
 cluster: 1.0 / 0.5 / 0.25); predicted figures are the cost model's. Every strategy of a model runs in
-one job, steps interleaved (``autopar.cli.trainer``), warm-up steps excluded; each figure is the
+one job, one strategy after the other (``autopar.cli.trainer``, ``--consecutive 0``: interleaving steps
+one by one starts each with the others' caches, which no training job does), warm-up steps excluded; each figure is the
 median over the measured steps of (step time / predicted step time), with its IQR.
 
 1. before: every model, predictions without calibration (``AUTOPAR_CALIBRATION=off``);
@@ -147,13 +148,21 @@ def _strategies(spec: str, cluster, gb: int) -> list[str]:
     return ok
 
 
-def run_model(name: str, cluster, steps: int, warmup: int, track_memory: bool | None) -> list[dict]:
+def _order(consecutive: int) -> str:
+    if consecutive == 0:
+        return "strategies one after the other (each one's steps back to back)"
+    return "strategies interleaved step by step" if consecutive == 1 else f"strategies taking turns every {consecutive} steps"
+
+
+def run_model(name: str, cluster, steps: int, warmup: int, track_memory: bool | None,
+              consecutive: int = 0) -> list[dict]:
     from autopar.cli.trainer import RunSpec, run_comparison, spread
 
     spec_name, gb = MODELS[name]
     strategies = _strategies(spec_name, cluster, gb)
     spec = RunSpec(model=spec_name, cluster_dict=cluster.to_dict(), global_batch=gb, steps=steps,
-                   strategies=tuple(strategies), warmup_steps=warmup, track_memory=track_memory)
+                   strategies=tuple(strategies), warmup_steps=warmup, track_memory=track_memory,
+                   consecutive=consecutive)
     out = []
     for r in run_comparison(spec, cluster):
         ratio = spread(t / r.predicted_step_s for t in r.step_times_s)
@@ -247,6 +256,10 @@ def main(argv=None) -> int:
     ap.add_argument("--track-memory", action="store_true", help="run with the emulated memory tracking on")
     ap.add_argument("--cache-dir", help="profile cache of this benchmark (default: a new temporary folder)")
     ap.add_argument("--name", default="accuracy")
+    ap.add_argument("--consecutive", type=int, default=0,
+                    help="steps a strategy runs before the next takes its turn (autopar.cli.trainer: 0, the default, "
+                         "one strategy after the other as a job runs one plan; 1: interleaved step by step, which "
+                         "starts every step with the other strategies' caches)")
     ap.add_argument("--slowdown", type=float, default=1.0,
                     help="AUTOPAR_EMULATION_SLOWDOWN: every emulated device (and the cost model) this much slower, "
                          "so the ranks keep room on a machine shared with other jobs")
@@ -263,14 +276,14 @@ def main(argv=None) -> int:
     track = True if args.track_memory else False
     print(f"before calibration (cache {os.environ['AUTOPAR_CACHE_DIR']}):", flush=True)
     os.environ[CALIBRATION_ENV] = "off"
-    before = [row for m in models for row in run_model(m, cluster, args.steps, args.warmup, track)]
+    before = [row for m in models for row in run_model(m, cluster, args.steps, args.warmup, track, args.consecutive)]
     factors = fit([r for r in before if r["model"] == args.calibrate_on], cluster)
     save_calibration(factors)
     print("factors:", factors, flush=True)
     os.environ.pop(CALIBRATION_ENV)
     print("after calibration:", flush=True)
     after = [row for m in models if m != args.calibrate_on
-             for row in run_model(m, cluster, args.steps, args.warmup, track)]
+             for row in run_model(m, cluster, args.steps, args.warmup, track, args.consecutive)]
 
     def table(rows):
         return md_table(["model", "strategy", "measured ms (median, IQR)", "predicted ms", "measured/predicted (IQR)"],
@@ -314,7 +327,7 @@ def main(argv=None) -> int:
         return f"{sum(abs(r['ratio']['median'] - 1) <= tol for r in rows)} of {len(rows)}"
     md = (f"# Prediction accuracy (emulated demo cluster: speeds 1 / 0.5 / 0.25)\n\n"
           f"Measured: emulated devices on this machine, {args.warmup} warm-up + {args.steps} measured steps per "
-          f"strategy, strategies interleaved; memory tracking {'on' if track else 'off'}. Predicted: the cost "
+          f"strategy, {_order(args.consecutive)}; memory tracking {'on' if track else 'off'}. Predicted: the cost "
           f"model. Ratio: median over steps of step time / predicted step time.\n\n"
           f"Worst |ratio - 1| before calibration: {worst(before):.1%} (all models), {worst(held):.1%} (models not "
           f"used to calibrate); after calibration on {args.calibrate_on}: {worst(after):.1%}. Within 25% before "
@@ -335,10 +348,11 @@ def main(argv=None) -> int:
           f"### After calibration\n\n{phases(after)}\n\n"
           f"Command: `python benchmarks/bench_accuracy.py --models {','.join(models)} --steps {args.steps} "
           f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''} --slowdown {args.slowdown:g} "
-          f"--name {args.name}`\n")
+          f"--consecutive {args.consecutive} --name {args.name}`\n")
     strip = [{k: v for k, v in r.items() if k not in ("plan_json", "profile_json")} for r in before + after]
     write_results(args.name, dict(before=strip[:len(before)], after=strip[len(before):], factors=factors,
                                   calibrate_on=args.calibrate_on, steps=args.steps, warmup=args.warmup,
+                                  consecutive=args.consecutive,
                                   track_memory=track, load=[load0, load1]), md)
     _scatter(before, after, RESULTS / f"{args.name}.png")
     print(md)

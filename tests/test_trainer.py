@@ -79,3 +79,30 @@ def test_run_spec_rejects_no_measured_steps():
         RunSpec(model="gpt-tiny", cluster_dict={}, global_batch=4, steps=0, strategies=("dp",))
     with pytest.raises(ValueError, match="warmup_steps"):
         RunSpec(model="gpt-tiny", cluster_dict={}, global_batch=4, steps=1, strategies=("dp",), warmup_steps=-1)
+
+
+def test_turns_interleave_step_by_step_in_runs_of_k_or_one_strategy_after_the_other():
+    from autopar.cli.trainer import turns
+
+    def order(k, start=0, stop=4):
+        return [(step, run) for step, run in turns(["A", "B"], start, stop, k)]
+
+    # step by step, the order reversed on every other step: the pairs of the old loop
+    assert order(1) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B"), (3, "B"), (3, "A")]
+    assert order(2) == [(0, "A"), (1, "A"), (0, "B"), (1, "B"), (2, "B"), (3, "B"), (2, "A"), (3, "A")]
+    # 0: every step of a strategy back to back, one strategy after the other
+    assert order(0) == [(0, "A"), (1, "A"), (2, "A"), (3, "A"), (0, "B"), (1, "B"), (2, "B"), (3, "B")]
+    # resumed at step 3 of 4: what is left, in one run each
+    assert order(0, start=3) == [(3, "A"), (3, "B")]
+    # every (step, strategy) exactly once, whatever k
+    for k in range(0, 6):
+        assert sorted(order(k, stop=5)) == sorted((s, r) for s in range(5) for r in "AB")
+
+
+def test_run_spec_rejects_a_negative_consecutive():
+    import pytest
+
+    from autopar.cli.trainer import RunSpec
+
+    with pytest.raises(ValueError, match="consecutive"):
+        RunSpec(model="gpt-tiny", cluster_dict={}, global_batch=4, steps=1, strategies=("dp",), consecutive=-1)

@@ -316,15 +316,18 @@ def cmd_train(args) -> int:
     for s in strategies[1:]:   # before any process starts
         if s not in STRATEGIES:
             raise PlanError(f"--compare: {s!r} is not one of {', '.join(STRATEGIES)}")
+    if getattr(args, "consecutive", 1) < 0:     # before any process starts
+        raise PlanError(f"--consecutive: must be 0 (one strategy after the other) or more, got {args.consecutive}")
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
                    steps=args.steps, strategies=strategies, warmup_steps=args.warmup,
                    zero_stage=args.zero if args.zero == "auto" else int(args.zero),
                    recompute=getattr(args, "recompute", False), replan=getattr(args, "replan", "off"),
                    max_restarts=getattr(args, "max_restarts", 0), checkpoint_dir=getattr(args, "checkpoint_dir", None),
-                   checkpoint_every=getattr(args, "checkpoint_every", None))
+                   checkpoint_every=getattr(args, "checkpoint_every", None),
+                   consecutive=getattr(args, "consecutive", 1))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
-          f"+ {args.steps} measured steps" + (", strategies interleaved step by step" if len(strategies) > 1 else ""))
+          f"+ {args.steps} measured steps" + (_interleaving(spec.consecutive) if len(strategies) > 1 else ""))
     if getattr(args, "calibrate", False):   # predict without the old factors, so the new ones do not compound
         import os
 
@@ -350,6 +353,14 @@ def cmd_train(args) -> int:
     if getattr(args, "calibrate", False):
         _calibrate(results, cluster)
     return 0
+
+
+def _interleaving(consecutive: int) -> str:
+    if consecutive == 1:
+        return ", strategies interleaved step by step"
+    if consecutive == 0:
+        return ", strategies one after the other"
+    return f", strategies taking turns every {consecutive} steps"
 
 
 def cmd_demo(args) -> int:
@@ -429,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=5, help="measured steps per strategy, after the warm-up")
     t.add_argument("--warmup", type=int, default=2, help="warm-up steps per strategy, excluded from the figures")
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
+    t.add_argument("--consecutive", type=int, default=1, metavar="K",
+                   help="with --compare: steps a strategy runs before the next takes its turn (default 1: "
+                        "interleaved step by step; 0: each strategy's steps in one run, one after the other, as a "
+                        "job running one plan does; interleaved steps start with each other's caches)")
     t.add_argument("--timeline", metavar="OUT.png",
                    help="Gantt chart of the last measured step of every strategy, by phase and rank")
     t.add_argument("--replan", choices=("off", "auto"), default="off",

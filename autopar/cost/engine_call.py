@@ -37,8 +37,11 @@ What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the 
   hosts' noise small against it (at 8 rows two measurements at load 3 gave 0 and 3.3 ms on resmlp, at 2 rows
   1.3 and 2.1; bert-tiny 0.68 and 0.59, gpt-tiny 0.73 and 0.58 ms).
 
-Priced (``autopar.cost.step``): ``call_overhead_s`` is ``EngineCalls.per_call_s`` (the mean of the three
-call kinds) scaled like the block tables (a call's CPU time is stretched as its blocks'); every planner
+Priced (``autopar.cost.step``): ``call_overhead_s`` is ``EngineCalls.per_call_s`` (the median of the three
+call kinds) scaled like the block tables, and ``call_kinds`` each kind's part of it (``EngineCalls.kinds``:
+a data-parallel micro-step is priced at the micro-step's figure, a stage's forward and backward calls at
+theirs; bert-tiny at 2 rows, one core, load 0.2: micro-step 1.10-1.29 ms, forward 0.82-0.92, backward
+0.90-1.05, five measurements: the micro-step's cold start is its forward's and its backward's) (a call's CPU time is stretched as its blocks'); every planner
 prices it per compute call already (one per data-parallel micro-step, one per pipeline forward and one
 per backward), and
 ``autopar.cost.step.predicted_phases`` lays a data-parallel micro-step's out in ``forward``, where the
@@ -82,7 +85,7 @@ import torch
 from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
 __all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
-           "bucket_gap_s", "BUCKET_GAP_RANGE_S", "measure_tracking", "tracking_batches"]
+           "bucket_gap_s", "BUCKET_GAP_RANGE_S", "measure_tracking", "tracking_batches", "KIND_OUTLIER"]
 
 # The sleep a cold call is timed after, in seconds: at least / at most (``call_gap_s``).
 CALL_GAP_RANGE_S = (0.04, 0.05)
@@ -92,6 +95,8 @@ BUCKET_GAP_RANGE_S = (0.005, 0.05)
 # Rows the calls are timed at: the penalty is a cache refill and hardly depends on the rows (bert-tiny
 # after a 40 ms sleep: 0.86, 1.18, 0.84 ms at 2, 8, 32 rows; load 3.6, one core).
 CALL_MICRO_BATCH = 2
+# A kind of call timed more than this many times the median of the three is capped there (``EngineCalls``)
+KIND_OUTLIER = 2.0
 _VERSION = 4
 
 
@@ -112,9 +117,26 @@ class EngineCalls:
     @property
     def per_call_s(self) -> float:
         """One figure per compute call (``ModelCosts.call_overhead_s``, which every planner charges per
-        call: one per data-parallel micro-step, one per pipeline forward and one per backward): the mean
-        of the three call kinds, so neither family's calls are priced by the other's alone."""
-        return (self.micro_step_s + self.forward_s + self.backward_s) / 3
+        call: one per data-parallel micro-step, one per pipeline forward and one per backward): the
+        median of the three call kinds (``kinds`` gives each kind's part), so one disturbed kind does
+        not move it."""
+        return float(sorted(self._kinds_s())[1])
+
+    def _kinds_s(self) -> tuple[float, float, float]:
+        """The three kinds' figures, each at most ``KIND_OUTLIER`` times their median: a host's burst
+        that outlasts a kind's repeats (seen once: a stage backward's 5.8 ms against 0.9 and 0.7 ms
+        for the other two, in a fresh planning process, load 0.6) is not a call's cost."""
+        raw = (max(0.0, self.micro_step_s), max(0.0, self.forward_s), max(0.0, self.backward_s))
+        cap = KIND_OUTLIER * sorted(raw)[1]
+        return tuple(min(x, cap) for x in raw)
+
+    def kinds(self) -> dict[str, float]:
+        """``ModelCosts.call_kinds``: each kind of call (``autopar.ir.costs.CALL_KINDS``) as a factor on
+        ``per_call_s``; {} when that is 0."""
+        per = self.per_call_s
+        if not per > 0:
+            return {}
+        return {k: v / per for k, v in zip(("micro_step", "forward", "backward"), self._kinds_s())}
 
     def to_dict(self) -> dict:
         return {"micro_step_s": self.micro_step_s, "forward_s": self.forward_s, "backward_s": self.backward_s,

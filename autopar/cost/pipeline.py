@@ -159,8 +159,8 @@ def _grouping_rows(ctx: PipelineContext, stages: Sequence[Sequence[tuple[int, ..
             time_rc = np.zeros((n + 1, n + 1))
             for k in np.unique(share[valid]):
                 if k > 0:
-                    fwd_k = span_sums(c.fwd_time(t, int(k))) + c.call_overhead(t)
-                    bwd_k = span_sums(c.bwd_time(t, int(k))) + c.call_overhead(t)
+                    fwd_k = span_sums(c.fwd_time(t, int(k))) + c.call_overhead(t, "forward")
+                    bwd_k = span_sums(c.bwd_time(t, int(k))) + c.call_overhead(t, "backward")
                     time_t = np.where(share == k, fwd_k + bwd_k, time_t)
                     time_rc = np.where(share == k, 2 * fwd_k + bwd_k, time_rc)
             loads.append(MemberLoad(share, time_t, time_rc, caps[t], ((caps[t], 1.0),)))
@@ -211,7 +211,8 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                     types = tuple(cluster.devices[r].spec.name for r in members)
             call = calls.get(types)
             if call is None:
-                call = calls[types] = max(costs.call_overhead(x) for x in types)
+                call = calls[types] = (max(costs.call_overhead(x, "forward") for x in types),
+                                       max(costs.call_overhead(x, "backward") for x in types))
             xs = st.micro_batches[g]
             alike.setdefault((t, call, len(xs)), (kind, []))[1].append(xs)
         for (t, call, n), (kind, rows) in alike.items():
@@ -230,7 +231,7 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
                                                           tp_seen)
                 f, b = seen[(t, x)]
                 if x > 0:        # a forward call and a backward call (autopar.cost.step)
-                    f, b = f + call, b + call
+                    f, b = f + call[0], b + call[1]
                     if st.recompute:   # the backward reruns the forward (another call)
                         b = b + f
                 fv[i], bv[i] = f, b

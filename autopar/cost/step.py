@@ -261,8 +261,8 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
                measured: bool = False, loss_fn=None, example_targets=None) -> dict[str, dict[str, float]]:
     """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param``,
     ``optimizer_s_per_tensor`` (``measure_optimizer_per_tensor``; with real weights only) and
-    ``call_overhead_s``, each per device type of ``cluster`` (see the module docstring), as keyword
-    arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
+    ``call_overhead_s``, each per device type of ``cluster`` (see the module docstring), and
+    ``call_kinds`` (``EngineCalls.kinds``), as keyword arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
     overhead is measured too, else it is 0); a model without real weights has its optimizer timed on
     the flat buffer. On a cluster with emulated types the call overhead is the engines' call after the
     clock's sleep (``autopar.cost.engine_call``: a data-parallel micro-step, with ``loss_fn`` on
@@ -274,6 +274,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
     mixed = not cpu_types      # GPU-only clusters train in mixed precision (autopar.cost.profile)
     opt, flat, call, per_tensor, restart = {}, {}, {}, {}, {}
     cpu_opt = cpu_flat = cpu_call = cpu_tensor = cpu_bucket = 0.0
+    kinds: dict[str, float] = {}
     if cpu_types:
         real = model is not None and not any(p.is_meta for p in model.parameters())
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad] if real else None
@@ -290,7 +291,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
 
             calls = measure_engine_calls(analysis, example_inputs, sleep_factor=scale / fastest - 1,
                                          loss_fn=loss_fn, example_targets=example_targets)
-            cpu_call, cpu_bucket = calls.per_call_s, calls.bucket_s
+            cpu_call, cpu_bucket, kinds = calls.per_call_s, calls.bucket_s, calls.kinds()
         else:
             cpu_call = measure_call_overhead(analysis, example_inputs)
     for t, spec in specs.items():
@@ -305,7 +306,7 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
             opt[t] = flat[t] = optimizer_roofline_s_per_param(spec, optimizer, mixed_precision=mixed)
             call[t] = 0.0
     return {"optimizer_s_per_param": opt, "optimizer_flat_s_per_param": flat, "call_overhead_s": call,
-            "optimizer_s_per_tensor": per_tensor, "bucket_restart_s": restart}
+            "optimizer_s_per_tensor": per_tensor, "bucket_restart_s": restart, "call_kinds": kinds}
 
 
 def _add(d: dict, key: str, value: float) -> None:
@@ -397,6 +398,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                 t = cluster.devices[r].spec.name
                 d = out.setdefault(r, {})
                 call = costs.call_overhead(t)
+                call_f = costs.call_overhead(t, "micro_step" if single else "forward")
+                call_b = 0.0 if single else costs.call_overhead(t, "backward")
                 for x in st.micro_batches[g]:
                     if x <= 0:
                         continue
@@ -409,8 +412,8 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                         b += f
                     # a micro-step is one call, its cold start paid in the forward it begins with (where the
                     # recorder measures it, autopar.cost.engine_call); a pipeline's F and B one call each
-                    _add(d, "forward", f + call)
-                    _add(d, "backward", b + (0.0 if single else call))
+                    _add(d, "forward", f + call_f)
+                    _add(d, "backward", b + call_b)
                     if tp_group:                           # Megatron's f / g collectives, both directions
                         for op, sec in tp_collective_phases(costs, alpha, beta, x, types, shares, sp_on,
                                                             blocks, sp_link, hides).items():

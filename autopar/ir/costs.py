@@ -28,6 +28,9 @@ Time terms besides the block tables, per device type (a type missing from a dict
   (forward + loss + backward) in data parallelism; ``call_overhead``. On emulated CPU devices it is
   what a call costs beyond its blocks' hot timings when it starts after the emulation clock's sleep
   (cold caches, re-scheduling), on GPUs 0 (launch overheads are in the block tables).
+  ``call_kinds``: each kind of call's part of it (``CALL_KINDS``: a data-parallel micro-step, a
+  pipeline stage's forward, its backward; ``autopar.cost.engine_call`` times each), as a factor on
+  ``call_overhead_s``; a kind it does not hold (and every kind when empty) costs the figure itself.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ from autopar.config import GRAD_BUCKET_BYTES
 
 __all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes", "ZERO_STAGING_FRACTION",
            "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel", "zero_shard_numels",
-           "bucket_ranges"]
+           "bucket_ranges", "CALL_KINDS"]
+
+# The kinds of compute call (``ModelCosts.call_kinds``): a data-parallel micro-step (forward, loss and
+# backward as one call), a pipeline stage's forward call and its backward call.
+CALL_KINDS = ("micro_step", "forward", "backward")
 
 # Optimizer state per parameter, fp32.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd-nomomentum": 0}
@@ -132,6 +139,7 @@ class ModelCosts:
     sources: dict[str, str] = field(default_factory=dict)  # device type -> "measured"/"roofline"/"emulated"
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)  # device type -> optimizer step s/param
     call_overhead_s: dict[str, float] = field(default_factory=dict)        # device type -> s per compute call
+    call_kinds: dict[str, float] = field(default_factory=dict)             # CALL_KINDS kind -> factor on it
     # device type -> s per gradient bucket launched in the data-parallel last backward (emulated types:
     # the backward restarts cold after the launch's pause, autopar.cost.engine_call ``bucket_s``)
     bucket_restart_s: dict[str, float] = field(default_factory=dict)
@@ -241,9 +249,11 @@ class ModelCosts:
         """Parameter tensors of a block range (``param_tensors``); None where not known."""
         return None if self.param_tensors is None else float(self.param_tensors[blocks].sum())
 
-    def call_overhead(self, device_type: str) -> float:
-        """Fixed seconds per compute call on one ``device_type`` device (see the module docstring)."""
-        return float(self.call_overhead_s.get(device_type, 0.0))
+    def call_overhead(self, device_type: str, kind: str | None = None) -> float:
+        """Fixed seconds per compute call on one ``device_type`` device, of one of ``CALL_KINDS`` (None:
+        any call; see the module docstring)."""
+        base = float(self.call_overhead_s.get(device_type, 0.0))
+        return base * float(self.call_kinds.get(kind, 1.0)) if kind is not None and base else base
 
     def bucket_restart(self, device_type: str) -> float:
         """Seconds a data-parallel rank's last backward pays per gradient bucket launched from it."""

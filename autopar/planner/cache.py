@@ -67,7 +67,7 @@ def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
                            for k in ("tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share", "tp_bwd_row_share")],
                          # the per-device-type terms (a calibration of the call term alone changes only these)
                          *[sorted((str(t), float(v)) for t, v in (getattr(costs, k, None) or {}).items())
-                           for k in ("optimizer_s_per_param", "call_overhead_s", "bucket_restart_s",
+                           for k in ("optimizer_s_per_param", "call_overhead_s", "call_kinds", "bucket_restart_s",
                                      "optimizer_flat_s_per_param", "optimizer_s_per_tensor")]
                          ]).encode())
     from autopar.cost import tp as tp_cost, tp_fwd   # the overlap switches a caller may turn (benchmarks)

@@ -154,7 +154,7 @@ def micro_step_curve(costs: ModelCosts, device_type: str, zero_stage: int = 0,
     if len(xs) == 1:
         xs.add(2.0)
     x = np.array(sorted(xs))
-    extra = (comm_cost.per_micro_step_s if comm_cost is not None else 0.0) + costs.call_overhead(device_type)
+    extra = (comm_cost.per_micro_step_s if comm_cost is not None else 0.0) + costs.call_overhead(device_type, "micro_step")
     y = np.array([costs.step_time(device_type, b)
                   + (float(costs.fwd_time(device_type, b).sum()) if recompute else 0.0) for b in x]) + extra
     from scipy.interpolate import PchipInterpolator   # local: scipy.interpolate takes ~0.5 s to import
