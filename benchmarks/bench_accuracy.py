@@ -148,12 +148,6 @@ def _strategies(spec: str, cluster, gb: int) -> list[str]:
     return ok
 
 
-def _order(consecutive: int) -> str:
-    if consecutive == 0:
-        return "strategies one after the other (each one's steps back to back)"
-    return "strategies interleaved step by step" if consecutive == 1 else f"strategies taking turns every {consecutive} steps"
-
-
 def run_model(name: str, cluster, steps: int, warmup: int, track_memory: bool | None,
               consecutive: int = 0) -> list[dict]:
     from autopar.cli.trainer import RunSpec, run_comparison, spread
@@ -248,6 +242,8 @@ def _scatter(before: list[dict], after: list[dict], path) -> None:
 
 
 def main(argv=None) -> int:
+    from autopar.cli.trainer import order_text
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--calibrate-on", default="gpt-tiny")
@@ -327,7 +323,7 @@ def main(argv=None) -> int:
         return f"{sum(abs(r['ratio']['median'] - 1) <= tol for r in rows)} of {len(rows)}"
     md = (f"# Prediction accuracy (emulated demo cluster: speeds 1 / 0.5 / 0.25)\n\n"
           f"Measured: emulated devices on this machine, {args.warmup} warm-up + {args.steps} measured steps per "
-          f"strategy, {_order(args.consecutive)}; memory tracking {'on' if track else 'off'}. Predicted: the cost "
+          f"strategy, {order_text(args.consecutive)}; memory tracking {'on' if track else 'off'}. Predicted: the cost "
           f"model. Ratio: median over steps of step time / predicted step time.\n\n"
           f"Worst |ratio - 1| before calibration: {worst(before):.1%} (all models), {worst(held):.1%} (models not "
           f"used to calibrate); after calibration on {args.calibrate_on}: {worst(after):.1%}. Within 25% before "

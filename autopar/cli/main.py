@@ -301,7 +301,7 @@ def _calibrate(results, cluster) -> None:
 
 
 def cmd_train(args) -> int:
-    from autopar.cli.trainer import RunSpec, run_comparison
+    from autopar.cli.trainer import RunSpec, order_text, run_comparison
     from autopar.config import STRATEGIES
     from autopar.errors import PlanError
 
@@ -327,7 +327,7 @@ def cmd_train(args) -> int:
                    consecutive=getattr(args, "consecutive", 1))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
-          f"+ {args.steps} measured steps" + (_interleaving(spec.consecutive) if len(strategies) > 1 else ""))
+          f"+ {args.steps} measured steps" + (f", {order_text(spec.consecutive)}" if len(strategies) > 1 else ""))
     if getattr(args, "calibrate", False):   # predict without the old factors, so the new ones do not compound
         import os
 
@@ -353,14 +353,6 @@ def cmd_train(args) -> int:
     if getattr(args, "calibrate", False):
         _calibrate(results, cluster)
     return 0
-
-
-def _interleaving(consecutive: int) -> str:
-    if consecutive == 1:
-        return ", strategies interleaved step by step"
-    if consecutive == 0:
-        return ", strategies one after the other"
-    return f", strategies taking turns every {consecutive} steps"
 
 
 def cmd_demo(args) -> int:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["turns", "RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
+__all__ = ["turns", "order_text", "RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
            "measured_timeline", "gap_lines", "plot_profiles", "PHASE_COLORS"]
 
 
@@ -148,12 +148,18 @@ def _clock_delta(after, before):
 def turns(runs: list, start: int, stop: int, consecutive: int = 1):
     """(step, run) in the order ``train_worker`` steps them: runs of ``consecutive`` steps per strategy
     (0: all of them), the strategies' order reversed on every other turn (module docstring)."""
-    k = (stop - start) if consecutive == 0 else consecutive
-    k = max(1, k)
+    k = max(1, (stop - start) if consecutive == 0 else consecutive)
     for first in range(start, stop, k):
         for run in (runs if consecutive == 0 or (first // k) % 2 == 0 else runs[::-1]):
             for step in range(first, min(stop, first + k)):
                 yield step, run
+
+
+def order_text(consecutive: int) -> str:
+    """How the strategies of a run with ``RunSpec.consecutive`` take turns, for its printed header."""
+    if consecutive == 0:
+        return "strategies one after the other (each one's steps back to back)"
+    return "strategies interleaved step by step" if consecutive == 1 else f"strategies taking turns every {consecutive} steps"
 
 
 def train_worker(rank: int, spec: RunSpec) -> list[dict]:

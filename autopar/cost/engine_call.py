@@ -41,7 +41,8 @@ Priced (``autopar.cost.step``): ``call_overhead_s`` is ``EngineCalls.per_call_s`
 call kinds) scaled like the block tables, and ``call_kinds`` each kind's part of it (``EngineCalls.kinds``:
 a data-parallel micro-step is priced at the micro-step's figure, a stage's forward and backward calls at
 theirs; bert-tiny at 2 rows, one core, load 0.2: micro-step 1.10-1.29 ms, forward 0.82-0.92, backward
-0.90-1.05, five measurements: the micro-step's cold start is its forward's and its backward's) (a call's CPU time is stretched as its blocks'); every planner
+0.90-1.05, five measurements: the micro-step's cold start is its forward's and its backward's); a call's
+CPU time is stretched as its blocks'. Every planner
 prices it per compute call already (one per data-parallel micro-step, one per pipeline forward and one
 per backward), and
 ``autopar.cost.step.predicted_phases`` lays a data-parallel micro-step's out in ``forward``, where the
@@ -82,6 +83,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.ir.costs import CALL_KINDS   # the kinds' order: micro-step, forward, backward
 from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
 __all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
@@ -136,7 +138,7 @@ class EngineCalls:
         per = self.per_call_s
         if not per > 0:
             return {}
-        return {k: v / per for k, v in zip(("micro_step", "forward", "backward"), self._kinds_s())}
+        return {k: v / per for k, v in zip(CALL_KINDS, self._kinds_s())}
 
     def to_dict(self) -> dict:
         return {"micro_step_s": self.micro_step_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
