@@ -126,13 +126,15 @@ def make_engine(name, plan, optimizer, rank, world_size, precision, loss_scaling
         loss_scaling=loss_scaling)
 
 
-def train_and_check(engine, name, optimizer, precision, steps=STEPS, scaler_kwargs=None, check_scale=True):
+def train_and_check(engine, name, optimizer, precision, steps=STEPS, scaler_kwargs=None, check_scale=True,
+                    partial_sums=False):
     B = engine.plan.global_batch_size
     with _LOCK:
         data = batches(name, B, steps)
         init, ref, ref_losses, ref_scale = autocast_run(name, B, steps, optimizer, precision, scaler_kwargs)
     losses = [engine.step(inputs, targets) for inputs, targets in data]
-    worst = assert_update_close(engine.state_dict(), ref, init, update_rtol(precision, optimizer, steps))
+    rtol = update_rtol(precision, optimizer, steps) * (2 if partial_sums else 1)
+    worst = assert_update_close(engine.state_dict(), ref, init, rtol)
     for got, want in zip(losses, ref_losses):
         assert math.isclose(got, want, rel_tol=UNIT[precision]), (losses, ref_losses)
     if ref_scale is not None and check_scale:
@@ -224,7 +226,12 @@ class ThreeRanks(threaded_ranks(3)):
         rank skips it (the state stays the initial one, the scale halves each step, as GradScaler's).
         Near the threshold the oracle is not a reference: whether a weight gradient overflows fp16
         depends on how many rows one matmul sums, so a micro-batch can stay finite where the
-        one-device batch overflows (gpt-tiny at 2^22: GradScaler skips twice, micro-batches of 5 do not)."""
+        one-device batch overflows (gpt-tiny at 2^22: GradScaler skips twice, micro-batches of 5 do not).
+        The TP pair's tolerance is twice the base one: a layer norm's input gradient there is the sum of
+        two head shards' fp16 partial products, each rounded before the all-reduce and the sum rounded
+        again, and its weight gradient sums those over every row with cancellation. Its relative error
+        measured 4.8 units here and 7.2 in CI (the intra-op thread split of the shard matmuls varies
+        with load), over the base tolerance of 6."""
         with _LOCK:
             num_blocks = prepared_case("gpt-tiny")[3]
         zero3 = _plan("dp", dp_stages(UNEVEN_DP, zero_shares=(2.0, 1.0, 1.0)), zero_stage=3)
@@ -233,7 +240,7 @@ class ThreeRanks(threaded_ranks(3)):
             engine = make_engine("gpt-tiny", plan, "sgd", self.rank, 3, "fp16", loss_scaling={"init_scale": init_scale})
             steps = self.rank in (0, 1) or plan is zero3      # the idle TP rank never steps
             train_and_check(engine, "gpt-tiny", "sgd", "fp16", steps=1, scaler_kwargs={"init_scale": init_scale},
-                            check_scale=steps)
+                            check_scale=steps, partial_sums=plan is tp)
             if steps:
                 assert engine.loss_scaler.skipped_steps == (0 if init_scale == 2.0 ** 16 else 1)
 
