@@ -242,13 +242,14 @@ def _scatter(before: list[dict], after: list[dict], path) -> None:
 
 
 def main(argv=None) -> int:
-    from autopar.cli.trainer import order_text
+    from autopar.cli.trainer import WARMUP_STEPS, order_text
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--calibrate-on", default="gpt-tiny")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=WARMUP_STEPS,
+                    help="warm-up steps per strategy (autopar.cli.trainer.WARMUP_STEPS: the steady clock settles)")
     ap.add_argument("--track-memory", action="store_true", help="run with the emulated memory tracking on")
     ap.add_argument("--cache-dir", help="profile cache of this benchmark (default: a new temporary folder)")
     ap.add_argument("--name", default="accuracy")
