@@ -391,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.cli.trainer import WARMUP_STEPS
     from autopar.config import SCHEDULES, STRATEGIES, ZERO_STAGES
 
+    warmup_help = ("warm-up steps per strategy, excluded from the figures (an emulated clock's steady "
+                   "per-block minima settle over several steps)")
+
     p = argparse.ArgumentParser(prog="autopar", description=_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -431,9 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="really train on this machine (emulated devices are CPU processes)")
     plan_args(t)
     t.add_argument("--steps", type=int, default=5, help="measured steps per strategy, after the warm-up")
-    t.add_argument("--warmup", type=int, default=WARMUP_STEPS,
-                   help="warm-up steps per strategy, excluded from the figures (an emulated clock's steady "
-                        "per-block minima settle over several steps)")
+    t.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=warmup_help)
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
     t.add_argument("--consecutive", type=int, default=1, metavar="K",
                    help="with --compare: steps a strategy runs before the next takes its turn (default 1: "
@@ -460,9 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cluster", default=None, help="default the built-in demo cluster")
     d.add_argument("--global-batch", type=int, default=96)
     d.add_argument("--steps", type=int, default=24, help="measured steps per strategy, after the warm-up")
-    d.add_argument("--warmup", type=int, default=WARMUP_STEPS,
-                   help="warm-up steps per strategy, excluded from the figures (an emulated clock's steady "
-                        "per-block minima settle over several steps)")
+    d.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=warmup_help)
     d.add_argument("--json", metavar="OUT")
     d.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last measured step of both strategies")
 

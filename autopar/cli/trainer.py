@@ -9,8 +9,8 @@ Terms
   caches); they train like the others but are kept apart (``warmup_times_s``) and never enter a figure.
   ``WARMUP_STEPS`` (8) by default: an emulated clock charges each block the least CPU time it has seen at
   its position (steady emulation, ``autopar.runtime.emulate``), and those minima take several steps to
-  settle. bert-tiny dp on the demo cluster (emulated, slowdown 2, one cache) measured 1.08-1.34x its
-  prediction over six runs after 2 warm-up steps, still falling within a run, and 0.99-1.01x over
+  settle. bert-tiny dp on the demo cluster (emulated, slowdown 2, one cache) measured 1.06-1.34x its
+  prediction over seven runs after 2 warm-up steps, still falling within a run, and 0.99-1.01x over
   three runs after 8.
 - measured steps: the next ``steps`` steps. A step's time is its wall time on the slowest rank (every
   rank starts it after a barrier).
