@@ -3,16 +3,24 @@ switch are ``autopar.runtime.replan``'s): from a measured step profile, calibrat
 type, the current plan re-priced and the plan re-planned on the calibrated costs.
 
 Terms
-- factors: ``autopar.cost.calibrate.fit_factors`` over the profile's samples, relative to the cost
-  tables the plan was priced with (``costs``), so they apply on top of them (``calibrated``) without
-  compounding. Each device *type* gets its own: a device slower than declared (``actual_speed``) gets
-  forward and backward factors near declared / actual speed. The terms applied: forward, backward,
-  optimizer and the per-call overhead; links keep the cluster's (and this machine's) figures.
-- compute ratio of a device type: its measured over predicted forward + backward seconds; relative
-  ratio: that over the least ratio of any type, so an error of the cost model common to every device
-  (tables measured under other load, roofline tables) cancels and what is left is how much slower
-  than the others a type runs than declared. ``slow``: the types whose relative ratio is past
-  ``detect_ratio`` (``slow_devices``).
+- factors: relative to the cost tables the plan was priced with (``costs``), so they apply on top of
+  them (``calibrated``) without compounding. Each device *type* gets its own: forward, backward and
+  optimizer all take the type's compute ratio (below), so a device slower than declared
+  (``actual_speed``) gets factors near declared / actual speed on every compute term; the per-call
+  overhead is ``autopar.cost.calibrate.fit_factors``' over the profile's samples; links keep the
+  cluster's (and this machine's) figures. One ratio for every compute term, not a factor fitted per
+  term: a check reads a few steps, and per-term fits from them are noisy (in a loaded test run the
+  per-term factors priced a 2x slower device's re-plan 0.1% faster than the plan it had, and kept it).
+- compute ratio of a device type: its measured over predicted seconds of all its compute phases
+  (forward, backward, undivided compute and optimizer; sleep folded in); relative ratio: that over the
+  least ratio of any type, so an error of the cost model common to every device (tables measured under
+  other load, roofline tables) cancels and what is left is how much slower than the others a type
+  runs than declared. ``slow``: the types whose relative ratio is past ``detect_ratio``
+  (``slow_devices``). All the compute, not forward + backward alone: a device slower than declared is
+  slower in every phase, and an emulated clock repays in later blocks (less sleep) what a block
+  overran on a loaded host (``autopar.runtime.emulate``, debt), which moves time between phases of a
+  step but keeps their sum. Forward + backward alone missed a 2x slower device in CI (threaded
+  ranks, two test workers on two cores).
 - current plan re-priced (``current_s``): a data-parallel plan re-planned with its batch shares and
   ZeRO stage pinned (the planner prices it on the calibrated costs); any other plan, the busiest
   rank's calibrated phases (``autopar.cost.step.predicted_phases``, waits left out): a lower bound.
@@ -33,7 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["propose", "compute_ratios", "slow_devices"]
 
-_APPLIED = ("forward", "backward", "optimizer", "call")
+_SPEED = ("forward", "backward", "optimizer")      # the terms a type's compute ratio scales
+_COMPUTE = ("forward", "backward", "compute", "optimizer")
 
 
 def slow_devices(compute_ratios: dict[str, float], detect_ratio: float) -> dict[str, float]:
@@ -44,17 +53,17 @@ def slow_devices(compute_ratios: dict[str, float], detect_ratio: float) -> dict[
 
 
 def compute_ratios(profile, cluster: "Cluster") -> dict[str, float]:
-    """Per device type, measured / predicted forward + backward seconds over the profile's ranks."""
+    """Per device type, measured / predicted seconds of the compute phases (``_COMPUTE``) over the
+    profile's ranks (see the module docstring)."""
     acc: dict[str, list[float]] = {}
     for info in profile.ranks:
         pred = info.predicted or {}
-        p = pred.get("forward", 0.0) + pred.get("backward", 0.0)
-        if p <= 0:
-            continue
+        p = sum(pred.get(k, 0.0) for k in _COMPUTE)
+        if pred.get("forward", 0.0) + pred.get("backward", 0.0) + pred.get("compute", 0.0) <= 0:
+            continue          # an idle rank: nothing to compare
         m = profile.measured(info.rank)
-        acc.setdefault(cluster.devices[info.rank].spec.name, [0.0, 0.0])
-        a = acc[cluster.devices[info.rank].spec.name]
-        a[0] += m.get("forward", 0.0) + m.get("backward", 0.0) + m.get("compute", 0.0)
+        a = acc.setdefault(cluster.devices[info.rank].spec.name, [0.0, 0.0])
+        a[0] += sum(m.get(k, 0.0) for k in _COMPUTE)
         a[1] += p
     return {t: m / p for t, (m, p) in acc.items()}
 
@@ -66,13 +75,16 @@ def propose(profile, plan: Plan, costs, cluster: "Cluster", global_batch: int, c
     global_batch, config) -> Plan`` is the planner with its options (``config``: a ``PlanConfig``)."""
     keys = {d.rank: d.spec.name for d in cluster.devices}
     fitted = fit_factors(samples(profile, keys, plan))
-    factors = {t: {k: v for k, v in f.items() if k in _APPLIED} for t, f in fitted.items()}
-    cal = calibrated(costs, factors, {t: t for t in costs.device_types})
     ratios = compute_ratios(profile, cluster)
+    factors = {t: {**({"call": f["call"]} if "call" in f else {}),
+                   **({k: ratios[t] for k in _SPEED} if t in ratios else {})} for t, f in fitted.items()}
+    for t, r in ratios.items():
+        factors.setdefault(t, {k: r for k in _SPEED})
+    cal = calibrated(costs, factors, {t: t for t in costs.device_types})
     slow = slow_devices(ratios, detect_ratio)
     current_s = _repriced(plan, cal, cluster, global_batch, config, plan_fn)
     new = plan_fn(cal, cluster, global_batch, config)
-    return dict(factors=fitted, slow=slow, current_s=float(current_s),
+    return dict(factors=factors, slow=slow, current_s=float(current_s),
                 proposed_s=float(new.predicted.step_time_s), plan_json=new.to_json(), strategy=new.strategy,
                 rank_batch=dict(new.rank_batch), costs=cal)
 

@@ -6,7 +6,7 @@ Terms
 - check step (``ReplanPolicy.check_after``): the step after which the job looks, once; the first
   ``warmup`` steps are left out of the profile it looks at (emulated clocks settle, caches warm).
 - proposal (``Proposal``): what rank 0 works out from the profile (``autopar.planner.replan.propose``:
-  calibration factors fitted to the measured phases, the plan re-planned on the calibrated costs):
+  calibration factors from the measured phases, the plan re-planned on the calibrated costs):
   the device types whose compute, measured over predicted, runs more than ``ReplanPolicy.detect_ratio``
   times that of the type closest to its prediction (``slow``: ``autopar.planner.replan.slow_devices``),
   the current plan's step re-priced on the calibrated costs
@@ -75,7 +75,7 @@ class ReplanPolicy:
 @dataclass(frozen=True, slots=True)
 class Proposal:
     """Rank 0's reading of the profile (see the module docstring)."""
-    factors: dict                 # device type -> {term: factor} fitted from the profile
+    factors: dict                 # device type -> {term: factor} from the profile (applied to the re-plan)
     slow: dict                    # device type -> measured / predicted compute, beyond detect_ratio
     current_s: float              # the current plan re-priced on the calibrated costs
     proposed_s: float             # the re-planned plan's predicted step
