@@ -88,6 +88,39 @@ def test_unsplit_compute_samples_both_terms_and_unknown_terms_are_refused():
         fit_factors([Sample("a", "bogus", 1.0, 1.0)])
 
 
+def test_machine_factors_take_a_weighted_median_share_of_the_log_ratio_for_other_models():
+    from autopar.cost.calibrate import TRANSFER_WEIGHT, fit_machine_factors
+
+    # seven strategies of one model on one device type: five at 1.2x, one priced badly (0.5x), one 1.3x
+    ratios = [1.2, 1.2, 1.2, 1.2, 1.2, 0.5, 1.3]
+    data = [Sample("a", "compute", r * 0.1, 0.1) for r in ratios] + [
+        Sample("a", "optimizer", 0.02, 0.01), Sample("a", "call", 0.006, 3.0), Sample("a", "call", 0.003, 2.0),
+        Sample("b", "comm", 0.0, 0.01)]                     # nothing measured: no factor rather than a bound
+    f = fit_machine_factors(data)
+    assert f["a"]["forward"] == f["a"]["backward"] == pytest.approx(1.2 ** TRANSFER_WEIGHT)   # the outlier ignored
+    assert f["a"]["optimizer"] == pytest.approx(2.0 ** TRANSFER_WEIGHT)
+    assert f["a"]["call"] == pytest.approx(TRANSFER_WEIGHT * 0.0015)                  # the least per call
+    assert "b" not in f
+    assert fit_machine_factors(data, weight=1.0)["a"]["forward"] == pytest.approx(1.2)
+    assert fit_machine_factors(data, weight=0.0)["a"]["forward"] == 1.0
+    # the median is weighted by predicted seconds: a long strategy outweighs several short ones
+    heavy = [Sample("a", "compute", 0.9 * 1.0, 1.0)] + [Sample("a", "compute", 1.5 * 0.1, 0.1)] * 3
+    assert fit_machine_factors(heavy, weight=1.0)["a"]["forward"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="unknown term"):
+        fit_machine_factors([Sample("a", "forward", 1.0, 1.0)])
+    with pytest.raises(ValueError, match="weight"):
+        fit_machine_factors(data, weight=1.5)
+
+
+def test_pooled_samples_give_one_compute_sample_per_rank():
+    info = RankInfo(0, "a", predicted={"forward": 0.01, "backward": 0.03, "optimizer": 0.01})
+    steps = (RankStep(0, 0, 0.0, 0.1, (Event("forward", 0.0, 0.02), Event("backward", 0.02, 0.08))),)
+    got = samples(StepProfile("pp", 1.0, (info,), steps), {0: "a"}, pooled=True)
+    compute = [s for s in got if s.term == "compute"]
+    assert len(compute) == 1 and compute[0].measured_s == pytest.approx(0.08) and compute[0].predicted_s == 0.04
+    assert not any(s.term in ("forward", "backward") for s in got)
+
+
 def test_calibrated_costs_scale_the_tables_of_the_named_types_only():
     costs = ModelCosts.synthetic({"a": [1e-3, 2e-3], "b": [1e-3, 1e-3]})
     costs.optimizer_s_per_param.update(a=1e-9, b=1e-9)

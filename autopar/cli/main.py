@@ -285,14 +285,15 @@ def _phase_summary(profile) -> list[dict]:
 def _calibrate(results, cluster) -> None:
     """Fit this machine's calibration factors from every strategy's profile and save them."""
     from autopar.cluster.emulation import emulation_time_scale
-    from autopar.cost.calibrate import device_key, fit_factors, samples
+    from autopar.cost.calibrate import device_key, fit_machine_factors, samples
     from autopar.cost.measure_cache import calibration_path, save_calibration
     from autopar.ir.plan import Plan
 
     scale = emulation_time_scale(len(cluster))
     keys = {r: device_key(d.spec, scale) for r, d in enumerate(cluster.devices)}
-    data = [x for r in results if r.profile_json for x in samples(r.profile, keys, Plan.from_json(r.plan_json))]
-    factors = fit_factors(data)
+    data = [x for r in results if r.profile_json
+            for x in samples(r.profile, keys, Plan.from_json(r.plan_json), pooled=True)]
+    factors = fit_machine_factors(data)
     save_calibration(factors)
     print(f"\ncalibration factors of this machine, saved to {calibration_path()} (later plans use them):")
     for k, f in factors.items():

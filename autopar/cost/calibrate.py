@@ -31,6 +31,18 @@ Terms
   of the device type's predicted seconds (all timed terms), as ``factor = ratio ** (e / (e +
   PRIOR_SHARE))``, then clamped to ``FACTOR_BOUNDS``. A term that is half the step keeps ~96% of its
   log-ratio from one sample; one that is 1% of it keeps a third, and more with more samples.
+- machine factors (``fit_machine_factors``: what ``autopar train --calibrate`` and the accuracy benchmark
+  save for later plans of *other* models): one calibration model's error is part the machine's and part
+  its own, and only the machine's part carries over. Per device type key: one ``compute`` factor for
+  forward and backward together (the profile splits a data-parallel micro-step between them by wall
+  time, and a step pays their sum), ``optimizer`` and ``comm``, each ``exp(TRANSFER_WEIGHT x m)`` with m
+  the median of the samples' log ratios weighted by predicted seconds (a median: one strategy that the
+  model prices badly, such as resmlp's pipeline stage holding only the head, 0.51-0.84 on the 0.25
+  device, does not move the machine's figure); ``call`` ``TRANSFER_WEIGHT`` x ``fit_factors``'. Why
+  0.5: across the accuracy benchmark's four models (sessions 8, 9, 11; emulated), each device type's
+  compute ratio scattered between models by 0.03-0.18 in log (mean ~0.1), about as much as the
+  offset the models shared (0.98-1.18), so one model tells about half of what the machine does.
+  ``fit_factors`` (all of a profile's ratio) stays what re-planning uses: it re-prices the same model.
 - the fit starts from predictions made *without* calibration (``autopar.cost.profile.model_costs``
   with ``calibration=None``), so factors never compound.
 - device type key (``device_key``): the cluster's device type name; for an emulated device also its
@@ -77,6 +89,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 __all__ = ["TERMS", "PRIOR_SHARE", "FACTOR_BOUNDS", "Sample", "samples", "fit_factors", "calibrated",
+           "fit_machine_factors", "TRANSFER_WEIGHT", "MACHINE_TERMS",
            "calibrated_cluster", "device_key", "calls_per_step", "measure_emulated_link", "emulated_link_for",
            "EMULATED_LINK_ENV", "LINK_SIZES", "LINK_VERSION", "link_shape", "fit_alpha_beta"]
 
@@ -89,6 +102,9 @@ _MIN_PREDICTED_S = 1e-6
 # are legitimately 4-10x off, and a bound that binds there makes every device type look alike.
 PRIOR_SHARE = 0.02
 FACTOR_BOUNDS = (1 / 64, 64.0)
+# fit_machine_factors: the share of one calibration model's log-ratio taken as the machine's (module docstring)
+TRANSFER_WEIGHT = 0.5
+MACHINE_TERMS = ("compute", "optimizer", "call", "comm")
 EMULATED_LINK_ENV = "AUTOPAR_EMULATED_LINK"
 # The emulated link: measured at these message sizes (bytes of the full buffer), each op timed
 # ``repeats`` times up to _FULL_REPEAT_BYTES, half as often above and three times as often up to
@@ -126,9 +142,10 @@ def calls_per_step(plan, rank: int) -> int:
     return 0
 
 
-def samples(profile, keys: Mapping[int, str], plan=None) -> list[Sample]:
+def samples(profile, keys: Mapping[int, str], plan=None, *, pooled: bool = False) -> list[Sample]:
     """The samples of a ``StepProfile`` (``autopar.ir.profile``), each rank under ``keys[rank]``; with
-    ``plan``, the ``call`` samples too (``calls_per_step``)."""
+    ``plan``, the ``call`` samples too (``calls_per_step``); ``pooled``: a rank's forward and backward as
+    one ``compute`` sample (``fit_machine_factors``)."""
     out = []
     for info in profile.ranks:
         if info.rank not in keys or not info.predicted:
@@ -136,7 +153,10 @@ def samples(profile, keys: Mapping[int, str], plan=None) -> list[Sample]:
         k = keys[info.rank]
         meas = profile.measured(info.rank)
         pred = info.predicted
-        if meas.get("compute", 0.0) > 0:       # forward and backward not told apart: one ratio for both
+        if pooled:
+            out.append(Sample(k, "compute", sum(meas.get(t, 0.0) for t in ("compute", "forward", "backward")),
+                              pred.get("forward", 0.0) + pred.get("backward", 0.0)))
+        elif meas.get("compute", 0.0) > 0:       # forward and backward not told apart: one ratio for both
             m = meas.get("compute", 0.0) + meas.get("forward", 0.0) + meas.get("backward", 0.0)
             p = pred.get("forward", 0.0) + pred.get("backward", 0.0)
             out += [Sample(k, "forward", m, p), Sample(k, "backward", m, p)]
@@ -184,6 +204,42 @@ def fit_factors(data: Iterable[Sample], *, prior_share: float = PRIOR_SHARE,
             value = math.exp(weight * math.log(raw)) if raw > 0 else lo
             value = min(max(value, lo), hi)
         out.setdefault(k, {})[term] = float(value)
+    return out
+
+
+def fit_machine_factors(data: Iterable[Sample], *, weight: float = TRANSFER_WEIGHT,
+                        bounds: tuple[float, float] = FACTOR_BOUNDS) -> dict[str, dict[str, float]]:
+    """This machine's factors, from the samples (``samples(..., pooled=True)``) of one calibration model,
+    for the plans of other models (see the module docstring, machine factors): per device type key, for
+    ``compute`` (given to both ``forward`` and ``backward``), ``optimizer`` and ``comm``, ``exp(weight x
+    m)`` where m is the median of the samples' log(measured / predicted) weighted by their predicted
+    seconds; ``call``: ``weight`` x ``fit_factors``' figure. Kept within ``bounds``."""
+    lo, hi = bounds
+    if not 0 <= weight <= 1:
+        raise ValueError(f"fit_machine_factors: weight {weight!r} must be within [0, 1]")
+    acc: dict[tuple[str, str], list[Sample]] = {}
+    calls = []
+    for s in data:
+        if s.term not in MACHINE_TERMS:
+            raise ValueError(f"fit_machine_factors: unknown term {s.term!r}; terms are {', '.join(MACHINE_TERMS)}")
+        if s.term == "call":
+            calls.append(s)
+        elif s.predicted_s > _MIN_PREDICTED_S and s.measured_s > 0:
+            acc.setdefault((s.device_type, s.term), []).append(s)
+    out: dict[str, dict[str, float]] = {}
+    for (k, term), ss in sorted(acc.items()):
+        logs = sorted((math.log(s.measured_s / s.predicted_s), s.predicted_s) for s in ss)
+        half, run, median = 0.5 * sum(w for _, w in logs), 0.0, logs[-1][0]
+        for x, w in logs:
+            run += w
+            if run >= half:
+                median = x
+                break
+        value = min(max(math.exp(weight * median), lo), hi)
+        for t in (("forward", "backward") if term == "compute" else (term,)):
+            out.setdefault(k, {})[t] = float(value)
+    for k, f in fit_factors(calls).items():
+        out.setdefault(k, {})["call"] = float(weight * f["call"])
     return out
 
 
