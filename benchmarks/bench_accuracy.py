@@ -8,9 +8,14 @@ one by one starts each with the others' caches, which no training job does), war
 median over the measured steps of (step time / predicted step time), with its IQR.
 
 1. before: every model, predictions without calibration (``AUTOPAR_CALIBRATION=off``);
-2. calibration: factors per (device type, cost term) fitted from the profiles of the calibration
-   model's run only (``autopar.cost.calibrate``), saved in this benchmark's own profile cache;
+2. calibration: this machine's factors per (device type, cost term) fitted from the profiles of the
+   calibration model's run only (``autopar.cost.calibrate.fit_machine_factors``: the share of its
+   error that carries to other models), saved in this benchmark's own profile cache;
 3. after: every other model planned and run again with the factors (new plans, new predictions).
+
+``--aa`` runs step 1 twice (same cache, tables and plans) and reports how far the second run's median
+step moved from the first's: the noise floor of every other figure here (``bench_host_noise.py``
+measures the same floor on one fixed piece of work).
 
 Memory tracking (``RunConfig.track_memory``) is off by default here: its per-operator Python call is
 CPU time that the emulated clock stretches (by 1 / speed x time scale) and that no cost model of the
@@ -195,15 +200,15 @@ def phase_breakdown(prof) -> dict:
 
 def fit(rows: list[dict], cluster) -> dict:
     from autopar.cluster.emulation import emulation_time_scale
-    from autopar.cost.calibrate import device_key, fit_factors, samples
+    from autopar.cost.calibrate import device_key, fit_machine_factors, samples
     from autopar.ir.plan import Plan
     from autopar.ir.profile import StepProfile
 
     scale = emulation_time_scale(len(cluster))
     keys = {r: device_key(d.spec, scale) for r, d in enumerate(cluster.devices)}
     data = [x for row in rows for x in samples(StepProfile.from_json(row["profile_json"]), keys,
-                                                 Plan.from_json(row["plan_json"]))]
-    return fit_factors(data)
+                                                 Plan.from_json(row["plan_json"]), pooled=True)]
+    return fit_machine_factors(data)
 
 
 def _scatter(before: list[dict], after: list[dict], path) -> None:
@@ -257,6 +262,9 @@ def main(argv=None) -> int:
                     help="steps a strategy runs before the next takes its turn (autopar.cli.trainer: 0, the default, "
                          "one strategy after the other as a job runs one plan; 1: interleaved step by step, which "
                          "starts every step with the other strategies' caches)")
+    ap.add_argument("--aa", action="store_true",
+                    help="run every model a second time before calibration, same cache and plans (an A/A run): "
+                         "how far this machine's measured steps move between two runs of the same plan")
     ap.add_argument("--slowdown", type=float, default=1.0,
                     help="AUTOPAR_EMULATION_SLOWDOWN: every emulated device (and the cost model) this much slower, "
                          "so the ranks keep room on a machine shared with other jobs")
@@ -274,6 +282,8 @@ def main(argv=None) -> int:
     print(f"before calibration (cache {os.environ['AUTOPAR_CACHE_DIR']}):", flush=True)
     os.environ[CALIBRATION_ENV] = "off"
     before = [row for m in models for row in run_model(m, cluster, args.steps, args.warmup, track, args.consecutive)]
+    repeat = ([row for m in models for row in run_model(m, cluster, args.steps, args.warmup, track, args.consecutive)]
+              if args.aa else [])
     factors = fit([r for r in before if r["model"] == args.calibrate_on], cluster)
     save_calibration(factors)
     print("factors:", factors, flush=True)
@@ -314,8 +324,29 @@ def main(argv=None) -> int:
                           cell(r["phases"]["by_phase"], ("wait",)), by_type(r["phases"]["by_type"])]
                          for r in rows])
 
+    def aa_table(first, second):
+        pairs = [(a, b) for a, b in zip(first, second) if a["plan_json"] == b["plan_json"]]
+        return pairs, md_table(
+            ["model", "strategy", "first run ms (median, IQR)", "second run ms (median, IQR)", "second / first",
+             "measured/predicted first, second"],
+            [[a["model"], a["strategy"],
+              f"{a['step_time_s']['median'] * 1e3:.1f} ({a['step_time_s']['q1'] * 1e3:.1f}-{a['step_time_s']['q3'] * 1e3:.1f})",
+              f"{b['step_time_s']['median'] * 1e3:.1f} ({b['step_time_s']['q1'] * 1e3:.1f}-{b['step_time_s']['q3'] * 1e3:.1f})",
+              f"{b['step_time_s']['median'] / a['step_time_s']['median']:.3f}",
+              f"{a['ratio']['median']:.3f}, {b['ratio']['median']:.3f}"] for a, b in pairs])
+
     def worst(rows):
         return max((abs(r["ratio"]["median"] - 1) for r in rows), default=float("nan"))
+
+    def aa_section(second):
+        pairs, text = aa_table(before, second)
+        moved = [abs(b["step_time_s"]["median"] / a["step_time_s"]["median"] - 1) for a, b in pairs]
+        return (f"## A/A: the same plans run again, before calibration\n\nEvery model's strategies run a second "
+                f"time right after the first (same cache, tables and plans; {len(pairs)} pairs with the same plan). "
+                f"A second run's median step within 10% of the first's: {sum(x <= 0.10 for x in moved)} of "
+                f"{len(moved)}; within 5%: {sum(x <= 0.05 for x in moved)}; largest move "
+                f"{max(moved, default=float('nan')):.1%}. No cost model can be shown closer to a run than "
+                f"two runs are to each other.\n\n{text}\n\n")
 
     held = [r for r in before if r["model"] != args.calibrate_on]
     load1 = os.getloadavg()[0]
@@ -332,7 +363,9 @@ def main(argv=None) -> int:
           f"{within(after, 0.15)}). Load average {load0:.1f} at the start, {load1:.1f} at the end (2 cores "
           f"shared with other jobs); emulation slowdown {args.slowdown:g}. Emulated links: measured on this machine "
           f"(docs/emulation.md).\n\n"
-          f"## Before calibration\n\n{table(before)}\n\n## Calibration factors (fitted on {args.calibrate_on})\n\n"
+          f"## Before calibration\n\n{table(before)}\n\n"
+          + (aa_section(repeat) if repeat else "")
+          + f"## Calibration factors (fitted on {args.calibrate_on})\n\n"
           + md_table(["device type", "factors"], [[k, ", ".join(f"{t} {v:.3f}" if t != "call" else
                                                                  f"call +{v * 1e3:.2f} ms" for t, v in f.items())]
                                                   for k, f in factors.items()])
@@ -344,10 +377,12 @@ def main(argv=None) -> int:
           f"Predicted: ``autopar.cost.step.predicted_phases``.\n\n### Before calibration\n\n{phases(before)}\n\n"
           f"### After calibration\n\n{phases(after)}\n\n"
           f"Command: `python benchmarks/bench_accuracy.py --models {','.join(models)} --steps {args.steps} "
-          f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''} --slowdown {args.slowdown:g} "
+          f"--calibrate-on {args.calibrate_on}{' --track-memory' if track else ''}{' --aa' if args.aa else ''} "
+          f"--slowdown {args.slowdown:g} "
           f"--consecutive {args.consecutive} --name {args.name}`\n")
-    strip = [{k: v for k, v in r.items() if k not in ("plan_json", "profile_json")} for r in before + after]
-    write_results(args.name, dict(before=strip[:len(before)], after=strip[len(before):], factors=factors,
+    strip = [{k: v for k, v in r.items() if k not in ("plan_json", "profile_json")} for r in before + after + repeat]
+    write_results(args.name, dict(before=strip[:len(before)], after=strip[len(before):len(before) + len(after)],
+                                  aa=strip[len(before) + len(after):], factors=factors,
                                   calibrate_on=args.calibrate_on, steps=args.steps, warmup=args.warmup,
                                   consecutive=args.consecutive,
                                   track_memory=track, load=[load0, load1]), md)

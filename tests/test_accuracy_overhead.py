@@ -49,8 +49,8 @@ def _three():
                                                      {"device": dev("b", 0.5), "count": 1}]}]})
 
 
-def _entries():
-    return sorted(k for k in load_json(measure_cache_path()) if k.startswith("engine-call|"))
+def _entries(prefix: str = "engine-call|"):
+    return sorted(k for k in load_json(measure_cache_path()) if k.startswith(prefix))
 
 
 def test_the_gap_is_the_clocks_sleep_within_its_range():
@@ -87,26 +87,38 @@ def test_calls_are_measured_in_form_cached_and_per_machine(cache, tiny, monkeypa
         measure_engine_calls(a, case.example_inputs, sleep_factor=0.0, use_cache=False)
 
 
-def test_step_terms_use_the_engine_call_on_emulated_clusters(cache, tiny, monkeypatch):
-    case, a, targets = tiny
+def test_step_terms_use_the_machine_probe_on_emulated_clusters(cache, tiny, monkeypatch):
+    case, a, _targets = tiny
     seen = []
-    real = engine_call.measure_engine_calls
+    real = engine_call.measure_machine_calls
 
-    def spy(*args, **kw):
+    def spy(**kw):
         seen.append(kw)
-        return real(*args, **{**kw, "repeats": 2, "micro_batch": 2})
+        return real(**{**kw, "repeats": 2})
 
-    monkeypatch.setattr(engine_call, "measure_engine_calls", spy)
+    monkeypatch.setattr(engine_call, "measure_machine_calls", spy)
     cluster = _three()
-    terms = step_terms(a, cluster, model=case.model, example_inputs=case.example_inputs, measured=True,
-                       loss_fn=case.loss_fn, example_targets=targets)
+    terms = step_terms(a, cluster, model=case.model, example_inputs=case.example_inputs, measured=True)
     (kw,) = seen
     from autopar.cluster.emulation import emulation_time_scale
 
-    assert kw["sleep_factor"] == pytest.approx(emulation_time_scale(3) / 1.0 - 1)   # the fastest type's sleep
-    assert kw["loss_fn"] is case.loss_fn and kw["example_targets"] is targets
+    assert kw == {"sleep_factor": pytest.approx(emulation_time_scale(3) / 1.0 - 1)}   # the fastest type's sleep
     call = terms["call_overhead_s"]
-    assert call["b"] == pytest.approx(2 * call["a"])       # CPU time, stretched like the tables (speed 0.5)
+    assert call["a"] > 0 and call["b"] == pytest.approx(2 * call["a"])   # CPU time, stretched like the tables
+
+
+def test_the_machine_probe_is_one_figure_per_machine_whatever_the_model(cache, monkeypatch):
+    import torch
+
+    state = torch.random.get_rng_state()
+    got = engine_call.measure_machine_calls(sleep_factor=1.0, repeats=2)
+    assert torch.equal(torch.random.get_rng_state(), state), "the probe leaves the global RNG alone"
+    assert isinstance(got, EngineCalls) and got.micro_batch == 2 and 0 < got.hot_s < 1
+    assert engine_call.measure_machine_calls(sleep_factor=1.0, repeats=2) == got      # from the cache
+    assert len(_entries("engine-call-machine|")) == 1 and not _entries(), "no model graph was timed"
+    monkeypatch.setattr(engine_call, "machine_id", lambda: "another-host|other cpu|2 cores|torch x")
+    engine_call.measure_machine_calls(sleep_factor=1.0, repeats=2)
+    assert len(_entries("engine-call-machine|")) == 2, "another machine measures its own"
 
 
 def _with_call(c: ModelCosts, call: float) -> ModelCosts:

@@ -37,6 +37,21 @@ What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the 
   hosts' noise small against it (at 8 rows two measurements at load 3 gave 0 and 3.3 ms on resmlp, at 2 rows
   1.3 and 2.1; bert-tiny 0.68 and 0.59, gpt-tiny 0.73 and 0.58 ms).
 
+The machine probe (``measure_machine_calls``, what the cost model prices): the same measurement on a
+fixed small network (``_ProbeNet``: embeddings, six pre-norm MLP blocks, a vocabulary head and its
+token loss; about 3 ms a hot micro-step at 2 rows, gpt-tiny's is 4-5 ms), ``MACHINE_REPEATS`` times,
+once per machine. The cold start is mostly the host's (code paths, caches and predictors refilled
+after an idle gap); on a model's own graph the median over 11 repeats is a small difference of two
+noisy times, and the noise grows with the model. Four measurements in a row (emulation off, one core,
+sleep factor 5, session 12): gpt-tiny (5 ms hot) per call 0.64-0.75 ms, while resmlp and glumlp
+(18-24 ms hot) gave 0.70-1.97 and 0.51-2.22 ms, their kinds in random order (resmlp's cached figure
+once priced a data-parallel micro-step at 0 and a stage backward at twice the median). A figure cached
+that way is a fixed error of one model that no calibration on another can carry. The probe gives
+every model the machine's figure: 0.39-0.74 ms per call in three measurements (backward 0.88-0.96,
+bucket restart 0.71-0.75); a two-block probe measured less (0.34-0.68): the start grows somewhat with
+the code a call runs, which the probe prices as a gpt-tiny-sized network's. Calibration's ``call``
+term refines it per device type.
+
 Priced (``autopar.cost.step``): ``call_overhead_s`` is ``EngineCalls.per_call_s`` (the median of the three
 call kinds) scaled like the block tables, and ``call_kinds`` each kind's part of it (``EngineCalls.kinds``:
 a data-parallel micro-step is priced at the micro-step's figure, a stage's forward and backward calls at
@@ -51,8 +66,9 @@ forward hook fires). Not measured here: the tensor-parallel and ZeRO-3 engines s
 several blocks (the clock settles before each collective), and each block after a collective starts
 cold again; those calls are priced as one.
 
-Cached in ``measure.json`` (``autopar.cost.measure_cache``) by the graph, micro-batch, sleep, loss, CPU
-threads and ``machine_id()``, so another machine measures its own. Emulated figures only: GPU types
+Cached in ``measure.json`` (``autopar.cost.measure_cache``) by the graph (the machine probe: its
+version and repeats), micro-batch, sleep, loss, CPU threads and ``machine_id()``, so another machine
+measures its own. Emulated figures only: GPU types
 pay none of this (``call_overhead_s`` 0 there).
 
 Memory tracking (``measure_tracking``): an emulated rank steps under its memory meter
@@ -86,7 +102,7 @@ import torch
 from autopar.ir.costs import CALL_KINDS   # the kinds' order: micro-step, forward, backward
 from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
-__all__ = ["EngineCalls", "measure_engine_calls", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
+__all__ = ["EngineCalls", "measure_engine_calls", "measure_machine_calls", "MACHINE_REPEATS", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
            "bucket_gap_s", "BUCKET_GAP_RANGE_S", "measure_tracking", "tracking_batches", "KIND_OUTLIER"]
 
 # The sleep a cold call is timed after, in seconds: at least / at most (``call_gap_s``).
@@ -100,6 +116,9 @@ CALL_MICRO_BATCH = 2
 # A kind of call timed more than this many times the median of the three is capped there (``EngineCalls``)
 KIND_OUTLIER = 2.0
 _VERSION = 4
+# The machine probe (``measure_machine_calls``): its repeats, and the version of its network (``_ProbeNet``)
+MACHINE_REPEATS = 31
+_PROBE_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,23 +219,76 @@ def _paired(cold: list, hot: list) -> float:
 def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float, loss_fn=None,
                          example_targets=None, micro_batch: int = CALL_MICRO_BATCH, repeats: int = 11,
                          use_cache: bool = True) -> EngineCalls:
-    """The calls' cost after the clock's sleep (see the module docstring), cached. ``sleep_factor``: the
-    fastest emulated type's ``time_scale / speed - 1`` (the sleep is ``call_gap_s`` of the hot micro-step).
-    Runs the captured graph, so the model's ``.grad`` are cleared afterwards."""
+    """The calls' cost after the clock's sleep on ``analysis``' own graph (see the module docstring),
+    cached. ``sleep_factor``: the fastest emulated type's ``time_scale / speed - 1`` (the sleep is
+    ``call_gap_s`` of the hot micro-step). Runs the captured graph, so the model's ``.grad`` are cleared
+    afterwards. The cost model prices the machine's figure instead (``measure_machine_calls``)."""
+    with_loss = loss_fn is not None and example_targets is not None
+    key = (f"engine-call|v{_VERSION}|{graph_signature(analysis)}|b{int(micro_batch)}|s{float(sleep_factor):.3g}"
+           f"|loss{int(with_loss)}|cpu|t{torch.get_num_threads()}|{machine_id()}")
+    return _cached_calls(key, analysis.captured.gm, example_inputs, sleep_factor=sleep_factor,
+                         loss_fn=loss_fn if with_loss else None, example_targets=example_targets,
+                         micro_batch=micro_batch, repeats=repeats, use_cache=use_cache)
+
+
+class _ProbeNet(torch.nn.Module):
+    """The machine probe's network: token embeddings, six pre-norm MLP blocks and a vocabulary head,
+    the usual operators of a training step (``measure_machine_calls``)."""
+
+    def __init__(self, vocab: int = 256, width: int = 64, depth: int = 6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(depth + 1))
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(width, 4 * width) for _ in range(depth))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(4 * width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for norm, up, down in zip(self.norms, self.ups, self.downs):
+            x = x + down(torch.nn.functional.gelu(up(norm(x))))
+        return self.head(self.norms[-1](x))
+
+
+def _token_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+def measure_machine_calls(*, sleep_factor: float, micro_batch: int = CALL_MICRO_BATCH,
+                          repeats: int = MACHINE_REPEATS, use_cache: bool = True) -> EngineCalls:
+    """The calls' cost after the clock's sleep on this machine (see the module docstring, machine
+    probe): ``measure_engine_calls``' measurement on a fixed small network (``_ProbeNet``, 16 tokens a
+    row, its loss included) rather than the model's graph, ``repeats`` times; cached per machine, sleep
+    factor, rows and CPU threads. Leaves the global RNG as it found it."""
+    key = (f"engine-call-machine|v{_VERSION}|probe{_PROBE_VERSION}|b{int(micro_batch)}|s{float(sleep_factor):.3g}"
+           f"|r{int(repeats)}|cpu|t{torch.get_num_threads()}|{machine_id()}")
+    cache = load_json(measure_cache_path()) if use_cache else {}
+    if key in cache:
+        return EngineCalls(**cache[key])
+    g = torch.Generator().manual_seed(0)
+    from torch import fx
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        gm = fx.symbolic_trace(_ProbeNet())
+    tokens = torch.randint(0, 256, (2, 16), generator=g)
+    targets = torch.randint(0, 256, (2, 16), generator=g)
+    return _cached_calls(key, gm, (tokens,), sleep_factor=sleep_factor, loss_fn=_token_loss,
+                         example_targets=targets, micro_batch=micro_batch, repeats=repeats, use_cache=use_cache)
+
+
+def _cached_calls(key: str, gm, example_inputs: tuple, *, sleep_factor: float, loss_fn, example_targets,
+                  micro_batch: int, repeats: int, use_cache: bool) -> EngineCalls:
+    """``EngineCalls`` of ``gm`` (see ``measure_engine_calls``), read from / written to the measure cache
+    under ``key``."""
     if not sleep_factor > 0:
         raise ValueError(f"sleep_factor: {sleep_factor!r} must be > 0 (an emulated clock sleeps after a call)")
     if int(repeats) < 1:
         raise ValueError(f"repeats: {repeats!r} must be an int >= 1")
-    sig = graph_signature(analysis)
-    with_loss = loss_fn is not None and example_targets is not None
-    key = (f"engine-call|v{_VERSION}|{sig}|b{int(micro_batch)}|s{float(sleep_factor):.3g}|loss{int(with_loss)}"
-           f"|cpu|t{torch.get_num_threads()}|{machine_id()}")
     path = measure_cache_path()
     cache = load_json(path) if use_cache else {}
     if key not in cache:
-        gm = analysis.captured.gm
-        forward, backward = _micro_step(gm, example_inputs, int(micro_batch), loss_fn if with_loss else None,
-                                        example_targets)
+        forward, backward = _micro_step(gm, example_inputs, int(micro_batch), loss_fn, example_targets)
 
         def timed(fn) -> float:
             t0 = time.thread_time()

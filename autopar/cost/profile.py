@@ -522,7 +522,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     from autopar.cost.step import step_terms  # optimizer step and per-call overhead per type
 
     terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
-                       measured=measured is not None, loss_fn=loss_fn, example_targets=example_targets)
+                       measured=measured is not None)
     costs = ModelCosts(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),

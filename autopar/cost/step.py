@@ -258,15 +258,15 @@ def flat_shard_numel(analysis, cluster) -> int:
 
 
 def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
-               measured: bool = False, loss_fn=None, example_targets=None) -> dict[str, dict[str, float]]:
+               measured: bool = False) -> dict[str, dict[str, float]]:
     """The ``ModelCosts`` fields ``optimizer_s_per_param``, ``optimizer_flat_s_per_param``,
     ``optimizer_s_per_tensor`` (``measure_optimizer_per_tensor``; with real weights only) and
     ``call_overhead_s``, each per device type of ``cluster`` (see the module docstring), and
-    ``call_kinds`` (``EngineCalls.kinds``), as keyword arguments. ``measured``: the block tables of CPU / emulated types were measured here (then the call
-    overhead is measured too, else it is 0); a model without real weights has its optimizer timed on
-    the flat buffer. On a cluster with emulated types the call overhead is the engines' call after the
-    clock's sleep (``autopar.cost.engine_call``: a data-parallel micro-step, with ``loss_fn`` on
-    ``example_targets`` where given), else ``measure_call_overhead``."""
+    ``call_kinds`` (``EngineCalls.kinds``), as keyword arguments. ``measured``: the block tables of CPU /
+    emulated types were measured here (then the call overhead is measured too, else it is 0); a model
+    without real weights has its optimizer timed on the flat buffer. On a cluster with emulated types the
+    call overhead is this machine's engine call after the clock's sleep, timed on a fixed probe network
+    (``autopar.cost.engine_call.measure_machine_calls``), else ``measure_call_overhead`` of the model."""
 
     types = cluster.device_types()
     specs = {t: cluster.spec_of(t) for t in types}
@@ -284,16 +284,14 @@ def step_terms(analysis, cluster, *, model=None, example_inputs=None, optimizer:
         if shapes:
             cpu_opt, cpu_tensor = measure_optimizer_per_tensor(optimizer, shapes, concurrent=k)
     scale = emulation_time_scale(len(cluster))
-    if cpu_types and measured and real and example_inputs is not None:
-        fastest = max((specs[t].speed for t in cpu_types if specs[t].is_emulated), default=None)
-        if fastest is not None and scale / fastest > 1:
-            from autopar.cost.engine_call import measure_engine_calls
+    fastest = max((specs[t].speed for t in cpu_types if specs[t].is_emulated), default=None)
+    if cpu_types and measured and fastest is not None and scale / fastest > 1:
+        from autopar.cost.engine_call import measure_machine_calls
 
-            calls = measure_engine_calls(analysis, example_inputs, sleep_factor=scale / fastest - 1,
-                                         loss_fn=loss_fn, example_targets=example_targets)
-            cpu_call, cpu_bucket, kinds = calls.per_call_s, calls.bucket_s, calls.kinds()
-        else:
-            cpu_call = measure_call_overhead(analysis, example_inputs)
+        calls = measure_machine_calls(sleep_factor=scale / fastest - 1)      # the machine's, not the model's
+        cpu_call, cpu_bucket, kinds = calls.per_call_s, calls.bucket_s, calls.kinds()
+    elif cpu_types and measured and real and example_inputs is not None:
+        cpu_call = measure_call_overhead(analysis, example_inputs)
     for t, spec in specs.items():
         if t in cpu_types:
             speed = spec.speed / scale if spec.is_emulated else 1.0
