@@ -74,7 +74,7 @@ def test_a_link_needs_every_operation_and_round_trips():
 
 
 def test_alpha_beta_fit_recovers_each_operations_latency_and_bandwidth():
-    from autopar.cost.calibrate import fit_alpha_beta, link_shape
+    from autopar.cost.link_measure import fit_alpha_beta, link_shape
 
     sizes = (4096, 262144, 4 << 20, 16 << 20)
     for op, lat, bw in (("all_reduce", 1e-3, 1e9), ("broadcast", 5e-5, 2e9), ("p2p", 0.0, 4e9)):
@@ -93,25 +93,25 @@ def test_alpha_beta_fit_recovers_each_operations_latency_and_bandwidth():
 
 
 def test_measured_once_per_machine_and_layout_then_read_from_the_cache(tmp_path, monkeypatch):
-    from autopar.cost import calibrate, measure_cache
+    from autopar.cost import calibrate, link_measure, measure_cache
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPAR_NUM_CORES", "2")
-    link = calibrate.measure_emulated_link((0, 1), repeats=1, sizes=(4096, 1 << 16))
+    link = link_measure.measure_emulated_link((0, 1), repeats=1, sizes=(4096, 1 << 16))
     assert all(x >= 0 for _, x in link.latency_s) and all(bw > 0 for _, bw in link.bandwidth_Bps)
     assert link.layout == "0|1"
-    threads = calibrate.measure_emulated_link((0, 1), repeats=1, sizes=(4096, 1 << 16), processes=False)
+    threads = link_measure.measure_emulated_link((0, 1), repeats=1, sizes=(4096, 1 << 16), processes=False)
     assert all(bw > 0 for _, bw in threads.bandwidth_Bps)
     calls = []
-    monkeypatch.setattr(calibrate, "measure_emulated_link", lambda layout: calls.append(layout) or link)
+    monkeypatch.setattr(link_measure, "measure_emulated_link", lambda layout: calls.append(layout) or link)
     demo = builtin("demo")
-    first = calibrate.emulated_link_for(demo)
-    again = calibrate.emulated_link_for(demo)
+    first = link_measure.emulated_link_for(demo)
+    again = link_measure.emulated_link_for(demo)
     assert calls == [(0, 1, 1)] and first == again and first.nodes == (0,)
-    assert measure_cache.load_link(f"v{calibrate.LINK_VERSION}|ranks 3|cores 0|1|1 of 2") is not None
+    assert measure_cache.load_link(f"v{link_measure.LINK_VERSION}|ranks 3|cores 0|1|1 of 2") is not None
     # an entry measured the old way (one latency, no version in its key) is not read: measured again
     measure_cache.save_link("ranks 3|cores 0|1|1 of 2", {"latency_s": 1.0, "bandwidth_Bps": {}})
-    assert calibrate.emulated_link_for(demo) == first and calls == [(0, 1, 1)]
+    assert link_measure.emulated_link_for(demo) == first and calls == [(0, 1, 1)]
     planned = calibrate.calibrated_cluster(demo)
     assert planned.emulated_link == first
     assert comm.allgather_time_s(planned, [0, 1, 2], 1e7) != comm.allgather_time_s(demo, [0, 1, 2], 1e7)
@@ -122,14 +122,14 @@ def test_measured_once_per_machine_and_layout_then_read_from_the_cache(tmp_path,
     assert slowed.emulated_link.bandwidth("all_gather") == pytest.approx(first.bandwidth("all_gather") / 2)
     assert slowed.emulated_link.latency("all_gather") == pytest.approx(first.latency("all_gather") * 2)
     monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")
-    assert calibrate.emulated_link_for(demo) is None
+    assert link_measure.emulated_link_for(demo) is None
 
 
 def test_ranks_planning_at_once_measure_the_link_once(tmp_path, monkeypatch):
     import threading
     import time
 
-    from autopar.cost import calibrate
+    from autopar.cost import link_measure
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPAR_NUM_CORES", "2")
@@ -140,9 +140,9 @@ def test_ranks_planning_at_once_measure_the_link_once(tmp_path, monkeypatch):
         time.sleep(0.2)                  # long enough for the other ranks to find no link yet
         return SLOW
 
-    monkeypatch.setattr(calibrate, "measure_emulated_link", measure)
+    monkeypatch.setattr(link_measure, "measure_emulated_link", measure)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(calibrate.emulated_link_for(builtin("demo"))))
+    threads = [threading.Thread(target=lambda: got.append(link_measure.emulated_link_for(builtin("demo"))))
                for _ in range(3)]
     for t in threads:
         t.start()
