@@ -108,6 +108,10 @@ def test_only_cpus_timed_here_are_measured(mlp_graph, tmp_path, monkeypatch):
     costs.sources = {"cpu": "emulated"}
     rho = cpu_replicated_fraction(gm, inputs, costs, cpus)
     assert rho is not None and 0.0 <= rho <= 0.9
+    costs.sources = {"cpu": "emulated + calibrated"}      # calibrated tables were still timed here
+    assert cpu_replicated_fraction(gm, inputs, costs, cpus) == rho
+    costs.sources = {"cpu": "roofline (nominal CPU) + calibrated"}
+    assert cpu_replicated_fraction(gm, inputs, costs, cpus) is None
 
 
 def test_tp_rank_params_follow_the_layout():

@@ -249,6 +249,11 @@ class ModelCosts:
         """Parameter tensors of a block range (``param_tensors``); None where not known."""
         return None if self.param_tensors is None else float(self.param_tensors[blocks].sum())
 
+    def timed_here(self, device_type: str) -> bool:
+        """Whether ``device_type``'s tables were timed on this machine ("measured" or "emulated", before
+        any suffix: calibration appends " + calibrated" and keeps what the tables are)."""
+        return self.sources.get(device_type, "").split(" + ")[0] in ("measured", "emulated")
+
     def call_overhead(self, device_type: str, kind: str | None = None) -> float:
         """Fixed seconds per compute call on one ``device_type`` device, of one of ``CALL_KINDS`` (None:
         any call; see the module docstring)."""
