@@ -126,3 +126,18 @@ def test_cli_pin_and_explain(capsys, shared_cache):
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "24",
                  "--pin", "pp=99"]) == 2
     assert "pin.pp" in capsys.readouterr().err
+
+
+def test_explain_prices_a_one_stage_tensor_parallel_plan():
+    from autopar.planner.entry import plan_with_config
+    from autopar.planner.explain import explain_stages
+
+    cluster = Cluster.from_dict({"nodes": [{"device": {"name": "fast", "emulate": "cpu", "speed": 1.0,
+                                                        "memory_GB": 4}, "count": 2}]})
+    costs = ModelCosts.synthetic({"fast": [0.01] * 6}, param_bytes=[2e6] * 6, act_bytes=[1e5] * 6,
+                                 out_bytes=[1e4] * 6)
+    plan = plan_with_config(costs, cluster, 8, PlanConfig(strategy="tp", num_heads=8))
+    assert plan.schedule == "none" and any(len(g) > 1 for g in plan.stages[0].groups)
+    (row,) = explain_stages(plan, costs, cluster)
+    assert row.compute_s > 0 and row.sync_s > 0               # was all zeros: a TP plan has no compute_s
+    assert row.compute_s + row.sync_s + row.optimizer_s <= plan.predicted.step_time_s * 1.001

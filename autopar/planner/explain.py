@@ -10,8 +10,9 @@ Terms (seconds per step, predicted; the slowest member of a stage)
 - sync: its gradient all-reduce over the stage's members after the schedule (``cost.tp.stage_sync_time_s``);
 - optimizer: its optimizer step (``cost.pipeline.stage_optimizer_s``);
 - memory: the largest predicted peak of its ranks over that rank's usable memory.
-A one-stage data-parallel plan (schedule "none") has no simulated pipeline: its row is the data-parallel
-planner's own breakdown (compute, communication, optimizer of the slowest rank).
+A one-stage plan (schedule "none") has no simulated pipeline: a data-parallel plan's row is the
+data-parallel planner's own breakdown (compute, communication, optimizer of the slowest rank); a
+tensor-parallel one's, its busiest rank's ``cost.step.predicted_phases`` (its collectives as sync).
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ def _memory(plan: Plan, cluster: "Cluster", s: int, memory_fraction: float) -> f
                 for r in plan.stages[s].ranks), default=0.0)
 
 
+def _slowest_rank(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[float, float, float]:
+    """(compute, collectives, optimizer) seconds of the rank of ``plan`` busiest in
+    ``cost.step.predicted_phases``."""
+    from autopar.cost.step import predicted_phases
+
+    compute_keys = ("forward", "backward")
+    best = (0.0, 0.0, 0.0)
+    for d in predicted_phases(plan, costs, cluster).values():
+        row = (sum(d.get(k, 0.0) for k in compute_keys),
+               sum(v for k, v in d.items() if k not in (*compute_keys, "optimizer", "wait")), d.get("optimizer", 0.0))
+        if sum(row) > sum(best):
+            best = row
+    return best
+
+
 def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
                    memory_fraction: float = MEMORY_FRACTION) -> list[StageCost]:
     """Per stage, where the predicted step goes (see the module docstring)."""
@@ -70,9 +86,12 @@ def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
     if plan.schedule == "none":
         b = plan.predicted.breakdown
         st = plan.stages[0]
-        return [StageCost(0, (st.block_start, st.block_stop), _devices(plan, cluster, 0), b.get("compute_s", 0.0),
-                          0.0, 0.0, b.get("comm_s", 0.0), b.get("optimizer_s", 0.0),
-                          _memory(plan, cluster, 0, memory_fraction))]
+        if "compute_s" in b:
+            compute, sync, opt = b["compute_s"], b.get("comm_s", 0.0), b.get("optimizer_s", 0.0)
+        else:      # a one-stage plan of another planner (tensor parallel): its slowest rank's phases
+            compute, sync, opt = _slowest_rank(plan, costs, cluster)
+        return [StageCost(0, (st.block_start, st.block_stop), _devices(plan, cluster, 0), compute,
+                          0.0, 0.0, sync, opt, _memory(plan, cluster, 0, memory_fraction))]
     timeline, _ = plan_timeline(plan, costs, cluster)
     _, _, comm = stage_durations(costs, cluster, plan.stages, replicated_fraction=rho)
     out = []
