@@ -90,11 +90,10 @@ def test_calls_are_measured_in_form_cached_and_per_machine(cache, tiny, monkeypa
 def test_step_terms_use_the_machine_probe_on_emulated_clusters(cache, tiny, monkeypatch):
     case, a, _targets = tiny
     seen = []
-    real = engine_call.measure_machine_calls
 
-    def spy(**kw):
+    def spy(**kw):               # what the probe measured (its timing is the next test's)
         seen.append(kw)
-        return real(**{**kw, "repeats": 2})
+        return EngineCalls(1e-3, 8e-4, 1.2e-3, 3e-3, 0.04, 2)
 
     monkeypatch.setattr(engine_call, "measure_machine_calls", spy)
     cluster = _three()
@@ -104,7 +103,9 @@ def test_step_terms_use_the_machine_probe_on_emulated_clusters(cache, tiny, monk
 
     assert kw == {"sleep_factor": pytest.approx(emulation_time_scale(3) / 1.0 - 1)}   # the fastest type's sleep
     call = terms["call_overhead_s"]
-    assert call["a"] > 0 and call["b"] == pytest.approx(2 * call["a"])   # CPU time, stretched like the tables
+    assert call["a"] == pytest.approx(1e-3 * emulation_time_scale(3))     # the median kind, stretched like the
+    assert call["b"] == pytest.approx(2 * call["a"])                       # tables (speed 1, then 0.5)
+    assert terms["call_kinds"]["backward"] == pytest.approx(1.2)
 
 
 def test_the_machine_probe_is_one_figure_per_machine_whatever_the_model(cache, monkeypatch):
