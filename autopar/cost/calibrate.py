@@ -119,12 +119,11 @@ def samples(profile, keys: Mapping[int, str], plan=None, *, pooled: bool = False
         k = keys[info.rank]
         meas = profile.measured(info.rank)
         pred = info.predicted
+        m = meas.get("compute", 0.0) + meas.get("forward", 0.0) + meas.get("backward", 0.0)
+        p = pred.get("forward", 0.0) + pred.get("backward", 0.0)
         if pooled:
-            out.append(Sample(k, "compute", sum(meas.get(t, 0.0) for t in ("compute", "forward", "backward")),
-                              pred.get("forward", 0.0) + pred.get("backward", 0.0)))
+            out.append(Sample(k, "compute", m, p))
         elif meas.get("compute", 0.0) > 0:       # forward and backward not told apart: one ratio for both
-            m = meas.get("compute", 0.0) + meas.get("forward", 0.0) + meas.get("backward", 0.0)
-            p = pred.get("forward", 0.0) + pred.get("backward", 0.0)
             out += [Sample(k, "forward", m, p), Sample(k, "backward", m, p)]
         else:
             out += [Sample(k, t, meas.get(t, 0.0), pred.get(t, 0.0)) for t in ("forward", "backward")]

@@ -226,9 +226,9 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
     with_loss = loss_fn is not None and example_targets is not None
     key = (f"engine-call|v{_VERSION}|{graph_signature(analysis)}|b{int(micro_batch)}|s{float(sleep_factor):.3g}"
            f"|loss{int(with_loss)}|cpu|t{torch.get_num_threads()}|{machine_id()}")
-    return _cached_calls(key, analysis.captured.gm, example_inputs, sleep_factor=sleep_factor,
-                         loss_fn=loss_fn if with_loss else None, example_targets=example_targets,
-                         micro_batch=micro_batch, repeats=repeats, use_cache=use_cache)
+    return _cached_calls(key, lambda: (analysis.captured.gm, example_inputs, loss_fn if with_loss else None,
+                                       example_targets),
+                         sleep_factor=sleep_factor, micro_batch=micro_batch, repeats=repeats, use_cache=use_cache)
 
 
 class _ProbeNet(torch.nn.Module):
@@ -262,25 +262,26 @@ def measure_machine_calls(*, sleep_factor: float, micro_batch: int = CALL_MICRO_
     factor, rows and CPU threads. Leaves the global RNG as it found it."""
     key = (f"engine-call-machine|v{_VERSION}|probe{_PROBE_VERSION}|b{int(micro_batch)}|s{float(sleep_factor):.3g}"
            f"|r{int(repeats)}|cpu|t{torch.get_num_threads()}|{machine_id()}")
-    cache = load_json(measure_cache_path()) if use_cache else {}
-    if key in cache:
-        return EngineCalls(**cache[key])
-    g = torch.Generator().manual_seed(0)
+    return _cached_calls(key, _probe_call, sleep_factor=sleep_factor, micro_batch=micro_batch, repeats=repeats,
+                         use_cache=use_cache)
+
+
+def _probe_call() -> tuple:
+    """(graph, example inputs, loss, targets) of the machine probe, built without touching the global RNG."""
     from torch import fx
 
+    g = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         gm = fx.symbolic_trace(_ProbeNet())
     tokens = torch.randint(0, 256, (2, 16), generator=g)
-    targets = torch.randint(0, 256, (2, 16), generator=g)
-    return _cached_calls(key, gm, (tokens,), sleep_factor=sleep_factor, loss_fn=_token_loss,
-                         example_targets=targets, micro_batch=micro_batch, repeats=repeats, use_cache=use_cache)
+    return gm, (tokens,), _token_loss, torch.randint(0, 256, (2, 16), generator=g)
 
 
-def _cached_calls(key: str, gm, example_inputs: tuple, *, sleep_factor: float, loss_fn, example_targets,
-                  micro_batch: int, repeats: int, use_cache: bool) -> EngineCalls:
-    """``EngineCalls`` of ``gm`` (see ``measure_engine_calls``), read from / written to the measure cache
-    under ``key``."""
+def _cached_calls(key: str, build, *, sleep_factor: float, micro_batch: int, repeats: int,
+                  use_cache: bool) -> EngineCalls:
+    """``EngineCalls`` under ``key`` in the measure cache, else measured (see ``measure_engine_calls``) on
+    what ``build()`` gives, ``(graph, example inputs, loss function or None, targets)``, and cached."""
     if not sleep_factor > 0:
         raise ValueError(f"sleep_factor: {sleep_factor!r} must be > 0 (an emulated clock sleeps after a call)")
     if int(repeats) < 1:
@@ -288,6 +289,7 @@ def _cached_calls(key: str, gm, example_inputs: tuple, *, sleep_factor: float, l
     path = measure_cache_path()
     cache = load_json(path) if use_cache else {}
     if key not in cache:
+        gm, example_inputs, loss_fn, example_targets = build()
         forward, backward = _micro_step(gm, example_inputs, int(micro_batch), loss_fn, example_targets)
 
         def timed(fn) -> float:
