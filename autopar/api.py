@@ -31,13 +31,13 @@ class Prepared:
     costs: Any
     analyze_s: float
     profile_s: float
-    example_inputs: tuple = ()     # for the measured TP replicated fraction (cost.tp_measure)
+    example_inputs: tuple = ()     # for the measured TP replicated fraction (measure.tp)
     cluster: Any = None
 
     @property
     def replicated_fraction(self) -> float:
         from autopar.cost.tp import replicated_fraction_of, replicated_fraction_of_graph
-        from autopar.cost.tp_measure import cpu_replicated_fraction
+        from autopar.measure.tp import cpu_replicated_fraction
 
         # measured with the TP rewrite on CPUs timed here, else what lies outside every Linear pair's
         # region (the graph's own measure), else the block stats'
@@ -45,7 +45,7 @@ class Prepared:
         if self.cluster is not None:
             rho = cpu_replicated_fraction(gm, self.example_inputs, self.costs, self.cluster)
             if rho is not None:
-                from autopar.cost.tp_measure import cpu_sp_covered
+                from autopar.measure.tp import cpu_sp_covered
 
                 covered = cpu_sp_covered(gm, self.example_inputs, self.costs, self.cluster)
                 if covered is not None:    # SP's replicated work as measured here, not the graph's count
@@ -61,7 +61,7 @@ def planning_analysis_options() -> dict:
     (``replay_repeats``, ``passes.tracer``), its annotations cached by graph under
     ``$AUTOPAR_CACHE_DIR/analysis`` (``passes.analysis_cache``); the same analysis, faster. The
     runtime's analysis (``compile``) takes none of them: it runs its module, wrapped."""
-    from autopar.cost.measure_cache import cache_dir
+    from autopar.measure.cache import cache_dir
 
     return {"lazy_code": True, "replay_repeats": True, "cache_dir": cache_dir() / "analysis"}
 
@@ -70,9 +70,9 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
             measure: bool | None = None, progress=None, analysis=None, precision: str | None = None,
             loss_fn=None, example_targets=None, tracking=None) -> Prepared:
     """Analysis (unless given) and cost tables of ``model`` on ``cluster`` (bytes at ``precision``:
-    ``autopar.cost.profile.model_costs``; with ``loss_fn`` and ``example_targets``, the targets of
-    ``example_inputs``, the loss's time is in the last block's: ``autopar.cost.loss``)."""
-    from autopar.cost.profile import model_costs
+    ``autopar.measure.tables.model_costs``; with ``loss_fn`` and ``example_targets``, the targets of
+    ``example_inputs``, the loss's time is in the last block's: ``autopar.measure.loss``)."""
+    from autopar.measure.tables import model_costs
     from autopar.passes.analyze import analyze
 
     t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
 
 def _tracking_probe():
     """A fresh memory meter and the CPU-time clock an emulated rank reads under it (``compile``'s), for
-    ``autopar.cost.engine_call.measure_tracking``."""
+    ``autopar.measure.engine_call.measure_tracking``."""
     from autopar.runtime import memory as rank_memory
 
     meter = rank_memory.TrackedMeter()
@@ -128,9 +128,9 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
                          recompute=recompute, pin=pin)
     from autopar.planner.entry import plan_with_config   # validates the batch and the cluster
 
-    from autopar.cost.calibrate import calibrated_cluster   # this machine's measured links, if calibrated
+    from autopar.measure.machine import machine_cluster   # this machine's measured links, if calibrated
 
-    return plan_with_config(costs, calibrated_cluster(cluster), global_batch_size, config, timings=timings)
+    return plan_with_config(costs, machine_cluster(cluster), global_batch_size, config, timings=timings)
 
 
 def model_num_heads(model: nn.Module) -> int | None:
@@ -249,9 +249,9 @@ class Compiled:
         payload = [None]
         if self.rank == 0:
             cluster, plan_ = self.cluster, self.plan
-            from autopar.cost.calibrate import calibrated_cluster
+            from autopar.measure.machine import machine_cluster
 
-            pred = predicted_phases(plan_, self.costs, calibrated_cluster(cluster)) if self.costs is not None else {}
+            pred = predicted_phases(plan_, self.costs, machine_cluster(cluster)) if self.costs is not None else {}
             stages = {r: s for s, st in enumerate(plan_.stages) for r in st.ranks}
             infos = tuple(RankInfo(r, cluster.devices[r].spec.name, stages.get(r, -1),
                                    cluster.devices[r].spec.speed if cluster.devices[r].spec.is_emulated else None,
@@ -367,7 +367,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     and switch in place when that pays (``autopar.runtime.replan``; reports in ``compiled.replans``).
 
     ``example_targets`` (optional): targets of ``example_inputs``' rows; with ``loss_fn``, the cost
-    tables price the loss too (``autopar.cost.loss``), else they hold the model alone."""
+    tables price the loss too (``autopar.measure.loss``), else they hold the model alone."""
     import torch.distributed as dist
 
     from importlib import import_module
@@ -504,10 +504,11 @@ def _replanner(compiled: Compiled, config, build_s: float, rebuild):
     policy = ReplanPolicy()
     config = config or PlanConfig()
 
-    def plan_fn(costs, cluster, global_batch, cfg):
-        return plan_from_costs(costs, cluster, global_batch, config=cfg)
+    from autopar.measure.machine import machine_cluster
+    from autopar.planner.entry import plan_with_config
 
     def proposal(profile):
-        return Proposal(**propose(profile, compiled.plan, compiled.costs, compiled.cluster,
-                                  compiled.plan.global_batch_size, config, plan_fn, detect_ratio=policy.detect_ratio))
+        return Proposal(**propose(profile, compiled.plan, compiled.costs, machine_cluster(compiled.cluster),
+                                  compiled.plan.global_batch_size, config, plan_with_config,
+                                  detect_ratio=policy.detect_ratio))
     return Replanner(policy, proposal, rebuild, build_s)

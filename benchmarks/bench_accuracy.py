@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ["AUTOPAR_EMULATION_SLOWDOWN"] = f"{args.slowdown:g}"      # the ranks inherit it
     from autopar.cluster.model import builtin
-    from autopar.cost.measure_cache import CALIBRATION_ENV, save_calibration
+    from autopar.measure.cache import CALIBRATION_ENV, save_calibration
 
     os.environ["AUTOPAR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="autopar-accuracy-")
     torch.set_num_threads(1)     # plan here with the one-thread block times the emulated ranks measure

@@ -39,7 +39,7 @@ import torch; mark("import torch")
 from autopar.cli.main import _planning_case, _load_cluster
 from autopar.passes import capture as C, analysis as A, blocks as B
 from autopar.passes.analyze import Analysis, _batch_size
-from autopar.cost.profile import model_costs
+from autopar.measure.tables import model_costs
 from autopar.api import Prepared
 mark("import autopar")
 cl = _load_cluster(sys.argv[1]); mark("load cluster")

@@ -33,7 +33,7 @@ def run_model(name: str, zero, strategies: tuple[str, ...], steps: int) -> list[
 
     from autopar.cli.trainer import RunSpec, run_comparison
     from autopar.cluster.model import builtin
-    from autopar.cost.link_measure import emulated_link_for
+    from autopar.measure.links import emulated_link_for
     from autopar.ir.plan import Plan
 
     torch.set_num_threads(1)

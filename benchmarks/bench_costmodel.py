@@ -68,7 +68,8 @@ def _points(analysis, measured, batches, spec):
 def main() -> None:
     from autopar.cluster.devices import CPU_NOMINAL
     from autopar.models import build
-    from autopar.cost.profile import calibrate, measure_blocks
+    from autopar.cost.profile import calibrate
+    from autopar.measure.blocks import measure_blocks
     from autopar.passes.analyze import analyze
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -5,7 +5,7 @@ own micro-step against the plain graph on the same rows, hot and after a sleep.
 Emulated: three CPU processes of this machine at 1 / 0.5 / 0.25 (``autopar.launch`` of the built-in
 ``demo`` cluster, pinned as every run is); figures are native CPU milliseconds of one rank's thread (the
 clock stretches them by ``time_scale / speed``). Predicted: the cost tables and
-``ModelCosts.call_overhead`` (``autopar.cost.engine_call``), divided by the same factor.
+``ModelCosts.call_overhead`` (``autopar.measure.engine_call``), divided by the same factor.
 
 A diagnosis, not a speed benchmark: it reads the clock's per-position least CPU time
 (``EmulatedClock._least_cpu``, what the steady clock charges) and calls the data-parallel engine's

@@ -2,7 +2,7 @@
 
 An emulated device (``autopar.runtime.emulate``) charges each compute block the least thread CPU time
 seen at its position over the run's steps (the steady clock), and the cost model's CPU tables take the
-least of their hot repeats (``autopar.cost.profile.measure_blocks``). Both estimate one quantity, the
+least of their hot repeats (``autopar.measure.blocks.measure_blocks``). Both estimate one quantity, the
 block's uncontended CPU time, from a few samples. This benchmark times one fixed piece of work (a
 gpt-tiny micro-step: forward, loss and backward at 16 rows, one thread), pinned to each core at once as
 a run's ranks are, for ``--seconds``; every repetition times it twice: hot (right after the previous

@@ -9,7 +9,7 @@ Usage (a few minutes on 2 CPU cores)::
 
 Writes ``benchmarks/results/planner.json``, ``planner.md`` and ``planner_scaling.png``.
 
-Cost tables: ``autopar.cost.profile.model_costs`` on the fake-tensor analysis of each zoo model built on
+Cost tables: ``autopar.measure.tables.model_costs`` on the fake-tensor analysis of each zoo model built on
 the meta device (roofline per device type); the scaling sweep uses Llama-shaped tables built from the
 model's arithmetic (``llama_like_costs``) so that only the planner is timed. All figures are
 predictions of the cost model; nothing here runs a model. Planning times are medians of ``--repeats``
@@ -60,7 +60,7 @@ def analysis_costs(model: str, clusters: dict[str, Cluster], cache: dict) -> dic
         cache[model] = (case, analyze(case.model, case.example_inputs))
     case, analysis = cache[model]
     try:
-        from autopar.cost.profile import model_costs
+        from autopar.measure.tables import model_costs
     except ImportError:   # pragma: no cover - before the profiler existed
         model_costs = None
     out = {}

@@ -1,4 +1,4 @@
-"""The engines' per-call cost after the emulation clock's sleep (autopar.cost.engine_call): its form, its
+"""The engines' per-call cost after the emulation clock's sleep (autopar.measure.engine_call): its form, its
 cache key (another machine measures its own), and that the cost model prices it once per call, in the
 phase the recorder measures it in. Pure / in-process: no launch."""
 
@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from autopar.cluster.model import Cluster
-from autopar.cost import engine_call
-from autopar.cost.engine_call import (BUCKET_GAP_RANGE_S, CALL_GAP_RANGE_S, EngineCalls, bucket_gap_s, call_gap_s,
+from autopar.measure import engine_call
+from autopar.measure.engine_call import (BUCKET_GAP_RANGE_S, CALL_GAP_RANGE_S, EngineCalls, bucket_gap_s, call_gap_s,
                                       measure_engine_calls)
-from autopar.cost.measure_cache import load_json, measure_cache_path
-from autopar.cost.step import predicted_phases, step_terms
+from autopar.measure.cache import load_json, measure_cache_path
+from autopar.cost.step import predicted_phases
+from autopar.measure.step import step_terms
 from autopar.ir.costs import ModelCosts
 from autopar.passes.analyze import analyze
 from autopar.planner.dp import plan_dp

@@ -1,5 +1,5 @@
 """The data-parallel last backward's cold restarts after its gradient-bucket launches
-(``autopar.cost.engine_call`` ``bucket_s``, ``autopar.cost.comm.dp_bucket_restarts_s``): charged once per
+(``autopar.measure.engine_call`` ``bucket_s``, ``autopar.cost.comm.dp_bucket_restarts_s``): charged once per
 bucket, in the backward, on ranks with a micro-step, under ZeRO 0/1 only, and only on emulated types."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 
 from autopar.cluster.model import Cluster
-from autopar.cost import comm, engine_call
-from autopar.cost.engine_call import EngineCalls
-from autopar.cost.step import predicted_phases, step_terms
+from autopar.cost import comm
+from autopar.measure import engine_call
+from autopar.measure.engine_call import EngineCalls
+from autopar.cost.step import predicted_phases
+from autopar.measure.step import step_terms
 from autopar.ir.costs import ModelCosts
 from autopar.passes.analyze import analyze
 from autopar.planner.dp import plan_dp

@@ -12,10 +12,11 @@ import torch
 
 from autopar.cluster.model import Cluster
 from autopar.cost import comm
-from autopar.cost.measure_cache import load_json, measure_cache_path
+from autopar.measure.cache import load_json, measure_cache_path
 from autopar.cost.pipeline import pipeline_loss_allreduce_s, tied_allreduces_s
-from autopar.cost.profile import _in_situ
-from autopar.cost.step import _hidden_allreduce_s, measure_optimizer, predicted_phases, step_concurrency
+from autopar.measure.blocks import _in_situ
+from autopar.cost.step import _hidden_allreduce_s, predicted_phases
+from autopar.measure.step import measure_optimizer, step_concurrency
 from autopar.ir.costs import ModelCosts
 from autopar.planner.dp import plan_dp
 from autopar.planner.pp import plan_pipeline
@@ -86,7 +87,7 @@ def test_optimizer_rate_with_ranks_stepping_at_once(tmp_path, monkeypatch):
 
 
 def test_step_concurrency_counts_cpu_ranks_sharing_a_machine(monkeypatch):
-    import autopar.cost.step as step
+    import autopar.measure.step as step
 
     monkeypatch.setattr(step, "machine_cores", lambda: 2)
     assert step_concurrency(_three()) == 2                     # 3 emulated ranks on 2 cores
@@ -130,7 +131,7 @@ def test_dp_phase_prices_the_exposed_all_reduce_as_the_planner_does():
 
 
 def test_call_overhead_needs_a_gap():
-    from autopar.cost.step import measure_call_overhead
+    from autopar.measure.step import measure_call_overhead
 
     with pytest.raises(ValueError, match="gap_s"):
         measure_call_overhead(None, (), gap_s=0.0, use_cache=False)

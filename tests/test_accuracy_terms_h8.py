@@ -10,11 +10,11 @@ import torch
 
 from autopar.cluster.model import Cluster
 from autopar.cost import tp as tp_cost
-from autopar.cost.loss import add_loss_to_tables, measure_loss
+from autopar.measure.loss import add_loss_to_tables, measure_loss
 from autopar.cost.pipeline import stage_optimizer_s
 from autopar.cost.profile import param_tensors_per_block
-from autopar.cost.step import (PER_TENSOR_PROBE, measure_optimizer, measure_optimizer_per_tensor, predicted_phases,
-                               tp_collective_phases)
+from autopar.measure.step import PER_TENSOR_PROBE, measure_optimizer, measure_optimizer_per_tensor
+from autopar.cost.step import predicted_phases, tp_collective_phases
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Stage
 

@@ -5,7 +5,7 @@ machine that measured them."""
 import numpy as np
 import pytest
 
-from autopar.cost import measure_cache
+from autopar.measure import cache as measure_cache
 from autopar.cost.calibrate import Sample, calibrated, calls_per_step, device_key, fit_factors, samples
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
@@ -159,7 +159,7 @@ def test_a_comm_factor_slows_the_device_types_links_for_planning():
 
     demo = builtin("demo")
     keys = [device_key(d.spec, emulation_time_scale(len(demo))) for d in demo.devices]
-    slow = calibrated_cluster(demo, {k: {"comm": 4.0} for k in keys})
+    slow = calibrated_cluster(demo, {k: {"comm": 4.0} for k in keys}, time_scale=emulation_time_scale(len(demo)))
     nbytes = 64e6
     assert comm.allreduce_time_s(slow, [0, 1, 2], nbytes) > 3 * comm.allreduce_time_s(demo, [0, 1, 2], nbytes)
     assert calibrated_cluster(demo, {}) is demo

@@ -1,4 +1,4 @@
-"""What the memory meter costs an emulated rank beyond its own estimate (autopar.cost.engine_call.
+"""What the memory meter costs an emulated rank beyond its own estimate (autopar.measure.engine_call.
 measure_tracking), and how model_costs prices it: emulated types' tables only, spread over the blocks
 by their operator counts, scaled like the tables. Pure / in-process: no launch; the meter is a stand-in
 whose clock charges a known amount per phase, so the figures are exact up to the real work's noise."""
@@ -15,10 +15,10 @@ from torch import nn
 
 from autopar.cluster.emulation import emulation_time_scale
 from autopar.cluster.model import Cluster
-from autopar.cost import engine_call
-from autopar.cost.engine_call import measure_tracking, tracking_batches
-from autopar.cost.measure_cache import load_json, measure_cache_path
-from autopar.cost.profile import _add_tracking, model_costs
+from autopar.measure import engine_call
+from autopar.measure.engine_call import measure_tracking, tracking_batches
+from autopar.measure.cache import load_json, measure_cache_path
+from autopar.measure.tables import _add_tracking, model_costs
 from autopar.passes.analyze import analyze
 
 _EXTRA_S = 0.05       # what the stand-in meter's clock charges per phase beyond the thread's CPU time
@@ -89,7 +89,7 @@ def test_the_residual_is_what_the_meters_clock_charges_beyond_plain(cache, tiny)
 
 
 def test_the_residual_is_linear_in_the_rows_between_the_timed_batches(cache, tiny):
-    from autopar.cost.measure_cache import save_json
+    from autopar.measure.cache import save_json
 
     _, inputs, an, _ = tiny
     path = measure_cache_path()

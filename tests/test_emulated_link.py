@@ -74,7 +74,7 @@ def test_a_link_needs_every_operation_and_round_trips():
 
 
 def test_alpha_beta_fit_recovers_each_operations_latency_and_bandwidth():
-    from autopar.cost.link_measure import fit_alpha_beta, link_shape
+    from autopar.measure.links import fit_alpha_beta, link_shape
 
     sizes = (4096, 262144, 4 << 20, 16 << 20)
     for op, lat, bw in (("all_reduce", 1e-3, 1e9), ("broadcast", 5e-5, 2e9), ("p2p", 0.0, 4e9)):
@@ -93,7 +93,9 @@ def test_alpha_beta_fit_recovers_each_operations_latency_and_bandwidth():
 
 
 def test_measured_once_per_machine_and_layout_then_read_from_the_cache(tmp_path, monkeypatch):
-    from autopar.cost import calibrate, link_measure, measure_cache
+    from autopar.cost import calibrate
+    from autopar.measure import links as link_measure, cache as measure_cache
+    from autopar.measure.machine import machine_cluster
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPAR_NUM_CORES", "2")
@@ -112,13 +114,13 @@ def test_measured_once_per_machine_and_layout_then_read_from_the_cache(tmp_path,
     # an entry measured the old way (one latency, no version in its key) is not read: measured again
     measure_cache.save_link("ranks 3|cores 0|1|1 of 2", {"latency_s": 1.0, "bandwidth_Bps": {}})
     assert link_measure.emulated_link_for(demo) == first and calls == [(0, 1, 1)]
-    planned = calibrate.calibrated_cluster(demo)
+    planned = machine_cluster(demo)
     assert planned.emulated_link == first
     assert comm.allgather_time_s(planned, [0, 1, 2], 1e7) != comm.allgather_time_s(demo, [0, 1, 2], 1e7)
     # a comm factor divides the measured link's bandwidths
     key = calibrate.device_key(demo.devices[0].spec, 3.0)
     measure_cache.save_calibration({key: {"comm": 2.0}})
-    slowed = calibrate.calibrated_cluster(demo)
+    slowed = machine_cluster(demo)
     assert slowed.emulated_link.bandwidth("all_gather") == pytest.approx(first.bandwidth("all_gather") / 2)
     assert slowed.emulated_link.latency("all_gather") == pytest.approx(first.latency("all_gather") * 2)
     monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")
@@ -129,7 +131,7 @@ def test_ranks_planning_at_once_measure_the_link_once(tmp_path, monkeypatch):
     import threading
     import time
 
-    from autopar.cost import link_measure
+    from autopar.measure import links as link_measure
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPAR_NUM_CORES", "2")

@@ -1,9 +1,9 @@
-"""The engine-call probe's figure per call kind (autopar.cost.engine_call.EngineCalls) and how the cost
+"""The engine-call probe's figure per call kind (autopar.measure.engine_call.EngineCalls) and how the cost
 model prices each kind (ModelCosts.call_overhead with a kind)."""
 
 import pytest
 
-from autopar.cost.engine_call import KIND_OUTLIER, EngineCalls
+from autopar.measure.engine_call import KIND_OUTLIER, EngineCalls
 from autopar.ir.costs import CALL_KINDS, ModelCosts
 
 

@@ -397,7 +397,7 @@ def llama_140b_analysis():
 def test_hethub_768_llama_140b_efficiency(tables, request):
     cluster = Cluster.from_yaml("benchmarks/clusters/hethub-768.yaml")
     if tables == "profile":   # the cost model's roofline tables of the analysed model
-        from autopar.cost.profile import model_costs
+        from autopar.measure.tables import model_costs
 
         case, analysis = request.getfixturevalue("llama_140b_analysis")
         costs = model_costs(analysis, cluster, model=case.model)

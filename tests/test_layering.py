@@ -4,6 +4,7 @@ names, no import cycles, no module over 600 lines, and every module says what it
 Layers (the data flows cluster -> passes -> cost -> planner -> plan -> lowering -> runtime):
 
     cli -> api -> planner -> cost -> {ir, cluster, passes} ;  runtime -> lowering -> passes
+    api -> measure -> cost: the measurement layer times and caches; cost and planner never call it
     kernels imports nothing of autopar; errors and config import nothing but errors.
 
 Imports under ``if TYPE_CHECKING:`` only name types and are not counted. Lazy imports inside functions
@@ -30,13 +31,14 @@ ALLOWED: dict[str, set[str]] = {
     "passes": {"errors", "config", "ir", "kernels"},
     "cost": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "planner": {"errors", "config", "ir", "cluster", "cost"},
+    "measure": {"errors", "config", "ir", "cluster", "passes", "kernels", "cost"},
     "lowering": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "checkpoint": {"errors", "config", "ir"},
     "runtime": {"errors", "config", "ir", "cluster", "lowering", "passes", "kernels", "checkpoint"},
     "api": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
-            "runtime", "checkpoint"},
+            "runtime", "checkpoint", "measure"},
     "cli": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
-            "runtime", "checkpoint", "api"},
+            "runtime", "checkpoint", "api", "measure"},
     "package": {"errors"},     # autopar/__init__.py: everything else lazily, by name
     "main": {"cli"},           # autopar/__main__.py
 }

@@ -433,7 +433,7 @@ if __name__ == "__main__":
 
 
 def test_bf16_measured_memory_drops_as_the_plan_predicts():
-    """The plan prices precision= (cost.profile.model_costs -> cost.precision.precision_bytes) and the
+    """The plan prices precision= (measure.tables.model_costs -> cost.precision.precision_bytes) and the
     rank's tracked peak (an emulated device: autopar.runtime.memory) drops with it: measured 13.44 ->
     9.87 MB (0.73x) against predicted 12.78 -> 9.23 MB (0.72x) on gpt-tiny, each within 15%."""
     import autopar

@@ -17,8 +17,8 @@ from autopar.ir.plan import Stage
 from autopar.planner.pp import plan_pipeline, plan_timeline, stage_durations, stage_optimizer_s
 from autopar.cost.pipeline import pipeline_loss_allreduce_s
 from autopar.runtime.emulate import emulation_time_scale
-from autopar.cost.step import (OPTIMIZER_BANDWIDTH_EFFICIENCY, measure_call_overhead, measure_optimizer,
-                                flat_shard_numel, optimizer_roofline_s_per_param, step_concurrency, step_terms)
+from autopar.cost.step import OPTIMIZER_BANDWIDTH_EFFICIENCY, optimizer_roofline_s_per_param
+from autopar.measure.step import measure_call_overhead, measure_optimizer, flat_shard_numel, step_concurrency, step_terms
 from autopar.passes.analyze import analyze
 
 

@@ -1,4 +1,4 @@
-"""Block tables measured as a training step runs the blocks (``autopar.cost.profile.measure_blocks``):
+"""Block tables measured as a training step runs the blocks (``autopar.measure.blocks.measure_blocks``):
 the whole graph forward with autograd on and every block's saved activations alive until one whole
 backward; a new cache key (isolated timings of the previous scheme are never reused); rows that never
 decrease with the micro-batch."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import autopar.models as zoo
-from autopar.cost.measure_cache import measure_cache_path, save_json
-from autopar.cost.profile import MEASURE_VERSION, measure_blocks
+from autopar.measure.cache import measure_cache_path, save_json
+from autopar.measure.blocks import MEASURE_VERSION, measure_blocks
 from autopar.passes.analyze import analyze
 
 

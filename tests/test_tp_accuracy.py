@@ -2,7 +2,7 @@
 
 - a group's block times: the slowest rank's compute (blocks without a pair whole) plus one all-reduce
   per pair in each direction; a rank's parameters from the rewrite's layout (``tp_rank_params``);
-- the measured replicated fraction (``cost.tp_measure``): a figure in range for a model with Linear
+- the measured replicated fraction (``measure.tp``): a figure in range for a model with Linear
   pairs, the shard's fraction that the rewrite really cuts, the user's model left as it was (gradients,
   buffers, RNG), memoised; None where it cannot or should not be measured (no pairs, meta weights,
   GPU or roofline tables). No figure is asserted on: timings belong to benchmarks.
@@ -17,7 +17,7 @@ from torch import nn
 
 from autopar.cluster.model import Cluster
 from autopar.cost import tp as tp_cost
-from autopar.cost.tp_measure import cpu_replicated_fraction, measure_replicated_fraction
+from autopar.measure.tp import cpu_replicated_fraction, measure_replicated_fraction
 from autopar.ir.costs import ModelCosts
 from autopar.passes.analyze import analyze
 

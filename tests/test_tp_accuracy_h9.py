@@ -88,7 +88,7 @@ def test_measured_sp_covered_prices_sp_blocks_with_the_measured_fraction():
     # the graph's count: SP removes replicated work
     graph_f, _ = tp_cost.rank_block_times(costs, types, shares, 4.0, 0.3, True)
     assert (graph_f[:, sp] < plain_f[:, sp]).all()
-    # as cost.tp_measure.cpu_sp_covered gives it on a CPU where SP measured slower: more than plain
+    # as measure.tp.cpu_sp_covered gives it on a CPU where SP measured slower: more than plain
     slower = dataclasses.replace(costs, tp_sp_covered=np.where(sp, -0.1, 0.0), _cache={})
     f, _ = tp_cost.rank_block_times(slower, types, shares, 4.0, 0.3, True)
     rho = 0.4

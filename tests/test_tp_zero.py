@@ -142,7 +142,7 @@ def _costs(name):
     """Roofline cost tables of zoo model ``name`` at its example batch (no timing: only bytes matter)."""
     if name not in _COSTS:
         from autopar.cluster.model import builtin as load_cluster
-        from autopar.cost.profile import model_costs
+        from autopar.measure.tables import model_costs
         from autopar.models import build
         from autopar.passes.analyze import analyze
 

@@ -286,7 +286,7 @@ def _calibrate(results, cluster) -> None:
     """Fit this machine's calibration factors from every strategy's profile and save them."""
     from autopar.cluster.emulation import emulation_time_scale
     from autopar.cost.calibrate import device_key, fit_machine_factors, samples
-    from autopar.cost.measure_cache import calibration_path, save_calibration
+    from autopar.measure.cache import calibration_path, save_calibration
     from autopar.ir.plan import Plan
 
     scale = emulation_time_scale(len(cluster))
@@ -332,7 +332,7 @@ def cmd_train(args) -> int:
     if getattr(args, "calibrate", False):   # predict without the old factors, so the new ones do not compound
         import os
 
-        from autopar.cost.measure_cache import CALIBRATION_ENV
+        from autopar.measure.cache import CALIBRATION_ENV
 
         os.environ[CALIBRATION_ENV] = "off"
     results = run_comparison(spec, cluster)

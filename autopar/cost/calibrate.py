@@ -43,15 +43,16 @@ Terms
   compute ratio scattered between models by 0.03-0.18 in log (mean ~0.1), about as much as the
   offset the models shared (0.98-1.18), so one model tells about half of what the machine does.
   ``fit_factors`` (all of a profile's ratio) stays what re-planning uses: it re-prices the same model.
-- the fit starts from predictions made *without* calibration (``autopar.cost.profile.model_costs``
+- the fit starts from predictions made *without* calibration (``autopar.measure.tables.model_costs``
   with ``calibration=None``), so factors never compound.
 - device type key (``device_key``): the cluster's device type name; for an emulated device also its
   speed and the run's emulation time scale, which change what its tables mean.
 
-Factors are persisted per machine (``autopar.cost.measure_cache.save_calibration``): measured on the
+Factors are persisted per machine (``autopar.measure.cache.save_calibration``): measured on the
 machine that runs, never carried over from another (``machine_id``).
 
-The emulated link (what ``calibrated_cluster`` attaches): ``autopar.cost.link_measure``.
+The emulated link (what ``calibrated_cluster`` attaches): ``autopar.measure.links``; this machine's
+factors and link together: ``autopar.measure.machine``.
 
 Pure functions of their arguments; tested on synthetic profiles.
 """
@@ -233,23 +234,18 @@ def calibrated(costs, factors: Mapping[str, Mapping[str, float]], keys: Mapping[
                    call_overhead_s=call, sources=sources, optimizer_s_per_tensor=per_tensor, _cache={})
 
 
-def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]] | None = None):
-    """``cluster`` for planning: with ``factors`` None, this machine's factors (profile cache) and its
-    measured emulated link (``emulated_link_for``) attached; each ``comm`` factor (the largest among a
-    node's devices) slows the node's link: the emulated link's every time (``EmulatedLink.scaled``)
-    where it has one, else the intra-node link's bandwidth. Explicit ``factors`` apply to the cluster's own links only. Unchanged (the same
-    object) when there is nothing to apply. Links between nodes keep the cluster's network figures."""
-    from autopar.cluster.emulation import emulated_link_nodes, emulation_time_scale, with_emulated_link
+def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]], *, time_scale: float = 1.0,
+                       link=None):
+    """``cluster`` for planning with ``factors`` (keyed by ``device_key`` at ``time_scale``, the run's
+    emulation time scale) and an emulated ``link`` (``autopar.cluster.links.EmulatedLink``, measured by
+    ``autopar.measure.links``; None: the cluster's own links) attached: each ``comm`` factor (the largest
+    among a node's devices) slows the node's link: the emulated link's every time
+    (``EmulatedLink.scaled``) where it has one, else the intra-node link's bandwidth. Unchanged (the
+    same object) when there is nothing to apply. Links between nodes keep the cluster's network figures.
+    This machine's factors and link: ``autopar.measure.machine.machine_cluster``."""
+    from autopar.cluster.emulation import emulated_link_nodes, with_emulated_link
 
-    link = None
-    if factors is None:
-        from autopar.cost.link_measure import emulated_link_for
-        from autopar.cost.measure_cache import load_calibration
-
-        factors = load_calibration()
-        link = emulated_link_for(cluster)
-    scale = emulation_time_scale(len(cluster))
-    comm = {d.rank: float(factors.get(device_key(d.spec, scale), {}).get("comm", 1.0)) for d in cluster.devices}
+    comm = {d.rank: float(factors.get(device_key(d.spec, time_scale), {}).get("comm", 1.0)) for d in cluster.devices}
     linked = set(emulated_link_nodes(cluster)) if link is not None else set()
     node_intra = list(cluster.node_intra_Bps)
     for n in range(cluster.num_nodes):

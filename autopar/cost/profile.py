@@ -1,49 +1,44 @@
-"""Per-device cost: the forward and backward time of every block on every device type of a cluster.
+"""Per-device cost tables from the model's facts and given time measurements: the forward and
+backward time of every block on every device type of a cluster, and the ``ModelCosts`` they make.
 
-Three sources, in order of preference (``ModelCosts.sources`` records which one each type got):
+Three sources of a type's time table, in order of preference (``ModelCosts.sources`` records which):
 
-1. **measured** on a real local device of that type (a CUDA GPU whose name matches, or this CPU):
-   in situ, as a training step runs the blocks (``measure_blocks``): the whole graph, split into its
-   blocks, forward with autograd on and every block's activations alive, then one whole backward,
-   each block's share read from hooks (warm-up, repeats, min or median); results are cached on disk
-   keyed by the graph's block signatures, micro-batch, device name, threads and dtype.
+1. **measured** on a real local device of that type (``autopar.measure.blocks``, in situ: the tables
+   come in as ``measured``);
 2. **emulated**: an emulated CPU device (``emulate: cpu, speed: s``) costs the CPU measurement divided
-   by ``s`` and multiplied by the run's emulation time scale (``autopar.cluster.emulation.emulation_time_scale``), which
-   the runtime's clocks use too. This is emulation: the figures say so wherever they are printed.
+   by ``s`` and multiplied by the run's emulation time scale (``emulation_scale``, which the runtime's
+   clocks use too). This is emulation: the figures say so wherever they are printed.
 3. **roofline** transfer for device types not at hand: per block and op class (matmul, attention,
    memory-bound), ``max(FLOPs / peak, bytes / bandwidth)`` divided by a per-class efficiency, plus a
-   per-op overhead. Efficiencies are calibrated by non-negative least squares (scipy ``nnls``) from
+   per-op overhead. Efficiencies are fitted by non-negative least squares (scipy ``nnls``) from
    what was measured on this machine (``calibrate``), or default to typical GPU figures.
 
-A fourth input, Triton kernel timings from ``autopar tune`` (``kernels.timing``), replaces the
-roofline time of the nodes a tuned kernel covers when a tuning cache exists for that device.
+A fourth input, Triton kernel timings from ``autopar tune``, replaces the roofline time of the nodes a
+tuned kernel covers (``kernel_adjust``, read by ``autopar.measure.tables``).
 
 GPU device types are costed for mixed-precision training (bf16 peak, 2-byte activations; activation
 memory is halved when every device of the cluster is a GPU); CPU and emulated devices for fp32. The
 rule lives in ``autopar.cost.precision``, which the MFU of ``autopar.planner.bounds`` uses too.
+
+Pure: nothing here times, reads a file or the environment; ``autopar.measure.tables.model_costs``
+decides what to measure and calls ``time_tables`` and ``costs_of``.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from autopar.cluster.emulation import emulation_time_scale
-from autopar.cost.measure_cache import (
-    cache_dir, graph_signature, load_json, measure_cache_path, save_json, tile_batch,
-)
 from autopar.cost.precision import is_mixed_precision, priced_peak_flops
 from autopar.cost.tp import tp_memory_replicated_per_block, tp_pairs_per_block
 from autopar.cost.tp_tables import tp_graph_tables_of
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
-from autopar.passes.meta import BLOCK, COST
+from autopar.passes.meta import BLOCK
 
-__all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "model_costs", "param_tensors_per_block", "roofline_features",
-           "calibrate", "measure_blocks", "MEASURE_VERSION", "cache_dir", "DEFAULT_SAMPLE_BATCHES",
-           "kernel_adjustments"]
+__all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "DEFAULT_SAMPLE_BATCHES", "param_tensors_per_block",
+           "roofline_features", "calibrate", "time_tables", "costs_of"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -120,189 +115,6 @@ def calibrate(features: np.ndarray, times_s: np.ndarray) -> Efficiency:
     return Efficiency(*[float(v) for v in x])
 
 
-# -- measurement ---------------------------------------------------------------------------------
-def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: torch.device | None = None,
-                   repeats: int = 5, use_cache: bool = True, progress=None,
-                   stat: str = "min", min_time_s: float = 0.3) -> dict[int, np.ndarray]:
-    """Measured forward and backward seconds of every block at each micro-batch in ``batches``, as a
-    training step runs them (in situ).
-
-    Returns {micro_batch: array (2, num_blocks)} (row 0 forward, row 1 backward). Each repeat runs the
-    whole graph, split into its blocks, forward with autograd on (every block's saved activations kept
-    alive until the backward, as in a step), then one whole backward from the outputs (gradients
-    accumulated into the parameters' ``.grad``, as a micro-step after the first does). A block's forward
-    is the clock from its forward pre-hook to the next block's (the last: to the end of the forward);
-    its backward is the clock from when its outputs' gradients are complete (tensor hooks) to when the
-    preceding block's are (the first: to the end of the backward), so the blocks add up to the whole
-    forward and the whole backward. Each block takes ``stat`` over the repeats ("min", default: the
-    uncontended time, robust when other processes share the cores, and what an emulated device's
-    steady CPU-time clock charges; or "median"), then the rows are scaled so that they add up to the
-    same statistic of the whole forward and of the whole backward of the unsplit graph run without
-    hooks, once after every hooked run (the hooks, the split's module calls and the clock reads cost
-    time a step does not spend: the hooked totals ran 0-14% above on gpt-tiny and resmlp at 16
-    samples here, and session 6 saw 20%), so the hooks give the split between blocks only. Identical blocks (``struct_hash``)
-    share the mean of their in-situ times. A row is made non-decreasing in the micro-batch (a larger
-    micro-batch never costs less; timing noise at small ones otherwise inverts neighbours).
-    Not counted: the loss (the graph's outputs get unit gradients), which a step runs after the graph.
-
-    ``repeats`` is the least number of timed runs per micro-batch; small graphs run more, until their
-    timed runs add up to ``min_time_s`` (at most ``_MAX_REPEATS``): the least of a few 10 ms runs
-    moved by 40% between two processes on a loaded machine, which the planner then took as the model.
-    """
-    from torch.fx.passes.split_module import split_module
-
-    gm = analysis.captured.gm
-    device = device or torch.device("cpu")
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    # One CPU thread (how emulated ranks run): the thread's CPU time, what their clocks measure, and
-    # blind to the time other processes take the core; otherwise wall time (GPUs, threaded CPUs).
-    clock = time.thread_time if device.type == "cpu" and threads() == 1 else time.perf_counter
-    n = len(analysis.blocks)
-    cache_file = measure_cache_path()
-    cache = load_json(cache_file) if use_cache else {}
-    sig = graph_signature(analysis)
-    split = subs = None
-    out: dict[int, np.ndarray] = {}
-    for b in batches:
-        k = _key(sig, b, dev_name, threads())
-        if k not in cache:
-            if split is None:
-                split = split_module(gm, model, lambda node: node.meta[BLOCK], keep_original_order=True)
-                subs = {int(name.split("_")[1]): mod for name, mod in split.named_children()
-                        if name.startswith("submod_")}
-            res = _in_situ(split, subs, n, tile_batch(example_inputs, b), repeats, sync, clock, stat, min_time_s,
-                           whole=gm)
-            groups: dict[str, list[int]] = {}
-            for s in analysis.stats:
-                groups.setdefault(s.struct_hash, []).append(s.index)
-            for idx in groups.values():
-                res[:, idx] = res[:, idx].mean(axis=1, keepdims=True)
-            cache[k] = res.tolist()
-            if progress is not None:
-                progress()
-        out[b] = np.array(cache[k], float).reshape(2, n)
-    for lo, hi in zip(sorted(out), sorted(out)[1:]):
-        out[hi] = np.maximum(out[hi], out[lo])
-    if use_cache:
-        save_json(cache_file, cache)
-    return out
-
-
-_WARMUP = 2
-_MAX_REPEATS = 40
-
-
-def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock, stat: str,
-             min_time_s: float = 0.0, whole=None) -> np.ndarray:
-    """(2, n) forward / backward seconds of the blocks of ``split`` on ``inputs`` (``measure_blocks``).
-    ``whole``: the unsplit graph, run without hooks after every hooked run; its totals are what the
-    rows are scaled to (else the hooked runs' own)."""
-    fwd_marks: list[tuple[float, int]] = []
-    grad_marks: dict[int, float] = {}
-
-    def stamp() -> float:
-        sync()
-        return clock()
-
-    def on_grad(i: int):
-        def hook(_grad):
-            grad_marks[i] = stamp()        # the last of its outputs' gradients completes the block's
-        return hook
-
-    def pre(i: int):
-        return lambda m, args: fwd_marks.append((stamp(), i))
-
-    def post(i: int):
-        def hook(m, args, result):
-            for o in torch.utils._pytree.tree_flatten(result)[0]:
-                if isinstance(o, torch.Tensor) and o.requires_grad:
-                    o.register_hook(on_grad(i))
-        return hook
-
-    hooks = [h for i, mod in subs.items()
-             for h in (mod.register_forward_pre_hook(pre(i)), mod.register_forward_hook(post(i)))]
-    fwd_runs, bwd_runs, fwd_total, bwd_total = [], [], [], []
-    plain_fwd, plain_bwd = [], []
-
-    def run_once(module) -> tuple[float, float, float]:   # forward with grad, then one whole backward
-        t0 = stamp()
-        outs = [o for o in torch.utils._pytree.tree_flatten(module(*inputs))[0]
-                if isinstance(o, torch.Tensor) and o.requires_grad]
-        t1 = stamp()
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        return t0, t1, stamp()
-
-    def plain() -> None:       # the graph as a step runs it: one module, no hooks
-        t0, t1, t2 = run_once(whole)
-        plain_fwd.append(t1 - t0)
-        plain_bwd.append(t2 - t1)
-
-    try:
-        r = -1
-        while True:          # the first runs warm up (allocations of a new size), then the timed ones
-            r += 1
-            timed = len(fwd_total)
-            if timed >= max(1, repeats) and (timed >= _MAX_REPEATS or sum(fwd_total) + sum(bwd_total)
-                                              + sum(plain_fwd) + sum(plain_bwd) >= min_time_s):
-                break
-            fwd_marks.clear()
-            grad_marks.clear()
-            t0, t1, t2 = run_once(split)
-            if whole is not None:
-                plain()
-            if r < _WARMUP:
-                plain_fwd.clear()
-                plain_bwd.clear()
-                continue
-            f = np.zeros(n)
-            marks = sorted(fwd_marks) + [(t1, -1)]
-            f[marks[0][1]] += marks[0][0] - t0        # before the first block: the graph's own glue
-            for (ta, i), (tb, _) in zip(marks, marks[1:]):
-                f[i] += tb - ta
-            g = np.zeros(n)
-            order = sorted((t, i) for i, t in grad_marks.items())   # last block first
-            if order:
-                g[order[0][1]] += order[0][0] - t1    # the outputs' gradients up to the last block's
-                for (ta, i), (tb, _) in zip(order, order[1:] + [(t2, -1)]):
-                    g[i] += tb - ta
-            fwd_runs.append(f)
-            bwd_runs.append(g)
-            fwd_total.append(t1 - t0)
-            bwd_total.append(t2 - t1)
-    finally:
-        for h in hooks:
-            h.remove()
-        split.zero_grad(set_to_none=True)
-        if whole is not None:
-            whole.zero_grad(set_to_none=True)
-    pick = np.min if stat == "min" else np.median
-    res = np.stack([pick(np.stack(fwd_runs), axis=0), pick(np.stack(bwd_runs), axis=0)])
-    if plain_fwd:       # hooks and the split's calls cost time a step does not spend: the totals unhooked
-        fwd_total, bwd_total = plain_fwd, plain_bwd
-    for row, total in ((0, fwd_total), (1, bwd_total)):
-        s = res[row].sum()
-        if s > 0:
-            res[row] *= float(pick(total)) / s
-    return res
-
-
-def threads() -> int:
-    return torch.get_num_threads()
-
-
-# Bumped whenever what a cached table means changes (v3: rows scaled to the unhooked whole graph's
-# totals; v2: in situ, whole graph with grad, scaled to the hooked runs' totals; v1 were isolated
-# per-block timings keyed by the block alone).
-MEASURE_VERSION = "insitu-v3"
-
-
-def _key(sig: str, b: int, dev: str, nthreads: int) -> str:
-    return (f"{MEASURE_VERSION}|{sig}|b{b}|{dev}|t{nthreads}|fp32"
-            + ("|cpu-time" if dev == "cpu" and nthreads == 1 else ""))
-
-
 # -- the cost tables -----------------------------------------------------------------------------
 def _roofline_table(analysis, spec, batches, eff: Efficiency) -> tuple[np.ndarray, np.ndarray]:
     peak = priced_peak_flops(spec)
@@ -317,45 +129,6 @@ def _roofline_table(analysis, spec, batches, eff: Efficiency) -> tuple[np.ndarra
             fwd[bi, s.index] = ff @ x
             bwd[bi, s.index] = fb @ x
     return fwd, bwd
-
-
-def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=torch.bfloat16) -> np.ndarray | None:
-    """Per block (forward, backward) seconds to add at the analysis batch size when the nodes that a
-    tuned Triton kernel covers run that kernel instead of what the roofline assumed: the kernel's tuned
-    time (``autopar tune`` cache, ``kernels.timing``) minus those nodes' memory-bound roofline time.
-    None when the tuning cache knows nothing of ``device_name``."""
-    from autopar.kernels.cache import read_cache
-    from autopar.kernels.timing import kernel_time_s
-    from autopar.passes.triton_patterns import find_kernel_patterns
-
-    # The tuning cache is keyed by the CUDA device name ("NVIDIA H200"); presets are "H200-141GB".
-    known = list(read_cache())
-    token = device_name.split("-")[0].lower()
-    names = [d for d in known if d == device_name] or [d for d in known if token and token in d.lower()]
-    if not names:
-        return None
-    device_name = names[0]
-    gm = analysis.captured.gm
-    nodes = {n.name: n for n in gm.graph.nodes}
-    out = np.zeros((2, len(analysis.stats)))
-    found = False
-    for m in find_kernel_patterns(gm):
-        if m.input_shape is None:
-            continue
-        kf = kernel_time_s(m.kernel, m.input_shape, dtype, device_name=device_name)
-        kb = kernel_time_s(m.kernel + ".bwd", m.input_shape, dtype, device_name=device_name)
-        if kf is None:
-            continue
-        found = True
-        covered = [nodes[x] for x in m.node_names if x in nodes and COST in nodes[x].meta]
-        block = covered[-1].meta[BLOCK] if covered else None
-        if block is None:
-            continue
-        act = sum(n.meta[COST].act_bytes for n in covered) * 0.5  # bf16 on GPUs
-        roof = act / spec.mem_bandwidth_Bps * eff.memory + len(covered) * eff.op_overhead_s
-        out[0, block] += kf - roof
-        out[1, block] += (kb if kb is not None else 2 * kf) - 2 * roof
-    return out if found else None
 
 
 def _tp_pairs(analysis, num_blocks: int) -> np.ndarray | None:
@@ -399,21 +172,6 @@ def _tp_memory(analysis, num_blocks: int) -> dict:
     return {} if got is None else {"tp_param_replicated": got[0], "tp_act_replicated": got[1]}
 
 
-def _add_tracking(fwd_table: dict, bwd_table: dict, batches, stats, speeds: dict[str, float],
-                  residual_s: dict[int, tuple[float, float]]) -> None:
-    """Add ``residual_s`` (``engine_call.measure_tracking``: {micro-batch: (forward s, backward s)} of a
-    whole micro-step) to the tables of ``speeds``' types (``{type: the divisor of their tables}``), each
-    block its share of the graph's operators (``BlockStats.num_ops``; evenly where none are counted), in
-    place."""
-    ops = np.array([float(s.num_ops) for s in stats])
-    share = ops / ops.sum() if ops.sum() > 0 else np.full(len(ops), 1.0 / max(1, len(ops)))
-    rf = np.array([residual_s[int(b)][0] for b in batches])[:, None] * share[None, :]
-    rb = np.array([residual_s[int(b)][1] for b in batches])[:, None] * share[None, :]
-    for t, speed in speeds.items():
-        fwd_table[t] = np.asarray(fwd_table[t], dtype=np.float64) + rf / speed
-        bwd_table[t] = np.asarray(bwd_table[t], dtype=np.float64) + rb / speed
-
-
 def _output_bytes(analysis) -> float:
     """Bytes per sample of the captured graph's output tensors (what the loss function reads)."""
     from autopar.passes.meta import TENSOR
@@ -427,56 +185,23 @@ def _output_bytes(analysis) -> float:
     return total / max(1, analysis.batch_size)
 
 
-def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
-                sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
-                efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
-                calibration="auto", precision: str | None = None, loss_fn=None,
-                example_targets=None, tracking=None) -> ModelCosts:
-    """Cost tables of ``analysis`` (``passes.analyze.Analysis``) on every device type of ``cluster``.
 
-    ``precision`` (``"fp32" | "bf16" | "fp16"``, a plan's ``precision=``): given other than fp32, the byte
-    fields are what the runtime keeps under autocast (``cost.precision.precision_bytes``: fp32 weights
-    plus autocast's copies, fp32 gradients and state, each block's saved activations and sent values at
-    their autocast dtypes). Times stay the device rule's: GPUs at their bf16 peak, CPUs (and emulated
-    devices) at their fp32 time, whose autocast is no faster here (``docs/precision.md``). None or
-    ``"fp32"``: the device rule for bytes too (bf16 bytes on an all-GPU cluster, fp32 otherwise).
-
-    ``calibration``: correction factors ``{device key: {term: factor}}`` (``autopar.cost.calibrate``)
-    applied to the tables; ``"auto"`` (default): this machine's, from the profile cache
-    (``autopar.cost.measure_cache.load_calibration``); None: none.
-
-    ``measure``: time blocks on this machine for emulated / local device types (default: when the model
-    has real weights). Without measurement, emulated devices fall back to a roofline of the nominal CPU.
-
-    ``loss_fn`` with ``example_targets`` (the targets of ``example_inputs``' rows): the loss's forward
-    and backward are timed too and added to the last block of the measured tables
-    (``autopar.cost.loss``); without them the tables hold the model alone.
-
-    ``tracking`` (``autopar.cost.engine_call.measure_tracking``'s: a callable returning a fresh memory
-    meter and the CPU-time clock an emulated rank reads under it; None, default: not priced): what the
-    rank's memory tracking adds to a micro-step's charged CPU time beyond the meter's own estimate, added
-    to the measured tables of emulated types (whose ranks step under the meter), spread over the blocks
-    by their operator counts.
-    """
-    stats = analysis.stats
-    batches = np.array(sorted(sample_batches), dtype=float)
-    on_meta = model is None or any(p.is_meta for p in model.parameters())
-    if measure is None:
-        measure = not on_meta
-    types = cluster.device_types()
-    fwd_table, bwd_table, sources = {}, {}, {}
-    measured = None
-    need_cpu = any(not is_mixed_precision(cluster.spec_of(t)) for t in types)
-    if measure and need_cpu and not on_meta:
-        measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
-
-    emu_scale = emulation_time_scale(len(cluster))
-    speeds = {}         # measured types: the divisor of this CPU's times
-    for t in types:
+def time_tables(analysis, cluster, batches, *, measured: dict[int, np.ndarray] | None = None,
+                emulation_scale: float = 1.0, efficiency: Efficiency | None = None,
+                kernel_adjust: dict[str, np.ndarray] | None = None) -> tuple[dict, dict, dict, dict]:
+    """(forward table, backward table, sources, speeds) of every device type of ``cluster`` at the
+    micro-batches ``batches``: GPU types by the roofline (plus ``kernel_adjust[type]``, the tuned
+    Triton kernels' per-block seconds at the analysis batch, ``autopar.measure.tables``); CPU and
+    emulated types from ``measured`` (``autopar.measure.blocks.measure_blocks``: this CPU's seconds per
+    micro-batch) divided by their speed (an emulated device's ``speed / emulation_scale``), or without
+    it a roofline of the nominal CPU. ``speeds``: the divisor of each type whose table was measured."""
+    batches = np.asarray(batches, dtype=float)
+    fwd_table, bwd_table, sources, speeds = {}, {}, {}, {}
+    for t in cluster.device_types():
         spec = cluster.spec_of(t)
         if not is_mixed_precision(spec):
             # An emulated device runs at speed / time_scale of this CPU (autopar.runtime.emulate).
-            speed = spec.speed / emu_scale if spec.is_emulated else 1.0
+            speed = spec.speed / emulation_scale if spec.is_emulated else 1.0
             if measured is not None:
                 fwd_table[t] = np.stack([measured[int(b)][0] for b in batches]) / speed
                 bwd_table[t] = np.stack([measured[int(b)][1] for b in batches]) / speed
@@ -489,28 +214,26 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
             fwd_table[t], bwd_table[t] = f / speed, b_ / speed
             sources[t] = "roofline (nominal CPU)"
             continue
-        eff = efficiency or DEFAULT_GPU_EFFICIENCY
-        f, b_ = _roofline_table(analysis, spec, batches, eff)
+        f, b_ = _roofline_table(analysis, spec, batches, efficiency or DEFAULT_GPU_EFFICIENCY)
         sources[t] = "roofline"
-        adj = kernel_adjustments(analysis, spec.name, spec, eff) if use_kernel_times else None
+        adj = (kernel_adjust or {}).get(t)
         if adj is not None:  # tuned Triton kernels replace the roofline of the nodes they cover
             scale = (batches / analysis.batch_size)[:, None]
             f = np.maximum(f + adj[0] * scale, f * 0.05)
             b_ = np.maximum(b_ + adj[1] * scale, b_ * 0.05)
             sources[t] = "roofline + tuned Triton kernels"
         fwd_table[t], bwd_table[t] = f, b_
-    if speeds and loss_fn is not None and example_targets is not None:   # the loss, on the last block
-        from autopar.cost.loss import add_loss_to_tables, measure_loss
+    return fwd_table, bwd_table, sources, speeds
 
-        add_loss_to_tables(fwd_table, bwd_table, batches,
-                           measure_loss(analysis, model, example_inputs, loss_fn, example_targets, batches), speeds)
-    emulated = {t: v for t, v in speeds.items() if cluster.spec_of(t).is_emulated}
-    if emulated and tracking is not None:       # what the memory meter costs an emulated rank (engine_call)
-        from autopar.cost.engine_call import measure_tracking
 
-        _add_tracking(fwd_table, bwd_table, batches, stats, emulated,
-                      measure_tracking(analysis, example_inputs, [int(b) for b in batches], tracking=tracking,
-                                       loss_fn=loss_fn, example_targets=example_targets))
+def costs_of(analysis, cluster, batches, fwd_table: dict, bwd_table: dict, sources: dict, terms: dict, *,
+             optimizer: str = "adamw", precision: str | None = None, example_inputs=None) -> ModelCosts:
+    """The ``ModelCosts`` of ``analysis`` on ``cluster``: the model's facts from the graph (parameters,
+    bytes, FLOPs, tensor-parallel tables) with the given time tables and ``terms`` (the per-type
+    optimizer and call fields, ``autopar.measure.step.step_terms``). Bytes at ``precision`` (see
+    ``autopar.measure.tables.model_costs``)."""
+    stats = analysis.stats
+    types = cluster.device_types()
     per = analysis.batch_size
     # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
     all_gpu = all(is_mixed_precision(cluster.spec_of(t)) for t in types)
@@ -519,10 +242,6 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     act_scale = 0.5 if all_gpu else 1.0
     weight_bytes_per_param = 2 if all_gpu else 4
     opt_bytes = OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0)
-    from autopar.cost.step import step_terms  # optimizer step and per-call overhead per type
-
-    terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
-                       measured=measured is not None)
     costs = ModelCosts(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),
@@ -530,7 +249,7 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         act_bytes=np.array([s.saved_bytes / per * act_scale for s in stats], float),
         out_bytes=np.array([s.cut_bytes / per * act_scale for s in stats], float),
         fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
-        sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table,
+        sample_batches=np.asarray(batches, dtype=float), fwd_table=fwd_table, bwd_table=bwd_table,
         optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
         tied_groups=analysis.tied_groups, sources=sources,
         output_bytes=_output_bytes(analysis) * act_scale, **terms,
@@ -545,13 +264,4 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
 
         costs = replace(costs, **precision_bytes(analysis, example_inputs, precision,
                                                  OPTIMIZER_STATE_BYTES.get(optimizer, 8)))
-    if calibration == "auto":
-        from autopar.cost.measure_cache import load_calibration
-
-        calibration = load_calibration()
-    if calibration:
-        from autopar.cost.calibrate import calibrated, device_key
-
-        keys = {t: device_key(cluster.spec_of(t), emu_scale) for t in types}
-        costs = calibrated(costs, calibration, keys)
     return costs

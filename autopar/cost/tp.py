@@ -8,7 +8,7 @@ Terms
 - replicated fraction ``rho``: the part of every block that each rank computes and stores whole
   (norms, residual adds); per rank the work factor is ``rho + (1 - rho) * fraction``. Taken from the
   block statistics where known (``replicated_fraction_of``), else ``DEFAULT_REPLICATED_FRACTION``;
-  on CPUs timed on this machine, measured with the rewrite itself (``autopar.cost.tp_measure``).
+  on CPUs timed on this machine, measured with the rewrite itself (``autopar.measure.tp``).
   One ``rho`` prices forward and backward alike. (Measured on this CPU, the backward fraction is
   smaller than the forward one, by 0.25-0.85 over the four accuracy models: too scattered to price
   a fixed rule; ``tp_measure`` returns the fraction of forward plus backward time.)
@@ -239,7 +239,7 @@ def group_kind(cluster: "Cluster", ranks: Sequence[int], shares: Sequence[int]) 
 
 def _block_rho(costs: ModelCosts, rho: float, sequence_parallel: bool) -> np.ndarray | float:
     """The replicated time fraction per block: ``rho``, and in SP blocks ``rho - covered`` in [0, 0.95]
-    (``cost.tp_tables``: SP shards the token-wise work outside the pairs; ``cost.tp_measure``: as timed)."""
+    (``cost.tp_tables``: SP shards the token-wise work outside the pairs; ``measure.tp``: as timed)."""
     sp = sp_blocks(costs) if sequence_parallel else None
     if sp is None or costs.tp_sp_covered is None:
         return rho

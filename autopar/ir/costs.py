@@ -29,7 +29,7 @@ Time terms besides the block tables, per device type (a type missing from a dict
   what a call costs beyond its blocks' hot timings when it starts after the emulation clock's sleep
   (cold caches, re-scheduling), on GPUs 0 (launch overheads are in the block tables).
   ``call_kinds``: each kind of call's part of it (``CALL_KINDS``: a data-parallel micro-step, a
-  pipeline stage's forward, its backward; ``autopar.cost.engine_call`` times each), as a factor on
+  pipeline stage's forward, its backward; ``autopar.measure.engine_call`` times each), as a factor on
   ``call_overhead_s``; a kind it does not hold (and every kind when empty) costs the figure itself.
 """
 
@@ -141,7 +141,7 @@ class ModelCosts:
     call_overhead_s: dict[str, float] = field(default_factory=dict)        # device type -> s per compute call
     call_kinds: dict[str, float] = field(default_factory=dict)             # CALL_KINDS kind -> factor on it
     # device type -> s per gradient bucket launched in the data-parallel last backward (emulated types:
-    # the backward restarts cold after the launch's pause, autopar.cost.engine_call ``bucket_s``)
+    # the backward restarts cold after the launch's pause, autopar.measure.engine_call ``bucket_s``)
     bucket_restart_s: dict[str, float] = field(default_factory=dict)
     optimizer_flat_s_per_param: dict[str, float] = field(default_factory=dict)  # ... over one flat buffer
     output_bytes: float = 0.0         # bytes of the graph's output (what the loss reads), per sample

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from autopar.config import DP_STRATEGIES
-from autopar.cost.calibrate import calibrated, calibrated_cluster, fit_factors, samples
+from autopar.cost.calibrate import calibrated, fit_factors, samples
 from autopar.cost.step import predicted_phases
 from autopar.ir.plan import Plan
 
@@ -71,8 +71,10 @@ def compute_ratios(profile, cluster: "Cluster") -> dict[str, float]:
 def propose(profile, plan: Plan, costs, cluster: "Cluster", global_batch: int, config,
             plan_fn: Callable, *, detect_ratio: float = 1.25) -> dict:
     """The fields of rank 0's ``autopar.runtime.replan.Proposal`` for ``profile``, measured under
-    ``plan`` priced with ``costs`` on ``cluster`` (see the module docstring); ``plan_fn(costs, cluster,
-    global_batch, config) -> Plan`` is the planner with its options (``config``: a ``PlanConfig``)."""
+    ``plan`` priced with ``costs`` on ``cluster`` (the cluster as planned, with this machine's figures
+    attached: ``autopar.measure.machine.machine_cluster``; see the module docstring); ``plan_fn(costs,
+    cluster, global_batch, config) -> Plan`` is the planner with its options (``config``: a
+    ``PlanConfig``), on that cluster as given."""
     keys = {d.rank: d.spec.name for d in cluster.devices}
     fitted = fit_factors(samples(profile, keys, plan))
     ratios = compute_ratios(profile, cluster)
@@ -97,5 +99,5 @@ def _repriced(plan: Plan, cal, cluster, global_batch: int, config, plan_fn) -> f
             return float(plan_fn(cal, cluster, global_batch, pinned).predicted.step_time_s)
         except Exception:  # noqa: BLE001 - a pin the planner cannot meet: the lower bound below
             pass
-    phases = predicted_phases(plan, cal, calibrated_cluster(cluster))
+    phases = predicted_phases(plan, cal, cluster)
     return max(sum(v for k, v in d.items() if k != "wait") for d in phases.values())

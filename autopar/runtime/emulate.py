@@ -39,7 +39,7 @@ Terms
   the same order, so this is the block's uncontended work: the CPU time of the same block varies by
   15-40% from step to step when neighbours share the core (caches, preemption), and that inflation is
   the host's, not the emulated device's. The cost model times blocks the same way (the least of its
-  repeats, ``autopar.cost.profile.measure_blocks``). The first steps (warm-up) charge what they take.
+  repeats, ``autopar.measure.blocks.measure_blocks``). The first steps (warm-up) charge what they take.
 - totals: ``compute_s`` (CPU time measured in blocks), ``slept_s`` (time spent sleeping, measured),
   ``overrun_s`` and ``num_overruns`` (wall time of blocks beyond their own target, and how many such
   blocks: contention the time scale did not absorb), ``num_blocks``; ``stats()`` returns them as a frozen ``ClockStats`` for reporting.

@@ -1,13 +1,13 @@
 """What a compute call costs an emulated rank beyond its blocks' hot timings, timed as the engines call.
 
-Why: the block tables (``autopar.cost.profile.measure_blocks``) take the least of hot repeats, one
+Why: the block tables (``autopar.measure.blocks.measure_blocks``) take the least of hot repeats, one
 run right after the other. An emulated rank never runs hot: its clock sleeps after every compute block
 (``autopar.runtime.emulate``: ``target - wall``, i.e. ``cpu x (time_scale / speed - 1)``, tens of
 milliseconds), and the call after the sleep starts with cold caches. On bert-tiny dp on the demo cluster
 (native, load 3-4, ``/tmp``-style launch script) a micro-step's engine code itself added 0-0.65 ms to the
 plain graph's forward + loss + backward (13.08 vs 13.11 ms at 32 rows, 3.57 vs 2.92 ms at 3 rows, least of
 12 hot runs in the rank's own process), while the same call after a 40 ms sleep cost 0.5-1.5 ms more,
-and in the forward (the backward right after it runs hot). ``autopar.cost.step.measure_call_overhead``
+and in the forward (the backward right after it runs hot). ``autopar.measure.step.measure_call_overhead``
 priced that start after a 10 ms sleep at 2 rows: 0.14 ms there, 0.2-0.3 ms alone on one core, against
 0.6-1.2 ms after 40-160 ms (the penalty grows with the sleep up to ~40 ms, then stays).
 
@@ -66,7 +66,7 @@ forward hook fires). Not measured here: the tensor-parallel and ZeRO-3 engines s
 several blocks (the clock settles before each collective), and each block after a collective starts
 cold again; those calls are priced as one.
 
-Cached in ``measure.json`` (``autopar.cost.measure_cache``) by the graph (the machine probe: its
+Cached in ``measure.json`` (``autopar.measure.cache``) by the graph (the machine probe: its
 version and repeats), micro-batch, sleep, loss, CPU threads and ``machine_id()``, so another machine
 measures its own. Emulated figures only: GPU types
 pay none of this (``call_overhead_s`` 0 there).
@@ -87,7 +87,7 @@ and data start cold too: at 32 rows, load 8-10, the residual was 1.9-4.7 ms afte
 against 1.9-2.3 hot, noisy; demo dp ranks charged 3.6-5.5 ms more per micro-step at 19-32 rows with
 tracking on), interleaved, the median of the paired differences per phase, at the smallest, a middle and the largest sample
 micro-batch (the residual grows with the rows: the operators' caches refill after every Python call),
-linear in the rows between them. ``autopar.cost.profile.model_costs`` adds it to emulated types'
+linear in the rows between them. ``autopar.measure.tables.model_costs`` adds it to emulated types'
 tables, spread over the blocks by their operator counts, and scaled like them. Cached like the calls,
 by graph, micro-batch, loss, threads and machine.
 """
@@ -100,7 +100,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.ir.costs import CALL_KINDS   # the kinds' order: micro-step, forward, backward
-from autopar.cost.measure_cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
+from autopar.measure.cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
 __all__ = ["EngineCalls", "measure_engine_calls", "measure_machine_calls", "MACHINE_REPEATS", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
            "bucket_gap_s", "BUCKET_GAP_RANGE_S", "measure_tracking", "tracking_batches", "KIND_OUTLIER"]

@@ -12,7 +12,7 @@ roofline tables stay as they are (a loss is a few small kernels there). Cross-en
 of the tiny transformers' vocabulary takes 0.7-0.9 ms here (forward + backward), which a pipeline's
 last stage pays once per micro-batch.
 
-Cached with the block timings (``autopar.cost.measure_cache.measure_cache_path()``), per graph, loss
+Cached with the block timings (``autopar.measure.cache.measure_cache_path()``), per graph, loss
 function (its qualified name), target shape / dtype, micro-batch and CPU thread count.
 """
 
@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from autopar.cost.measure_cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
+from autopar.measure.cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
 
 __all__ = ["measure_loss", "add_loss_to_tables"]
 

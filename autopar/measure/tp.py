@@ -31,7 +31,7 @@ were timed on this machine (``ModelCosts.timed_here``: "measured" or "emulated",
 until session 12 a calibrated cluster fell back to the graph's estimate, which priced glumlp's TP
 plans after calibration at 1.8-2.1x their measured step) and the model has real
 weights; otherwise None and the graph's estimate stands (GPUs, roofline tables, meta models).
-Results are cached in memory and on disk (``tp_fraction.json`` in ``autopar.cost.measure_cache.cache_dir``)
+Results are cached in memory and on disk (``tp_fraction.json`` in ``autopar.measure.cache.cache_dir``)
 by the graph's code, parameter and input shapes, batch, torch version and machine.
 
 Measured on this machine; every figure derived from it is a measurement of this CPU, not of any other
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autopar.cost.measure_cache import cache_dir, load_json, machine_id, save_json, tile_batch
+from autopar.measure.cache import cache_dir, load_json, machine_id, save_json, tile_batch
 from autopar.cost.tp import tp_pairs_of
 
 __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_fraction", "MEASURE_SHARES",

@@ -19,7 +19,7 @@ Terms (``autopar.cluster.links.EmulatedLink``; the rule: ``docs/emulation.md``)
   on this 2-core machine at load 7-9. Large messages (16 MB) run slower than the fit (caches): a
   reduce-scatter up to 2x.
 - ``emulated_link_for(cluster)``: this machine's link for the cluster's core layout, from the cache
-  (``autopar.cost.measure_cache.load_link``, under a key naming ``LINK_VERSION``: a link measured the
+  (``autopar.measure.cache.load_link``, under a key naming ``LINK_VERSION``: a link measured the
   older way is measured again), measured and cached the first time; None when the
   cluster has no node of emulated devices without a declared link, or with
   ``AUTOPAR_EMULATED_LINK=nominal`` (the nominal ``LinkModel`` figures then price it, as before).
@@ -58,7 +58,7 @@ def emulated_link_for(cluster):
 
     from autopar.cluster.emulation import emulated_link_nodes, link_layout, machine_cores
     from autopar.cluster.links import EmulatedLink
-    from autopar.cost.measure_cache import load_link, save_link
+    from autopar.measure.cache import load_link, save_link
 
     if os.environ.get(EMULATED_LINK_ENV, "").lower() in ("nominal", "off", "0", "no"):
         return None
@@ -82,7 +82,7 @@ def emulated_link_for(cluster):
 def _link_lock():
     """An exclusive lock on this cache's links (a lock file next to ``links.json``); none where the
     platform has no ``fcntl``."""
-    from autopar.cost.measure_cache import links_path
+    from autopar.measure.cache import links_path
 
     try:
         import fcntl
