@@ -21,7 +21,7 @@ from autopar.errors import ClusterError, PlanError, RuntimeInputError
 from autopar.ir.plan import Plan
 
 __all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare", "plan_config", "plan_from_costs",
-           "model_num_heads", "planning_analysis_options"]
+           "model_num_heads", "planning_analysis_options", "run_planner"]
 
 
 @dataclass
@@ -126,11 +126,21 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
                          dp_batch=dp_batch, num_heads=num_heads, replicated_fraction=replicated_fraction,
                          recompute=recompute, pin=pin)
-    from autopar.planner.entry import plan_with_config   # validates the batch and the cluster
-
     from autopar.measure.machine import machine_cluster   # this machine's measured links, if calibrated
 
-    return plan_with_config(costs, machine_cluster(cluster), global_batch_size, config, timings=timings)
+    return run_planner(costs, machine_cluster(cluster), global_batch_size, config, timings=timings)
+
+
+def run_planner(costs, cluster, global_batch_size: int, config: PlanConfig, *, timings: dict | None = None) -> Plan:
+    """The pure planner (``autopar.planner.entry.plan_with_config``) on ``cluster`` as given, with what
+    this machine lends it: the bounds' searches in side processes (``autopar.planning.side_bounds``),
+    the plans on disk (``autopar.planning.plan_cache``) and the wall clock for ``timings``."""
+    from autopar.planner.entry import plan_with_config   # validates the batch and the cluster
+    from autopar.planning.plan_cache import DiskPlanCache
+    from autopar.planning.side_bounds import start_bound_searches
+
+    return plan_with_config(costs, cluster, global_batch_size, config, timings=timings, clock=time.perf_counter,
+                            bounds=start_bound_searches, cache=DiskPlanCache())
 
 
 def model_num_heads(model: nn.Module) -> int | None:
@@ -505,10 +515,9 @@ def _replanner(compiled: Compiled, config, build_s: float, rebuild):
     config = config or PlanConfig()
 
     from autopar.measure.machine import machine_cluster
-    from autopar.planner.entry import plan_with_config
 
     def proposal(profile):
         return Proposal(**propose(profile, compiled.plan, compiled.costs, machine_cluster(compiled.cluster),
-                                  compiled.plan.global_batch_size, config, plan_with_config,
+                                  compiled.plan.global_batch_size, config, run_planner,
                                   detect_ratio=policy.detect_ratio))
     return Replanner(policy, proposal, rebuild, build_s)

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                                / room, used, len(cluster)), time.process_time() - t))
 
     def auto(cluster):
-        return plan_auto(costs, cluster, B, num_heads=heads, replicated_fraction=rho, use_cache=False)
+        return plan_auto(costs, cluster, B, num_heads=heads, replicated_fraction=rho)
 
     def pinned(text):
         return plan_pinned(costs, homo, B, PlanConfig(pin=Pin.parse(text), num_heads=heads, replicated_fraction=rho))

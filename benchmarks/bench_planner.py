@@ -125,7 +125,7 @@ def scenario(cluster_name: str, cluster: Cluster, model: str, costs: ModelCosts,
     row = {"cluster": cluster_name, "model": model, "devices": len(cluster), "global_batch": B,
            "device_types": {t: len(r) for t, r in cluster.device_types().items()}, "strategies": {}}
     try:
-        auto, wall = _timed(lambda: plan_auto(costs, cluster, B, num_heads=heads, use_cache=False), repeats)
+        auto, wall = _timed(lambda: plan_auto(costs, cluster, B, num_heads=heads), repeats)
     except PlanError as e:
         row["error"] = str(e)[:300]
         return row
@@ -141,12 +141,11 @@ def scenario(cluster_name: str, cluster: Cluster, model: str, costs: ModelCosts,
             continue
         row["strategies"][strategy] = {"samples_per_s": p.predicted.samples_per_s, "plan_s": w,
                                        "speedup_of_auto": auto.predicted.samples_per_s / p.predicted.samples_per_s}
-    (upper, bound_s) = _timed(lambda: upper_bound_samples_per_s(costs, cluster, B, num_heads=heads, use_cache=False), 1)
+    (upper, bound_s) = _timed(lambda: upper_bound_samples_per_s(costs, cluster, B, num_heads=heads), 1)
     compute = compute_bound_samples_per_s(costs, cluster)
     homo: dict = {}
     row["mfu"] = mfu(costs, cluster, auto.predicted.samples_per_s)
-    row["homogeneous_mfu"], homo_s = _timed(lambda: homogeneous_mfu(costs, cluster, B, details=homo, num_heads=heads,
-                                                                    use_cache=False), 1)
+    row["homogeneous_mfu"], homo_s = _timed(lambda: homogeneous_mfu(costs, cluster, B, details=homo, num_heads=heads), 1)
     row["homogeneous_cluster"] = f"{len(homo['cluster'])} x {homo['cluster'].devices[0].spec.name}"
     row.update(upper_bound_samples_per_s=upper, compute_bound_samples_per_s=compute, bounds_s=bound_s + homo_s,
                efficiency=auto.predicted.samples_per_s / upper if upper else None,
@@ -185,14 +184,14 @@ def scaling(device_counts, block_counts, repeats: int) -> dict:
         cluster = mixed_cluster(n)
         costs = llama_like_costs(cluster, 32)
         B = max(64, n)
-        p, wall = _timed(lambda: plan_auto(costs, cluster, B, num_heads=32, use_cache=False), repeats)
+        p, wall = _timed(lambda: plan_auto(costs, cluster, B, num_heads=32), repeats)
         out["devices"].append({"devices": n, "blocks": costs.num_blocks, "global_batch": B, "plan_s": wall,
                                "samples_per_s": p.predicted.samples_per_s})
         print(f"  scaling devices={n}: {wall:.2f} s", flush=True)
     cluster = mixed_cluster(64)
     for k in block_counts:
         costs = llama_like_costs(cluster, k - 2)
-        p, wall = _timed(lambda: plan_auto(costs, cluster, 256, num_heads=32, use_cache=False), repeats)
+        p, wall = _timed(lambda: plan_auto(costs, cluster, 256, num_heads=32), repeats)
         out["blocks"].append({"devices": 64, "blocks": k, "global_batch": 256, "plan_s": wall,
                               "samples_per_s": p.predicted.samples_per_s})
         print(f"  scaling blocks={k}: {wall:.2f} s", flush=True)
@@ -284,7 +283,7 @@ if kind == "devices":
 else:
     cluster = mixed_cluster(64); costs = llama_like_costs(cluster, n - 2); B = 256
 t0, c0 = time.perf_counter(), time.process_time()
-p = plan_auto(costs, cluster, B, num_heads=32, use_cache=False)
+p = plan_auto(costs, cluster, B, num_heads=32)
 print(json.dumps(dict(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0,
                       samples_per_s=p.predicted.samples_per_s, blocks=costs.num_blocks, global_batch=B)))
 """

@@ -135,7 +135,7 @@ def what_ifs(costs, cluster, batch: int, num_heads, rho: float, c0: float, bubbl
     def run(label, built, c=costs, cl=cluster, r=rho, patch=contextlib.nullcontext, **kw):
         try:
             with patch():
-                p = plan_auto(c, cl, batch, num_heads=num_heads, replicated_fraction=r, use_cache=False, **kw)
+                p = plan_auto(c, cl, batch, num_heads=num_heads, replicated_fraction=r, **kw)
                 wf = waterfall(p, c, cl)
         except Exception as e:   # a what-if that plans nothing says so
             return dict(what_if=label, built=built, of_bound=0.0, chosen=f"no plan: {e}"[:200])

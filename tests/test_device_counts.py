@@ -33,7 +33,7 @@ def _plan_or_memory_error(nodes: int, mixed: bool, degrees):
     cluster = _cluster(nodes, mixed)
     costs = _llama_costs(cluster)
     try:
-        plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, degrees=degrees, use_cache=False)
+        plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, degrees=degrees)
     except PlanError as e:
         msg = str(e)
         assert "fit" in msg and ("bytes" in msg or "GiB" in msg), msg[:300]

@@ -212,7 +212,7 @@ def test_ranks_subset_upper_bound_and_efficiency():
     fast_only = plan_dp(costs, cluster, 32, ranks=[0, 1]).predicted.samples_per_s
     plan = plan_dp(costs, cluster, 32)
     assert plan.predicted.upper_bound_samples_per_s == plan.predicted.compute_bound_samples_per_s == 0.0
-    bounded = with_all_bounds(plan, costs, cluster, use_cache=False)   # the one definition of the bounds
+    bounded = with_all_bounds(plan, costs, cluster)   # the one definition of the bounds
     ub = bounded.predicted.upper_bound_samples_per_s
     # each type alone at its best (any strategy) reaches at least its data-parallel plan
     assert ub >= (fast_only + sub.predicted.samples_per_s) * (1 - 1e-9)

@@ -57,9 +57,9 @@ def test_granular_count_plans_strictly_faster_on_a_prime_node_count(monkeypatch)
     # every count of ``stage_counts`` (40 stages of 2-3 blocks was the best of those: 73.17 s).
     cluster = _cluster(89, False)
     costs = _fp32_llama(cluster)
-    new = jp.plan_auto(costs, cluster, 1024, num_heads=96, degrees=(4,), use_cache=False)
+    new = jp.plan_auto(costs, cluster, 1024, num_heads=96, degrees=(4,))
     monkeypatch.setattr(layouts, "granular_counts", lambda num_blocks, top: [])
-    old = jp.plan_auto(costs, cluster, 1024, num_heads=96, degrees=(4,), use_cache=False)
+    old = jp.plan_auto(costs, cluster, 1024, num_heads=96, degrees=(4,))
     assert new.predicted.step_time_s < old.predicted.step_time_s * (1 - 0.03), \
         (new.predicted.step_time_s, old.predicted.step_time_s)
     S = len(new.stages)

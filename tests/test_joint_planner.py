@@ -5,6 +5,7 @@ HETHUB's Llama-140B on 768 devices at >= 97.5% of the homogeneous upper bound.""
 import itertools
 import math
 import random
+import time
 
 import numpy as np
 import pytest
@@ -228,7 +229,7 @@ def test_tp_plan_prediction_is_the_simulated_timeline():
     cluster = _cluster([["A100-80GB", "A100-80GB", "V100-16GB", "V100-16GB"]])
     costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.03] * 6},
                                  param_bytes=[4e9] * 6, act_bytes=[2e9] * 6, out_bytes=[1e7] * 6)
-    plan = jp.plan_auto(costs, cluster, 16, num_heads=8, use_cache=False)
+    plan = jp.plan_auto(costs, cluster, 16, num_heads=8)
     _, step = plan_timeline(plan, costs, cluster)
     if plan.num_stages > 1 or any(len(g) > 1 for g in plan.stages[0].groups):
         assert step == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
@@ -250,7 +251,7 @@ def test_auto_is_never_slower_than_a_single_strategy(nodes):
     rel = {"H100-80GB": 0.4, "A100-80GB": 1.0, "A100-40GB": 1.0, "V100-16GB": 2.5, "T4-16GB": 5.0}
     costs = ModelCosts.synthetic({t: [0.004 * rel[t]] * 8 for t in cluster.device_types()},
                                  param_bytes=[1.5e9] * 8, act_bytes=[3e8] * 8, out_bytes=[4e6] * 8, overhead_s=2e-4)
-    auto = jp.plan_auto(costs, cluster, 32, num_heads=8, use_cache=False)
+    auto = jp.plan_auto(costs, cluster, 32, num_heads=8)
     ran = 0
     for strategy in jp.SINGLE_STRATEGIES:
         try:
@@ -268,7 +269,7 @@ def test_nothing_fits_is_a_plan_error():
     cluster = _cluster([[_emulated("a", 1.0, memory_GB=1)], [_emulated("b", 0.5, memory_GB=1)]])
     costs = ModelCosts.synthetic({"a": [0.01] * 3, "b": [0.02] * 3}, param_bytes=[4e9] * 3)
     with pytest.raises(PlanError, match="no plan fits"):
-        jp.plan_auto(costs, cluster, 4, use_cache=False)
+        jp.plan_auto(costs, cluster, 4)
     with pytest.raises(PlanError, match="zero_stage"):
         jp.plan_auto(costs, cluster, 4, zero_stage=5)
     with pytest.raises(PlanError, match="global_batch"):
@@ -347,7 +348,8 @@ def test_plan_with_config_dispatches_and_attaches_the_one_bounds():
     cluster = _cluster([["A100-80GB"] * 2, ["V100-16GB"] * 2])
     costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
     timings = {}
-    got = plan_with_config(costs, cluster, 64, PlanConfig(strategy="dp", zero_stage=1), timings=timings)
+    got = plan_with_config(costs, cluster, 64, PlanConfig(strategy="dp", zero_stage=1), timings=timings,
+                           clock=time.perf_counter)
     want = with_all_bounds(plan_dp(costs, cluster, 64, zero_stage=1), costs, cluster, 64)
     assert got.predicted == want.predicted and got.stages == want.stages and got.zero_stage == 1
     assert set(timings) == {"plan_s", "bounds_s"}
@@ -360,14 +362,19 @@ def test_plan_with_config_dispatches_and_attaches_the_one_bounds():
         plan_with_config(costs, cluster, 0, PlanConfig())
     with pytest.raises(PlanError, match="config"):
         plan_with_config(costs, cluster, 64, {"strategy": "dp"})
+    with pytest.raises(PlanError, match="clock"):   # the planner reads no clock of its own
+        plan_with_config(costs, cluster, 64, PlanConfig(strategy="dp"), timings={})
 
 # -- cache ----------------------------------------------------------------------------------------------
 
 def test_plan_cache_hit_returns_an_equal_plan(monkeypatch, tmp_path):
     cluster = _cluster([["A100-80GB"] * 2, ["V100-16GB"] * 2])
     costs = ModelCosts.synthetic({"A100-80GB": [0.01] * 6, "V100-16GB": [0.025] * 6}, out_bytes=[1e6] * 6)
-    first = jp.plan_auto(costs, cluster, 32, num_heads=8)
-    files = list((tmp_path / "cache" / "plans").glob("*.json"))
+    from autopar.planning.plan_cache import DiskPlanCache
+
+    cache = DiskPlanCache(tmp_path / "plans")
+    first = jp.plan_auto(costs, cluster, 32, num_heads=8, cache=cache)
+    files = list((tmp_path / "plans").glob("*.json"))
     assert len(files) == 1
 
     def boom(*a, **k):
@@ -375,10 +382,12 @@ def test_plan_cache_hit_returns_an_equal_plan(monkeypatch, tmp_path):
 
     monkeypatch.setattr(jp, "plan_hybrid", boom)
     monkeypatch.setattr(jp, "plan_strategy", boom)
-    again = jp.plan_auto(costs, cluster, 32, num_heads=8)
+    again = jp.plan_auto(costs, cluster, 32, num_heads=8, cache=cache)
     assert again == first
     with pytest.raises(AssertionError, match="searched again"):   # other arguments: another key
-        jp.plan_auto(costs, cluster, 33, num_heads=8)
+        jp.plan_auto(costs, cluster, 33, num_heads=8, cache=cache)
+    with pytest.raises(AssertionError, match="searched again"):   # no cache handed in: no cache read
+        jp.plan_auto(costs, cluster, 32, num_heads=8)
 
 
 # -- HETHUB scale -------------------------------------------------------------------------------------
@@ -404,10 +413,10 @@ def test_hethub_768_llama_140b_efficiency(tables, request):
         rho = tp_cost.replicated_fraction_of(analysis.stats)
     else:                     # tables from the model's arithmetic, independent of the profiler
         costs, rho = _llama_costs(cluster), None
-    plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, replicated_fraction=rho, use_cache=False)
+    plan = jp.plan_auto(costs, cluster, 1024, num_heads=96, replicated_fraction=rho)
     details = {}
     upper = upper_bound_samples_per_s(costs, cluster, 1024, num_heads=96, replicated_fraction=rho,
-                                      use_cache=False, details=details)
+                                      details=details)
     p = plan.predicted
     efficiency = p.samples_per_s / upper
     # The bound plans each type alone on the whole global batch, both at their real memory (MI210 needs

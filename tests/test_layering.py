@@ -5,6 +5,7 @@ Layers (the data flows cluster -> passes -> cost -> planner -> plan -> lowering 
 
     cli -> api -> planner -> cost -> {ir, cluster, passes} ;  runtime -> lowering -> passes
     api -> measure -> cost: the measurement layer times and caches; cost and planner never call it
+    api -> planning -> planner: side processes, the plan cache on disk and the clock, handed in
     kernels imports nothing of autopar; errors and config import nothing but errors.
 
 Imports under ``if TYPE_CHECKING:`` only name types and are not counted. Lazy imports inside functions
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # folder on disk -> package it installs as (pyproject's package-dir)
@@ -32,13 +35,14 @@ ALLOWED: dict[str, set[str]] = {
     "cost": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "planner": {"errors", "config", "ir", "cluster", "cost"},
     "measure": {"errors", "config", "ir", "cluster", "passes", "kernels", "cost"},
+    "planning": {"errors", "config", "ir", "cluster", "cost", "planner"},
     "lowering": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "checkpoint": {"errors", "config", "ir"},
     "runtime": {"errors", "config", "ir", "cluster", "lowering", "passes", "kernels", "checkpoint"},
     "api": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
-            "runtime", "checkpoint", "measure"},
+            "runtime", "checkpoint", "measure", "planning"},
     "cli": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
-            "runtime", "checkpoint", "api", "measure"},
+            "runtime", "checkpoint", "api", "measure", "planning"},
     "package": {"errors"},     # autopar/__init__.py: everything else lazily, by name
     "main": {"cli"},           # autopar/__main__.py
 }
@@ -186,3 +190,79 @@ def test_the_analyser_sees_the_layout():
     layers = {_layer(m) for m in MODULES}
     assert {"cluster", "cost", "planner", "ir", "runtime", "lowering", "passes", "kernels", "cli"} <= layers
     assert ("autopar.ir.costs", ("ModelCosts",)) in {(t, n) for t, n, _ in _imports("autopar.cost.tp")}
+
+
+# -- the pure core --------------------------------------------------------------------------------------
+PURE_LAYERS = ("cost", "planner")
+# modules whose import means I/O, processes, threads or a clock; "time" also as ``from time import ...``
+_IMPURE_MODULES = {"subprocess", "multiprocessing", "threading", "socket", "fcntl", "concurrent", "time",
+                   "shutil", "tempfile", "signal", "pathlib", "io"}
+_IMPURE_LAYERS = {"measure", "runtime", "planning", "api", "cli"}
+_IMPURE_CALLS = {"open", "input", "print", "__import__", "eval", "exec"}
+_IMPURE_ATTRS = {("os", "environ"), ("os", "getenv"), ("os", "putenv"), ("os", "system"), ("os", "fork"),
+                 ("os", "popen"), ("os", "getpid"), ("os", "cpu_count"), ("os", "sched_getaffinity"),
+                 ("os", "remove"), ("os", "replace"), ("os", "makedirs"), ("os", "listdir"), ("sys", "argv"),
+                 ("sys", "stdin"), ("sys", "stdout"), ("sys", "stderr")}
+_FILE_METHODS = {"read_text", "write_text", "read_bytes", "write_bytes", "mkdir", "unlink", "touch"}
+
+
+def impurities(source: str, name: str) -> list[str]:
+    """What in ``source`` (the module file ``name``) does I/O, starts a process or thread, or reads the
+    environment or a clock, one ``name:line: what`` each."""
+    tree = ast.parse(source)
+    skip = _type_checking_lines(tree)
+    out = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", None)
+        if line in skip:
+            continue
+        what = None
+        if isinstance(node, ast.Import):
+            bad = [a.name for a in node.names if a.name.split(".")[0] in _IMPURE_MODULES
+                   or (a.name.startswith("autopar.") and a.name.split(".")[1] in _IMPURE_LAYERS)]
+            what = f"import {', '.join(bad)}" if bad else None
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if mod.split(".")[0] in _IMPURE_MODULES or (mod.startswith("autopar.") and mod.split(".")[1] in _IMPURE_LAYERS):
+                what = f"from {mod} import ..."
+            elif mod == "os" or mod == "sys":
+                bad = [a.name for a in node.names if (mod, a.name) in _IMPURE_ATTRS]
+                what = f"from {mod} import {', '.join(bad)}" if bad else None
+            elif mod == "autopar":
+                bad = [a.name for a in node.names if a.name in _IMPURE_LAYERS]
+                what = f"from autopar import {', '.join(bad)}" if bad else None
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _IMPURE_CALLS:
+            what = f"{node.func.id}(...)"
+        elif isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and (node.value.id, node.attr) in _IMPURE_ATTRS:
+                what = f"{node.value.id}.{node.attr}"
+            elif node.attr in _FILE_METHODS:
+                what = f".{node.attr}(...)"
+        if what:
+            out.append(f"{name}:{line}: {what}")
+    return out
+
+
+def test_cost_model_and_planner_are_pure():
+    """Neither the cost model nor the planner opens a file, starts a process or thread, reads the
+    environment or a clock, or imports the layers that do (measurement, runtime, the planning host,
+    the API): what they need of the machine is handed in as tables and arguments."""
+    bad = [hit for m, path in MODULES.items() if _layer(m) in PURE_LAYERS
+           for hit in impurities(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not bad, "impure code in the cost model or the planner:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source, hit", [
+    ("def read(p):\n    with open(p) as f:\n        return f.read()\n", "m.py:2: open(...)"),
+    ("import time\n", "m.py:1: import time"),
+    ("from time import perf_counter\n", "m.py:1: from time import ..."),
+    ("import os\nx = os.environ['A']\n", "m.py:2: os.environ"),
+    ("import os\nx = os.getenv('A')\n", "m.py:2: os.getenv"),
+    ("import multiprocessing as mp\n", "m.py:1: import multiprocessing"),
+    ("import threading\n", "m.py:1: import threading"),
+    ("def f():\n    from autopar.measure.cache import cache_dir\n", "m.py:2: from autopar.measure.cache import ..."),
+    ("def f(p):\n    return p.read_text()\n", "m.py:2: .read_text(...)"),
+])
+def test_the_purity_check_catches_each_kind(source, hit):
+    assert impurities(source, "m.py") == [hit]
+    assert impurities("import math\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import time\n", "m.py") == []

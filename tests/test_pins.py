@@ -33,7 +33,7 @@ def _plan(pin, memory_GB=4, batch=16, **kw):
     """The pinned search alone (``plan_with_config`` adds the bounds: one test checks that)."""
     cluster = _cluster(memory_GB)
     if pin is None:
-        return cluster, plan_auto(_costs(), cluster, batch, num_heads=8, use_cache=False, **kw)
+        return cluster, plan_auto(_costs(), cluster, batch, num_heads=8, **kw)
     return cluster, plan_pinned(_costs(), cluster, batch, PlanConfig(num_heads=8, pin=pin, **kw))
 
 

@@ -1,4 +1,4 @@
-"""The bounds' searches in a side process (``autopar.planner.bound_worker``): the same plan and the same
+"""The bounds' searches in a side process (``autopar.planning.side_bounds``): the same plan and the same
 figures, bit for bit, as computing them in the planning process; a side process that fails is not
 trusted (the searches run again in-process); a failed main search ends it."""
 
@@ -13,7 +13,7 @@ from autopar.cluster.model import Cluster
 from autopar.config import PlanConfig
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
-from autopar.planner import bound_worker
+from autopar.planning import side_bounds as bound_worker
 from autopar.planner.entry import plan_with_config
 
 
@@ -33,12 +33,11 @@ def test_side_process_gives_the_in_process_plan_bit_for_bit(monkeypatch, tmp_pat
     costs, cluster = _case()
     config = PlanConfig(num_heads=8)
     monkeypatch.setattr(bound_worker, "MIN_DEVICES", 10 ** 9)
-    here = plan_with_config(costs, cluster, 32, config)
+    here = plan_with_config(costs, cluster, 32, config, bounds=bound_worker.start_bound_searches)
     monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
     if not bound_worker.side_process_worthwhile(cluster):
         pytest.skip("no second CPU, no fork, or other threads alive: the side process is not used here")
-    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "other"))   # no plan from the first call's cache
-    there = plan_with_config(costs, cluster, 32, config)
+    there = plan_with_config(costs, cluster, 32, config, bounds=bound_worker.start_bound_searches)
     assert there.predicted == here.predicted and there.stages == here.stages
     assert [n for n in there.notes if "searched" not in n] == [n for n in here.notes if "searched" not in n]
 
@@ -86,7 +85,8 @@ def test_side_process_ends_when_the_main_search_fails(monkeypatch):
     costs, cluster = _case()
     monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1)
     with pytest.raises(PlanError):
-        plan_with_config(costs, cluster, 32, PlanConfig(pp_layers=(5, 5)))   # covers 10 of 6 blocks
+        plan_with_config(costs, cluster, 32, PlanConfig(pp_layers=(5, 5)),   # covers 10 of 6 blocks
+                         bounds=bound_worker.start_bound_searches)
     assert not multiprocessing.active_children()
 
 

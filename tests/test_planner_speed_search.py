@@ -54,11 +54,11 @@ def _entries(costs, cluster, batch):
 def test_search_keep_returns_the_same_shortlist(seed, blocks, memory_GB):
     costs, cluster = _costs(seed, blocks), _cluster(memory_GB)
     ctx, entries = _entries(costs, cluster, 64)
-    full, solved_full = search(ctx, entries, "1f1b", None, None, math.inf)
+    full, solved_full = search(ctx, entries, "1f1b", None, math.inf)
     assert full, "the instance should plan"
     for keep in (1, 8):
         ctx_k, entries_k = _entries(costs, cluster, 64)
-        got, solved = search(ctx_k, entries_k, "1f1b", None, None, math.inf, keep=keep)
+        got, solved = search(ctx_k, entries_k, "1f1b", None, math.inf, keep=keep)
         assert got[:keep] == full[:keep]
         assert solved <= solved_full
     assert solved < solved_full   # the limit prunes here (what makes it worth having)

@@ -191,7 +191,7 @@ def _plan_command(args) -> int:
             from autopar.planner.explain import explain_table
 
             print(render(explain_table(p, prep.costs, cluster)), end="")
-        from autopar.planner.bound_worker import side_process_worthwhile
+        from autopar.planning.side_bounds import side_process_worthwhile
 
         side = " left after the planning (searched alongside it in a second process)" \
             if side_process_worthwhile(cluster) else ""

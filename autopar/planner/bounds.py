@@ -70,7 +70,7 @@ def _with_memory(cluster: "Cluster", factor: float) -> "Cluster":
 def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batch: int, *,
                               num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                               schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
-                              replicated_fraction: float | None = None, use_cache: bool = True,
+                              replicated_fraction: float | None = None, cache=None,
                               details: dict | None = None, recompute: bool = False) -> float:
     """Sum over device types of ``plan_auto``'s samples/s on that type alone on the whole global batch.
     ``details``, when given, receives type -> (batch, samples/s, the sub-plan or None, memory factor:
@@ -89,7 +89,7 @@ def upper_bound_samples_per_s(costs: ModelCosts, cluster: "Cluster", global_batc
         # A type that cannot hold the model alone is planned with its memory relaxed (x2, x4, ...): the
         # bound is what its compute would reach alone, so it stays a ceiling for plans that use it.
         kw = dict(num_heads=num_heads, zero_stage=zero_stage, schedule=schedule, memory_fraction=memory_fraction,
-                  replicated_fraction=replicated_fraction, use_cache=use_cache)
+                  replicated_fraction=replicated_fraction, cache=cache)
         for relax in (1, 2, 4, 8, 16):
             try:
                 plan = plan_auto(costs, _with_memory(sub, relax), batch, **kw)
@@ -191,7 +191,7 @@ def bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, 
     """The planner searches the bounds need, which do not depend on the plan they judge: (upper bound,
     its per-type details, homogeneous MFU, its details); ``plan_kw``: ``upper_bound_samples_per_s``'s
     keywords. ``with_all_bounds`` takes them ready (``searched=``) when they ran elsewhere
-    (``autopar.planner.bound_worker``: side processes alongside the main search).
+    (``autopar.planning.side_bounds``: side processes alongside the main search).
     ``part``: one of ``BOUND_PARTS`` computes only that half (the other's entries are None and {}), so
     that the two can run apart; ``merge_bound_parts`` puts them back together."""
     if part not in ("all",) + BOUND_PARTS:
@@ -212,7 +212,7 @@ def merge_bound_parts(upper_part: tuple, homogeneous_part: tuple) -> tuple:
 def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int | None = None, *,
                     num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                     schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
-                    replicated_fraction: float | None = None, use_cache: bool = True,
+                    replicated_fraction: float | None = None, cache=None,
                     recompute: bool = False, searched: tuple | None = None) -> Plan:
     """A copy of ``plan`` with the upper bound, the compute bound, efficiency = samples_per_s / upper
     bound, compute efficiency, MFU and homogeneous MFU set (the planner arguments should be the ones
@@ -222,7 +222,7 @@ def with_all_bounds(plan: Plan, costs: ModelCosts, cluster: "Cluster", global_ba
     if searched is None:
         searched = bound_searches(costs, cluster, batch, num_heads=num_heads, zero_stage=zero_stage,
                                   schedule=schedule, memory_fraction=memory_fraction,
-                                  replicated_fraction=replicated_fraction, use_cache=use_cache,
+                                  replicated_fraction=replicated_fraction, cache=cache,
                                   recompute=recompute)
     upper, details, homo_mfu, homo = searched
     compute = compute_bound_samples_per_s(costs, cluster, memory_fraction=memory_fraction)

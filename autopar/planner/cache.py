@@ -1,17 +1,13 @@
-"""The on-disk plan cache of the joint planner: plans keyed by a hash of the cost tables, the cluster
-signature, the planner arguments (``PlanConfig.key`` and the rest) and the planner's own source (every
-module of the ``autopar`` package, so that a changed planner or cost model never returns a plan the
-old one made), under
-``$AUTOPAR_CACHE_DIR/plans`` (default ``~/.cache/autopar/plans``)."""
+"""The joint planner's plan cache, as the planner sees it: the key of a plan (a hash of the cost tables,
+the cluster signature and the planner arguments, ``PlanConfig.key`` and the rest) and the store it is
+handed (``PlanStore``: ``get(key)`` and ``put(key, plan)``). The planner reads no file: the API layer
+hands it ``autopar.planning.plan_cache.DiskPlanCache``, which also keys by the planner's own source."""
 
 from __future__ import annotations
 
 import hashlib
-import functools
 import json
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -21,36 +17,23 @@ from autopar.ir.plan import Plan
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["cache_dir", "cache_key", "cache_read", "cache_write"]
+__all__ = ["cache_key", "PlanStore"]
 
 _CACHE_VERSION = 1
 
 
-# -- cache -------------------------------------------------------------------------------------------
+class PlanStore(Protocol):
+    """Where ``plan_auto`` keeps the plans it made (``cache=``): a miss is None."""
 
-def cache_dir() -> Path:
-    """``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
-    root = os.environ.get("AUTOPAR_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "autopar"
-    return base / "plans"
+    def get(self, key: str) -> Plan | None: ...
 
-
-@functools.lru_cache(maxsize=1)
-def _source_digest() -> str:
-    """A hash of every module of the ``autopar`` package (the planners, cost models and bounds among them)."""
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    def put(self, key: str, plan: Plan) -> None: ...
 
 
 def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
     """The key of a plan made from ``costs`` on ``cluster`` with the planner arguments ``args``."""
     h = hashlib.sha256()
     h.update(f"v{_CACHE_VERSION}".encode())
-    h.update(_source_digest().encode())
     for name in ("params", "param_bytes", "act_bytes", "out_bytes", "fwd_flops", "sample_batches"):
         h.update(np.ascontiguousarray(getattr(costs, name), dtype=np.float64).tobytes())
     for table in (costs.fwd_table, costs.bwd_table):
@@ -77,24 +60,3 @@ def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
     h.update(cluster.signature().encode())
     h.update(json.dumps(args, sort_keys=True, default=str).encode())
     return h.hexdigest()[:32]
-
-
-def cache_read(key: str) -> Plan | None:
-    path = cache_dir() / f"{key}.json"
-    try:
-        return Plan.from_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def cache_write(key: str, plan: Plan) -> None:
-    d = cache_dir()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(plan.to_json(), encoding="utf-8")
-        os.replace(tmp, d / f"{key}.json")
-    except OSError:
-        pass   # a read-only home is no reason to fail planning
-
-

@@ -9,22 +9,24 @@ Terms
   (that strategy's search restricted to the pin).
 - bounds: ``autopar.planner.bounds.with_all_bounds``, the one definition of the upper bound, the
   compute bound and the efficiency every plan the user sees carries. Their planner searches do not
-  depend on the plan, so they start first (``autopar.planner.bound_worker``: in a second process on a
-  large cluster when a second CPU is there) and the main search runs meanwhile.
+  depend on the plan, so they start first (``bounds=``: the API layer hands
+  ``autopar.planning.side_bounds.start_bound_searches``, side processes on a large cluster when a second
+  CPU is there) and the main search runs meanwhile.
+- pure: the planner opens no file, starts no process and reads no clock or environment variable;
+  what it needs of this machine is handed in (``bounds=``, ``cache=``, ``clock=``).
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from autopar.config import DP_STRATEGIES, PP_STRATEGIES, PlanConfig
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
 from autopar.ir.pauses import gc_paused
-from autopar.planner.bound_worker import start_bound_searches
-from autopar.planner.bounds import with_all_bounds
+from autopar.planner.bounds import bound_searches, with_all_bounds
+from autopar.planner.cache import PlanStore
 from autopar.planner.dp import plan_dp
 from autopar.planner.joint import plan_auto, plan_strategy
 from autopar.planner.pins import plan_pinned
@@ -32,7 +34,7 @@ from autopar.planner.pins import plan_pinned
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
-__all__ = ["plan_with_config", "check_request"]
+__all__ = ["plan_with_config", "check_request", "in_process_bounds"]
 
 
 def check_request(cluster: "Cluster", global_batch: int) -> None:
@@ -44,41 +46,54 @@ def check_request(cluster: "Cluster", global_batch: int) -> None:
         raise PlanError("cluster: has no devices")
 
 
+def in_process_bounds(costs: ModelCosts, cluster: "Cluster", global_batch: int,
+                      **plan_kw) -> tuple[Callable[[], tuple], Callable[[], None], bool]:
+    """The bounds' searches run in this process when asked (``plan_with_config``'s default ``bounds``):
+    (``result()``, ``cancel()``, False)."""
+    return (lambda: bound_searches(costs, cluster, global_batch, **plan_kw)), (lambda: None), False
+
+
 def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig, *,
-                     timings: dict | None = None) -> Plan:
+                     timings: dict | None = None, clock: Callable[[], float] | None = None,
+                     bounds: Callable = in_process_bounds, cache: PlanStore | None = None) -> Plan:
     """Run the planner of ``config.resolved_strategy`` on ``costs`` and attach the bounds.
 
-    ``timings``, when given, receives the wall seconds of the planner (``plan_s``) and of the bounds
-    (``bounds_s``: the planner run again on each device type alone and on the homogeneous cluster;
-    when ``bound_worker.side_process_worthwhile(cluster)`` those ran in a second process during the
-    main search and ``bounds_s`` is only what was left to wait for after it). Raises ``PlanError``
-    naming the argument when the global batch or the cluster cannot be planned, or when nothing fits."""
+    ``bounds(costs, cluster, global_batch, **plan_kw) -> (result(), cancel(), side)`` starts the bounds'
+    searches (``autopar.planner.bounds.bound_searches``) before the main search; ``cache``: where the
+    joint planner keeps its plans (``autopar.planner.cache.PlanStore``; None: nowhere). ``timings``,
+    when given with a ``clock`` (seconds, e.g. ``time.perf_counter``), receives the seconds of the
+    planner (``plan_s``) and of the bounds (``bounds_s``: the planner run again on each device type
+    alone and on the homogeneous cluster; what was left to wait for after the main search when
+    ``bounds`` ran them elsewhere). Raises ``PlanError`` naming the argument when the global batch or
+    the cluster cannot be planned, or when nothing fits."""
     check_request(cluster, global_batch)
     if not isinstance(config, PlanConfig):
         raise PlanError(f"config: {config!r} is not a PlanConfig")
-    start = time.perf_counter()
+    if timings is not None and clock is None:
+        raise PlanError("timings: given without a clock to time the planner with")
+    start = clock() if clock is not None else 0.0
     strategy = config.resolved_strategy
     tp_kw: dict = dict(num_heads=config.num_heads)
     if config.replicated_fraction is not None:
         tp_kw["replicated_fraction"] = config.replicated_fraction
     bound_kw = dict(schedule=config.schedule, recompute=config.recompute, memory_fraction=config.memory_fraction,
-                    **tp_kw)
+                    cache=cache, **tp_kw)
     with gc_paused():   # the searches make many small objects; a collection would walk torch's too
-        searched, cancel, _side = start_bound_searches(costs, cluster, global_batch, **bound_kw)
+        searched, cancel, _side = bounds(costs, cluster, global_batch, **bound_kw)
         try:
-            p = _plan(costs, cluster, global_batch, config, strategy, tp_kw)
+            p = _plan(costs, cluster, global_batch, config, strategy, tp_kw, cache)
         except BaseException:
             cancel()
             raise
-        planned = time.perf_counter()
+        planned = clock() if clock is not None else 0.0
         p = with_all_bounds(p, costs, cluster, global_batch, searched=searched(), **bound_kw)
     if timings is not None:
-        timings.update(plan_s=planned - start, bounds_s=time.perf_counter() - planned)
+        timings.update(plan_s=planned - start, bounds_s=clock() - planned)
     return p
 
 
 def _plan(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig, strategy: str,
-          tp_kw: dict) -> Plan:
+          tp_kw: dict, cache: PlanStore | None) -> Plan:
     """The plan of ``config``'s planner, without bounds."""
     common = dict(zero_stage=config.zero_stage, recompute=config.recompute, memory_fraction=config.memory_fraction)
     if config.pin is not None:
@@ -90,4 +105,4 @@ def _plan(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: Plan
                              pp_layers=config.pp_layers, **common)
     if strategy == "tp":
         return plan_strategy(costs, cluster, global_batch, "tp", schedule=config.schedule, **common, **tp_kw)
-    return plan_auto(costs, cluster, global_batch, schedule=config.schedule, **common, **tp_kw)
+    return plan_auto(costs, cluster, global_batch, schedule=config.schedule, cache=cache, **common, **tp_kw)

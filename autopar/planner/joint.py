@@ -45,14 +45,14 @@ Terms
   on hethub-768: its bubble binds, not its memory). The bound then lets each type alone recompute too.
 - single-dimension strategies (dp, uniform-dp, proportional-dp, pp, uniform-pp, tp) are candidates too.
 - interleaving: the best 1F1B plans are tried at 2-4 chunks per rank stage (``pp_virtual.interleave_hybrid``).
-- cache: JSON under ``$AUTOPAR_CACHE_DIR/plans/``, keyed by the cost tables, cluster and arguments.
+- cache: a ``PlanStore`` handed in (``cache=``), keyed by the cost tables, cluster and arguments; the
+  API layer hands the files under ``$AUTOPAR_CACHE_DIR/plans/`` (``autopar.planning.plan_cache``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -67,7 +67,7 @@ from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
-from autopar.planner.cache import cache_dir, cache_key, cache_read, cache_write
+from autopar.planner.cache import PlanStore, cache_key
 from autopar.planner.dp import plan_dp
 from autopar.planner.layouts import TP_DEGREES, Member, MemberLayout, member_groupings, member_layouts
 from autopar.planner.joint_search import ESTIMATE_SLACK, GroupingState, search
@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "TP_DEGREES", "SINGLE_STRATEGIES", "Member", "MemberLayout", "member_layouts", "member_groupings",
-    "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_dir", "cache_key",
+    "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_key",
 ]
 
 SINGLE_STRATEGIES: tuple[str, ...] = DP_STRATEGIES + PP_STRATEGIES + ("tp",)
@@ -195,7 +195,7 @@ def best_split_estimate(costs: ModelCosts, cluster: "Cluster", global_batch: int
                              replicated_fraction=replicated_fraction)
     ctx = JointContext(costs, cluster, B, zero_stage, memory_fraction, replicated_fraction, {}, {}, recompute)
     entries = _entries(ctx, cluster, layouts, None, math.inf)
-    found, _ = search(ctx, entries, "1f1b", None, None, math.inf, keep=1)
+    found, _ = search(ctx, entries, "1f1b", None, math.inf, keep=1)
     if not found:
         return None
     est, e, M, sizes, _flags = found[0]
@@ -208,12 +208,12 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
                 degrees: Sequence[int] = TP_DEGREES, layouts: Sequence[MemberLayout] | None = None,
                 groupings: Sequence[StageGrouping] | None = None, num_micro: int | None = None,
-                deadline: float | None = None, best_s: float = math.inf,
+                best_s: float = math.inf,
                 shortlist: int = _SHORTLIST, recompute: bool = False,
                 force_recompute: bool = False) -> list[_Scored]:
     """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
-    reached elsewhere (pruning); ``deadline`` a ``time.perf_counter()`` to stop at; ``shortlist``:
+    reached elsewhere (pruning); ``shortlist``:
     how many candidates (best split estimates) the simulator predicts; ``recompute=True`` lets a stage
     whose in-flight activations do not fit recompute them (see ``joint_cost_tensor``);
     ``force_recompute=True`` (a pinned recompute) makes every stage recompute."""
@@ -230,7 +230,7 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {},
                        recompute or force_recompute, force_recompute)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
-    found, _ = search(ctx, entries, split_schedule, num_micro, deadline, best_s, keep=shortlist)
+    found, _ = search(ctx, entries, split_schedule, num_micro, best_s, keep=shortlist)
     scored: list[_Scored] = []
     best = best_s
     for est, e, M, sizes, flags in found[:shortlist]:
@@ -356,14 +356,14 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
 
 def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
               zero_stage: int | Literal["auto"] = "auto", schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION,
-              time_budget_s: float | None = None, ranks: Sequence[int] | None = None,
+              ranks: Sequence[int] | None = None,
               replicated_fraction: float | None = None, degrees: Sequence[int] = TP_DEGREES,
-              use_cache: bool = True, recompute: bool = False) -> Plan:
+              cache: PlanStore | None = None, recompute: bool = False) -> Plan:
     """The fastest predicted plan over every dimension (see the module docstring).
 
     ``num_heads``: the model's attention heads (TP shard units; ``tp_cost.DEFAULT_NUM_UNITS`` when
-    None). ``time_budget_s`` stops the hybrid search when spent (the best plan so far is returned and
-    a note says so). ``replicated_fraction``: the part of every block each TP rank computes whole
+    None). ``cache``: where plans are kept by ``cache_key`` (``autopar.planner.cache.PlanStore``; None:
+    nowhere), so that the same call again returns the plan it made. ``replicated_fraction``: the part of every block each TP rank computes whole
     (``tp_cost.DEFAULT_REPLICATED_FRACTION`` when None). ``Plan.notes`` lists the runner-ups with their
     predicted step times. ``recompute``: whether pipeline stages whose memory binds may recompute
     their activations (``Stage.recompute``). Upper bound and efficiency are left at 0: see
@@ -379,15 +379,13 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
         raise PlanError(f"costs: no time table for device type(s) {missing} (tables for {list(costs.fwd_table)})")
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else float(replicated_fraction)
     args = {"config": config.with_(replicated_fraction=rho).key(), "global_batch": B,
-            "time_budget_s": time_budget_s, "ranks": list(ranks), "degrees": list(degrees)}
-    key = cache_key(costs, cluster, args) if use_cache else None
+            "ranks": list(ranks), "degrees": list(degrees)}
+    key = cache_key(costs, cluster, args) if cache is not None else None
     if key is not None:
-        hit = cache_read(key)
+        hit = cache.get(key)
         if hit is not None:
             return hit
 
-    start = time.perf_counter()
-    deadline = None if time_budget_s is None else start + float(time_budget_s)
     scored: list[_Scored] = []
     failed: list[str] = []
     for strategy in SINGLE_STRATEGIES:
@@ -404,13 +402,12 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     best_single = min((x.step_time_s for x in scored), default=math.inf)
     hybrids = plan_hybrid(costs, cluster, B, num_heads=num_heads, zero_stage=zero_stage, schedule=schedule,
                           memory_fraction=memory_fraction, ranks=ranks, replicated_fraction=rho,
-                          degrees=degrees, deadline=deadline, best_s=best_single, recompute=recompute)
+                          degrees=degrees, best_s=best_single, recompute=recompute)
     scored += hybrids
     if not scored:
         raise PlanError("auto: no plan fits: " + "; ".join(failed))
     scored.sort(key=lambda x: x.step_time_s)
     best = scored[0]
-    elapsed = time.perf_counter() - start
     notes = [f"chosen: {best.label}: {best.step_time_s:.6g} s/step, {B / best.step_time_s:.6g} samples/s"]
     seen = {best.label}
     for x in scored[1:]:
@@ -420,10 +417,8 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
         notes.append(f"runner-up: {x.label}: {x.step_time_s:.6g} s/step "
                      f"({x.step_time_s / best.step_time_s:.4g}x the chosen)")
     notes += failed
-    notes.append(f"searched {len(hybrids)} hybrid predictions in {elapsed:.3g} s"
-                 + (" (time budget spent: search stopped early)" if deadline is not None
-                    and time.perf_counter() > deadline else ""))
+    notes.append(f"searched {len(hybrids)} hybrid predictions")
     plan = replace(best.plan, strategy="auto", notes=tuple(notes) + tuple(best.plan.notes))
     if key is not None:
-        cache_write(key, plan)
+        cache.put(key, plan)
     return plan

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,7 +128,7 @@ class GroupingState:
     feasible: bool | None = None
 
 
-def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_micro: int | None, deadline,
+def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_micro: int | None,
            best_s: float, keep: int | None = None) -> tuple[list[tuple[float, int, int, tuple[int, ...],
                                                                        tuple[bool, ...]]], int]:
     """Best-first over every (grouping, micro-batch count) by ``split_lower_bound`` + ``tail_lower_bound``
@@ -197,9 +196,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
 
     # the tail bound is costly: only for what the split bound alone does not prune
     order = best_first(items, lambda e, M: tail_lower_bound(ctx, entries[e], M), limit)
-    for i, (bound, e, M) in enumerate(order):
-        if deadline is not None and i % 16 == 0 and time.perf_counter() > deadline:
-            break
+    for bound, e, M in order:
         entry = entries[e]
         S = len(entry.prep)
         if schedule != "gpipe" and M >= S:
