@@ -26,33 +26,13 @@ __all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare", "plan_config"
 
 @dataclass
 class Prepared:
-    """What planning needs, computed once: the analysis and the cost tables."""
+    """What planning needs, measured once (``prepare``): the analysis, the cost tables and the part of
+    each block tensor parallelism cannot shard (``autopar.measure.tp.replicated_fraction_for``)."""
     analysis: Any
     costs: Any
     analyze_s: float
     profile_s: float
-    example_inputs: tuple = ()     # for the measured TP replicated fraction (measure.tp)
-    cluster: Any = None
-
-    @property
-    def replicated_fraction(self) -> float:
-        from autopar.cost.tp import replicated_fraction_of, replicated_fraction_of_graph
-        from autopar.measure.tp import cpu_replicated_fraction
-
-        # measured with the TP rewrite on CPUs timed here, else what lies outside every Linear pair's
-        # region (the graph's own measure), else the block stats'
-        gm = getattr(getattr(self.analysis, "captured", None), "gm", None)
-        if self.cluster is not None:
-            rho = cpu_replicated_fraction(gm, self.example_inputs, self.costs, self.cluster)
-            if rho is not None:
-                from autopar.measure.tp import cpu_sp_covered
-
-                covered = cpu_sp_covered(gm, self.example_inputs, self.costs, self.cluster)
-                if covered is not None:    # SP's replicated work as measured here, not the graph's count
-                    self.costs.tp_sp_covered = covered
-                return rho
-        rho = replicated_fraction_of_graph(gm) if gm is not None else None
-        return replicated_fraction_of(self.analysis.stats) if rho is None else rho
+    replicated_fraction: float
 
 
 def planning_analysis_options() -> dict:
@@ -68,11 +48,15 @@ def planning_analysis_options() -> dict:
 
 def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str = "adamw",
             measure: bool | None = None, progress=None, analysis=None, precision: str | None = None,
-            loss_fn=None, example_targets=None, tracking=None) -> Prepared:
-    """Analysis (unless given) and cost tables of ``model`` on ``cluster`` (bytes at ``precision``:
-    ``autopar.measure.tables.model_costs``; with ``loss_fn`` and ``example_targets``, the targets of
-    ``example_inputs``, the loss's time is in the last block's: ``autopar.measure.loss``)."""
+            loss_fn=None, example_targets=None, track_memory: bool | None = None) -> Prepared:
+    """Analysis (unless given) and cost tables of ``model`` on ``cluster``: what ``plan``, ``compile`` and
+    the CLI measure, decided here once. Bytes at ``precision`` (``autopar.measure.tables.model_costs``);
+    with ``loss_fn`` and ``example_targets``, the targets of ``example_inputs``, the loss's time is in
+    the last block's (``autopar.measure.loss``); unless ``track_memory`` is False (``RunConfig``'s), the
+    tables of emulated types carry what the rank's memory meter costs them
+    (``autopar.measure.engine_call.measure_tracking``), as ``compile`` runs them."""
     from autopar.measure.tables import model_costs
+    from autopar.measure.tp import replicated_fraction_for
     from autopar.passes.analyze import analyze
 
     t0 = time.perf_counter()
@@ -80,8 +64,10 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     t1 = time.perf_counter()
     costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
                         optimizer=optimizer, measure=measure, progress=progress, precision=precision,
-                        loss_fn=loss_fn, example_targets=example_targets, tracking=tracking)
-    return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1, tuple(example_inputs), cluster)
+                        loss_fn=loss_fn, example_targets=example_targets,
+                        tracking=_tracking_probe if track_memory is not False else None)
+    rho, costs = replicated_fraction_for(analysis, tuple(example_inputs), costs, cluster)
+    return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1, rho)
 
 
 def _tracking_probe():
@@ -157,8 +143,11 @@ def model_num_heads(model: nn.Module) -> int | None:
 def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
          strategy="auto", zero_stage="auto", schedule="auto", pp_layers=None, dp_batch=None,
          optimizer: str = "adamw", measure: bool | None = None, prepared: Prepared | None = None,
-         recompute: bool = False, config: PlanConfig | None = None, precision: str = "fp32", pin=None) -> Plan:
-    """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step.
+         recompute: bool = False, config: PlanConfig | None = None, precision: str = "fp32", pin=None,
+         example_targets=None, track_memory: bool | None = None) -> Plan:
+    """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step: the plan
+    ``compile`` runs for the same arguments (``prepare`` measures the same tables for both:
+    ``example_targets`` and ``track_memory`` as ``compile`` takes them).
 
     The planner's options are one ``PlanConfig``: ``config``, or the keywords strategy, zero_stage,
     schedule, pp_layers, dp_batch and recompute; either way validated before the costly analysis.
@@ -174,7 +163,8 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure,
-                                   precision=config.precision)
+                                   precision=config.precision, loss_fn=loss_fn, example_targets=example_targets,
+                                   track_memory=track_memory)
     config = config.with_(  # facts of the model, unless the config states them
         num_heads=config.num_heads if config.num_heads is not None else model_num_heads(model),
         replicated_fraction=(config.replicated_fraction if config.replicated_fraction is not None
@@ -444,8 +434,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                 prepared = prepare(model, cluster, example_inputs, optimizer=_optimizer_kind(optimizer),
                                    measure=run.measure, precision=plan_options.precision,
                                    loss_fn=loss_fn, example_targets=example_targets,   # loss priced with targets
-                                   # emulated ranks step under the memory meter: price what it costs them
-                                   tracking=_tracking_probe if run.track_memory is not False else None)
+                                   track_memory=run.track_memory)   # as plan() measures for the same arguments
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
                      optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
                      **({"strategy": strategy} if plan_options is None else {"config": plan_options}))

@@ -1,7 +1,7 @@
 """What a cold ``autopar plan --model llama-140b --cluster hethub-768`` spends before the search, phase by
 phase, in fresh processes with an empty cache dir: importing torch and autopar, building the model on
 meta, capture, the first ``FakeTensorMode`` (it imports ``torch._dynamo``), annotation, blocks, cost
-tables and the replicated fraction (``cli.main._prepare`` and ``api.Prepared``, in their order).
+tables and the replicated fraction (``cli.main._prepare`` and ``api.prepare``, in their order).
 Wall and CPU seconds (``time.process_time``: the process's own CPU, which other jobs' load stretches
 less than wall time); median and IQR of the repeats, with the load average of each run.
 
@@ -40,7 +40,7 @@ from autopar.cli.main import _planning_case, _load_cluster
 from autopar.passes import capture as C, analysis as A, blocks as B
 from autopar.passes.analyze import Analysis, _batch_size
 from autopar.measure.tables import model_costs
-from autopar.api import Prepared
+from autopar.measure.tp import replicated_fraction_for
 mark("import autopar")
 cl = _load_cluster(sys.argv[1]); mark("load cluster")
 case = _planning_case("llama-140b"); mark("build on meta")
@@ -51,7 +51,7 @@ A.annotate_pass(cap.gm, case.example_inputs); mark("annotate")
 blocks = B.assign_blocks_pass(cap.gm); st, tied = B.block_stats(cap.gm, blocks); mark("blocks + stats")
 an = Analysis(cap, _batch_size(case.example_inputs), blocks, st, tied)
 costs = model_costs(an, cl, model=case.model, example_inputs=case.example_inputs); mark("cost tables")
-Prepared(an, costs, 0, 0).replicated_fraction; mark("replicated fraction")
+replicated_fraction_for(an, case.example_inputs, costs, cl); mark("replicated fraction")
 out["total"] = (T[-1][0] - T[0][0], T[-1][1] - T[0][1])
 print(json.dumps(out))
 """

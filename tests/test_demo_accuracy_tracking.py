@@ -21,7 +21,8 @@ from autopar.measure.cache import load_json, measure_cache_path
 from autopar.measure.tables import _add_tracking, model_costs
 from autopar.passes.analyze import analyze
 
-_EXTRA_S = 0.05       # what the stand-in meter's clock charges per phase beyond the thread's CPU time
+_EXTRA_S = 0.5        # what the stand-in meter's clock charges per phase beyond the thread's CPU time (the
+# real work of a phase is milliseconds; a loaded host moves it by ~10 ms, 2% of this)
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_the_residual_is_what_the_meters_clock_charges_beyond_plain(cache, tiny)
                            loss_fn=nn.functional.mse_loss, example_targets=targets, repeats=3, gap_s=0.002)
     assert sorted(got) == [1, 2, 4, 8]
     for f, b in got.values():            # each phase: +extra_s on the stand-in clock, the real work ~equal
-        assert f == pytest.approx(_EXTRA_S, abs=0.01) and b == pytest.approx(_EXTRA_S, abs=0.01)
+        assert f == pytest.approx(_EXTRA_S, abs=0.05) and b == pytest.approx(_EXTRA_S, abs=0.05)
     assert len(entered) == 3 * (1 + 3)   # three batches timed, a warm-up and three repeats each
     assert all(p.grad is None for p in model.parameters())
     keys = [k for k in load_json(measure_cache_path()) if k.startswith("tracking|")]

@@ -96,8 +96,9 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str
         total = len(analysis.distinct_blocks()) * len(DEFAULT_SAMPLE_BATCHES)
         advance, stop = _progress(total, "profiling blocks")
     try:
+        targets = case.batch(int(case.example_inputs[0].shape[0]))[1] if case.loss_fn is not None else None
         prep = prepare(case.model, cluster, case.example_inputs, progress=advance, analysis=analysis,
-                       precision=precision)
+                       precision=precision, loss_fn=case.loss_fn, example_targets=targets)
     finally:
         stop()
     prep.analyze_s = analyze_s

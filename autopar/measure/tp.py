@@ -52,7 +52,7 @@ from autopar.measure.cache import cache_dir, load_json, machine_id, save_json, t
 from autopar.cost.tp import tp_pairs_of
 
 __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_fraction", "MEASURE_SHARES",
-           "MEASURE_BATCH", "cpu_sp_covered"]
+           "MEASURE_BATCH", "cpu_sp_covered", "replicated_fraction_for"]
 
 MEASURE_SHARES = (1, 3)     # TP index 0 holds a quarter of every pair
 MEASURE_BATCH = 32          # samples per timed run: mid-range of the tables' micro-batches
@@ -237,3 +237,23 @@ def cpu_replicated_fraction(gm, example_inputs: tuple, costs, cluster) -> float 
         return None
     m = measure_replicated_fraction(gm, example_inputs, costs)
     return None if m is None else m.step
+
+
+def replicated_fraction_for(analysis, example_inputs: tuple, costs, cluster):
+    """(the part of each block tensor parallelism cannot shard, the costs to plan with): measured with
+    the TP rewrite where ``cluster``'s devices are CPUs timed here (``cpu_replicated_fraction``; the
+    costs then carry SP's measured table, ``cpu_sp_covered``), else what lies outside every Linear
+    pair's region (``cost.tp_tables.replicated_fraction_of_graph``), else the block statistics'."""
+    from dataclasses import replace
+
+    from autopar.cost.tp import replicated_fraction_of, replicated_fraction_of_graph
+
+    gm = getattr(getattr(analysis, "captured", None), "gm", None)
+    rho = cpu_replicated_fraction(gm, example_inputs, costs, cluster)
+    if rho is not None:
+        covered = cpu_sp_covered(gm, example_inputs, costs, cluster)
+        if covered is not None:    # SP's replicated work as measured here, not the graph's count
+            costs = replace(costs, tp_sp_covered=covered, _cache={})
+        return rho, costs
+    rho = replicated_fraction_of_graph(gm) if gm is not None else None
+    return (replicated_fraction_of(analysis.stats) if rho is None else rho), costs
