@@ -21,7 +21,8 @@ memory is halved when every device of the cluster is a GPU); CPU and emulated de
 rule lives in ``autopar.cost.precision``, which the MFU of ``autopar.planner.bounds`` uses too.
 
 Pure: nothing here times, reads a file or the environment; ``autopar.measure.tables.model_costs``
-decides what to measure and calls ``time_tables`` and ``costs_of``.
+decides what to measure and calls ``time_tables`` and ``costs_of`` (``model_facts`` and ``tp_tables``
+from the graph, joined with the measured ``TimeTables``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from autopar.cost.precision import is_mixed_precision, priced_peak_flops
 from autopar.cost.tp import tp_memory_replicated_per_block, tp_pairs_per_block
 from autopar.cost.tp_tables import tp_graph_tables_of
 from autopar.ir.costs import OPTIMIZER_STATE_BYTES, ModelCosts
+from autopar.ir.tables import ModelFacts, TimeTables, TpTables
 from autopar.passes.meta import BLOCK
 
 __all__ = ["Efficiency", "DEFAULT_GPU_EFFICIENCY", "DEFAULT_SAMPLE_BATCHES", "param_tensors_per_block",
-           "roofline_features", "calibrate", "time_tables", "costs_of"]
+           "roofline_features", "calibrate", "time_tables", "model_facts", "tp_tables", "costs_of"]
 
 DEFAULT_SAMPLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -226,42 +228,47 @@ def time_tables(analysis, cluster, batches, *, measured: dict[int, np.ndarray] |
     return fwd_table, bwd_table, sources, speeds
 
 
-def costs_of(analysis, cluster, batches, fwd_table: dict, bwd_table: dict, sources: dict, terms: dict, *,
-             optimizer: str = "adamw", precision: str | None = None, example_inputs=None) -> ModelCosts:
-    """The ``ModelCosts`` of ``analysis`` on ``cluster``: the model's facts from the graph (parameters,
-    bytes, FLOPs, tensor-parallel tables) with the given time tables and ``terms`` (the per-type
-    optimizer and call fields, ``autopar.measure.step.step_terms``). Bytes at ``precision`` (see
-    ``autopar.measure.tables.model_costs``)."""
+def model_facts(analysis, cluster, *, optimizer: str = "adamw", precision: str | None = None,
+                example_inputs=None) -> ModelFacts:
+    """What ``analysis``' graph says of the model for ``cluster`` (``autopar.ir.tables.ModelFacts``):
+    bytes at the cluster's precision rule, or at ``precision`` (see ``autopar.measure.tables.model_costs``)."""
     stats = analysis.stats
-    types = cluster.device_types()
     per = analysis.batch_size
     # Mixed-precision training keeps activations in bf16 on GPUs; a cluster with CPU devices stays fp32.
-    all_gpu = all(is_mixed_precision(cluster.spec_of(t)) for t in types)
+    all_gpu = all(is_mixed_precision(cluster.spec_of(t)) for t in cluster.device_types())
     # Mixed precision (ZeRO paper accounting, 16 bytes per parameter): bf16 weights (2) and gradients (2),
     # fp32 master weights (4) with the optimizer state, which ZeRO-1 shards together.
     act_scale = 0.5 if all_gpu else 1.0
     weight_bytes_per_param = 2 if all_gpu else 4
-    opt_bytes = OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0)
-    costs = ModelCosts(
+    facts = dict(
         block_names=tuple(s.name for s in stats),
         params=np.array([s.params for s in stats], float),
         param_bytes=np.array([s.params * weight_bytes_per_param for s in stats], float),
         act_bytes=np.array([s.saved_bytes / per * act_scale for s in stats], float),
         out_bytes=np.array([s.cut_bytes / per * act_scale for s in stats], float),
         fwd_flops=np.array([s.fwd_flops / per for s in stats], float),
-        sample_batches=np.asarray(batches, dtype=float), fwd_table=fwd_table, bwd_table=bwd_table,
-        optimizer_bytes_per_param=opt_bytes, grad_bytes_per_param=weight_bytes_per_param,
-        tied_groups=analysis.tied_groups, sources=sources,
-        output_bytes=_output_bytes(analysis) * act_scale, **terms,
-        tp_pairs=_tp_pairs(analysis, len(stats)), **_tp_memory(analysis, len(stats)),
-        param_tensors=param_tensors_per_block(analysis, len(stats)),
-        **tp_graph_tables_of(analysis, len(stats)),   # SP and backward-overlap tables (cost.tp_tables)
-    )
+        optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0),
+        grad_bytes_per_param=weight_bytes_per_param, tied_groups=analysis.tied_groups,
+        output_bytes=_output_bytes(analysis) * act_scale,
+        param_tensors=param_tensors_per_block(analysis, len(stats)))
     if precision not in (None, "fp32"):
-        from dataclasses import replace
-
         from autopar.cost.precision import precision_bytes
 
-        costs = replace(costs, **precision_bytes(analysis, example_inputs, precision,
-                                                 OPTIMIZER_STATE_BYTES.get(optimizer, 8)))
-    return costs
+        facts.update(precision_bytes(analysis, example_inputs, precision, OPTIMIZER_STATE_BYTES.get(optimizer, 8)))
+    return ModelFacts(**facts)
+
+
+def tp_tables(analysis) -> TpTables:
+    """What tensor parallelism shards and overlaps per block of ``analysis``' graph
+    (``autopar.ir.tables.TpTables``; empty without a graph)."""
+    n = len(analysis.stats)
+    return TpTables(tp_pairs=_tp_pairs(analysis, n), **_tp_memory(analysis, n),
+                    **tp_graph_tables_of(analysis, n))   # SP and backward-overlap tables (cost.tp_tables)
+
+
+def costs_of(analysis, cluster, times: TimeTables, *, optimizer: str = "adamw", precision: str | None = None,
+             example_inputs=None) -> ModelCosts:
+    """The ``ModelCosts`` of ``analysis`` on ``cluster`` with the time tables ``times``: the model's
+    facts and TP tables from the graph (``model_facts``, ``tp_tables``) joined with them."""
+    return ModelCosts.of(model_facts(analysis, cluster, optimizer=optimizer, precision=precision,
+                                     example_inputs=example_inputs), times, tp_tables(analysis))

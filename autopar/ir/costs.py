@@ -6,8 +6,11 @@ bytes per sample of the graph's output, which the loss reads: ``output_bytes``) 
 device type, the forward and backward time of every block sampled at a few micro-batch sizes.
 Times between samples are interpolated linearly; above the largest sample they are extrapolated
 linearly from the last two samples (time grows at least linearly with the batch once a device is
-busy). The tables come from ``autopar.cost.profile`` (measurement, roofline transfer, kernel timings) or,
-in solver tests, from ``ModelCosts.synthetic``.
+busy). ``ModelCosts`` is the planner's view of three parts, each typed, frozen and with a JSON round
+trip (``autopar.ir.tables``): the model's facts from the graph (``facts``), the time tables of its
+device types (``times``: measured by ``autopar.measure``, or the roofline of ``autopar.cost.profile``)
+and the tensor-parallel tables (``tp``); ``ModelCosts.of`` joins them, ``to_json`` / ``from_json``
+keep all three. In solver tests the tables come from ``ModelCosts.synthetic``.
 
 Memory terms (bytes): weights ``param_bytes``; gradients ``grad_bytes_per_param`` per parameter;
 optimizer state ``optimizer_bytes_per_param`` per parameter (AdamW keeps two fp32 moments: 8; SGD with
@@ -35,12 +38,14 @@ Time terms besides the block tables, per device type (a type missing from a dict
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from autopar.config import GRAD_BUCKET_BYTES
+from autopar.ir.tables import FACT_FIELDS, TIME_FIELDS, TP_FIELDS, ModelFacts, TimeTables, TpTables
 
 __all__ = ["ModelCosts", "OPTIMIZER_STATE_BYTES", "sharded_state_bytes", "ZERO_STAGING_FRACTION",
            "ZERO_STAGING_MIN_NUMEL", "zero_chunk_numel", "zero_staging_numel", "zero_shard_numels",
@@ -180,6 +185,37 @@ class ModelCosts:
                      "tp_bwd_row_share", "param_tensors"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+
+    @classmethod
+    def of(cls, facts: ModelFacts, times: TimeTables, tp: TpTables | None = None) -> "ModelCosts":
+        """The cost tables joined from their three parts (``autopar.ir.tables``)."""
+        tp = tp if tp is not None else TpTables()
+        return cls(**{n: getattr(facts, n) for n in FACT_FIELDS}, **{n: getattr(times, n) for n in TIME_FIELDS},
+                   **{n: getattr(tp, n) for n in TP_FIELDS})
+
+    @property
+    def facts(self) -> ModelFacts:
+        """The model's facts from its graph (``autopar.ir.tables.ModelFacts``)."""
+        return ModelFacts(**{n: getattr(self, n) for n in FACT_FIELDS})
+
+    @property
+    def times(self) -> TimeTables:
+        """The device types' time tables (``autopar.ir.tables.TimeTables``)."""
+        return TimeTables(**{n: getattr(self, n) for n in TIME_FIELDS})
+
+    @property
+    def tp(self) -> TpTables:
+        """The tensor-parallel tables (``autopar.ir.tables.TpTables``)."""
+        return TpTables(**{n: getattr(self, n) for n in TP_FIELDS})
+
+    def to_json(self) -> str:
+        """The three parts as one JSON object (``from_json`` gives equal tables back)."""
+        return json.dumps({"facts": self.facts.to_dict(), "times": self.times.to_dict(), "tp": self.tp.to_dict()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelCosts":
+        d = json.loads(text)
+        return cls.of(ModelFacts.from_dict(d["facts"]), TimeTables.from_dict(d["times"]), TpTables.from_dict(d["tp"]))
 
     @property
     def num_blocks(self) -> int:

@@ -16,6 +16,7 @@ from autopar.cluster.emulation import emulation_time_scale
 from autopar.cost.precision import is_mixed_precision
 from autopar.cost.profile import DEFAULT_GPU_EFFICIENCY, DEFAULT_SAMPLE_BATCHES, Efficiency, costs_of, time_tables
 from autopar.ir.costs import ModelCosts
+from autopar.ir.tables import TimeTables
 from autopar.measure.blocks import measure_blocks
 from autopar.passes.meta import BLOCK, COST
 
@@ -143,8 +144,8 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
 
     terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
                        measured=measured is not None)
-    costs = costs_of(analysis, cluster, batches, fwd_table, bwd_table, sources, terms, optimizer=optimizer,
-                     precision=precision, example_inputs=example_inputs)
+    times = TimeTables(sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table, sources=sources, **terms)
+    costs = costs_of(analysis, cluster, times, optimizer=optimizer, precision=precision, example_inputs=example_inputs)
     if calibration == "auto":
         from autopar.measure.cache import load_calibration
 
