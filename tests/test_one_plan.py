@@ -1,14 +1,19 @@
-"""One plan: ``autopar plan``, ``autopar.plan`` and ``compile`` under ``autopar.launch`` give the same plan
-and the same prediction for the demo's model, cluster and batch, on the same measured tables (one
-process and one cache folder: rank 0 plans for ``compile`` and measures the tables, then the other
-two plan from them).
+"""One plan: ``autopar plan`` and ``autopar.plan`` in the user's process, and ``compile`` under
+``autopar.launch`` and under torchrun, give the same plan and the same prediction for the demo's model,
+cluster and batch, on the same measured tables (one cache folder: the first call measures, the others
+read what it measured).
 
-``prepare`` is where all three decide what to measure: the loss with the model's targets and the
-memory meter's price on emulated ranks, which ``compile`` always priced and ``plan`` did not."""
+``prepare`` is where all of them decide what to measure: the loss with the model's targets and the
+memory meter's price on emulated ranks (which ``compile`` priced and ``plan`` did not), each table
+timed at the thread count the cluster's ranks run with (``autopar.measure.tables.rank_threads``: a
+shell's process has every core, an emulated rank one thread)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,38 +22,41 @@ import autopar
 GLOBAL_BATCH = 96
 
 
-def _demo_rank(rank: int, json_path: str):
+def _compile_rank(rank: int):
+    from autopar.cluster.model import builtin
+    from autopar.models import load
+
+    case = load("gpt-tiny", device="cpu", seed=0)
+    targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
+    compiled = autopar.compile(case.model, builtin("demo"), case.example_inputs, GLOBAL_BATCH, case.loss_fn,
+                               example_targets=targets)
+    return compiled.plan.to_json() if rank == 0 else None
+
+
+@pytest.mark.launch
+def test_plan_cli_launch_and_torchrun_give_one_plan_on_the_demo(tmp_path, monkeypatch):
     from autopar.cli.main import main as cli
     from autopar.cluster.model import builtin
     from autopar.models import load
 
-    cluster = builtin("demo")
-    case = load("gpt-tiny", device="cpu", seed=0)
-    targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
-    compiled = autopar.compile(case.model, cluster, case.example_inputs, GLOBAL_BATCH, case.loss_fn,
-                               example_targets=targets)
-    if rank != 0:
-        return None
-    case = load("gpt-tiny", device="cpu", seed=0)     # a model compile has not trained
-    planned = autopar.plan(case.model, cluster, case.example_inputs, GLOBAL_BATCH, case.loss_fn,
-                           example_targets=targets)
-    assert cli(["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", str(GLOBAL_BATCH),
-                "--json", json_path]) == 0
-    return compiled.plan.to_json(), planned.to_json()
-
-
-@pytest.mark.launch
-def test_plan_cli_and_compile_give_one_plan_on_the_demo(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")   # the link sweep is another test's
-    from autopar.cluster.model import builtin
-
-    path = tmp_path / "plan.json"
-    results = autopar.launch(_demo_rank, builtin("demo"), str(path), timeout_s=400)
-    compiled, planned = (json.loads(x) for x in results[0])
-    from_cli = json.loads(path.read_text())
+    case = load("gpt-tiny", device="cpu", seed=0)
+    targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
+    planned = json.loads(autopar.plan(case.model, builtin("demo"), case.example_inputs, GLOBAL_BATCH, case.loss_fn,
+                                      example_targets=targets).to_json())
+    assert cli(["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", str(GLOBAL_BATCH),
+                "--json", str(tmp_path / "cli.json")]) == 0
+    from_cli = json.loads((tmp_path / "cli.json").read_text())
     timings = {k: from_cli.pop(k) for k in ("planning_s", "bounds_s")}
     assert all(v >= 0 for v in timings.values())
-    assert planned == compiled
-    assert from_cli == compiled
-    assert compiled["predicted"]["step_time_s"] > 0
+    launched = json.loads(autopar.launch(_compile_rank, builtin("demo"), timeout_s=400)[0])
+    script = Path(__file__).with_name("torchrun_compile.py")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                    str(script), str(tmp_path / "torchrun.json"), str(GLOBAL_BATCH)],
+                   check=True, timeout=400, capture_output=True)
+    torchrun = json.loads((tmp_path / "torchrun.json").read_text())
+    assert planned["predicted"]["step_time_s"] > 0
+    assert from_cli == planned
+    assert launched == planned
+    assert torchrun == planned

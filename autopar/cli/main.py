@@ -34,18 +34,9 @@ def _load_model(spec: str, device: str | None = None):
     return load(spec, device=device)
 
 
-def _planning_device(spec: str) -> str:
-    """Small models are analysed with real weights (so they can be measured), big ones on meta."""
-    from autopar.models import names
-
-    if spec in names():
-        case = _load_model(spec, device="meta")
-        return "cpu" if case.num_params_expected < 50_000_000 else "meta"
-    return "cpu"
-
-
 def _planning_case(spec: str):
-    """The model case ``_planning_device`` picks, built once: a big zoo model's meta build is the case."""
+    """The model to plan, built once: a zoo model of 50M parameters or more on the meta device (its meta
+    build is the case), anything smaller with real weights, so that it can be measured."""
     from autopar.models import names
 
     if spec in names():

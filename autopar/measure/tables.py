@@ -9,6 +9,8 @@ and this machine's calibration, then builds the tables with the pure cost model
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -20,7 +22,7 @@ from autopar.ir.tables import TimeTables
 from autopar.measure.blocks import measure_blocks
 from autopar.passes.meta import BLOCK, COST
 
-__all__ = ["model_costs", "kernel_adjustments"]
+__all__ = ["model_costs", "kernel_adjustments", "rank_threads"]
 
 
 def kernel_adjustments(analysis, device_name: str, spec, eff: Efficiency, dtype=torch.bfloat16) -> np.ndarray | None:
@@ -77,6 +79,25 @@ def _add_tracking(fwd_table: dict, bwd_table: dict, batches, stats, speeds: dict
         bwd_table[t] = np.asarray(bwd_table[t], dtype=np.float64) + rb / speed
 
 
+@contextlib.contextmanager
+def rank_threads(cluster):
+    """torch's intra-op threads, while this machine times tables for ``cluster``, as its CPU ranks run
+    them here (``autopar.cluster.emulation.cpu_shares``: one thread per emulated rank, a native CPU rank
+    its share of the cores; the fewest when they differ). The process that plans keeps its own count
+    otherwise: timed with every core, the tables of an emulated device were not what its one-thread
+    rank runs, and a plan made from a shell priced another step than ``compile`` in the ranks."""
+    from autopar.cluster.emulation import cpu_shares
+
+    shares = [s for s in cpu_shares(cluster) if s is not None]
+    old = torch.get_num_threads()
+    if shares:
+        torch.set_num_threads(min(s.num_threads for s in shares))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer: str = "adamw",
                 sample_batches=DEFAULT_SAMPLE_BATCHES, measure: bool | None = None,
                 efficiency: Efficiency | None = None, progress=None, use_kernel_times: bool = True,
@@ -107,7 +128,20 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     rank's memory tracking adds to a micro-step's charged CPU time beyond the meter's own estimate, added
     to the measured tables of emulated types (whose ranks step under the meter), spread over the blocks
     by their operator counts.
+
+    CPU and emulated tables are timed at the thread count the cluster's ranks run with (``rank_threads``).
     """
+    with rank_threads(cluster):
+        return _model_costs(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
+                            sample_batches=sample_batches, measure=measure, efficiency=efficiency,
+                            progress=progress, use_kernel_times=use_kernel_times, calibration=calibration,
+                            precision=precision, loss_fn=loss_fn, example_targets=example_targets,
+                            tracking=tracking)
+
+
+def _model_costs(analysis, cluster, *, model, example_inputs, optimizer, sample_batches, measure, efficiency,
+                 progress, use_kernel_times, calibration, precision, loss_fn, example_targets,
+                 tracking) -> ModelCosts:
     stats = analysis.stats
     batches = np.array(sorted(sample_batches), dtype=float)
     on_meta = model is None or any(p.is_meta for p in model.parameters())

@@ -42,10 +42,6 @@ class Allocation:
     def num_ranks(self) -> int:
         return len(self.shares)
 
-    @property
-    def bottleneck_rank(self) -> int:
-        return int(np.argmax(self.rank_time_s)) if self.rank_time_s else 0
-
 
 def balanced_split(samples: int, num_steps: int) -> tuple[int, ...]:
     """``samples`` cut into ``num_steps`` sizes differing by at most 1, the larger ones first."""
