@@ -30,10 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("poplar-a100", "poplar-v100-t4", "poplar-a800-v100s", "mixed-3", "hethub-768", "demo")
 MODELS = ("gpt2-xl", "llama-7b", "llama-140b", "bert-large")
 DEMO = ("gpt-tiny", "demo", 96)
-# On the 768-device cluster only the model it was built for: the data-parallel planner prices uneven
-# ZeRO gathers rank pair by rank pair there, and a model that fits data parallelism takes tens of
-# minutes to plan (gpt2-xl: over 20)
-ONLY_ON = {"hethub-768": ("llama-140b",)}
 _WALL = re.compile(r" in [0-9.eE+-]+ s\b")
 
 
@@ -54,7 +50,7 @@ def snapshot(out: Path, models=MODELS, clusters=CLUSTERS) -> list[str]:
     from autopar.errors import PlanError
 
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(m, c, None) for m in models for c in clusters if m in ONLY_ON.get(c, (m,))] + [DEMO]
+    jobs = [(m, c, None) for m in models for c in clusters] + [DEMO]
     written = []
     for model, cluster_name, batch in jobs:
         cluster = autopar.Cluster.from_yaml(ROOT / "benchmarks" / "clusters" / f"{cluster_name}.yaml")

@@ -1,4 +1,4 @@
-"""One plan: ``autopar plan`` and ``autopar.plan`` in the user's process, and ``compile`` under
+"""One plan: ``autopar plan`` and ``autopar.plan`` from a shell, and ``compile`` under
 ``autopar.launch`` and under torchrun, give the same plan and the same prediction for the demo's model,
 cluster and batch, on the same measured tables (one cache folder: the first call measures, the others
 read what it measured).
@@ -33,28 +33,29 @@ def _compile_rank(rank: int):
     return compiled.plan.to_json() if rank == 0 else None
 
 
+def _run(*args: str) -> None:
+    subprocess.run([sys.executable, *args], check=True, timeout=400, capture_output=True)
+
+
 @pytest.mark.launch
 def test_plan_cli_launch_and_torchrun_give_one_plan_on_the_demo(tmp_path, monkeypatch):
-    from autopar.cli.main import main as cli
+    """Each side in fresh processes, as a user runs it: the CLI and ``autopar.plan`` from a shell (the
+    first measures the tables), then ``compile`` under ``autopar.launch`` and under torchrun."""
     from autopar.cluster.model import builtin
-    from autopar.models import load
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")   # the link sweep is another test's
-    case = load("gpt-tiny", device="cpu", seed=0)
-    targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
-    planned = json.loads(autopar.plan(case.model, builtin("demo"), case.example_inputs, GLOBAL_BATCH, case.loss_fn,
-                                      example_targets=targets).to_json())
-    assert cli(["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", str(GLOBAL_BATCH),
-                "--json", str(tmp_path / "cli.json")]) == 0
+    script = str(Path(__file__).with_name("torchrun_compile.py"))
+    _run("-m", "autopar", "plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", str(GLOBAL_BATCH),
+         "--json", str(tmp_path / "cli.json"))
+    _run(script, "plan", str(tmp_path / "plan.json"), str(GLOBAL_BATCH))
+    launched = json.loads(autopar.launch(_compile_rank, builtin("demo"), timeout_s=400)[0])
+    _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", script, "compile",
+         str(tmp_path / "torchrun.json"), str(GLOBAL_BATCH))
     from_cli = json.loads((tmp_path / "cli.json").read_text())
     timings = {k: from_cli.pop(k) for k in ("planning_s", "bounds_s")}
     assert all(v >= 0 for v in timings.values())
-    launched = json.loads(autopar.launch(_compile_rank, builtin("demo"), timeout_s=400)[0])
-    script = Path(__file__).with_name("torchrun_compile.py")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                    str(script), str(tmp_path / "torchrun.json"), str(GLOBAL_BATCH)],
-                   check=True, timeout=400, capture_output=True)
+    planned = json.loads((tmp_path / "plan.json").read_text())
     torchrun = json.loads((tmp_path / "torchrun.json").read_text())
     assert planned["predicted"]["step_time_s"] > 0
     assert from_cli == planned

@@ -136,3 +136,21 @@ def test_predicted_phases_price_the_engines_collectives(zero):
         assert other not in d
         assert d.get("reduce_scatter", 0.0) == pytest.approx(rounds * z.round_reduce_scatter_s)
         assert math.isfinite(sum(d.values()))
+
+
+@pytest.mark.parametrize("shares", [(5, 3, 2, 1, 1, 0, 4, 2), (1, 2), (3, 0, 0, 1), (7, 1, 1, 1, 1, 1, 1)])
+def test_uneven_gather_is_one_broadcast_per_owner_over_its_rotated_ring(shares):
+    """zero_gather_s prices each owner's broadcast from the ring's links at once; the same figure, to the
+    bit, as broadcast_time_s over the ring rotated to each owner (two nodes of two types: intra-node and
+    network links), and over a measured emulated link."""
+    cluster = Cluster.from_dict({"nodes": [{"device": "A100-80GB", "count": 4}, {"device": "V100-16GB", "count": 4}]})
+    ranks = (0, 5, 1, 6, 2, 7, 3, 4)[:len(shares)]
+    sizes = comm.zero_shard_sizes(1_000_003, len(ranks), shares)
+    assert len(set(sizes)) > 1                                # uneven: one broadcast per owner
+    rotated = sum(comm.broadcast_time_s(cluster, ranks[p:] + ranks[:p], float(s) * 2)
+                  for p, s in enumerate(sizes) if s > 0)
+    assert comm.zero_gather_s(cluster, ranks, 1_000_003, 2, shares) == rotated
+    one_node = _cluster(3)
+    sizes = comm.zero_shard_sizes(999, 3, (3, 2, 1))
+    assert comm.zero_gather_s(one_node, (0, 1, 2), 999, 4, (3, 2, 1)) == sum(
+        comm.broadcast_time_s(one_node, (0, 1, 2)[p:] + (0, 1, 2)[:p], float(s) * 4) for p, s in enumerate(sizes))

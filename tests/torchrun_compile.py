@@ -1,5 +1,8 @@
-"""A training script as a user runs it under torchrun: ``autopar.init`` on the demo cluster, then
-``compile`` of the demo's model; rank 0 writes its plan's JSON to the path given (``test_one_plan``)."""
+"""The demo's model planned and compiled as a user's own script does, for ``test_one_plan``:
+
+- ``python tests/torchrun_compile.py plan OUT.json BATCH``: ``autopar.plan`` in a fresh process;
+- under torchrun, ``... compile OUT.json BATCH``: ``autopar.init`` on the demo cluster, then
+  ``compile``; rank 0 writes its plan's JSON to OUT.json."""
 
 import os
 import sys
@@ -9,12 +12,16 @@ from autopar.cluster.model import builtin
 from autopar.models import load
 
 if __name__ == "__main__":
+    what, out, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     cluster = builtin("demo")
-    autopar.init(cluster)
     case = load("gpt-tiny", device="cpu", seed=0)
     targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
-    compiled = autopar.compile(case.model, cluster, case.example_inputs, int(sys.argv[2]), case.loss_fn,
-                               example_targets=targets)
-    if int(os.environ["RANK"]) == 0:
-        with open(sys.argv[1], "w") as f:
-            f.write(compiled.plan.to_json())
+    if what == "plan":
+        plan = autopar.plan(case.model, cluster, case.example_inputs, batch, case.loss_fn, example_targets=targets)
+    else:
+        autopar.init(cluster)
+        plan = autopar.compile(case.model, cluster, case.example_inputs, batch, case.loss_fn,
+                               example_targets=targets).plan
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            f.write(plan.to_json())
