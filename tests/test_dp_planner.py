@@ -373,3 +373,25 @@ def test_recompute_lets_dp_fit_and_is_priced_one_more_forward():
         plan_dp(costs, roomy, 12).predicted.step_time_s)
     with pytest.raises(PlanError):
         plan_dp(costs, cluster, 12, strategy="uniform-dp", recompute=True)
+
+
+def test_a_refusal_names_every_term_it_adds():
+    """ZeRO-3 refused for the full gradient a micro-step makes before its reduce-scatter: the message
+    names it with every other term, and they add up to the figure it gives."""
+    import re
+
+    costs = ModelCosts.synthetic({"a": [0.01] * 4}, param_bytes=[2e8] * 4, act_bytes=[1e5] * 4)
+    cluster = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
+                                                       "memory_GB": 1.5}, "count": 4}]})
+    with pytest.raises(PlanError) as info:
+        plan_dp(costs, cluster, 8, zero_stage=3)
+    text = str(info.value)
+    assert "full gradient a micro-step holds before its reduce-scatter" in text
+    total = float(re.search(r"needs ([0-9.e+]+) bytes", text).group(1))
+    terms = [float(x) for x in re.findall(r"(?:states|gathered|workspace|staging|reduce-scatter) ([0-9.e+]+)", text)]
+    assert len(terms) == 5 and sum(terms) == pytest.approx(total, rel=1e-3)
+    small = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
+                                                     "memory_GB": 1.0}, "count": 4}]})
+    with pytest.raises(PlanError, match=r"before any sample \(states .* \+ gathered .* \+ workspace .* \+ "
+                                         r"reduce-scatter staging .*\)"):
+        plan_dp(costs, small, 8, zero_stage=3)
