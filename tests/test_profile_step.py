@@ -144,12 +144,13 @@ class TwoRanks(threaded_ranks(2)):
         for _ in range(2):
             with recorded_step(engine.clock):
                 if self.rank == 1:
-                    time.sleep(0.03)      # a straggler: rank 0 waits for it in the first collective
+                    time.sleep(0.3)       # a straggler: rank 0 waits for it in the first collective (long
+                    #                       beside rank 0's own step, which a loaded host stretched to 15 ms)
                 engine.step(x, y)
         records = pg_all_gather_objects(rec.snapshot())
         prof = from_records(records, (RankInfo(0, "cpu"), RankInfo(1, "cpu")), "dp", 0.0)
         m0 = prof.measured(0)
-        assert m0["wait"] >= 0.02, m0
+        assert m0["wait"] >= 0.2, m0
         assert m0.get("all_reduce", 0) + m0.get("all_gather", 0) + m0.get("reduce_scatter", 0) > 0
         assert prof.measured(1).get("wait", 0.0) < m0["wait"]
         assert m0["forward"] > 0 and m0["backward"] > 0 and m0["optimizer"] > 0
