@@ -281,6 +281,18 @@ class RankMemory:
     def peak_bytes(self, micro_batch: int) -> int:
         return int(math.ceil(self.fixed_bytes + self.micro_bytes(micro_batch)))
 
+    def fixed_terms(self) -> str:
+        """``fixed_bytes`` term by term, for a message."""
+        return (f"states {self.state_bytes:.4g} + gathered {self.gathered_bytes:.4g} + workspace "
+                f"{self.workspace_bytes:.4g} + reduce-scatter staging {self.staging_bytes:.4g}")
+
+    def micro_term(self) -> str:
+        """What one sample's micro-step adds (``micro_bytes(1)``), named, for a message."""
+        if self.act_bytes_per_sample >= self.transient_bytes:
+            return f"activations {self.act_bytes_per_sample:.4g}"
+        return (f"the full gradient a micro-step holds before its reduce-scatter {self.transient_bytes:.4g} "
+                f"(more than one sample's activations, {self.act_bytes_per_sample:.4g})")
+
     @property
     def max_micro(self) -> int:
         room = self.usable_bytes - self.fixed_bytes

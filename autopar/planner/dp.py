@@ -229,21 +229,14 @@ def _fit_error(costs, cluster, ranks, mems, zero_stage) -> str | None:
     """Why ``zero_stage`` cannot run on these ranks (states or one sample do not fit), or None."""
     for r, m in zip(ranks, mems):
         if m.fixed_bytes > m.usable_bytes:
-            return (f"ZeRO-{zero_stage}: rank {r} ({cluster.devices[r].spec.name}) needs "
-                    f"{m.fixed_bytes:.4g} bytes before any sample (states {m.state_bytes:.4g} + gathered "
-                    f"{m.gathered_bytes:.4g} + workspace {m.workspace_bytes:.4g} + reduce-scatter staging "
-                    f"{m.staging_bytes:.4g}) and has {m.usable_bytes:.4g} usable")
+            return (f"ZeRO-{zero_stage}: rank {r} ({cluster.devices[r].spec.name}) needs {m.fixed_bytes:.4g} "
+                    f"bytes before any sample ({m.fixed_terms()}) and has {m.usable_bytes:.4g} usable")
     if all(m.max_micro == 0 for m in mems):
         i = max(range(len(ranks)), key=lambda j: mems[j].usable_bytes - mems[j].fixed_bytes)
         m = mems[i]
-        micro = (f"activations {m.act_bytes_per_sample:.4g}" if m.act_bytes_per_sample >= m.transient_bytes else
-                 f"the full gradient a micro-step holds before its reduce-scatter {m.transient_bytes:.4g} "
-                 f"(more than one sample's activations, {m.act_bytes_per_sample:.4g})")
         return (f"ZeRO-{zero_stage}: a micro-batch of 1 sample needs {m.peak_bytes(1):.4g} bytes "
-                f"(states {m.state_bytes:.4g} + gathered {m.gathered_bytes:.4g} + workspace "
-                f"{m.workspace_bytes:.4g} + reduce-scatter staging {m.staging_bytes:.4g} + {micro}) and the "
-                f"roomiest device, rank {ranks[i]} ({cluster.devices[ranks[i]].spec.name}), has "
-                f"{m.usable_bytes:.4g} usable")
+                f"({m.fixed_terms()} + {m.micro_term()}) and the roomiest device, rank {ranks[i]} "
+                f"({cluster.devices[ranks[i]].spec.name}), has {m.usable_bytes:.4g} usable")
     return None
 
 
