@@ -22,7 +22,7 @@ Terms
   with no sample; ``call``: the least over samples of the extra seconds per call. ``other`` is not all
   per call: a data-parallel step's holds per-step work that grows with the model (resmlp: ~12 ms per
   rank per step, ~5 ms per call over its 2-3 calls, against 0.1-0.2 ms per call in its pipelines;
-  emulated, session 8), and the median of such samples, charged on every call, priced a pipeline's 17-33
+  emulated), and the median of such samples, charged on every call, priced a pipeline's 17-33
   calls per rank 25-35% over its measured step after calibration (accuracy-s8-after, -after-2). The
   plan that spreads ``other`` thinnest bounds what a call costs.
 - shrinkage: a term the calibration run barely exercised says little about another model, where it

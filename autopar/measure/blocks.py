@@ -35,7 +35,7 @@ def measure_blocks(analysis, model, example_inputs: tuple, batches, *, device: t
     same statistic of the whole forward and of the whole backward of the unsplit graph run without
     hooks, once after every hooked run (the hooks, the split's module calls and the clock reads cost
     time a step does not spend: the hooked totals ran 0-14% above on gpt-tiny and resmlp at 16
-    samples here, and session 6 saw 20%), so the hooks give the split between blocks only. Identical blocks (``struct_hash``)
+    samples here, up to 20% on a loaded host), so the hooks give the split between blocks only. Identical blocks (``struct_hash``)
     share the mean of their in-situ times. A row is made non-decreasing in the micro-batch (a larger
     micro-batch never costs less; timing noise at small ones otherwise inverts neighbours).
     Not counted: the loss (the graph's outputs get unit gradients), which a step runs after the graph.

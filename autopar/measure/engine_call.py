@@ -32,7 +32,7 @@ What (``measure_engine_calls``, ``EngineCalls``): the captured graph run as the 
   against the hot backward right before it. resmlp at load 1.1: 0.70 and 0.41 ms; in resmlp dp runs on
   the demo cluster (load 1.1-1.4) overlap on charged the micro-step 6.0 / 6.9 ms more than overlap off
   on the speed-1 rank (84 rows) and 1.7 / 8.3 ms on the speed-0.5 rank (28 rows), 16 buckets: 0.1-0.5
-  ms a launch. Not priced yet (see docs/insitu-profile.md, session 8, H6);
+  ms a launch. Not priced yet (see docs/insitu-profile.md);
 - 2 rows: the penalty is a refill of caches and hardly depends on the rows, and the small call keeps the
   hosts' noise small against it (at 8 rows two measurements at load 3 gave 0 and 3.3 ms on resmlp, at 2 rows
   1.3 and 2.1; bert-tiny 0.68 and 0.59, gpt-tiny 0.73 and 0.58 ms).
@@ -43,7 +43,7 @@ token loss; about 3 ms a hot micro-step at 2 rows, gpt-tiny's is 4-5 ms), ``MACH
 once per machine. The cold start is mostly the host's (code paths, caches and predictors refilled
 after an idle gap); on a model's own graph the median over 11 repeats is a small difference of two
 noisy times, and the noise grows with the model. Four measurements in a row (emulation off, one core,
-sleep factor 5, session 12): gpt-tiny (5 ms hot) per call 0.64-0.75 ms, while resmlp and glumlp
+sleep factor 5): gpt-tiny (5 ms hot) per call 0.64-0.75 ms, while resmlp and glumlp
 (18-24 ms hot) gave 0.70-1.97 and 0.51-2.22 ms, their kinds in random order (resmlp's cached figure
 once priced a data-parallel micro-step at 0 and a stage backward at twice the median). A figure cached
 that way is a fixed error of one model that no calibration on another can carry. The probe gives
@@ -78,7 +78,7 @@ per-operator cost probed once per process on a 4-element add). The estimate fall
 operators: gpt-tiny micro-steps at 13-32 rows (440 operators, one thread, load 6) cost 11-14 us per
 operator under tracking against the probe's 7.2, a residual of 1.6-2.9 ms per micro-step (13-18% of
 it), which the clock then stretches; in demo dp runs, tracking on against off in the same ranks charged
-20-25% more CPU per step (``docs/insitu-profile.md``, session 9). ``measure_tracking`` times that
+20-25% more CPU per step (``docs/insitu-profile.md``). ``measure_tracking`` times that
 residual as a rank is charged: the micro-step (forward with the loss, then backward) plain, and under
 a fresh meter read through the clock's own CPU time less the tracking (``tracking``, a callable the
 caller gives, ``autopar.runtime.memory``'s: the cost model does not import the runtime), each after a

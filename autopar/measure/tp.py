@@ -27,9 +27,9 @@ on the accuracy models); the cost model prices both with one fraction, their tim
 (``TpFractionMeasure.step``), the one ``autopar.cost.tp.best_shares`` balances whole steps with.
 
 When (``cpu_replicated_fraction``): only when every device type of the cluster is a CPU whose tables
-were timed on this machine (``ModelCosts.timed_here``: "measured" or "emulated", calibrated or not;
-until session 12 a calibrated cluster fell back to the graph's estimate, which priced glumlp's TP
-plans after calibration at 1.8-2.1x their measured step) and the model has real
+were timed on this machine (``ModelCosts.timed_here``: "measured" or "emulated", calibrated or not:
+when a calibrated cluster fell back to the graph's estimate, it priced glumlp's TP plans after
+calibration at 1.8-2.1x their measured step) and the model has real
 weights; otherwise None and the graph's estimate stands (GPUs, roofline tables, meta models).
 Results are cached in memory and on disk (``tp_fraction.json`` in ``autopar.measure.cache.cache_dir``)
 by the graph's code, parameter and input shapes, batch, torch version and machine.
