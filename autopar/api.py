@@ -98,7 +98,8 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
                     schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
                     replicated_fraction: float | None = None, recompute: bool = False,
                     timings: dict | None = None, config: PlanConfig | None = None, pin=None) -> Plan:
-    """Run the planner of ``strategy`` on prepared cost tables and attach the bounds.
+    """Run the planner of ``strategy`` on prepared cost tables and attach the bounds, on ``cluster`` with
+    this machine's calibration and measured emulated link attached (``autopar.measure.machine``).
 
     The options are one ``PlanConfig``: ``config``, or the keywords (see ``plan_config``).
 
