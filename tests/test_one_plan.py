@@ -38,12 +38,12 @@ def _run(*args: str) -> None:
 
 
 @pytest.mark.launch
-def test_plan_cli_launch_and_torchrun_give_one_plan_on_the_demo(tmp_path, monkeypatch):
+def test_plan_cli_launch_and_torchrun_give_one_plan_on_the_demo(tmp_path, monkeypatch, shared_cache):
     """Each side in fresh processes, as a user runs it: the CLI and ``autopar.plan`` from a shell (the
-    first measures the tables), then ``compile`` under ``autopar.launch`` and under torchrun."""
+    first measures the tables, unless another test of this worker did), then ``compile`` under
+    ``autopar.launch`` and under torchrun."""
     from autopar.cluster.model import builtin
 
-    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("AUTOPAR_EMULATED_LINK", "nominal")   # the link sweep is another test's
     script = str(Path(__file__).with_name("torchrun_compile.py"))
     _run("-m", "autopar", "plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", str(GLOBAL_BATCH),
