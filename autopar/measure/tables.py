@@ -132,61 +132,52 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
     CPU and emulated tables are timed at the thread count the cluster's ranks run with (``rank_threads``).
     """
     with rank_threads(cluster):
-        return _model_costs(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
-                            sample_batches=sample_batches, measure=measure, efficiency=efficiency,
-                            progress=progress, use_kernel_times=use_kernel_times, calibration=calibration,
-                            precision=precision, loss_fn=loss_fn, example_targets=example_targets,
-                            tracking=tracking)
+        stats = analysis.stats
+        batches = np.array(sorted(sample_batches), dtype=float)
+        on_meta = model is None or any(p.is_meta for p in model.parameters())
+        if measure is None:
+            measure = not on_meta
+        types = cluster.device_types()
+        measured = None
+        need_cpu = any(not is_mixed_precision(cluster.spec_of(t)) for t in types)
+        if measure and need_cpu and not on_meta:
+            measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
+        emu_scale = emulation_time_scale(len(cluster))
+        adjust = {}
+        if use_kernel_times:
+            for t in types:
+                spec = cluster.spec_of(t)
+                if is_mixed_precision(spec):
+                    adjust[t] = kernel_adjustments(analysis, spec.name, spec, efficiency or DEFAULT_GPU_EFFICIENCY)
+        fwd_table, bwd_table, sources, speeds = time_tables(analysis, cluster, batches, measured=measured,
+                                                            emulation_scale=emu_scale, efficiency=efficiency,
+                                                            kernel_adjust=adjust)
+        if speeds and loss_fn is not None and example_targets is not None:   # the loss, on the last block
+            from autopar.measure.loss import add_loss_to_tables, measure_loss
 
+            add_loss_to_tables(fwd_table, bwd_table, batches,
+                               measure_loss(analysis, model, example_inputs, loss_fn, example_targets, batches), speeds)
+        emulated = {t: v for t, v in speeds.items() if cluster.spec_of(t).is_emulated}
+        if emulated and tracking is not None:       # what the memory meter costs an emulated rank (engine_call)
+            from autopar.measure.engine_call import measure_tracking
 
-def _model_costs(analysis, cluster, *, model, example_inputs, optimizer, sample_batches, measure, efficiency,
-                 progress, use_kernel_times, calibration, precision, loss_fn, example_targets,
-                 tracking) -> ModelCosts:
-    stats = analysis.stats
-    batches = np.array(sorted(sample_batches), dtype=float)
-    on_meta = model is None or any(p.is_meta for p in model.parameters())
-    if measure is None:
-        measure = not on_meta
-    types = cluster.device_types()
-    measured = None
-    need_cpu = any(not is_mixed_precision(cluster.spec_of(t)) for t in types)
-    if measure and need_cpu and not on_meta:
-        measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
-    emu_scale = emulation_time_scale(len(cluster))
-    adjust = {}
-    if use_kernel_times:
-        for t in types:
-            spec = cluster.spec_of(t)
-            if is_mixed_precision(spec):
-                adjust[t] = kernel_adjustments(analysis, spec.name, spec, efficiency or DEFAULT_GPU_EFFICIENCY)
-    fwd_table, bwd_table, sources, speeds = time_tables(analysis, cluster, batches, measured=measured,
-                                                        emulation_scale=emu_scale, efficiency=efficiency,
-                                                        kernel_adjust=adjust)
-    if speeds and loss_fn is not None and example_targets is not None:   # the loss, on the last block
-        from autopar.measure.loss import add_loss_to_tables, measure_loss
+            _add_tracking(fwd_table, bwd_table, batches, stats, emulated,
+                          measure_tracking(analysis, example_inputs, [int(b) for b in batches], tracking=tracking,
+                                           loss_fn=loss_fn, example_targets=example_targets))
+        from autopar.measure.step import step_terms  # optimizer step and per-call overhead per type
 
-        add_loss_to_tables(fwd_table, bwd_table, batches,
-                           measure_loss(analysis, model, example_inputs, loss_fn, example_targets, batches), speeds)
-    emulated = {t: v for t, v in speeds.items() if cluster.spec_of(t).is_emulated}
-    if emulated and tracking is not None:       # what the memory meter costs an emulated rank (engine_call)
-        from autopar.measure.engine_call import measure_tracking
+        terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
+                           measured=measured is not None)
+        times = TimeTables(sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table, sources=sources, **terms)
+        costs = costs_of(analysis, cluster, times, optimizer=optimizer, precision=precision,
+                         example_inputs=example_inputs)
+        if calibration == "auto":
+            from autopar.measure.cache import load_calibration
 
-        _add_tracking(fwd_table, bwd_table, batches, stats, emulated,
-                      measure_tracking(analysis, example_inputs, [int(b) for b in batches], tracking=tracking,
-                                       loss_fn=loss_fn, example_targets=example_targets))
-    from autopar.measure.step import step_terms  # optimizer step and per-call overhead per type
+            calibration = load_calibration()
+        if calibration:
+            from autopar.cost.calibrate import calibrated, device_key
 
-    terms = step_terms(analysis, cluster, model=model, example_inputs=example_inputs, optimizer=optimizer,
-                       measured=measured is not None)
-    times = TimeTables(sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table, sources=sources, **terms)
-    costs = costs_of(analysis, cluster, times, optimizer=optimizer, precision=precision, example_inputs=example_inputs)
-    if calibration == "auto":
-        from autopar.measure.cache import load_calibration
-
-        calibration = load_calibration()
-    if calibration:
-        from autopar.cost.calibrate import calibrated, device_key
-
-        keys = {t: device_key(cluster.spec_of(t), emu_scale) for t in types}
-        costs = calibrated(costs, calibration, keys)
-    return costs
+            keys = {t: device_key(cluster.spec_of(t), emu_scale) for t in types}
+            costs = calibrated(costs, calibration, keys)
+        return costs
