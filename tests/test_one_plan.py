@@ -23,14 +23,10 @@ GLOBAL_BATCH = 96
 
 
 def _compile_rank(rank: int):
-    from autopar.cluster.model import builtin
-    from autopar.models import load
+    from torchrun_compile import demo_plan
 
-    case = load("gpt-tiny", device="cpu", seed=0)
-    targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
-    compiled = autopar.compile(case.model, builtin("demo"), case.example_inputs, GLOBAL_BATCH, case.loss_fn,
-                               example_targets=targets)
-    return compiled.plan.to_json() if rank == 0 else None
+    plan = demo_plan(GLOBAL_BATCH, compiled=True)
+    return plan.to_json() if rank == 0 else None
 
 
 def _run(*args: str) -> None:

@@ -11,17 +11,24 @@ import autopar
 from autopar.cluster.model import builtin
 from autopar.models import load
 
-if __name__ == "__main__":
-    what, out, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def demo_plan(batch: int, *, compiled: bool):
+    """The plan of gpt-tiny on the demo cluster: ``autopar.plan``'s, or (``compiled``) ``compile``'s on
+    this rank of a running job."""
     cluster = builtin("demo")
     case = load("gpt-tiny", device="cpu", seed=0)
     targets = case.batch(int(case.example_inputs[0].shape[0]))[1]
-    if what == "plan":
-        plan = autopar.plan(case.model, cluster, case.example_inputs, batch, case.loss_fn, example_targets=targets)
-    else:
-        autopar.init(cluster)
-        plan = autopar.compile(case.model, cluster, case.example_inputs, batch, case.loss_fn,
-                               example_targets=targets).plan
+    if not compiled:
+        return autopar.plan(case.model, cluster, case.example_inputs, batch, case.loss_fn, example_targets=targets)
+    return autopar.compile(case.model, cluster, case.example_inputs, batch, case.loss_fn,
+                           example_targets=targets).plan
+
+
+if __name__ == "__main__":
+    what, out, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if what == "compile":
+        autopar.init(builtin("demo"))
+    plan = demo_plan(batch, compiled=what == "compile")
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             f.write(plan.to_json())
