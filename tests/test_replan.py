@@ -29,6 +29,11 @@ MLP = dict(num_layers=4, hidden_size=192)
 HOT = {"devices": [{"device": {"name": "hot", "emulate": "cpu", "speed": 1.0, "actual_speed": 0.5,
                                "memory_GB": 1}, "count": 1},
                    {"device": {"name": "cool", "emulate": "cpu", "speed": 1.0, "memory_GB": 1}, "count": 1}]}
+# the re-planning test's cluster: the hot device at a quarter of its declared speed, so that on a host
+# loaded enough to stretch the other rank's steps 2x (CI, beside tests that start processes) it still
+# stands out past detect_ratio; at half its speed it once did not
+SLOWER = copy.deepcopy(HOT)
+SLOWER["devices"][0]["device"]["actual_speed"] = 0.25
 _LOCK = threading.Lock()
 _SHARED: dict = {}
 
@@ -66,7 +71,7 @@ def _shared():
             from autopar.passes.analyze import analyze
 
             case = build("mlp-tiny", seed=0, **MLP)
-            cluster = Cluster.from_dict({"nodes": [HOT]})
+            cluster = Cluster.from_dict({"nodes": [SLOWER]})
             gm = analyze(case.model, case.example_inputs).captured.gm
             prep = prepare(case.model, cluster, case.example_inputs, measure=False)
             data = [case.batch(B, seed=1 + s) for s in range(STEPS)]
