@@ -53,9 +53,9 @@ class Built:
         return self._batch(seed)
 
 
-def gpt(device) -> Built:
+def gpt(device, layers: int = 9) -> Built:
     """The zoo's GPT, untied, 9 layers of width 128: 1.84M parameters."""
-    case = autopar.models.build("gpt-tiny", device=device, tie_embeddings=False, num_layers=9, hidden_size=128,
+    case = autopar.models.build("gpt-tiny", device=device, tie_embeddings=False, num_layers=layers, hidden_size=128,
                                 seq_len=SEQ)
     return Built(case.model, case.loss_fn, lambda seed: case.batch(GB, seed=seed))
 
@@ -82,8 +82,14 @@ def opt(device) -> Built:
     return Built(model, logits_loss, _token_batch)
 
 
+def deep_gpt(device) -> Built:
+    """The same GPT with 18 layers (3.6M parameters): ZeRO-3's gathered and reduce-scattered units
+    are blocks, so on devices of 1/2.5 of the state it needs blocks of less than about a tenth of it."""
+    return gpt(device, layers=18)
+
+
 def models() -> dict:
-    out = {"gpt": gpt}
+    out = {"gpt": gpt, "gpt-18": deep_gpt}
     try:
         import transformers  # noqa: F401
         out["hf-opt"] = opt
@@ -101,7 +107,7 @@ def memory_gb(build) -> float:
 
 
 def cluster(memory_gb: float, n: int = 3) -> Cluster:
-    speeds = (1.0, 0.5, 0.5)
+    speeds = (1.0, 0.5, 0.5, 0.5)
     return Cluster.from_dict({"nodes": [{"device": {"name": f"cpu-{i}", "emulate": "cpu", "speed": speeds[i],
                                                     "memory_GB": memory_gb}, "count": 1} for i in range(n)]})
 
@@ -121,13 +127,13 @@ def oracle_state(build) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def big_model_rank(rank: int, runs: list) -> dict:
-    """One rank: compile each (model, memory_GB, plan) of ``runs`` from meta, train, report memory
-    (rank 0 also the state)."""
+def big_model_rank(rank: int, runs: list, n: int = 3) -> dict:
+    """One rank: compile each (model, memory_GB, plan) of ``runs`` from meta on ``n`` devices, train,
+    report memory (rank 0 also the state)."""
     out = {}
     for key, name, gb, plan_json in runs:
         b = models()[name]("meta")
-        compiled = autopar.compile(b.model, cluster(gb), b.example, GB, b.loss_fn,
+        compiled = autopar.compile(b.model, cluster(gb, n), b.example, GB, b.loss_fn,
                                    optimizer=optimizer_factory("adamw"), seed=5,
                                    strategy=autopar.Plan.from_json(plan_json))
         meter = compiled.memory
@@ -148,13 +154,13 @@ def prepared(name: str):
     from autopar.api import prepare
 
     b = models()[name]("meta")
-    return b, prepare(b.model, cluster(1.0), b.example, measure=False)
+    return b, prepare(b.model, cluster(1.0, 4), b.example, measure=False)
 
 
-def plan_on(name: str, memory_gb: float, strategy: str):
+def plan_on(name: str, memory_gb: float, strategy: str, n: int = 3, **config):
     b, prep = prepared(name)
-    return autopar.plan(b.model, cluster(memory_gb), b.example, GB, b.loss_fn, prepared=prep,
-                        config=autopar.PlanConfig(strategy=strategy, memory_fraction=FRACTION))
+    return autopar.plan(b.model, cluster(memory_gb, n), b.example, GB, b.loss_fn, prepared=prep,
+                        config=autopar.PlanConfig(strategy=strategy, memory_fraction=FRACTION, **config))
 
 
 def test_refused_up_front_where_no_plan_fits():
@@ -169,6 +175,8 @@ def test_a_model_too_big_for_any_one_device_trains(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     runs, ran_as = [], {}
     for name, build in models().items():
+        if name == "gpt-18":
+            continue                # ZeRO-3's (test_zero3_data_parallelism_trains_...)
         gb = memory_gb(build)
         device_bytes = cluster(gb).devices[0].spec.memory_bytes
         assert state_bytes(build) >= RATIO * device_bytes
@@ -193,6 +201,26 @@ def test_a_model_too_big_for_any_one_device_trains(tmp_path, monkeypatch):
             assert abs(m["step_peak"] / m["predicted"] - 1) <= 0.15, (key, r, m["step_peak"], m["predicted"])
         assert_state_close(ranks[0][key]["state"], oracle_state(models()[name]), RTOL["adamw"])
     assert set(ran_as) >= {"gpt/auto", "gpt/pp"} and gb_of
+
+
+@pytest.mark.launch
+def test_zero3_data_parallelism_trains_a_model_too_big_for_one_device(tmp_path, monkeypatch):
+    """ZeRO-3 alone, on four devices each 1/2.5 of the state: it fits because each unit's gradient is
+    reduce-scattered as backward leaves its block (the full gradient is never held), and it trains
+    to the oracle, each rank's peak under its device and within 15% of the plan's prediction."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    gb = memory_gb(deep_gpt)
+    device_bytes = cluster(gb, 4).devices[0].spec.memory_bytes
+    assert state_bytes(deep_gpt) >= RATIO * device_bytes
+    p = plan_on("gpt-18", gb, "dp", 4, zero_stage=3)
+    assert p.zero_stage == 3 and p.num_stages == 1 and len(p.stages[0].groups) == 4
+    ranks = autopar.launch(big_model_rank, cluster(1.0, 4), [("zero3", "gpt-18", gb, p.to_json())], 4, timeout_s=300)
+    for r, out in enumerate(ranks):
+        m = out["zero3"]
+        assert m["limit"] == device_bytes
+        assert m["build_peak"] < device_bytes and m["step_peak"] < device_bytes, (r, m)
+        assert abs(m["step_peak"] / m["predicted"] - 1) <= 0.15, (r, m["step_peak"], m["predicted"])
+    assert_state_close(ranks[0]["zero3"]["state"], oracle_state(deep_gpt), RTOL["adamw"])
 
 
 def teardown_module(module):

@@ -104,9 +104,15 @@ def test_max_micro_batch_by_hand():
     spec = _cluster().devices[2].spec                 # 1 GiB
     usable = 0.9 * GiB - DEFAULT_WORKSPACE_BYTES
     assert max_micro_batch(costs, spec, 0, 3) == int((usable - 64e6) // 4e6)
-    # every state sharded, + the gathered block and the prefetched one, + the reduce-scatter's staging chunks
-    z3 = (16e6 + 16e6 + 32e6) / 3 + 2 * 4e6 + 3 * (250000 // 3) * 4
+    # every state sharded, + the gathered block and the prefetched one, + a block's reduce-scatter
+    # staging (its even shard on each position) and two blocks' gradients: ZeRO-3 reduce-scatters each
+    # block inside backward, beside the activations
+    z3 = (16e6 + 16e6 + 32e6) / 3 + 2 * 4e6 + 3 * 333_334 * 4 + 2 * 4e6
     assert max_micro_batch(costs, spec, 3, 3) == int((usable - z3) // 4e6)
+    # ZeRO-2 reduce-scatters after backward: its staging (one bucket) lives where the activations are
+    # freed, beside the full gradient (16e6, less than the activations here)
+    z2 = 16e6 + (16e6 + 32e6) / 3
+    assert max_micro_batch(costs, spec, 2, 3) == int((usable - z2) // 4e6)
     assert max_micro_batch(costs, spec, 0, 3, memory_fraction=0.2) == 0
 
 
@@ -376,20 +382,30 @@ def test_recompute_lets_dp_fit_and_is_priced_one_more_forward():
 
 
 def test_a_refusal_names_every_term_it_adds():
-    """ZeRO-3 refused for the full gradient a micro-step makes before its reduce-scatter: the message
-    names it with every other term, and they add up to the figure it gives."""
+    """ZeRO-2 refused for the full gradient a micro-step makes before its reduce-scatter, ZeRO-3 for
+    the units' gradients it holds inside backward beside the activations: each message names every
+    term, and they add up to the figure it gives."""
     import re
+
+    def terms_add_up(text: str, count: int) -> None:
+        total = float(re.search(r"needs ([0-9.e+]+) bytes", text).group(1))
+        terms = [float(x) for x in re.findall(
+            r"(?:states|gathered|workspace|staging|reduce-scatter|activations) ([0-9.e+]+)", text)]
+        assert len(terms) == count and sum(terms) == pytest.approx(total, rel=1e-3), text
 
     costs = ModelCosts.synthetic({"a": [0.01] * 4}, param_bytes=[2e8] * 4, act_bytes=[1e5] * 4)
     cluster = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
-                                                       "memory_GB": 1.5}, "count": 4}]})
+                                                       "memory_GB": 2.0}, "count": 4}]})
     with pytest.raises(PlanError) as info:
-        plan_dp(costs, cluster, 8, zero_stage=3)
-    text = str(info.value)
-    assert "full gradient a micro-step holds before its reduce-scatter" in text
-    total = float(re.search(r"needs ([0-9.e+]+) bytes", text).group(1))
-    terms = [float(x) for x in re.findall(r"(?:states|gathered|workspace|staging|reduce-scatter) ([0-9.e+]+)", text)]
-    assert len(terms) == 5 and sum(terms) == pytest.approx(total, rel=1e-3)
+        plan_dp(costs, cluster, 8, zero_stage=2)
+    assert "full gradient a micro-step holds before its reduce-scatter" in str(info.value)
+    terms_add_up(str(info.value), 5)
+    three = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
+                                                     "memory_GB": 1.35}, "count": 4}]})
+    with pytest.raises(PlanError) as info:
+        plan_dp(costs, three, 8, zero_stage=3)
+    assert "the gradients of the units backward holds before their reduce-scatter" in str(info.value)
+    terms_add_up(str(info.value), 6)
     small = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
                                                      "memory_GB": 1.0}, "count": 4}]})
     with pytest.raises(PlanError, match=r"before any sample \(states .* \+ gathered .* \+ workspace .* \+ "

@@ -18,6 +18,7 @@ import torch
 from torch.testing._internal.common_utils import run_tests
 
 from autopar.cost import memory as cost_memory
+from autopar.config import GRAD_BUCKET_BYTES
 from autopar.ir.costs import ModelCosts, zero_chunk_numel, zero_staging_numel
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.lowering import lower
@@ -94,17 +95,21 @@ class ThreeRanks(threaded_ranks(3)):
     def test_zero2_uneven_shards_within_15_percent(self):
         self._check(2)
 
+    def test_zero3_by_block_uneven_shards_within_15_percent(self):
+        self._check(3)
 
-def test_staging_buffer_is_a_small_chunk_and_priced():
-    # gpt-tiny-sized unit (234880 elements, fp32) on 3 ranks: a chunk is 1/16 of the unit, a round's
-    # staging buffer 3 x chunk/3; the cost model prices the same buffer for ZeRO-2/3 only.
+
+def test_staging_buffer_is_a_bucket_at_most_and_priced():
+    # gpt-tiny-sized unit (234880 elements, fp32) on 3 ranks: a round stages the even shard of every
+    # position (the whole unit, one collective); a unit larger than a gradient bucket stages one bucket
+    # per round; the cost model prices the same buffer for ZeRO-2/3 only.
     assert zero_chunk_numel(234880, 4) == 14680
-    assert zero_staging_numel(234880, 3, 134217, 4) == 4893
-    assert zero_staging_numel(100, 3, 40, 4) == 40              # never past the largest shard
+    assert zero_staging_numel(234880, 3, 4) == 78294
+    assert zero_staging_numel(100, 3, 4) == 34
+    assert zero_staging_numel(10**8, 4, 4) == GRAD_BUCKET_BYTES // 4 // 4
     costs = ModelCosts.synthetic({"d": [1e-3] * 2}, param_bytes=[4e6, 4e6], act_bytes=[1e6, 1e6])
     assert cost_memory.zero_staging_bytes(costs, 1, 3) == 0.0
-    chunk = zero_chunk_numel(int(costs.params.sum()), 4)
-    assert cost_memory.zero_staging_bytes(costs, 2, 3) == 3 * (chunk // 3) * 4
+    assert cost_memory.zero_staging_bytes(costs, 2, 3) == 3 * (GRAD_BUCKET_BYTES // 4 // 3) * 4
 
 
 def test_pricing_counts_the_loss_and_the_transient_gradient():
@@ -118,7 +123,8 @@ def test_pricing_counts_the_loss_and_the_transient_gradient():
     # micro-batch holds the full gradient (the activations are freed as backward makes it).
     assert z2.peak_bytes(0) == int(np.ceil(z2.fixed_bytes))
     assert z2.peak_bytes(1) == int(np.ceil(z2.fixed_bytes + 12e6))
-    assert z2.peak_bytes(10) == int(np.ceil(z2.fixed_bytes + 10 * z2.act_bytes_per_sample))
+    # the staging buffer lives after backward: beside the full gradient, not beside the activations
+    assert z2.peak_bytes(10) == int(np.ceil(z2.fixed_bytes - z2.staging_bytes + 10 * z2.act_bytes_per_sample))
     # Pipelines: the loss only on the last stage.
     stages = (Stage(0, 2, groups=((0,),), micro_batches=((4,),)), Stage(2, 3, groups=((1,),), micro_batches=((4,),)))
     with_loss = cost_memory.stage_memory_bytes(costs, stages, "1f1b", 0)

@@ -30,7 +30,8 @@ def _compile_rank(rank: int):
 
 
 def _run(*args: str) -> None:
-    subprocess.run([sys.executable, *args], check=True, timeout=400, capture_output=True)
+    done = subprocess.run([sys.executable, *args], timeout=400, capture_output=True, text=True)
+    assert done.returncode == 0, f"{' '.join(args[:4])} exited {done.returncode}:\n{done.stderr[-4000:]}"
 
 
 @pytest.mark.launch

@@ -36,7 +36,7 @@ def _engine_rounds(numel, shares, element_size=4):
     """The engine's reduce-scatter loop (runtime.dp_flat._reduce_scatter_grads), counted."""
     b = shard_bounds(numel, shares)
     sizes = [b[p + 1] - b[p] for p in range(len(shares))]
-    c = zero_staging_numel(numel, len(shares), max(sizes), element_size)
+    c = zero_staging_numel(numel, len(shares), element_size)
     return len(range(0, max(sizes), c)), c
 
 
@@ -79,10 +79,17 @@ def test_reduce_scatter_runs_in_rounds_of_one_staging_buffer():
         assert comm.zero_reduce_scatter_rounds(numel, 3, 4, shares) == (rounds, chunk)
         per_round = 2 * (LINK.latency_s + 3 * chunk * 4 / 3 / bw)    # ring RS of the whole staging buffer
         assert comm.zero_reduce_scatter_s(c, ranks, numel, 4, shares) == pytest.approx(rounds * per_round)
-    # many small rounds: the latency of every round is paid (16 x positions x largest fraction of them)
-    rounds, _ = comm.zero_reduce_scatter_rounds(1_000_000, 3, 4, (4, 2, 1))
-    assert rounds >= 16 * 3 * 4 / 7
-    assert comm.zero_reduce_scatter_s(c, ranks, 1_000_000, 4, (4, 2, 1)) > rounds * 2 * LINK.latency_s
+    # the staging buffer is one gradient bucket over the positions at most: a unit of a bucket or less
+    # is one round on even shares (uneven ones take more rounds of the same buffer); a larger one pays
+    # every round's latency
+    from autopar.config import GRAD_BUCKET_BYTES
+
+    assert comm.zero_reduce_scatter_rounds(200_000, 3, 4) == (1, 66_667)
+    assert comm.zero_reduce_scatter_rounds(200_000, 3, 4, (4, 2, 1)) == (2, 66_667)
+    rounds, chunk = comm.zero_reduce_scatter_rounds(10_000_000, 3, 4, (4, 2, 1))
+    assert chunk == GRAD_BUCKET_BYTES // 4 // 3
+    assert rounds == -(-max(comm.zero_shard_sizes(10_000_000, 3, (4, 2, 1))) // chunk) > 1
+    assert comm.zero_reduce_scatter_s(c, ranks, 10_000_000, 4, (4, 2, 1)) > rounds * 2 * LINK.latency_s
     assert comm.zero_reduce_scatter_s(c, (2,), 1_000_000, 4) == 0.0
 
 

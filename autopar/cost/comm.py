@@ -319,7 +319,7 @@ def zero_reduce_scatter_rounds(numel: int, num_shards: int, element_size: int,
     if num_shards < 2 or numel <= 0:
         return 0, 0
     largest = max(zero_shard_sizes(numel, num_shards, shares))
-    c = zero_staging_numel(int(numel), num_shards, largest, int(element_size))
+    c = zero_staging_numel(int(numel), num_shards, int(element_size))
     return (-(-largest // c) if largest else 0), c
 
 

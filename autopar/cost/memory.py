@@ -38,7 +38,10 @@ Terms
   and ``activation_bytes_per_sample`` (the loss's included) per sample of its micro-batch, or under
   ZeRO-2/3 the transient full gradient where that is more (``transient_grad_bytes``: a micro-step's
   backward makes every parameter's gradient before the engine reduce-scatters them, while the
-  activations are freed; ``RankMemory``). A rank without a micro-step holds neither. The engine's
+  activations are freed; ``RankMemory``), the staging buffer after backward, beside the full gradient
+  but not the activations. ZeRO-3 by block reduce-scatters each unit as backward leaves it, so it
+  holds two blocks' gradients and a block's staging, beside the activations (they add up). A rank
+  without a micro-step holds neither. The engine's
   collectives need no padded buffers (``autopar.runtime.dp_flat``: uneven shards are gathered by
   per-owner broadcasts).
 """
@@ -257,7 +260,11 @@ def fits_memory(cluster: "Cluster", memory: dict[int, int], memory_fraction: flo
 class RankMemory:
     """Memory of one data-parallel rank under a ZeRO stage, bytes. A micro-step's activations are
     freed as its backward makes the gradients, so its peak is the larger of the two
-    (``micro_bytes``), not their sum."""
+    (``micro_bytes``), not their sum; the reduce-scatter's staging buffer (in ``fixed_bytes``: a rank
+    without a micro-step stages zeros) lives after backward, beside the full gradient but not beside
+    the activations. ZeRO-3 by block (``during_backward``) reduce-scatters each unit inside backward:
+    the units' gradients it holds and the staging buffer live beside the activations not yet freed,
+    so they add up."""
 
     usable_bytes: float        # memory_fraction * device memory
     state_bytes: float         # weights + gradients + optimizer state kept (sharded per the stage)
@@ -266,6 +273,7 @@ class RankMemory:
     act_bytes_per_sample: float
     transient_bytes: float = 0.0   # ZeRO-2/3: a micro-step's full gradient before its reduce-scatter
     staging_bytes: float = 0.0     # ZeRO-2/3: the reduce-scatter's staging buffer (every rank)
+    during_backward: bool = False  # ZeRO-3 by block: units reduce-scattered inside backward
 
     @property
     def fixed_bytes(self) -> float:
@@ -276,7 +284,9 @@ class RankMemory:
         """Besides ``fixed_bytes``: a micro-step of ``micro_batch`` samples (nothing for 0)."""
         if micro_batch <= 0:
             return 0.0
-        return max(self.act_bytes_per_sample * micro_batch, self.transient_bytes)
+        if self.during_backward:
+            return self.act_bytes_per_sample * micro_batch + self.transient_bytes
+        return max(self.act_bytes_per_sample * micro_batch - self.staging_bytes, self.transient_bytes)
 
     def peak_bytes(self, micro_batch: int) -> int:
         return int(math.ceil(self.fixed_bytes + self.micro_bytes(micro_batch)))
@@ -288,7 +298,13 @@ class RankMemory:
 
     def micro_term(self) -> str:
         """What one sample's micro-step adds (``micro_bytes(1)``), named, for a message."""
-        if self.act_bytes_per_sample >= self.transient_bytes:
+        if self.during_backward:
+            return (f"activations {self.act_bytes_per_sample:.4g} + the gradients of the units backward "
+                    f"holds before their reduce-scatter {self.transient_bytes:.4g}")
+        if self.act_bytes_per_sample - self.staging_bytes >= self.transient_bytes:
+            if self.staging_bytes:
+                return (f"activations {self.act_bytes_per_sample:.4g} (the staging buffer is freed while "
+                        "they live)")
             return f"activations {self.act_bytes_per_sample:.4g}"
         return (f"the full gradient a micro-step holds before its reduce-scatter {self.transient_bytes:.4g} "
                 f"(more than one sample's activations, {self.act_bytes_per_sample:.4g})")
@@ -300,25 +316,36 @@ class RankMemory:
             return 0
         if self.act_bytes_per_sample <= 0:
             return _MICRO_LIMIT
-        return min(_MICRO_LIMIT, int(room // self.act_bytes_per_sample))
+        if self.during_backward:
+            return min(_MICRO_LIMIT, int((room - self.transient_bytes) // self.act_bytes_per_sample))
+        return min(_MICRO_LIMIT, int((room + self.staging_bytes) // self.act_bytes_per_sample))
 
 
-def zero_staging_bytes(costs: ModelCosts, zero_stage: int, num_shards: int) -> float:
+def zero_staging_bytes(costs: ModelCosts, zero_stage: int, num_shards: int, recompute: bool = False) -> float:
     """Under ZeRO-2/3 the staging buffer of the engine's reduce-scatter rounds (``num_shards`` times
-    ``autopar.ir.costs.zero_staging_numel`` elements; the largest shard taken as the whole unit); 0
-    below, or for one rank."""
+    ``autopar.ir.costs.zero_staging_numel`` elements: one gradient bucket, or less for a unit whose
+    even shard is smaller; the unit is the whole model, or under ZeRO-3 by block the largest block);
+    0 below, or for one rank."""
     if zero_stage < 2 or num_shards < 1:
         return 0.0
-    total, g = int(costs.params.sum()), int(costs.grad_bytes_per_param)
-    return float(num_shards * zero_staging_numel(total, num_shards, total, g) * g)
+    by_block = zero_stage == 3 and not recompute and costs.num_blocks
+    total = int(costs.params.max() if by_block else costs.params.sum())
+    g = int(costs.grad_bytes_per_param)
+    return float(num_shards * zero_staging_numel(total, num_shards, g) * g)
 
 
-def transient_grad_bytes(costs: ModelCosts, zero_stage: int) -> float:
-    """Under ZeRO-2/3 the full gradient a rank's micro-step makes (its backward makes every
-    parameter's gradient before the engine reduce-scatters them); 0 below (ZeRO-0/1 keep it, in the
-    state)."""
+def transient_grad_bytes(costs: ModelCosts, zero_stage: int, recompute: bool = False) -> float:
+    """Under ZeRO-2/3 the gradient a rank's micro-step holds before the engine reduce-scatters it:
+    the full gradient (backward makes every parameter's first), or under ZeRO-3 by block (without
+    ``recompute``) the two largest blocks' (the root unit's, kept to the end, and the unit backward is
+    in: each unit is reduce-scattered when backward leaves it, ``autopar.runtime.dp_zero3``); 0 below
+    (ZeRO-0/1 keep it, in the state)."""
     check_zero_stage(zero_stage)
-    return float(costs.params.sum()) * costs.grad_bytes_per_param if zero_stage >= 2 else 0.0
+    if zero_stage < 2:
+        return 0.0
+    if zero_stage == 3 and not recompute and costs.num_blocks:
+        return float(np.sort(costs.params)[-2:].sum()) * costs.grad_bytes_per_param
+    return float(costs.params.sum()) * costs.grad_bytes_per_param
 
 
 def zero3_gathered_bytes(costs: ModelCosts, recompute: bool = False) -> float:
@@ -357,8 +384,9 @@ def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shar
         state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
         gathered_bytes=gathered, workspace_bytes=device_workspace_bytes(spec, workspace_bytes),
         act_bytes_per_sample=activation_bytes_per_sample(costs, recompute),
-        transient_bytes=transient_grad_bytes(costs, zero_stage),
-        staging_bytes=zero_staging_bytes(costs, zero_stage, num_shards),
+        transient_bytes=transient_grad_bytes(costs, zero_stage, recompute),
+        staging_bytes=zero_staging_bytes(costs, zero_stage, num_shards, recompute),
+        during_backward=zero_stage == 3 and not recompute and bool(costs.num_blocks),
     )
 
 

@@ -108,12 +108,15 @@ def zero_chunk_numel(total_numel: int, element_size: int) -> int:
                       max(ZERO_STAGING_MIN_NUMEL, int(total_numel) // ZERO_STAGING_FRACTION)))
 
 
-def zero_staging_numel(total_numel: int, num_shards: int, max_shard_numel: int, element_size: int) -> int:
+def zero_staging_numel(total_numel: int, num_shards: int, element_size: int) -> int:
     """Elements per position of one round of the data-parallel engine's reduce-scatter: its staging
-    buffer holds ``num_shards`` times this many elements, at most one ZeRO chunk
-    (``zero_chunk_numel``); the cost model prices the same buffer (``autopar.cost.memory``)."""
-    chunk = zero_chunk_numel(total_numel, element_size)
-    return max(1, min(int(max_shard_numel), chunk // max(1, int(num_shards))))
+    buffer holds ``num_shards`` times this many elements, one gradient bucket (``GRAD_BUCKET_BYTES``)
+    or, for a smaller unit, the unit's even shard (uneven shares take more rounds, not more memory),
+    so a unit of a bucket or less is one collective; the cost model prices the same buffer
+    (``autopar.cost.memory``) and rounds (``autopar.cost.comm``)."""
+    n = max(1, int(num_shards))
+    bucket = GRAD_BUCKET_BYTES // max(1, int(element_size))
+    return max(1, min(-(-int(total_numel) // n), bucket // n))
 
 
 def sharded_state_bytes(weight_bytes, num_params, grad_bytes_per_param: float, optimizer_bytes_per_param: float,

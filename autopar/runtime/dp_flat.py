@@ -290,7 +290,7 @@ class FlatBuffersMixin:
         processes), so there is no all-reduce + slice fallback."""
         layout = self.units[u]
         n = layout.num_shards
-        c = zero_staging_numel(layout.total_numel, n, layout.max_shard_numel, self.dtype.itemsize)
+        c = zero_staging_numel(layout.total_numel, n, self.dtype.itemsize)
         stage = torch.empty(n * c, dtype=self.dtype, device=self.device)
         got = torch.empty(c, dtype=self.dtype, device=self.device)
         mine = layout.shard(self._position)

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 
 from autopar.lowering.zero3_units import POST_HOOK, PRE_HOOK
+from autopar.runtime.dp_flat import DataParallelError
 from autopar.runtime.memory import storage_resized
 
 __all__ = ["Zero3Granularity", "Zero3Mixin"]
@@ -79,6 +80,9 @@ class Zero3Mixin:
         self._bwd_order = tuple(range(len(self.units) - 1, 0, -1))    # block units, last first
         self._bwd_next = 0
         self._in_backward = False
+        self._reduced = [False] * len(self.units)     # this round's gradient already reduce-scattered
+        self._late: list[int] = []                    # units whose gradient grew after their reduce-scatter
+        self._shard_grads_round: list[torch.Tensor] | None = None
         if units is not None:
             hooked = self.program.zero3_gm.to(self.device)
             hooked.get_submodule(PRE_HOOK).bind(self._forward_gather)
@@ -150,15 +154,36 @@ class Zero3Mixin:
 
     def _backward_gather_through(self, stop: int) -> None:
         """Gather the block units of the backward order up to index ``stop`` (inclusive), in order,
-        each prefetching the next."""
+        each prefetching the next; before gathering one, reduce-scatter the gradient of the unit
+        before it, which backward has finished (see ``_reduce_unit``)."""
         while self._bwd_next <= stop:
             u = self._bwd_order[self._bwd_next]
+            if self._bwd_next > 0:
+                self._reduce_unit(self._bwd_order[self._bwd_next - 1])
             self._bwd_next += 1
             self._gather_then(u, self._bwd_order[self._bwd_next] if self._bwd_next < len(self._bwd_order) else None)
             if self._pending[u] == 0 and self._bwd_order.index(u) < stop:
                 self._free(u)
 
+    def _reduce_unit(self, u: int) -> None:
+        """Reduce-scatter unit ``u``'s gradient into this rank's shard sum and free it, once a round.
+        In backward it runs when backward first needs the unit after ``u``: autograd runs every node
+        of a later block before any node of an earlier one (its ready queue takes the highest
+        sequence number first, and accumulates a gradient as soon as it is made), so ``u``'s gradient
+        is complete; every rank issues it at the same place of the same collective sequence. A
+        gradient arriving later anyway is caught (``_late``), never lost silently."""
+        if self._reduced[u]:
+            return
+        self._reduced[u] = True
+        if self.units[u].total_numel:
+            with self._paused():
+                self._reduce_scatter_grads(u, self._shard_grads_round[u])
+        for p in self._unit(u)[1]:
+            p.grad = None
+
     def _grad_ready(self, u: int) -> None:
+        if self._reduced[u]:
+            self._late.append(u)
         self._pending[u] -= 1
         if self._pending[u] == 0 and self._in_backward and self._bwd_order.index(u) < self._bwd_next:
             self._free(u)
@@ -185,30 +210,33 @@ class Zero3Mixin:
         active = rows is not None and rows.stop > rows.start
         block_mode = self.zero3_granularity == "block"
         units = range(len(self.units))
+        self._reduced = [False] * len(self.units)
+        self._shard_grads_round, self._late = shard_grads, []
+        self._bwd_next = 0
         if block_mode:
             self._gather_then(0, self._forward_next(0))
             if active:
                 self._pending = [len(self._unit_params[u]) for u in units]
-                self._bwd_next, self._in_backward = 0, False
+                self._in_backward = False
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                     loss_sum += self._micro_step(inputs, targets, rows).double()
-                self._in_backward = True
-                self._backward_gather_through(len(self._bwd_order) - 1)
-                self._in_backward = False
             else:
+                self._pending = [0] * len(self.units)
                 for u in units[1:]:                     # forward's gathers, then backward's
                     self._gather_then(u, self._forward_next(u))
                     self._free(u)
-                for i, u in enumerate(self._bwd_order):
-                    self._gather_then(u, self._bwd_order[i + 1] if i + 1 < len(self._bwd_order) else None)
-                    self._free(u)
+            self._in_backward = True                    # the units backward never needed, in order
+            self._backward_gather_through(len(self._bwd_order) - 1)
+            self._in_backward = False
         else:
             self._gather(0)
             if active:
                 loss_sum += self._micro_step(inputs, targets, rows).double()
-        for u in units:
+        for u in units:                                 # the root, the last block unit (every unit per micro-step)
             self._free(u)
-            if self.units[u].total_numel:
-                self._reduce_scatter_grads(u, shard_grads[u])
-            for p in self._unit(u)[1]:
-                p.grad = None
+            self._reduce_unit(u)
+        if self._late:
+            raise DataParallelError(
+                f"zero3_granularity: a gradient of unit {self._late[0]} (block {self._blocks[self._late[0]]}) "
+                "grew after backward had left its block and it was reduce-scattered; use "
+                "zero3_granularity='micro_step' for this model")
