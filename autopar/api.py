@@ -344,7 +344,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     its use and frees them right after, where the captured graph carries block annotations and
     activations are not recomputed (otherwise it falls back to ``"micro_step"``); ``"micro_step"``
     gathers every parameter once per micro-step: fewer, larger collectives for a higher peak memory.
-    Both train to the same state (``autopar.runtime.dp_zero3``). Anything else raises ``PlanError``.
+    Both train to the same state (``autopar.runtime.dp_sync``). Anything else raises ``PlanError``.
 
     The planner's options are one ``PlanConfig`` (``config``, or the keywords as for ``plan``); compile's
     own (optimizer, use_triton, measure, zero3_granularity) one ``RunConfig`` (``run``, or the keywords).

@@ -246,7 +246,7 @@ class PlanConfig:
 class RunConfig:
     """What only ``compile`` needs beyond the plan: the optimizer factory (``params -> Optimizer``),
     Triton kernel substitution, whether to measure block times on the local device, and ZeRO-3's
-    gathering granularity (``autopar.runtime.dp_zero3``)."""
+    gathering granularity (``autopar.runtime.dp_sync``)."""
 
     optimizer: Callable | None = None
     use_triton: bool = False

@@ -341,7 +341,7 @@ def test_compile_save_async_then_load_continues_the_data_rng_and_steps(tmp_path)
     ((3, 2, 4), 2, ((0, 1), (2, 4)), 1, 16),
 ])
 def test_flat_ranges_of_a_tp_shard_map_to_boxes_of_the_full_tensor(shape, dim, ranges, start, stop):
-    """ZeRO-1 over tensor-parallel members (runtime.tp_zero) steps flat ranges of each TP shard: the
+    """ZeRO-1 over tensor-parallel members (runtime.dp_sync) steps flat ranges of each TP shard: the
     pieces of such a range (runtime.state.Slot) must be exactly the full tensor's elements at their
     boxes, and views of the flat buffer."""
     from autopar.runtime.state import Slot

@@ -107,11 +107,12 @@ class ThreeRanks(threaded_ranks(3)):
         engine = self.check_exact("gpt-tiny", UNEVEN, 3, "sgd")
         # Units: the root (the tied embedding / head) and one per block (embed, 4 layers, head).
         assert engine.zero3_granularity == "block" and len(engine.units) == 7
-        assert len(engine._unit_params[0]) == 1 and engine._params[engine._unit_params[0][0]].dim() == 2
+        sync = engine.sync
+        assert len(sync.unit_params[0]) == 1 and sync.params[sync.unit_params[0][0]].dim() == 2
         # Between steps every full parameter's storage is freed; the shards hold 1/3 of each unit.
         assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
         mine = sum(b - a for a, b in (u.shard(self.rank) for u in engine.units))
-        assert sum(sp.numel() for sp, _, _ in engine._shard_params) == mine
+        assert sum(sp.numel() for sp, _, _ in sync.shard_params) == mine
         assert abs(mine - sum(u.total_numel for u in engine.units) / 3) <= len(engine.units)
 
     def test_gpt_tiny_sgd_zero3_uneven_per_micro_step(self):
@@ -122,15 +123,16 @@ class ThreeRanks(threaded_ranks(3)):
     def test_zero3_per_block_frees_blocks_during_forward_and_backward(self):
         engine = make_engine("gpt-tiny", UNEVEN, 3, "sgd", self.rank, self.world_size)
         peak = []
-        gather, free = engine._gather, engine._free
+        sync = engine.sync
+        gather, free = sync.gather, sync.free
 
         def record(fn):
             def wrapped(u):
                 fn(u)
-                peak.append(sum(engine._gathered))
+                peak.append(sum(sync.gathered))
             return wrapped
 
-        engine._gather, engine._free = record(gather), record(free)
+        sync.gather, sync.free = record(gather), record(free)
         train(engine, "gpt-tiny", steps=1)
         # At most the root, the block in use and one neighbour in backward are gathered at once.
         assert peak and max(peak) <= 3, max(peak)

@@ -125,7 +125,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
                         # largest-remainder split (what a built plan gives it in some micro-batch)
                         speeds = [speed[g] for g in st]
                         # state as the engines hold it: whole gradient at ZeRO-2; beside a TP member,
-                        # ZeRO-1 only where every member has the same shares (runtime.tp_zero)
+                        # ZeRO-1 only where every member has the same shares (runtime.tp.tp_zero_applies)
                         even = len(st) > 1 and len({tuple(members[g].shares) for g in st}) == 1
                         zm = 0 if any(len(g) > 1 for g in st) and not even else min(z, 1)
                         share = {g: max(member_shares(b, speeds, rot)[i] for rot in range(len(st)))
@@ -173,7 +173,7 @@ def _brute_force_estimate(costs, cluster, B, layouts, rho, zero_stage=2, memory_
 
 
 def _tail_s(costs, cluster, grouping, members, bounds, zero, rho):
-    """What the simulator adds after the schedule on the slowest stage (gradient all-reduce, optimizer
+    """What the simulator adds after the schedule on the slowest stage (gradient reduction, optimizer
     step, ZeRO gather), which the search's estimate includes."""
     from autopar.cost.comm import allgather_time_s
     from autopar.cost.pipeline import stage_optimizer_s
@@ -185,7 +185,7 @@ def _tail_s(costs, cluster, grouping, members, bounds, zero, rho):
         shares = tuple(members[g].shares for g in groups)
         st = Stage(block_start=bounds[s], block_stop=bounds[s + 1], groups=tuple(groups),
                    micro_batches=((1,),) * len(groups), tp_shares=shares if tp else ())
-        t = tp_cost.stage_sync_time_s(costs, cluster, st, rho) + stage_optimizer_s(costs, cluster, st, zero, rho)
+        t = tp_cost.stage_sync_time_s(costs, cluster, st, rho, zero_stage=zero) + stage_optimizer_s(costs, cluster, st, zero, rho)
         if zero >= 1 and len(groups) > 1 and not tp:
             t += allgather_time_s(cluster, [g[0] for g in groups],
                                   float(costs.param_bytes[bounds[s]:bounds[s + 1]].sum()))

@@ -44,7 +44,7 @@ def test_one_native_device_runs_the_plain_loop(_fresh_group, monkeypatch, zero_s
     for inputs, targets in batches("gpt-tiny", 8, 2, seed=0):
         compiled.step(inputs, targets)
     assert calls == [], f"a one-rank plan issued collectives: {calls}"
-    assert engine._grad_flats is None and engine._shard_params == ()
+    assert engine.sync is None            # alone: no flat buffer, no sharded optimizer
     assert engine.optimizer.param_groups[0]["params"][0] is next(engine.model.parameters())
     assert_state_close(compiled.state_dict(), single_device_state("gpt-tiny", 8, steps=2, optimizer="sgd", seed=0),
                        RTOL["sgd"])
@@ -53,26 +53,30 @@ def test_one_native_device_runs_the_plain_loop(_fresh_group, monkeypatch, zero_s
 class TwoRanks(threaded_ranks(2)):
     def _check_kept(self, zero_stage):
         engine = make_engine("gpt-tiny", ((5, 4), (3,)), zero_stage, "sgd", self.rank, self.world_size)
-        flats = list(engine._grad_flats)
-        sends = list(engine._shard_out or ())
+        sync = engine.sync
+        flats = list(sync.grad_flats)
+        params = list(sync.param_flats)
         train(engine, "gpt-tiny", steps=1)
         ptrs = [f.data_ptr() for f in flats]
         train(engine, "gpt-tiny", steps=2)
-        assert [f.data_ptr() for f in engine._grad_flats] == ptrs
-        assert all(a is b for a, b in zip(engine._grad_flats, flats)), "flat buffers re-allocated"
-        assert all(a is b for a, b in zip(engine._shard_out or (), sends)), "send buffers re-allocated"
+        assert [f.data_ptr() for f in sync.grad_flats] == ptrs
+        assert all(a is b for a, b in zip(sync.grad_flats, flats)), "flat buffers re-allocated"
+        assert all(a is b for a, b in zip(sync.param_flats, params)), "parameter buffers re-allocated"
         return engine, flats
 
     def test_zero0_grads_are_views_of_one_flat_buffer(self):
         engine, flats = self._check_kept(0)
         lo, hi = flats[0].data_ptr(), flats[0].data_ptr() + flats[0].numel() * flats[0].element_size()
-        for p in engine._params:
+        for p in engine.sync.params:
             assert p.grad is not None and lo <= p.grad.data_ptr() < hi
 
     def test_zero1_steps_shards_of_the_kept_buffer(self):
         engine, flats = self._check_kept(1)
-        assert engine._shard_out is not None and engine._shard_params
-        assert all(sp.grad is None for sp, _, _ in engine._shard_params)
+        shard_params = engine.sync.shard_params
+        assert shard_params and all(sp.grad is None for sp, _, _ in shard_params)
+        # the shard Parameters are views of the parameter buffer: the step updates the weights in place
+        lo = engine.sync.param_flats[0].data_ptr()
+        assert all(lo <= sp.data_ptr() < lo + engine.sync.param_flats[0].nbytes for sp, _, _ in shard_params)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""ZeRO-1 inside tensor-parallel stages (``autopar.runtime.tp_zero``, Megatron's distributed
+"""ZeRO-1 inside tensor-parallel stages (the data-parallel sync ``autopar.runtime.dp_sync`` over TP peers, Megatron's distributed
 optimizer) on the tensor-parallel engine: exact against the one-device oracle on threaded ranks,
 with uneven head shares inside the members and uneven batch shares between them, and memory faithful:
 each rank holds its chunk of the optimizer state, as ``autopar.cost.tp`` prices it.
@@ -22,7 +22,8 @@ from autopar.lowering import lower
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs
 from autopar.runtime.tp import TensorParallelEngine
-from autopar.runtime.tp_zero import TensorParallelZeroError, tp_zero_applies
+from autopar.runtime.dp_flat import DataParallelError
+from autopar.runtime.tp import tp_zero_applies
 from oracle import RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run, threaded_ranks
 
 STEPS = 2
@@ -80,9 +81,12 @@ class FourRanks(threaded_ranks(4)):
         _train_and_check(engine, "llama-tiny", "adamw")
         local = sum(p.numel() for p in engine.gm.parameters() if p.requires_grad)
         # AdamW keeps two fp32 moments (and a scalar step) per element of this rank's chunk only
-        moments = engine.zero.state_bytes() - 4 * len(engine.zero.shards)
-        assert moments == 2 * 4 * sum(s.numel() for s in engine.zero.shards)
-        assert abs(sum(s.numel() for s in engine.zero.shards) - local / 2) <= 2
+        shards = [sp for sp, _, _ in engine.sync.shard_params]
+        state = sum(t.numel() * t.element_size() for st in engine.optimizer.state.values()
+                    for t in st.values() if isinstance(t, torch.Tensor))
+        moments = state - 4 * len(shards)
+        assert moments == 2 * 4 * sum(s.numel() for s in shards)
+        assert abs(sum(s.numel() for s in shards) - local / 2) <= 2
 
     def test_different_shardings_run_zero_0(self):
         engine = _engine("gpt-tiny", ((3, 1), (2, 2)), 1, "sgd", self.rank, self.world_size)
@@ -94,7 +98,7 @@ class FourRanks(threaded_ranks(4)):
             model, gm, loss_fn, num_blocks = prepared_case("gpt-tiny")
             model, gm = copy.deepcopy((model, gm))
         plan = _plan(((1, 1), (1, 1)), 1, num_blocks)
-        with pytest.raises(TensorParallelZeroError, match="optimizer_factory"):
+        with pytest.raises(DataParallelError, match="optimizer_factory"):
             TensorParallelEngine(EngineInputs(
                 gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=lambda ps: torch.optim.LBFGS(ps),
                 rank=self.rank, world_size=self.world_size, device=torch.device("cpu"), clock=NullClock()),
@@ -119,8 +123,10 @@ class FourRanks(threaded_ranks(4)):
             for inputs, targets in data:
                 engine.step(inputs, targets)
             params = [p for p in engine.gm.parameters() if p.requires_grad]
-            if engine.zero is not None:
-                held[zero] = sum(t.numel() * t.element_size() for t in (engine.zero.flat_params, engine.zero.flat_grad))
+            if engine.sync is not None:
+                sync = engine.sync
+                held[zero] = sum(t.numel() * t.element_size()
+                                 for t in (*sync.param_flats, *sync.grad_flats))
             else:
                 held[zero] = sum(2 * p.numel() * p.element_size() for p in params)
             held[zero] += sum(t.numel() * t.element_size() for st in engine.optimizer.state.values()

@@ -1,5 +1,5 @@
 """ZeRO-1 inside the tensor-parallel stages of a pipeline (``autopar.runtime.pipeline`` with
-``autopar.runtime.tp_zero``): exact against the one-device oracle on threaded ranks, and each TP
+the data-parallel sync ``autopar.runtime.dp_sync``): exact against the one-device oracle on threaded ranks, and each TP
 rank's optimizer state is its chunk of its shard, as ``autopar.cost.tp`` prices it.
 
 Plan: gpt-tiny (4 heads, 6 blocks), stage 0 = blocks 0-3 on two TP members (0, 1) and (2, 3), stage 1
@@ -65,16 +65,19 @@ class FiveRanks(threaded_ranks(5)):
             engine = _run(self.rank, self.world_size, ((3, 1), (3, 1)), 1, optimizer)
             assert engine.zero_stage_applied == (1 if self.rank < 4 else 0)
             if self.rank < 4:
-                z = engine._tp_zero
+                z = engine.sync
+                shards = [sp for sp, _, _ in z.shard_params]
                 local = sum(p.numel() for p in z.params)
                 # the chunk: half of this rank's local (shard + replicated) parameters
-                assert abs(sum(s.numel() for s in z.shards) - local / 2) <= 1
+                assert abs(sum(s.numel() for s in shards) - local / 2) <= 1
                 # the stage's own gradients left the all-reduce groups (no double sum)
                 ranks = tuple(sorted(engine.plan.stages[0].ranks))
                 assert all(g is None or g.ranks != ranks for g, _ in engine._grad_groups)
                 if optimizer == "adamw":
-                    moments = z.state_bytes() - 4 * len(z.shards)
-                    assert moments == 2 * 4 * sum(s.numel() for s in z.shards)
+                    state = sum(t.numel() * t.element_size() for sp in shards
+                                for t in z.optimizer.state[sp].values() if isinstance(t, torch.Tensor))
+                    moments = state - 4 * len(shards)
+                    assert moments == 2 * 4 * sum(s.numel() for s in shards)
         # its TP ranks' optimizer chunks are checkpoint pieces: saved after 2 AdamW steps, loaded into a
         # fresh ZeRO-0 engine and a fresh ZeRO-1 one, 2 more steps each equal the 4-step oracle
         root = Path(tempfile.gettempdir()) / f"autopar-tpz-{os.getpid()}"
@@ -92,7 +95,7 @@ class FiveRanks(threaded_ranks(5)):
 
     def test_different_shardings_fall_back_to_zero_0(self):
         engine = _run(self.rank, self.world_size, ((3, 1), (2, 2)), 1, "sgd")
-        assert engine.zero_stage_applied == 0 and engine._tp_zero is None
+        assert engine.zero_stage_applied == 0 and engine.sync is None
 
 
 if __name__ == "__main__":

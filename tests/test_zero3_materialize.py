@@ -89,8 +89,8 @@ class ThreeRanksMeta(threaded_ranks(3)):
         assert sum(engine.materialized_numels) == total
         assert max(engine.materialized_numels) < total / 2
         # between steps a rank holds its shard only: every unit's full buffer is freed
-        assert all(f.untyped_storage().nbytes() == 0 for f in engine._full)
-        held = sum(sp.numel() for sp, _, _ in engine._shard_params)
+        assert all(f.untyped_storage().nbytes() == 0 for f in engine.sync.full_buffers)
+        held = sum(sp.numel() for sp, _, _ in engine.sync.shard_params)
         lo_hi = [u.shard(self.rank) for u in engine.units]
         assert held == sum(b - a for a, b in lo_hi) < total
         with _LOCK:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.cost import tp as tp_cost
-from autopar.cost.memory import loss_bytes_per_sample, tp_span_factors, usable_bytes
+from autopar.cost.memory import loss_bytes_per_sample, sync_reduce_bytes, tp_span_factors, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.cost.tp import Member
@@ -203,16 +203,18 @@ class JointContext:
             self.cache[key] = min(self.cap(r) for r in member.ranks)
         return self.cache[key]
 
-    def reduce_span(self, num_members: int, tp_even: bool) -> np.ndarray | float:
-        """[i, j] the flat gradient copy a stage's all-reduce makes after backward
-        (``cost.memory.stage_reduce_bytes``): none for one member, one chunk for TP members that run
-        ZeRO-1 (equal shares), else the whole gradient of the span."""
+    def reduce_span(self, num_members: int, synced: bool) -> np.ndarray | float:
+        """[i, j] what a stage holds after backward to reduce its gradients
+        (``cost.memory.stage_reduce_bytes``): none for one member; where the data-parallel sync runs
+        (ZeRO >= 1 over one-rank members or TP members of equal shares) its shard sum and staging,
+        else the whole gradient's flat copy."""
         if num_members < 2:
             return 0.0
-        key = ("reduce", num_members, tp_even)
+        key = ("reduce", num_members, synced)
         if key not in self.cache:
-            full = self.spans()[0] * self.costs.grad_bytes_per_param
-            self.cache[key] = full / num_members if tp_even else full
+            g = self.costs.grad_bytes_per_param
+            numel = self.spans()[0]
+            self.cache[key] = sync_reduce_bytes(numel, num_members, g) if synced else numel * g
         return self.cache[key]
 
 
@@ -408,7 +410,7 @@ def _grouping_parts(ctx: JointContext, prep: Sequence[StagePrep], num_micro: int
                 rows.pop(next(iter(rows)))   # the oldest: the search moves on through the counts
             hit = rows[sig] = stage_row_parts(ctx.state(st.num_members, zs[s]), act, input_bytes, valid, loads,
                                               recompute, force, loss if s == last else 0.0,
-                                              ctx.reduce_span(st.num_members, st.tp_even))
+                                              ctx.reduce_span(st.num_members, zs[s] >= 1))
         local[lk] = hit
         return hit
 

@@ -12,8 +12,12 @@ Terms
   pipeline engine (``autopar.runtime.pipeline``) runs ZeRO-1 at most (``stage_zero_stage``): on a
   stage of several one-rank members each keeps the optimizer state of its part of the parameters
   and the gradients are all-reduced whole (ZeRO-2/3 run as 1); a stage with tensor-parallel
-  members runs ZeRO-1 over them where they all have the same shares (``runtime.tp_zero``), else 0. A stage of several members also holds, after backward, the flat copy of its
-  gradients that the all-reduce sends (``Communicator.all_reduce``): ``stage_reduce_bytes``.
+  members runs ZeRO-1 over them where they all have the same shares (``runtime.tp``), else 0; the
+  engines' data-parallel sync (``runtime.dp_sync``) may run ZeRO-2/3, but reduces once a step, after
+  the step's backwards, so a rank's peak holds ZeRO-1's state. A stage of several members also holds,
+  after backward, what its reduction needs: the sync's shard sum and staging buffer, or under ZeRO-0
+  the flat copy of its gradients that the all-reduce sends (``Communicator.all_reduce``):
+  ``stage_reduce_bytes``.
 - loss (``loss_bytes_per_sample``): what the loss function holds outside the graph, on the rank that
   computes it (a data-parallel rank, a pipeline's last stage): ``LOSS_OUTPUT_COPIES`` tensors the size
   of the graph's output (``ModelCosts.output_bytes``): cross-entropy keeps its log-softmax, and its
@@ -58,6 +62,7 @@ import numpy as np
 from autopar.config import MEMORY_FRACTION, ZERO_STAGES
 from autopar.cost import tp as tp_cost
 from autopar.errors import PlanError
+from autopar.config import GRAD_BUCKET_BYTES
 from autopar.ir.costs import ModelCosts, sharded_state_bytes, zero_staging_numel
 from autopar.ir.plan import Stage
 from autopar.ir.schedule import in_flight_micro_batches
@@ -70,7 +75,7 @@ __all__ = [
     "tp_replicated_per_block", "tp_memory_fractions", "tp_span_factors",
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
     "stage_input_bytes", "stage_memory_bytes",
-    "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "transient_grad_bytes", "fits_memory",
+    "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "sync_reduce_bytes", "transient_grad_bytes", "fits_memory",
     "LOSS_OUTPUT_COPIES", "loss_bytes_per_sample", "zero_staging_bytes", "zero3_gathered_bytes",
     "RankMemory", "activation_bytes_per_sample", "rank_memory", "max_micro_batch", "check_zero_stage",
 ]
@@ -136,15 +141,30 @@ def stage_state_bytes(costs: ModelCosts, stage: Stage, zero_stage: int) -> float
     return sharded_state_bytes(weights, params, costs.grad_bytes_per_param, costs.optimizer_bytes_per_param, z, f)
 
 
-def stage_reduce_bytes(costs: ModelCosts, stage: Stage) -> float:
-    """The flat copy of a stage's gradients its members all-reduce after backward (0 for a stage of
-    one member, which reduces nothing); before the tensor-parallel work factor."""
+def sync_reduce_bytes(numel, num_members: int, grad_bytes: float):
+    """What the data-parallel sync of a pipeline or TP stage (``runtime.dp_sync``, ZeRO >= 1 once a
+    step) holds besides the state while it reduce-scatters ``numel`` gradient elements over
+    ``num_members``: the shard's sum (the largest even shard) and the staging buffer (at most a
+    gradient bucket, ``autopar.ir.costs.zero_staging_numel``). ``numel``: a number or an array."""
+    n = max(1, int(num_members))
+    shard = np.ceil(np.asarray(numel, float) / n)
+    staging = n * np.minimum(shard, GRAD_BUCKET_BYTES // max(1, int(grad_bytes)) // n)
+    out = (shard + staging) * grad_bytes
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def stage_reduce_bytes(costs: ModelCosts, stage: Stage, zero_stage: int = 0) -> float:
+    """What a stage's members hold after backward to reduce its gradients (0 for a stage of one
+    member, which reduces nothing), before the tensor-parallel work factor: under ZeRO >= 1 where the
+    data-parallel sync runs (``stage_zero_stage`` >= 1: one-rank members, or TP members of equal
+    shares) its shard sum and staging (``sync_reduce_bytes``); else the flat copy of the gradients
+    the all-reduce sends."""
     if len(stage.groups) < 2:
         return 0.0
-    full = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
-    if any(len(m) > 1 for m in stage.groups) and tp_cost.tp_zero_stage(stage, 1):
-        return full / len(stage.groups)    # ZeRO-1 over TP members: one chunk, the reduce-scatter's output
-    return full
+    numel = float(costs.params[stage.block_start:stage.block_stop].sum())
+    if stage_zero_stage(stage, zero_stage) >= 1:
+        return sync_reduce_bytes(numel, len(stage.groups), costs.grad_bytes_per_param)
+    return numel * costs.grad_bytes_per_param
 
 
 def tp_replicated_per_block(costs: ModelCosts, rho: float,
@@ -235,7 +255,7 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
         fly = in_flight_micro_batches(schedule, s, len(stages), len(st.micro_batches[0]))
         held = stage_input_bytes(costs, st) if st.recompute else 0.0
         loss = loss_bytes_per_sample(costs) if s == len(stages) - 1 else 0.0
-        reduce = stage_reduce_bytes(costs, st)
+        reduce = stage_reduce_bytes(costs, st, zero_stage)
         rho_p, rho_a = tp_memory_fractions(costs, st, rho)
         for g, ranks in enumerate(st.groups):
             shares = st.tp_shares[g] if st.tp_shares else (1,)
@@ -338,7 +358,7 @@ def transient_grad_bytes(costs: ModelCosts, zero_stage: int, recompute: bool = F
     """Under ZeRO-2/3 the gradient a rank's micro-step holds before the engine reduce-scatters it:
     the full gradient (backward makes every parameter's first), or under ZeRO-3 by block (without
     ``recompute``) the two largest blocks' (the root unit's, kept to the end, and the unit backward is
-    in: each unit is reduce-scattered when backward leaves it, ``autopar.runtime.dp_zero3``); 0 below
+    in: each unit is reduce-scattered when backward leaves it, ``autopar.runtime.dp_sync``); 0 below
     (ZeRO-0/1 keep it, in the state)."""
     check_zero_stage(zero_stage)
     if zero_stage < 2:
@@ -349,7 +369,7 @@ def transient_grad_bytes(costs: ModelCosts, zero_stage: int, recompute: bool = F
 
 
 def zero3_gathered_bytes(costs: ModelCosts, recompute: bool = False) -> float:
-    """Full weights a ZeRO-3 rank holds gathered at once (``autopar.runtime.dp_zero3``): block by block
+    """Full weights a ZeRO-3 rank holds gathered at once (``autopar.runtime.dp_sync``): block by block
     the largest block's and the next one it prefetches (two largest blocks), or with ``recompute``
     (gathered per micro-step) every block's."""
     if not costs.num_blocks:

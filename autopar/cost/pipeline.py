@@ -258,10 +258,10 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     return fwd, bwd, comm
 
 
-def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None) -> float:
+def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None, zero_stage: int = 0) -> float:
     from autopar.cost import tp as tp_cost
 
-    return tp_cost.stage_sync_time_s(costs, cluster, stage, replicated_fraction)   # the one definition
+    return tp_cost.stage_sync_time_s(costs, cluster, stage, replicated_fraction, zero_stage=zero_stage)   # the one definition
 
 
 def plan_timeline(plan: Plan, costs: ModelCosts, cluster: "Cluster", *,
@@ -339,13 +339,22 @@ def _tied_stage_sets(costs: ModelCosts, stages: Sequence[Stage]) -> list[tuple[t
     return out
 
 
+def _zero_share(stage: Stage, g: int) -> float:
+    """Member ``g``'s part of a one-rank-member stage's flat shards: its ``zero_shares`` entry over
+    their sum, else 1 / members."""
+    if stage.zero_shares:
+        return float(stage.zero_shares[g]) / max(float(sum(stage.zero_shares)), 1e-300)
+    return 1.0 / len(stage.groups)
+
+
 def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_stage: int,
                       replicated_fraction: float | None = None, *, types: dict | None = None) -> float:
     """Seconds of the optimizer step of a stage's slowest rank: every rank steps the stage's parameters,
-    1/k of them on a stage of k one-rank members under ZeRO >= 1 (``runtime.pipeline`` deals them out),
+    on a stage of k one-rank members under ZeRO >= 1 its flat shard (1/k of them, or its ``zero_shares``
+    part: ``runtime.dp_sync``),
     a tensor-parallel rank its shard (``cost.tp.tp_rank_params``: the parameters the rewrite leaves
     whole plus its share of the rest; 1/k of that under ZeRO >= 1 where ``cost.tp.tp_zero_stage`` is 1,
-    stepped as one flat buffer: ``runtime.tp_zero``). Unflattened, each rank pays the per-tensor term of
+    stepped as one flat buffer: ``runtime.dp_sync``). Unflattened, each rank pays the per-tensor term of
     the tensors it steps (``ModelCosts.optimizer_time``): a TP rank a piece of every tensor of the
     stage, a ZeRO member 1/k of them. ``types``: a memo (ranks -> their device types) the caller
     keeps across calls on ``cluster``."""
@@ -359,7 +368,7 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
         from autopar.cost import tp as tp_cost
 
         rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
-        tp_zero = bool(tp_cost.tp_zero_stage(stage, zero_stage))   # ZeRO-1 over the members (runtime.tp_zero)
+        tp_zero = bool(tp_cost.tp_zero_stage(stage, zero_stage))   # the sync over the members (runtime.dp_sync)
     blocks = slice(stage.block_start, stage.block_stop)
     helds: dict = {}   # head shares -> per rank parameters: members of equal shares hold alike
     types = {} if types is None else types
@@ -387,8 +396,8 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
             n, tensors, flat = p, k, False
             if held is not None:
                 n, flat = float(held[i]), tp_zero
-            elif zero_stage >= 1 and nm > 1 and not tp:
-                n, tensors = p / nm, (None if k is None else k / nm)
+            elif zero_stage >= 1 and nm > 1 and not tp:   # the sync's flat shard (runtime.dp_sync)
+                n, flat = p * _zero_share(stage, g), True
             t = names[i]
             if (t, n) in seen:
                 continue
@@ -407,7 +416,7 @@ def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[
     stages = plan.stages
     R = plan.rank_stages
     chunks = [range(p, len(stages), R) for p in range(R)]   # a rank stage's chunks (one without interleaving)
-    ar = [_allreduce_s(costs, cluster, st, rho) for st in stages]
+    ar = [_allreduce_s(costs, cluster, st, rho, plan.zero_stage) for st in stages]
     ready = [0.0] * len(stages)
     for cs in chunks:   # a rank reduces its chunks' gradients one after another
         for c in cs:

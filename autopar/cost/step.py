@@ -110,7 +110,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
         blocks = slice(st.block_start, st.block_stop)
         params = float(costs.params[blocks].sum())
         n_tensors = costs.block_tensors(blocks)
-        tp_zero = bool(tp_cost.tp_zero_stage(st, zero))     # ZeRO-1 over TP members (runtime.tp_zero)
+        tp_zero = bool(tp_cost.tp_zero_stage(st, zero))     # ZeRO-1 over TP members (runtime.dp_sync)
         grad_bytes = params * costs.grad_bytes_per_param
         firsts = [g[0] for g in st.groups]
         nm = len(st.groups)

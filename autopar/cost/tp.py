@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost.comm import allreduce_time_s, ring_link
+from autopar.cost.comm import allreduce_time_s, reduce_scatter_time_s, ring_link
 from autopar.cost import tp_fwd
 from autopar.cost.tp_fwd import (  # re-exported: the collectives' half of the TP cost model
     SP_COLLECTIVES_PER_PAIR, TP_ALLREDUCES_PER_BLOCK, group_wgrad_s, sp_blocks, sp_pad, tp_allreduce_block_s,
@@ -440,19 +440,25 @@ def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
 
 
 def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
-                      replicated_fraction: float | None = None, *, rings: dict | None = None) -> float:
-    """Seconds of a ``Stage``'s gradient all-reduce over its members (0 with one member): over TP
-    members ``stage_allreduce_time_s`` (``rings``: its memo), else one ring of the members' ranks on
-    the stage's gradient."""
+                      replicated_fraction: float | None = None, *, rings: dict | None = None,
+                      zero_stage: int = 0) -> float:
+    """Seconds of a ``Stage``'s gradient reduction over its members (0 with one member): over TP
+    members ``stage_allreduce_time_s`` (``rings``: its memo; under ZeRO-1 its reduce-scatter and the
+    parameters' all-gather move the same bytes), else one ring of the members' ranks on the stage's
+    gradient: an all-reduce, or under ZeRO >= 1 the data-parallel sync's reduce-scatter
+    (``runtime.dp_sync``; the all-gather of the parameters after the optimizer is priced apart)."""
     if len(stage.groups) < 2:
         return 0.0
     if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
         return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction, rings=rings)
     grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
-    return allreduce_time_s(cluster, [g[0] for g in stage.groups], grad_bytes)
+    ranks = [g[0] for g in stage.groups]
+    if zero_stage >= 1:
+        return reduce_scatter_time_s(cluster, ranks, grad_bytes)
+    return allreduce_time_s(cluster, ranks, grad_bytes)
 
 
-# -- ZeRO-1 inside tensor-parallel stages (``runtime.tp_zero``: Megatron's distributed optimizer) -----
+# -- ZeRO inside tensor-parallel stages (the data-parallel sync, ``runtime.dp_sync``, over TP peers) --
 
 def _member_shares(stage) -> list[tuple[int, ...]]:
     """Each member's head shares (even when the stage gives none)."""
@@ -464,7 +470,7 @@ def _member_shares(stage) -> list[tuple[int, ...]]:
 def tp_zero_stage(stage, zero_stage: int) -> int:
     """The ZeRO stage a ``Stage`` with tensor-parallel members holds, as ``runtime.tp`` runs it: 1 for
     ``zero_stage >= 1`` when the stage has at least two members, all with the same head shares
-    (each TP index's ranks then share one flat layout; ``runtime.tp_zero.tp_zero_applies`` is the
+    (each TP index's ranks then share one flat layout; ``runtime.tp.tp_zero_applies`` is the
     runtime's side of this rule), else 0 (different shardings reduce full-model buffers)."""
     if zero_stage < 1 or len(stage.groups) < 2:
         return 0

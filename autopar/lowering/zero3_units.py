@@ -12,7 +12,7 @@ Terms
   right after it (``insert_unit_hooks``). A value derived from a parameter that escapes the span
   would find freed storage and fail loudly, not silently.
 - unit hook: the ``UnitHook`` module each inserted call runs; lowering inserts them unbound and the
-  data-parallel engine (``autopar.runtime.dp_zero3``) binds them to its gather and free.
+  data-parallel sync (``autopar.runtime.dp_sync``) binds them to its gather and free.
 """
 
 from __future__ import annotations

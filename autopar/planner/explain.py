@@ -100,7 +100,7 @@ def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
         out.append(StageCost(
             s, (st.block_start, st.block_stop), _devices(plan, cluster, s), busy,
             float(comm[s].sum()) if s < len(comm) else 0.0, max(0.0, timeline.step_time_s - busy),
-            tp_cost.stage_sync_time_s(costs, cluster, st, rho),
+            tp_cost.stage_sync_time_s(costs, cluster, st, rho, zero_stage=plan.zero_stage),
             stage_optimizer_s(costs, cluster, st, plan.zero_stage, rho),
             _memory(plan, cluster, s, memory_fraction)))
     return out

@@ -1,11 +1,11 @@
-"""The data-parallel execution engine with ZeRO stages 0-3 for single-stage plans: builds the flat
-layout, runs a step (micro-steps, gradient collectives, optimizer step) and reports the state.
+"""The data-parallel execution engine with ZeRO stages 0-3 for single-stage plans: runs a step
+(micro-steps, then the data-parallel sync's collectives and optimizer step) and reports the state.
 
-Modules: ``autopar.runtime.dp_flat`` (flat buffers, shards, their collectives and the sharded
-optimizer) and ``autopar.runtime.dp_zero3`` (ZeRO-3 gathering and freeing units in place). Which
-parameters form a ZeRO-3 unit, the graph with the units' hooks, and the per-block programs of
-recomputation come lowered in the ``RankProgram`` (``autopar.lowering``). This module re-exports the
-public names of its two helpers.
+The engine is the stage executor and the round schedule; ``autopar.runtime.dp_sync`` (the one
+data-parallel sync every engine uses) holds the flat buffers, reduces the gradients, steps the
+sharded optimizer and gathers ZeRO-3's units. Which parameters form a ZeRO-3 unit, the graph with the
+units' hooks, and the per-block programs of recomputation come lowered in the ``RankProgram``
+(``autopar.lowering``). This module re-exports the public names of the flat layout.
 
 Terms
 - member: one rank of the plan's single stage (``plan.stages[0].groups`` are 1-tuples). Member ``g``
@@ -37,7 +37,8 @@ ZeRO stages (per step, after the member's micro-steps)
   full gradients are freed, so none is held across micro-steps (as DeepSpeed's ZeRO-2 reduces after
   every backward); one reduce-scatter per round instead of one all-reduce per step. Then as ZeRO-1.
 - 3: parameters stay sharded between steps; units are gathered per block (``"block"``) or per
-  micro-step (``"micro_step"``) and freed again, each round (``autopar.runtime.dp_zero3``).
+  micro-step (``"micro_step"``) and freed again, each round, each unit's gradient reduce-scattered
+  as soon as backward has left its block (``autopar.runtime.dp_sync``).
   ``state_dict()`` is a collective (it gathers).
 
 Buffers (allocated once, reused every step): under ZeRO 0 and 1 each unit's flat gradient is one
@@ -48,7 +49,7 @@ shard's gradient sum (ZeRO 2 and 3) and the shard values sent by the all-gathers
 Overlap (``overlap=True``, the default; ``RunConfig.overlap``): under ZeRO 0/1 the flat gradient is
 reduced in buckets while the last micro-step's backward still runs (``autopar.runtime.dp_overlap``:
 launched in a fixed bucket order, waited for before the optimizer), and ZeRO-3 starts gathering the
-next unit while the current one computes (``autopar.runtime.dp_zero3``). ZeRO-2 reduces each round's
+next unit while the current one computes (``autopar.runtime.dp_sync``). ZeRO-2 reduces each round's
 gradient after its backward, blocking (a bucketed reduce-scatter would need per-bucket shards).
 Overlap changes when collectives run, never what they sum: overlap off gives the same state.
 
@@ -85,23 +86,22 @@ each such gather and reopened after it, so the emulated slow-down never stretche
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from autopar.runtime.dp_flat import (
-    ELEMENTWISE_OPTIMIZERS, DataParallelError, FlatBuffersMixin, FlatLayout, shard_bounds,
-)
+from autopar.runtime.dp_flat import ELEMENTWISE_OPTIMIZERS, DataParallelError, FlatLayout, shard_bounds
 from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram, engine_kind
 from autopar.lowering.zero3_units import ParamUnits
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
 from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_broadcast, pg_ranks
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
-from autopar.runtime.dp_overlap import BUCKET_BYTES, GradBuckets
-from autopar.runtime.dp_zero3 import Zero3Granularity, Zero3Mixin
+from autopar.runtime.dp_overlap import BUCKET_BYTES
+from autopar.runtime.dp_sync import DataParallelSync, Zero3Granularity
 
 # materialize(meta tensors, extra graph modules holding them) -> elements materialised
 Materializer = Callable[[list, tuple], int]
@@ -133,14 +133,14 @@ def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
     return prog(values[:num_flat], values[num_flat:])
 
 
-class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
+class DataParallelEngine:
     """Runs a single-stage (data-parallel) plan with its ZeRO stage on one rank; see the module
     docstring. Build it on every rank of the process group with the same ``EngineInputs`` (but
     ``rank``, ``device`` and ``clock``) and this rank's ``program`` (``autopar.lowering.lower``).
     ``zero3_granularity`` (ZeRO-3 only): ``"block"`` gathers block by block where the program carries
     ZeRO-3 units, ``"micro_step"`` gathers everything per micro-step. ``overlap``: ZeRO 0/1 reduce
     the gradients in buckets during backward (``autopar.runtime.dp_overlap``) and ZeRO-3 prefetches
-    the next unit (``autopar.runtime.dp_zero3``); False: every collective after the computation that
+    the next unit (``autopar.runtime.dp_sync``); False: every collective after the computation that
     needs it, blocking. ``bucket_bytes``: the size of a gradient bucket (``dp_overlap.BUCKET_BYTES``).
     ``materialize`` (ZeRO-3 with a model whose trainable parameters are still on ``meta``; see
     ``defers_materialization``): ``materialize(tensors, roots)`` gives the listed meta tensors their
@@ -214,103 +214,66 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
             prog.gm.to(self.device)
 
         probe = inputs.optimizer_factory(trainable)
-        group_of = self._group_of(probe, trainable)
         units = None
         if self.zero_stage == 3 and zero3_granularity == "block" and not self.recompute \
                 and program.zero3_units is not None:   # recomputation re-runs forward: micro_step
             units = _units_over(program.zero3_units, program.zero3_params, trainable)
         self.zero3_granularity: Zero3Granularity | None = \
             None if self.zero_stage != 3 else ("block" if units is not None else "micro_step")
-        unit_members = units.units if units is not None else (tuple(range(len(trainable))),)
-
-        # Flat order: unit by unit; inside a unit by optimizer group, then parameter order.
-        self._params: list[nn.Parameter] = []
-        self._unit_params: list[tuple[int, ...]] = []
-        layouts = []
-        for members in unit_members:
-            ordered = sorted(members, key=lambda i: (group_of[i], i))
-            first = len(self._params)
-            self._params.extend(trainable[i] for i in ordered)
-            self._unit_params.append(tuple(range(first, len(self._params))))
-            numels = tuple(trainable[i].numel() for i in ordered)
-            offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
-            group_bounds = [0]
-            for k in range(len(probe.param_groups)):
-                group_bounds.append(group_bounds[-1] + sum(trainable[i].numel() for i in ordered
-                                                           if group_of[i] == k))
-            layouts.append(FlatLayout(numels=numels, offsets=offsets, group_bounds=tuple(group_bounds),
-                                      bounds=shard_bounds(sum(numels), shares)))
-        self.units: tuple[FlatLayout, ...] = tuple(layouts)
-        self._shapes = tuple(p.shape for p in self._params)
-        # id(param) -> (unit, index within the unit)
-        self._where = {id(p): (u, k) for u, idx in enumerate(self._unit_params)
-                       for k, p in enumerate(self._params[i] for i in idx)}
         self._bn = [m for m in self.model.modules()
                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
         # Every rank starts from the first member's weights (as DDP does); alone, it has them, and a
-        # model compile materialised deterministically has them already on every rank. Each unit's
-        # shard of this rank (the optimizer's shard Parameters start from it); ZeRO-3 holds one unit's
-        # full weights at a time: materialised (deferred), flattened, its shard kept, the rest freed.
-        shards = []
-        self._param_flats: list[torch.Tensor] = []     # ZeRO 0-2: each unit's parameters, as one buffer
-        equal = deferred or is_deterministic(inputs.model)
-        name_of = {id(p): n for n, p in self.model.named_parameters()} if deferred else {}
+        # model compile materialised deterministically has them already on every rank. ZeRO-3 holds
+        # one unit's full weights at a time: materialised (deferred), flattened, its shard kept, the
+        # rest freed (the sync's construction).
         self.materialized_numels: list[int] = []      # deferred ZeRO-3: elements materialised per unit
-        for u in range(len(self.units) if not self._solo else 0):
-            if deferred:
-                self._materialize_unit(u, materialize, name_of, program)
-            flat = self._flatten_params(u)
-            if self.zero_stage < 3:                   # the parameters live in the flat buffer from now on
-                self._param_flats.append(flat)
-                self._bind_param_views(u, flat)
-            if not equal:                             # ZeRO 0-2: into the parameters; ZeRO-3: into the shard
-                pg_broadcast(flat, src=self._src_rank, group=self.group)
-            lo, hi = self.units[u].shard(self._position)
-            shards.append(flat[lo:hi].clone() if self.zero_stage == 3 else flat[lo:hi])
-            del flat
-            if self.zero_stage == 3:
-                self._hold_unit(u)                    # full weights freed: views of an empty buffer
+        self.sync: DataParallelSync | None = None
+        self.optimizer = probe
+        self._params = trainable                      # alone: the plain loop's
+        if not self._solo:
+            equal = deferred or is_deterministic(inputs.model)
+            name_of = {id(p): n for n, p in self.model.named_parameters()} if deferred else {}
+            self.sync = DataParallelSync(
+                trainable, probe, zero_stage=self.zero_stage, group=self.group, position=self._position,
+                device=self.device, shares=shares, units=units.units if units is not None else None,
+                pause=self._paused, overlap=self.overlap, bucket_bytes=bucket_bytes,
+                src=None if equal else self._src_rank,
+                prepare_unit=(lambda u, ps: self._materialize_unit(ps, materialize, name_of, program))
+                if deferred else None)
+            self.optimizer = self.sync.optimizer
+            self._params = self.sync.params
         if deferred:
-            self._where = {id(p): (u, k) for u, idx in enumerate(self._unit_params)
-                           for k, p in enumerate(self._params[i] for i in idx)}
             self.model = self.model.to(self.device)
             self.gm = self.gm.to(self.device) if program.gm is not None else self.model
             for prog in self._block_programs or ():
                 prog.gm.to(self.device)
+        if units is not None:
+            self.gm = program.zero3_gm.to(self.device)
+            self.sync.bind_hooks(self.gm, units.blocks)
 
-        # (flat shard Parameter, unit, [start, stop) in the unit's flat buffer)
-        self._shard_params: tuple[tuple[nn.Parameter, int, tuple[int, int]], ...] = ()
-        if self.zero_stage >= 1:
-            self._check_elementwise(probe)
-        if self.zero_stage == 0 or self._solo:
-            self.optimizer = probe
-        else:
-            self.optimizer, self._shard_params = self._sharded_optimizer(probe, shards)
-        del shards
-        self._setup_buffers()
-        self._buckets = None
-        if self.overlap and self._grad_flats is not None:     # ZeRO 0/1 over more than one rank
-            self._buckets = GradBuckets(self._params, self._unit_params, self.units, self._grad_flats,
-                                        self.group, self._paused, bucket_bytes)
-        if self.zero_stage == 3:
-            self._setup_zero3(units)
-
-    def _materialize_unit(self, u: int, materialize: "Materializer", name_of: dict, program: RankProgram) -> None:
-        """Give unit ``u``'s meta parameters their values (``materialize``) and take the new Parameter
+    def _materialize_unit(self, params: list, materialize: "Materializer", name_of: dict,
+                          program: RankProgram) -> list:
+        """Give a unit's meta parameters their values (``materialize``) and return the new Parameter
         objects in their place (materialisation replaces a meta tensor by identity)."""
-        idx = self._unit_params[u]
-        todo = [self._params[i] for i in idx if self._params[i].is_meta]
+        todo = [p for p in params if p.is_meta]
         roots = tuple(g for g in (program.zero3_gm, *(b.gm for b in program.blocks or ())) if g is not None)
         materialize(todo, roots)
-        for i in idx:
-            old = self._params[i]
+        out = []
+        for old in params:
+            new = old
             if old.is_meta:
                 new = self.model.get_parameter(name_of[id(old)])
                 if new.is_meta:
                     raise DataParallelError(f"materialize: left parameter {name_of[id(old)]!r} on meta")
-                self._params[i] = new
+            out.append(new)
         self.materialized_numels.append(sum(p.numel() for p in todo))
+        return out
+
+    @property
+    def units(self) -> tuple[FlatLayout, ...]:
+        """The flat layout of each unit (none for a rank alone)."""
+        return self.sync.units if self.sync is not None else ()
 
     @property
     def layout(self) -> FlatLayout:
@@ -423,60 +386,36 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
         inputs = self._check_batch(inputs, targets, local)
         if self._solo:
             return self._solo_step(inputs, targets)
+        sync = self.sync
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self._grad_flats is not None:             # ZeRO 0/1: .grad are views of the flat buffers
-            self._bind_grad_views()
-        else:
-            for p in self._params:
-                p.grad = None
-        shard_grads = self._shard_grads
-        for g in shard_grads or ():
-            g.zero_()
-        if self.zero_stage == 3:
-            for r in range(self._rounds):
-                self._zero3_round(inputs, targets, self._micro[r] if r < len(self._micro) else None,
-                                  loss_sum, shard_grads)
-        elif self.zero_stage == 2:
-            # Gradients are sharded: each round's are reduce-scattered into the shard's sum and freed,
-            # so no rank holds a full gradient across micro-steps (every rank joins every round; one
-            # without a micro-step in it contributes zeros).
+        sync.begin_step()
+        if self.zero_stage >= 2:
+            # Gradients are sharded: each round's are reduce-scattered into the shard's sum and freed
+            # (ZeRO-3: unit by unit inside backward), so no rank holds a full gradient across
+            # micro-steps (every rank joins every round; one without a micro-step in it contributes zeros).
             for r in range(self._rounds):
                 rows = self._micro[r] if r < len(self._micro) else None
+                run = None
                 if rows is not None and rows.stop > rows.start:
-                    loss_sum += self._micro_step(inputs, targets, rows).double()
-                for u in range(len(self.units)):
-                    self._reduce_scatter_grads(u, shard_grads[u])
-                    for p in self._unit(u)[1]:
-                        p.grad = None
+                    run = functools.partial(self._micro_step, inputs, targets, rows)
+                if self.zero_stage == 3:
+                    loss = sync.zero3_round(run, by_block=self.zero3_granularity == "block")
+                else:
+                    loss = run() if run is not None else None
+                    sync.reduce_round()
+                if loss is not None:
+                    loss_sum += loss.double()
         else:
+            # Backward accumulates into the flat buffers (the .grad views), reduced bucket by bucket
+            # during the last backward (overlap) or after it.
             active = [i for i, rows in enumerate(self._micro) if rows.stop > rows.start]
             for i in active:
-                if self._buckets is not None and i == active[-1]:
-                    self._buckets.arm()              # the last micro-step's backward reduces
+                if i == active[-1]:
+                    sync.arm()
                 loss_sum += self._micro_step(inputs, targets, self._micro[i]).double()
-            # Backward accumulated into the flat buffers (the .grad views): reduce them in place,
-            # bucket by bucket during the last backward (overlap), or now.
-            if self._buckets is not None:
-                self._buckets.finish()
-            else:
-                for u in range(len(self.units)):
-                    pg_all_reduce(self._grad_flats[u], group=self.group)
+            sync.reduce()
         pg_all_reduce(loss_sum, group=self.group)
-
-        for sp, u, (a, b) in self._shard_params:
-            layout = self.units[u]
-            lo = layout.shard(self._position)[0]
-            if self.zero_stage == 1:                  # this rank's shard of the reduced flat gradient
-                sp.grad = self._grad_flats[u][a:b]
-            else:
-                sp.grad = shard_grads[u][a - lo:b - lo]
-        with self.clock.compute():
-            self.optimizer.step()
-        for sp, _, _ in self._shard_params:
-            sp.grad = None
-        if self.zero_stage in (1, 2):
-            for u in range(len(self.units)):         # straight into the parameters (views of the buffer)
-                self._all_gather_flat(u, out=self._param_flats[u])
+        sync.step(self.clock.compute, self.optimizer)
         self._sync_batchnorm()
         return float(loss_sum)
 
@@ -525,10 +464,11 @@ class DataParallelEngine(FlatBuffersMixin, Zero3Mixin):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state (keys of ``model.state_dict()``), as CPU clones on every
         rank. Under ZeRO-3 this is a collective: every rank must call it."""
-        flats = [self._all_gather_flat(u) for u in range(len(self.units))] if self.zero_stage == 3 else None
+        sync = self.sync
+        flats = [sync.full_flat(u) for u in range(len(sync.units))] if self.zero_stage == 3 else None
         out = {}
         for key, t in self.model.state_dict(keep_vars=True).items():
-            where = self._where.get(id(t))
+            where = sync.where.get(id(t)) if sync is not None else None
             if where is not None and flats is not None:
                 u, k = where
                 o, n = self.units[u].offsets[k], self.units[u].numels[k]

@@ -68,11 +68,16 @@ Terms
   (no dropout without the saved RNG state, which checkpoint restores; buffers updated in forward,
   e.g. batch-norm running stats, would be updated twice).
 
-ZeRO: with ``plan.zero_stage >= 1``, a stage of several one-rank members deals the parameters only it
-holds out to its members, each member keeps optimizer state for its own and broadcasts them after the
-step (ZeRO-1 by parameter, as torch's ZeroRedundancyOptimizer: exact for any per-parameter optimizer;
-``zero_stage_applied`` says what ran). Gradients are still all-reduced in full (stages 2 and 3 run as
-1); tied parameters, single-member stages and tensor-parallel stages run ZeRO-0.
+Data-parallel sync: the parameters only this rank's stage holds sync over its members through the one
+data-parallel sync (``autopar.runtime.dp_sync``) under ZeRO >= 1, at the plan's ZeRO stage: a stage of
+several one-rank members over the stage's ranks (ZeRO 1-3, with the stage's ``zero_shares``), a stage of equal
+tensor-parallel members over each TP index's ranks (``runtime.tp.tp_zero_groups``; ZeRO 1-2). The
+schedule interleaves micro-batches, so the sync runs once a step: ZeRO-2 reduce-scatters the step's
+gradient after the last backward; ZeRO-3 gathers the stage's parameters before its first action and
+frees them after its last (sharded between steps). A rank's peak therefore holds ZeRO-1's state
+(``cost.memory.stage_zero_stage``). ``zero_stage_applied`` says what ran. Tied parameters (several
+stages' gradient groups), single-member stages, stages of different TP shares and ZeRO-0 sum their
+gradients in full (``_reduce_gradients``, through one flat copy).
 """
 
 from __future__ import annotations
@@ -92,13 +97,14 @@ from autopar.lowering.program import RankProgram
 from autopar.passes.split import batched_values, flat_inputs
 from autopar.passes.tp import load_shards
 from autopar.runtime.base import EngineInputs, compute_loss
-from autopar.runtime.communicator import Communicator
+from autopar.runtime.communicator import Communicator, pg_ranks
 from autopar.runtime.data import StepRows, check_like, local_inputs, rank_rows, stand_in_inputs
 from autopar.runtime.pipeline_msg import PipelineMessages
 from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
 from autopar.runtime.pipeline_zb import backward_input, backward_weight
-from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout
-from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_groups
+from autopar.runtime.dp_flat import merged_optimizer
+from autopar.runtime.dp_sync import DataParallelSync
+from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout, tp_zero_groups, tp_zero_stage_run
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
 
@@ -213,24 +219,23 @@ class PipelineEngine(PipelineMessages):
         # Every parameter of this rank's chunks, once (a weight tied across its chunks is one tensor).
         self.params = list({id(p): p for s in self.chunks for p in self._prog(s).gm.parameters()
                             if p.requires_grad}.values())
-        self._zero_groups = self._partition_for_zero()
-        skip = {id(p) for _, owned in self._zero_groups for j, ps in enumerate(owned)
-                if j != self.member for p in ps}
-        # ZeRO-1 inside tensor-parallel stages (runtime.tp_zero): the stage's own gradients leave the
-        # all-reduce groups for the peers' reduce-scatter; shared (tied) ones stay on both paths' left.
-        self._tp_zero = None
+        # The data-parallel sync (runtime.dp_sync) of the parameters only this rank's stage holds: their
+        # gradient group leaves _grad_groups for it; shared (tied) ones stay there.
+        self.sync: DataParallelSync | None = None
+        self.zero_stage_applied = 0
         peers = tp_zero_groups(self.comm.new_group, plan)      # every rank: groups are collective
-        if self.stage is not None and all((s, self.tp_index) in peers for s in self.chunks):
-            ranks = tuple(sorted(plan.stages[self.stage].ranks))
-            own = [p for g, ps in self._grad_groups if g is not None and g.ranks == ranks for p in ps]
-            local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in own]
-            self._tp_zero = TPDistributedOptimizer(local, inputs.optimizer_factory,
-                                                   peers[(self.stage, self.tp_index)].pg, inputs.rank, self.device)
-            self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is None or g.ranks != ranks]
-            skip |= {id(p) for p in local}
-        self.zero_stage_applied = 1 if self._zero_groups or self._tp_zero is not None else 0
+        synced = self._sync_params(peers)
+        if synced is not None:
+            params, group, zero, shares = synced
+            self.sync = DataParallelSync(params, inputs.optimizer_factory(params), zero_stage=zero, group=group,
+                                         position=pg_ranks(group).index(inputs.rank), device=self.device,
+                                         shares=shares, overlap=False)
+            self.zero_stage_applied = zero
+        skip = {id(p) for p in (self.sync.params if self.sync is not None else ())}
         stepped = [p for p in self.params if id(p) not in skip]
         self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
+        if self.sync is not None:       # one optimizer over the sync's shards and the rest: one step
+            self.optimizer = self.sync.optimizer = merged_optimizer(self.sync.optimizer, self.optimizer)
         # Activation recomputation (``Stage.recompute``): each micro-batch's forward runs under
         # torch.utils.checkpoint, so only its inputs stay in flight and backward re-runs the forward
         # (on every rank of a tensor-parallel member alike, collectives included, in the same order).
@@ -284,8 +289,10 @@ class PipelineEngine(PipelineMessages):
         t_step = time.perf_counter()
         trace: list[tuple[str, int, float, float]] = []
         worker = self.stage if self.stage is not None else None
-        if self._tp_zero is not None:     # backward accumulates into the flat gradient buffer
-            self._tp_zero.bind_grads()
+        if self.sync is not None:         # ZeRO 0/1: backward accumulates into the flat gradient buffer
+            self.sync.begin_step()
+            if self.sync.zero_stage == 3:
+                self.sync.gather_all()
         for action in self.schedule.actions[worker] if worker is not None else ():
             m, s = action.micro, action.stage
             a, b = self.layout[s][self.member][m]
@@ -351,20 +358,20 @@ class PipelineEngine(PipelineMessages):
         self._sends = []
         self._signatures.add(self._signature)      # headers of this signature have travelled
 
-        # Gradients, the optimizer step and ZeRO-1's parameter broadcasts, then the loss: a stage that
+        # Gradients, the optimizer steps and the sync's all-gathers, then the loss: a stage that
         # finishes early steps its optimizer while the others still compute.
         self._reduce_gradients()
-        if self._tp_zero is not None:
-            self._tp_zero.reduce_and_step(self.clock.compute)
-        if self.optimizer is not None:
+        if self.sync is not None:
+            if self.sync.zero_stage >= 2:
+                self.sync.free_all()
+                self.sync.reduce_round()
+            self.sync.reduce()
+            self.sync.step(self.clock.compute, self.optimizer)    # the shards' gradients in, then out
+        elif self.optimizer is not None:
             with self.clock.compute():
                 self.optimizer.step()
+        if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        for group, owned in self._zero_groups:       # ZeRO-1: each owner sends its updated parameters
-            for j, ps in enumerate(owned):
-                for p in ps:
-                    p.grad = None
-                self.comm.broadcast(ps, src=self.plan.stages[self.stage].groups[j][0], group=group)
         self.comm.all_reduce([loss_sum])
         return float(loss_sum)
 
@@ -421,27 +428,34 @@ class PipelineEngine(PipelineMessages):
         else:
             work.wait()
 
-    def _partition_for_zero(self) -> list[tuple[Any, list[list[torch.nn.Parameter]]]]:
-        """ZeRO >= 1 on a stage of several one-rank members: the parameters that only this stage holds
-        are dealt out to its members (each to the least-loaded member so far, by elements, in a fixed
-        order); a member keeps optimizer state for its own only (as torch's ZeroRedundancyOptimizer)."""
-        if self.stage is None:
-            return []
+    def _sync_params(self, peers: dict) -> tuple[list, Any, int, tuple | None] | None:
+        """(parameters, process group, ZeRO stage, shares by position) of this rank's data-parallel
+        sync, or None: the trainable parameters of its stage's own gradient group (no other stage uses
+        them) over the stage's ranks (members of one rank: the plan's ZeRO stage, the stage's
+        ``zero_shares``), or their TP shards over this TP index's peers (equal TP members:
+        ``tp_zero_stage_run``). With interleaving, the parameters of every chunk of the rank (its
+        chunks have its stage's members), where every chunk qualifies."""
+        if self.stage is None or self.plan.zero_stage < 1:
+            return None
         stage = self.plan.stages[self.stage]
-        if self.plan.zero_stage < 1 or len(stage.groups) < 2 or any(len(m) > 1 for m in stage.groups):
-            return []
-        out = []
-        for group, params in self._grad_groups:
-            if group is None or group.ranks != tuple(sorted(stage.ranks)):
-                continue       # shared with another stage (tied): every holder steps it
-            owned: list[list[torch.nn.Parameter]] = [[] for _ in stage.groups]
-            load = [0] * len(stage.groups)
-            for p in params:
-                j = min(range(len(load)), key=lambda k: (load[k], k))
-                owned[j].append(p)
-                load[j] += p.numel()
-            out.append((group, owned))
-        return out
+        ranks = tuple(sorted(stage.ranks))
+        own = [(g, ps) for g, ps in self._grad_groups if g is not None and g.ranks == ranks]
+        if not own or own[0][0].bridged or own[0][0].pg is None:
+            return None
+        group, params = own[0]
+        if all(len(m) == 1 for m in stage.groups):
+            shares = None
+            if stage.zero_shares:
+                order = sorted(range(len(stage.groups)), key=lambda g: stage.groups[g][0])
+                shares = tuple(float(stage.zero_shares[g]) for g in order)
+            self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is not group]
+            return list(params), group.pg, int(self.plan.zero_stage), shares
+        peer = peers.get((self.stage, self.tp_index))
+        if peer is None or peer.pg is None or not all((s, self.tp_index) in peers for s in self.chunks):
+            return None
+        self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is not group]
+        local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in params]
+        return local, peer.pg, tp_zero_stage_run(self.plan.zero_stage), None
 
     def _reduce_gradients(self) -> None:
         """Sum each gradient group's gradients over its ranks. A tensor-parallel rank contributes its
@@ -478,6 +492,9 @@ class PipelineEngine(PipelineMessages):
         """The full model state on every rank, as CPU clones with the keys of ``model.state_dict()``:
         each tensor is broadcast from its owner stage's first member (a collective: every rank calls
         it). Tensor-parallel members first gather their shards into the full parameters."""
+        zero3 = self.sync is not None and self.sync.zero_stage == 3
+        if zero3:                               # parameters sharded between steps: gathered for this
+            self.sync.gather_all()
         for s, chunk in self._locals.items():   # (idle ranks and one-rank members have none)
             full = gather_full_params(chunk.gm, self.tp_group.pg)
             with torch.no_grad():
@@ -496,6 +513,8 @@ class PipelineEngine(PipelineMessages):
         out = OrderedDict()
         for k, v in self.inputs.model.state_dict(keep_vars=True).items():
             out[k] = received.get(id(v), v).detach().to("cpu").clone()
+        if zero3:
+            self.sync.free_all()
         return out
 
 

@@ -123,19 +123,14 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 def _dp(engine: DataParallelEngine):
     names = _names(engine.model)
     masters, opt_slots = [], {}
-    sharded = bool(engine._shard_params)
+    sync = engine.sync
     trainable_ids = {id(p) for p in engine._params}
-    if sharded:
-        for sp, u, (a, b) in engine._shard_params:
-            layout, params = engine._unit(u)
-            slots = []
-            for p, o, n in zip(params, layout.offsets, layout.numels):
-                lo, hi = max(a, o), min(b, o + n)
-                if lo < hi:
-                    slots.append(Slot(names[id(p)], _shape(p), "flat", start=lo - o, lo=lo - a, hi=hi - a))
-            opt_slots[id(sp)] = slots
-            if engine.zero_stage == 3:
-                masters.append((sp.data, slots))
+    if sync is not None and sync.shard_params:
+        whole = {id(p): [Slot(names[id(p)], _shape(p), "whole")] for p in sync.params}
+        for sp, slots in _sync_slots(sync, whole).items():
+            opt_slots[sp] = slots
+        if engine.zero_stage == 3:
+            masters += [(sp.data, opt_slots[id(sp)]) for sp, _, _ in sync.shard_params]
     else:
         for p in engine._params:
             opt_slots[id(p)] = [Slot(names[id(p)], _shape(p), "whole")]
@@ -146,6 +141,25 @@ def _dp(engine: DataParallelEngine):
             continue                    # ZeRO-3: the shard Parameters hold it
         masters.append((t.data, [Slot(key, _shape(t), "whole")]))
     return masters, opt_slots
+
+
+def _sync_slots(sync, base: dict[int, list[Slot]]) -> dict[int, list[Slot]]:
+    """The optimizer slots of a data-parallel sync's shard Parameters (``autopar.runtime.dp_sync``):
+    each covers ``[a, b)`` of its unit's flat buffer, which runs across the unit's parameters laid end
+    to end; ``base`` holds each parameter's own slot (whole, or a TP shard of a full tensor)."""
+    out = {}
+    for sp, u, (a, b) in sync.shard_params:
+        layout, params = sync.unit(u)
+        slots = []
+        for p, o, n in zip(params, layout.offsets, layout.numels):
+            lo, hi = max(a, o), min(b, o + n)
+            if lo < hi:
+                bs = base[id(p)][0]
+                slots.append(Slot(bs.fqn, bs.shape, "flat", start=lo - o, lo=lo - a, hi=hi - a, dim=bs.dim,
+                                  ranges=bs.ranges if bs.kind == "tp" else (),
+                                  local_shape=_shape(p) if bs.kind == "tp" else ()))
+        out[id(sp)] = slots
+    return out
 
 
 def _tp(engine: TensorParallelEngine):
@@ -170,7 +184,7 @@ def _tp(engine: TensorParallelEngine):
         seen.add(id(p))
         masters.append((p.data, [slot]))
         opt_slots[id(p)] = [slot]
-    _add_tp_zero_slots(getattr(engine, "zero", None), opt_slots)   # ZeRO-1 over the members
+    _add_sync_slots(engine.sync, opt_slots, masters)   # ZeRO >= 1 over the members
     for key, t in engine.model.state_dict(keep_vars=True).items():   # buffers, frozen parameters
         if names[id(t)] != key or t.is_meta or id(t) in seen or t.numel() == 0:
             continue
@@ -180,25 +194,16 @@ def _tp(engine: TensorParallelEngine):
     return masters, opt_slots
 
 
-def _add_tp_zero_slots(zero, opt_slots: dict[int, list[Slot]]) -> None:
-    """The optimizer slots of ZeRO-1 over a TP stage's data-parallel peers (``autopar.runtime.tp_zero``):
-    each shard Parameter is a view of the flat buffer over the owned chunk, which runs across the local
-    tensors (TP shards or replicated parameters) laid end to end; ``opt_slots`` must hold those tensors'
-    own slots already."""
-    if zero is None:
+def _add_sync_slots(sync, opt_slots: dict[int, list[Slot]], masters: list) -> None:
+    """The optimizer slots of a TP or pipeline stage's data-parallel sync (``autopar.runtime.dp_sync``),
+    whose parameters' own slots ``opt_slots`` holds already (TP shards or whole tensors); under ZeRO-3
+    the shard Parameters are the masters too (the caller leaves the full parameters, freed between
+    steps, out of ``masters``)."""
+    if sync is None or not sync.shard_params:
         return
-    base = dict(opt_slots)
-    for sp in zero.shards:
-        a = sp.storage_offset() - zero.flat_params.storage_offset()
-        b = a + sp.numel()
-        slots = []
-        for p, o in zip(zero.params, zero.offsets):
-            lo, hi = max(a, o), min(b, o + p.numel())
-            if lo < hi:
-                bs = base[id(p)][0]
-                slots.append(Slot(bs.fqn, bs.shape, "flat", start=lo - o, lo=lo - a, hi=hi - a, dim=bs.dim,
-                                  ranges=bs.ranges if bs.kind == "tp" else (), local_shape=_shape(p)))
-        opt_slots[id(sp)] = slots
+    opt_slots.update(_sync_slots(sync, opt_slots))
+    if sync.zero_stage == 3:
+        masters += [(sp.data, opt_slots[id(sp)]) for sp, _, _ in sync.shard_params]
 
 
 def _pipeline(engine: PipelineEngine):
@@ -207,6 +212,8 @@ def _pipeline(engine: PipelineEngine):
                 for source in [engine._tensors[source_id]]}
     sources = set(engine._shards)
     masters, opt_slots, seen = [], {}, set()
+    sync = engine.sync
+    sharded = {id(p) for p in sync.params} if sync is not None and sync.zero_stage == 3 else set()
     held = []
     for s in engine.chunks:
         prog = engine._prog(s).gm
@@ -224,10 +231,11 @@ def _pipeline(engine: PipelineEngine):
         else:
             raise CheckpointError("checkpoint: a pipeline stage holds a tensor that is no tensor of the model: "
                                   "cannot name it")
-        masters.append((t.data, [slot]))
+        if id(t) not in sharded:
+            masters.append((t.data, [slot]))
         if isinstance(t, torch.nn.Parameter):
             opt_slots[id(t)] = [slot]
-    _add_tp_zero_slots(getattr(engine, "_tp_zero", None), opt_slots)   # ZeRO-1 in its TP stage
+    _add_sync_slots(engine.sync, opt_slots, masters)   # ZeRO >= 1 over the stage's members
     return masters, opt_slots
 
 
@@ -289,13 +297,9 @@ def engine_pieces(engine, *, optimizer: bool = True) -> list[Piece]:
 
 
 def _optimizers(engine) -> list[torch.optim.Optimizer]:
-    """Every optimizer the engine steps: its own and, in a pipeline whose TP stage runs ZeRO-1, that
-    stage's (``engine._tp_zero``)."""
-    out = [torch_optimizer(engine)]
-    zero = getattr(engine, "_tp_zero", None) if isinstance(engine, PipelineEngine) else None
-    if zero is not None:
-        out.append(zero.optimizer)
-    return [o for o in out if o is not None]
+    """Every optimizer the engine steps (one: a pipeline steps its sync's shards with its own
+    parameters, ``autopar.runtime.dp_flat.merged_optimizer``)."""
+    return [o for o in (torch_optimizer(engine),) if o is not None]
 
 
 def _empty_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> dict | None:

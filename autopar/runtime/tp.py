@@ -23,11 +23,13 @@ Gradient reduction across members, once per step after the member's micro-steps:
   is summed exactly once per member. This costs a full-model all-reduce on every rank.
 
 The optimizer steps the local parameters (shards and replicas): exact for elementwise optimizers
-(SGD, Adam, AdamW...). ZeRO: with ``plan.zero_stage >= 1`` and equal shardings over at least two
-members, ZeRO-1 as Megatron's distributed optimizer (``runtime.tp_zero``): each data-parallel group
-of one TP index reduce-scatters its flat gradient, each rank steps its chunk and the group
-all-gathers the parameters (the bytes of the all-reduce it replaces). ZeRO-2/3 run as 1, different
-shardings and a single member as 0; ``zero_stage_applied`` records what ran. ``state_dict()`` gathers the shards (a collective inside
+(SGD, Adam, AdamW...). Equal shardings over at least two members sync through the one data-parallel
+sync (``runtime.dp_sync``) over each TP index's data-parallel group under ZeRO >= 1, at the plan's
+ZeRO stage up to 2 (ZeRO-0 all-reduces a flat copy of the gradient over that group): ZeRO-1 is
+Megatron's distributed optimizer (each rank steps its shard, the group all-gathers the parameters: the bytes of the
+all-reduce they replace); ZeRO-2 reduce-scatters the step's gradient into the shard and frees it
+(the whole gradient is held during the step's backwards, so its peak is ZeRO-1's). ZeRO-3 runs as 2;
+different shardings and a single member as 0; ``zero_stage_applied`` records what ran. ``state_dict()`` gathers the shards (a collective inside
 each member) and returns the full state on every rank.
 
 The rewrite itself is lowered (``RankProgram.tp_module``, ``passes.tp.tp_rewrite``); the engine binds its
@@ -54,7 +56,7 @@ inside ``clock.compute()``; the f / g all-reduces inside forward and backward bl
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -72,10 +74,10 @@ from autopar.runtime.communicator import (
     pg_all_gather, pg_all_reduce, pg_broadcast, pg_is_initialized, pg_new_group, pg_ranks,
 )
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
+from autopar.runtime.dp_sync import DataParallelSync
 from autopar.runtime.tp_comm import GroupAllGather, GroupAllReduce, GroupReduceScatter
-from autopar.runtime.tp_zero import TPDistributedOptimizer, tp_zero_applies
 
-__all__ = ["TensorParallelEngine", "TensorParallelError", "shard_stage_module", "bind_tp_group", "tp_layout",
+__all__ = ["TensorParallelEngine", "TensorParallelError", "tp_zero_applies", "tp_zero_stage_run", "tp_zero_groups", "shard_stage_module", "bind_tp_group", "tp_layout",
            "gather_full_params", "flat_full_grad", "bind_sp_group", "sum_deferred_sp_grads"]
 
 
@@ -105,6 +107,37 @@ def bind_sp_group(local_gm: fx.GraphModule, group=None) -> None:
         return
     bind_sp_collectives(local_gm, GroupAllReduce(group), GroupAllGather(group),
                         GroupReduceScatter(group))
+
+
+def tp_zero_applies(zero_stage: int, tp_shares: Sequence[Sequence[int]]) -> bool:
+    """Whether a stage whose members hold head shares ``tp_shares`` shards its optimizer state over
+    its members: a ZeRO stage >= 1 asked, at least two members, and the same shares in each (members
+    with different shares lay out different local tensors, whose gradients the engines sum in
+    full-model buffers instead: ZeRO-0)."""
+    shares = [tuple(s) for s in tp_shares]
+    return zero_stage >= 1 and len(shares) > 1 and len(set(shares)) == 1
+
+
+def tp_zero_stage_run(zero_stage: int) -> int:
+    """The ZeRO stage the data-parallel sync of a TP stage with equal shares runs: the plan's, up to 2
+    (its units are whole stages: ZeRO-3 would gather them for the whole step)."""
+    return min(int(zero_stage), 2)
+
+
+def tp_zero_groups(new_group: Callable, plan) -> dict[tuple[int, int], object]:
+    """The data-parallel peer groups of every pipeline stage of ``plan`` with tensor-parallel members
+    that syncs through ``runtime.dp_sync`` (``tp_zero_applies``), keyed by (stage, TP index):
+    ``new_group(ranks)`` for the ranks at that index of every member. Every rank must call it
+    (process groups are made collectively), in the same place of its setup."""
+    out = {}
+    for s, st in enumerate(plan.stages):
+        if not any(len(m) > 1 for m in st.groups):
+            continue
+        shares = st.tp_shares or tuple((1,) * len(m) for m in st.groups)
+        if tp_zero_applies(plan.zero_stage, shares):
+            for i in range(len(st.groups[0])):
+                out[(s, i)] = new_group([m[i] for m in st.groups])
+    return out
 
 
 def sum_deferred_sp_grads(local_gm: fx.GraphModule, group=None) -> None:
@@ -307,16 +340,16 @@ class TensorParallelEngine:
             keys_of.setdefault(id(t), []).append(key)
         self._source_keys = {name: keys_of.get(id(p), []) for name, p in source.named_parameters()}
         self._params = [p for p in self.gm.parameters() if p.requires_grad]
-        # ZeRO-1 over the members (``runtime.tp_zero``): each rank's optimizer state is its chunk of its
-        # TP index's flat buffers, when every member has the same shares; else ZeRO-0.
-        self.zero = None
+        # The data-parallel sync over this TP index's ranks of every member (``runtime.dp_sync``), when
+        # every member has the same shares (so their local tensors lay out alike); else full-model buffers.
+        self.optimizer = inputs.optimizer_factory(self._params)
+        self.sync = None
         if self._member is not None and self.dp_group is not None and tp_zero_applies(plan.zero_stage, shares):
-            self.zero = TPDistributedOptimizer(self._params, inputs.optimizer_factory, self.dp_group, inputs.rank,
-                                               self.device)
-            self.optimizer = self.zero.optimizer
-            self.zero_stage_applied = 1
-        else:
-            self.optimizer = inputs.optimizer_factory(self._params)
+            self.zero_stage_applied = tp_zero_stage_run(plan.zero_stage)
+            self.sync = DataParallelSync(self._params, self.optimizer, zero_stage=self.zero_stage_applied,
+                                         group=self.dp_group, position=pg_ranks(self.dp_group).index(inputs.rank),
+                                         device=self.device, overlap=False)
+            self.optimizer = self.sync.optimizer
 
     def _load_shards(self, source: fx.GraphModule) -> None:
         """Each sharded parameter's values, cut from its full parameter of ``source``; a full parameter
@@ -387,8 +420,8 @@ class TensorParallelEngine:
         else:
             self._rows = StepRows(self.plan.global_batch_size)
             inputs = global_batch_inputs(inputs, self.plan.global_batch_size, TensorParallelError)
-        if self.zero is not None:
-            self.zero.bind_grads()
+        if self.sync is not None:
+            self.sync.begin_step()
         else:
             for p in self._params:
                 p.grad = None
@@ -401,18 +434,24 @@ class TensorParallelEngine:
         if self._tp_index != 0:
             loss_sum.zero_()      # each member's loss counts once
         pg_all_reduce(loss_sum, group=self.group)
-        if self.zero is not None:
-            self.zero.reduce_and_step(self.clock.compute)
-        elif not self._equal:
+        if self.sync is not None:
+            if self.sync.zero_stage == 2:
+                self.sync.reduce_round()
+            self.sync.reduce()
+            self.sync.step(self.clock.compute, self.optimizer)
+            return float(loss_sum)
+        if not self._equal:
             self._reduce_padded()
         elif self._member is not None:
             self._reduce_equal()
-        if self._member is not None and self.zero is None:
+        if self._member is not None:
             with self.clock.compute():
                 self.optimizer.step()
         return float(loss_sum)
 
     def _reduce_equal(self) -> None:
+        """ZeRO-0 over members of the same shares: this TP index's flat gradient all-reduced over its
+        data-parallel group (none for a single member)."""
         flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
                           for p in self._params])
         if self.dp_group is not None:
