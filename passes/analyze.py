@@ -67,6 +67,12 @@ def analyze(model: nn.Module, example_inputs: tuple, *, method: str = "auto", la
     with gc_paused():
         captured = capture(model, example_inputs, method=method, lazy_code=lazy_code,
                            replay_repeats=replay_repeats)
+        if captured.batch_static:
+            raise CaptureError(
+                f"model: {type(model).__name__}'s batch dimension is static under torch.export "
+                f"({captured.static_reason}); autopar runs it at other batch sizes (its cost tables and "
+                "the plan's micro-batches). Make the batch dimension symbolic: no Python int taken from "
+                "an input's size(0) in control flow or in a reshape, e.g. use -1 there")
         if cache_dir is None:
             annotate_pass(captured.gm, example_inputs)
         else:

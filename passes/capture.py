@@ -4,7 +4,8 @@ First ``torch.fx.symbolic_trace``; where plain fx fails (data- or shape-dependen
 keyword-heavy signatures, dataclass outputs: the way model hubs write models), fall back to
 ``torch.export`` (non-strict), whose graph is an fx graph too, unlifted back to a GraphModule that holds
 the original parameters. The batch dimension of every input is exported as dynamic where torch.export
-can prove it (``Dim.AUTO``), else the graph is specialised to the example's batch size and
+can prove it (``Dim.AUTO``; a batch-1 example is exported at two rows, since export fixes a
+dimension of size 1), else the graph is specialised to the example's batch size and
 ``Captured.batch_static`` says so.
 
 Every node keeps the qualified path of the module that produced it: ``module_path(node)``.
@@ -37,6 +38,7 @@ class Captured:
     method: Literal["fx", "export"]
     batch_static: bool = False
     fx_error: str | None = None  # why plain fx failed, when the export path was taken
+    static_reason: str | None = None   # why torch.export could not keep the batch dimension dynamic
 
     @property
     def graph(self) -> fx.Graph:
@@ -114,28 +116,44 @@ def retarget_device(gm: fx.GraphModule, src: str | torch.device, dst: str | torc
     return count
 
 
-def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, bool]:
+def _batch_of_two(example_inputs: tuple) -> tuple:
+    """The example with its rows repeated once where every batched tensor has one row: torch.export
+    specialises a dimension of size 0 or 1, so a batch-1 example would fix the graph's batch at 1 and
+    every other batch size (the cost tables', the plan's micro-batches) would fail its guards."""
+    batched = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not batched or any(t.shape[0] != 1 for t in batched):
+        return example_inputs
+    return tuple(torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in example_inputs)
+
+
+def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, str | None]:
+    """The exported graph, and why its batch dimension is static (None: it is dynamic)."""
     from torch.export import Dim
 
-    example_inputs = align_inputs(model, example_inputs)
+    example_inputs = _batch_of_two(align_inputs(model, example_inputs))
 
     dyn = tuple({0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in example_inputs)
+    reason = None
     try:
         ep = torch.export.export(model, example_inputs, dynamic_shapes=dyn, strict=False)
-        static = False
-    except Exception:
+    except Exception as exc:  # noqa: BLE001 - any failure of the dynamic export: try a static one
+        reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
         ep = torch.export.export(model, example_inputs, strict=False)
-        static = True
-    gm = ep.module()
-    # Export names module paths relative to the root; nothing else to fix up. Check the batch dim
-    # really is symbolic on the placeholders (Dim.AUTO may specialise it, e.g. for a batch of 1).
-    if not static:
-        for node in gm.graph.nodes:
+    # Check the batch dim really is symbolic on the user inputs: Dim.AUTO specialises it where the
+    # model needs one size (e.g. a view to a fixed shape), leaving no range for its symbol.
+    if reason is None:
+        users = set(ep.graph_signature.user_inputs)
+        free = set(ep.range_constraints)
+        for node in ep.graph.nodes:
             val = node.meta.get("val")
-            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
-                if isinstance(val.shape[0], int):
-                    static = True
-    return gm, static
+            if node.op == "placeholder" and node.name in users and isinstance(val, torch.Tensor) and val.dim() > 0:
+                size = val.shape[0]
+                symbols = getattr(size.node.expr, "free_symbols", set()) if isinstance(size, torch.SymInt) else set()
+                if not symbols or not symbols <= free:
+                    reason = f"input {node.name!r} is fixed at {int(size)} rows"
+                    break
+    # Export names module paths relative to the root; nothing else to fix up.
+    return ep.module(), reason
 
 
 def _graph_module(root: nn.Module, graph: fx.Graph, name: str, lazy_code: bool) -> fx.GraphModule:
@@ -182,7 +200,7 @@ def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", 
             if method == "fx":
                 raise CaptureError(f"torch.fx could not trace {type(model).__name__} at {fx_line}: {fx_error}") from exc
     try:
-        gm, static = _export(model, example_inputs)
+        gm, static_reason = _export(model, example_inputs)
     except Exception as exc:  # noqa: BLE001
         ex_error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
         msg = f"cannot capture {type(model).__name__}: torch.export failed at {_user_line(exc)}: {ex_error}"
@@ -191,7 +209,8 @@ def capture(model: nn.Module, example_inputs: tuple, *, method: Literal["auto", 
         msg += ". Make that line independent of tensor values (use torch.where / torch.cond) or pass "\
                "example inputs that the model accepts."
         raise CaptureError(msg) from exc
-    return Captured(gm=gm, method="export", batch_static=static, fx_error=fx_error)
+    return Captured(gm=gm, method="export", batch_static=static_reason is not None, fx_error=fx_error,
+                    static_reason=static_reason)
 
 
 def output_to_loss(output: Any) -> torch.Tensor:

@@ -84,6 +84,43 @@ def test_third_party_models_defeat_fx_and_come_through_export(name):
     torch.testing.assert_close(got, ref)
 
 
+def test_a_batch_1_example_keeps_the_batch_dimension_dynamic():
+    """torch.export fixes a dimension of size 1: capture exports a batch-1 example at two rows, so the
+    graph runs every batch size (the cost tables', the plan's micro-batches)."""
+    case = zoo.build("hf-gpt-tiny")
+    one = tuple(t[:1] for t in case.example_inputs)
+    c = capture(case.model, one)
+    assert c.method == "export" and not c.batch_static
+    inputs, _ = case.batch(3, seed=1)
+    ref = case.model(*inputs)["loss"]
+    got = c.gm(*inputs)
+    torch.testing.assert_close(got["loss"] if isinstance(got, dict) else got[0], ref)
+    assert analyze(case.model, one).batch_size == 1
+
+
+class _StaticBatch(nn.Module):
+    """A model whose batch dimension is really static: plain fx fails on its shape check, and export
+    specialises the batch to the 4 rows its view names."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x):
+        if x.shape[0] > 0:
+            x = self.lin(x)
+        return x.view(4, 8) + self.table
+
+
+def test_a_static_batch_is_one_clear_error():
+    model = _StaticBatch()
+    c = capture(model, (torch.randn(4, 8),))
+    assert c.method == "export" and c.batch_static and c.static_reason
+    with pytest.raises(CaptureError, match=r"batch dimension is static under torch.export .*symbolic"):
+        analyze(model, (torch.randn(4, 8),))
+
+
 def test_module_paths_are_kept():
     from autopar.passes.capture import module_path
 

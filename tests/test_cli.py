@@ -42,6 +42,16 @@ def test_plan_json_and_timeline(capsys, tmp_path):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf-gpt-tiny"])
+def test_plan_with_a_batch_1_example(capsys, model):
+    """Any example batch of 1 or more: a batch-1 example of an fx-traced and of an exported model
+    (torch.export would fix the batch at 1) plans, its tables timed at other batch sizes."""
+    assert main(["plan", "--model", model, "--cluster", "demo", "--global-batch", "8", "--example-batch", "1",
+                 "--json", "-"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["global_batch_size"] == 8 and plan["predicted"]["step_time_s"] > 0
+
+
 def test_models_lists_the_zoo(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
@@ -60,6 +70,8 @@ def test_models_lists_the_zoo(capsys):
      "--compare: 'fastest'"),
     (["train", "--model", "resmlp", "--cluster", "demo", "--global-batch", "8"], "unknown zoo name 'resmlp'"),
     (["train", "--model", "nowhere_pkg:f", "--cluster", "demo", "--global-batch", "8"], "cannot import module"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "8", "--example-batch", "0"],
+     "--example-batch: need N >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert main(argv) == 2

@@ -46,6 +46,19 @@ def test_compile_trains_like_one_device():
 
 
 @pytest.mark.slow   # about 50 s: the Triton interpreter runs every kernel on CPU
+def test_a_batch_1_example_of_an_exported_model_compiles_and_trains_like_one_device():
+    """torch.export fixes a dimension of size 1; capture exports a batch-1 example at two rows, so the
+    tables (timed at other batch sizes) and the engine's micro-batches of 8 run."""
+    case = autopar.models.build("hf-gpt-tiny", seed=0)
+    one = tuple(t[:1] for t in case.example_inputs)
+    compiled = autopar.compile(case.model, ONE, one, 8, case.loss_fn, optimizer=optimizer_factory("sgd"),
+                               strategy="dp")
+    for inputs, targets in batches("hf-gpt-tiny", 8, 2, seed=0):
+        compiled.step(inputs, targets)
+    assert_state_close(compiled.state_dict(), single_device_state("hf-gpt-tiny", 8, steps=2, optimizer="sgd", seed=0),
+                       RTOL["sgd"])
+
+
 def test_use_triton_trains_to_the_same_state():
     from autopar.passes import triton_patterns
 

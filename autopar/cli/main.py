@@ -6,6 +6,7 @@ Errors on bad input are one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -72,13 +73,20 @@ def _write_json(obj, dest: str) -> None:
             f.write(text + "\n")
 
 
-def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str | None = None):
+def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str | None = None,
+             example_batch: int | None = None):
     from autopar.api import planning_analysis_options, prepare
 
     from autopar.cost.profile import DEFAULT_SAMPLE_BATCHES
     from autopar.passes.analyze import analyze
 
     case = _planning_case(model_spec)   # one build (a 140B model on meta takes ~0.7 s)
+    if example_batch is not None:       # the model captured and analysed at this many rows
+        if example_batch < 1:
+            from autopar.errors import PlanError
+
+            raise PlanError(f"--example-batch: need N >= 1 rows, got {example_batch}")
+        case = dataclasses.replace(case, example_inputs=case.batch(example_batch)[0])
     t0 = time.perf_counter()
     analysis = analyze(case.model, case.example_inputs, **planning_analysis_options())
     analyze_s = time.perf_counter() - t0
@@ -169,7 +177,7 @@ def _plan_command(args) -> int:
     pin = Pin.parse(args.pin) if args.pin else None
     cluster = _load_cluster(args.cluster)
     check_request(cluster, args.global_batch)   # before the analysis and the profiling
-    case, prep = _prepare(args.model, cluster, precision=args.precision)
+    case, prep = _prepare(args.model, cluster, precision=args.precision, example_batch=args.example_batch)
     timings: dict = {}
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
@@ -420,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(tp, pp, dp, num_micro_batches, recompute, zero_stage, schedule, virtual_stages, "
                                  "sequence_parallel; "
                                  "tp=TYPE:D/TYPE:D per device type)")
+    q.add_argument("--example-batch", type=int, metavar="N",
+                   help="capture and analyse the model with an example of N rows (any N >= 1; default: the "
+                        "model's own example); the plan's batch sizes do not depend on it")
     q.add_argument("--explain", action="store_true",
                    help="per stage: compute, communication, bubble, optimizer and memory of the prediction")
     q.add_argument("--timeline", metavar="OUT.png", help="write the simulated per-rank Gantt chart")
