@@ -85,6 +85,18 @@ def test_pinned_plan_equals_the_pin(pin):
     assert plan.notes[0].startswith(f"pinned: {pin}")
 
 
+@pytest.mark.parametrize("pp_layers", [None, [3, 3]])
+def test_a_pipeline_strategy_meets_a_pinned_micro_batch_count(pp_layers):
+    """strategy="pp" (with or without pinned layers) plans the pinned count of micro-batches, as
+    strategy="auto" does; it used to plan its own count and refuse the pin."""
+    pin = Pin(pp=2, num_micro_batches=8, schedule="1f1b")
+    cluster, plan = _plan(pin, strategy="pp", pp_layers=pp_layers)
+    assert pin_violation(plan, pin, cluster) is None
+    assert plan.num_micro_batches == 8 and plan.schedule == "1f1b" and plan.rank_stages == 2
+    if pp_layers:
+        assert [st.num_layers for st in plan.stages] == pp_layers
+
+
 def test_plan_with_config_routes_a_pin_and_attaches_the_bounds():
     cluster = _cluster()
     pin = Pin(pp=2)

@@ -320,11 +320,13 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
                   num_heads: int | None = None, zero_stage: int | Literal["auto"] = "auto",
                   schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False,
-                  pp_layers: Sequence[int] | None = None, schedules: Sequence[str] | None = None) -> Plan:
+                  pp_layers: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
+                  num_micro: int | None = None) -> Plan:
     """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
     (``recompute``: whether pipeline stages and the ``dp`` strategy may recompute activations; the
-    uniform baselines never do; ``pp_layers`` pins the blocks per stage of "pp" and "uniform-pp";
-    ``schedules``: what "pp" picks among when ``schedule="auto"``, None for its default)."""
+    uniform baselines never do; ``pp_layers`` and ``num_micro`` pin the blocks per stage and the
+    micro-batch count of "pp" and "uniform-pp"; ``schedules``: what "pp" picks among when
+    ``schedule="auto"``, None for its default)."""
     if strategy in DP_STRATEGIES:
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
                        memory_fraction=memory_fraction, recompute=recompute)
@@ -336,7 +338,7 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
             try:
                 p = plan_pipeline(costs, cluster, global_batch, schedule=schedule, zero_stage=z,
                                   uniform=strategy == "uniform-pp", memory_fraction=memory_fraction, ranks=ranks,
-                                  recompute=recompute, pp_layers=pp_layers,
+                                  recompute=recompute, pp_layers=pp_layers, num_micro=num_micro,
                                   schedules=schedules if strategy == "pp" else None)
             except PlanError as e:
                 err = e

@@ -205,8 +205,10 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
                                     memory_fraction=cfg.memory_fraction, recompute=cfg.recompute,
                                     pp_layers=cfg.pp_layers, num_micro=pin.num_micro_batches))
             else:
+                pp = s in PP_STRATEGIES
                 offer(plan_strategy(costs, cluster, global_batch, s, **common,
-                                    pp_layers=cfg.pp_layers if s in PP_STRATEGIES else None))
+                                    pp_layers=cfg.pp_layers if pp else None,
+                                    num_micro=pin.num_micro_batches if pp else None))
         except PlanError as e:
             misses.append(f"{s}: {str(e)[:120]}")
     if strategy == "auto" and not _pipeline_only(pin):
