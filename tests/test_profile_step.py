@@ -29,6 +29,8 @@ def _busy(s: float) -> None:
 
 
 def test_blocks_are_cut_at_the_marks_and_around_communication():
+    # 10 ms between the marks and inside the collective, 2 ms of tolerance: a loaded machine may
+    # preempt the thread between a perf_counter read and the mark's (0.13 ms seen in CI)
     clock = NullClock()
     rec = PhaseRecorder(0)
     clock.recorder = rec
@@ -37,12 +39,12 @@ def test_blocks_are_cut_at_the_marks_and_around_communication():
             _busy(0.002)
             t_fwd = time.perf_counter()
             rec.mark("fwd_end")
-            _busy(0.001)
+            _busy(0.01)
             t_bwd = time.perf_counter()
             rec.mark("bwd_start")
             _busy(0.002)
             t0 = time.perf_counter()
-            _busy(0.001)
+            _busy(0.01)
             rec.comm("all_reduce", t0, 64, (0, 1))    # inside the block (tensor parallelism): cut out
             t1 = time.perf_counter()
             _busy(0.001)
@@ -52,9 +54,9 @@ def test_blocks_are_cut_at_the_marks_and_around_communication():
     phases = [e[0] for e in events]
     assert phases == ["all_reduce", "forward", "backward", "backward", "optimizer"]
     fwd = [e for e in events if e[0] == "forward"][0]
-    assert fwd[2] == pytest.approx(t_bwd, abs=1e-4)       # the loss between the marks counts as forward
+    assert fwd[2] == pytest.approx(t_bwd, abs=2e-3)       # the loss between the marks counts as forward
     bwd = [e for e in events if e[0] == "backward"]
-    assert bwd[0][1] == pytest.approx(t_bwd, abs=1e-4) and bwd[0][2] <= t0 + 1e-4 and bwd[1][1] >= t1 - 1e-4
+    assert bwd[0][1] == pytest.approx(t_bwd, abs=2e-3) and bwd[0][2] <= t0 + 2e-3 and bwd[1][1] >= t1 - 2e-3
     assert t_fwd < t_bwd
     ordered = sorted((e[1], e[2]) for e in events)
     assert all(a1 <= b0 + 1e-9 for (_, a1), (b0, _) in zip(ordered, ordered[1:])), "phases overlap"
