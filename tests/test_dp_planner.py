@@ -393,21 +393,19 @@ def test_a_refusal_names_every_term_it_adds():
             r"(?:states|gathered|workspace|staging|reduce-scatter|activations) ([0-9.e+]+)", text)]
         assert len(terms) == count and sum(terms) == pytest.approx(total, rel=1e-3), text
 
+    def four(memory_gb: float) -> Cluster:
+        return Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
+                                                        "memory_GB": memory_gb}, "count": 4}]})
+
     costs = ModelCosts.synthetic({"a": [0.01] * 4}, param_bytes=[2e8] * 4, act_bytes=[1e5] * 4)
-    cluster = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
-                                                       "memory_GB": 2.0}, "count": 4}]})
-    with pytest.raises(PlanError) as info:
-        plan_dp(costs, cluster, 8, zero_stage=2)
-    assert "full gradient a micro-step holds before its reduce-scatter" in str(info.value)
-    terms_add_up(str(info.value), 5)
-    three = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
-                                                     "memory_GB": 1.35}, "count": 4}]})
-    with pytest.raises(PlanError) as info:
-        plan_dp(costs, three, 8, zero_stage=3)
-    assert "the gradients of the units backward holds before their reduce-scatter" in str(info.value)
-    terms_add_up(str(info.value), 6)
-    small = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0,
-                                                     "memory_GB": 1.0}, "count": 4}]})
+    for zero, memory_gb, named, count in (
+            (2, 2.0, "full gradient a micro-step holds before its reduce-scatter", 5),
+            (3, 1.35, "the gradients of the units backward holds before their reduce-scatter", 6)):
+        with pytest.raises(PlanError) as info:
+            plan_dp(costs, four(memory_gb), 8, zero_stage=zero)
+        assert named in str(info.value)
+        terms_add_up(str(info.value), count)
+    small = four(1.0)
     with pytest.raises(PlanError, match=r"before any sample \(states .* \+ gathered .* \+ workspace .* \+ "
                                          r"reduce-scatter staging .*\)"):
         plan_dp(costs, small, 8, zero_stage=3)

@@ -98,7 +98,7 @@ from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram, engine_kind
 from autopar.lowering.zero3_units import ParamUnits
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
-from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_broadcast, pg_ranks
+from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_ranks
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.dp_overlap import BUCKET_BYTES
 from autopar.runtime.dp_sync import DataParallelSync, Zero3Granularity

@@ -448,14 +448,15 @@ class PipelineEngine(PipelineMessages):
             if stage.zero_shares:
                 order = sorted(range(len(stage.groups)), key=lambda g: stage.groups[g][0])
                 shares = tuple(float(stage.zero_shares[g]) for g in order)
-            self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is not group]
-            return list(params), group.pg, int(self.plan.zero_stage), shares
-        peer = peers.get((self.stage, self.tp_index))
-        if peer is None or peer.pg is None or not all((s, self.tp_index) in peers for s in self.chunks):
-            return None
-        self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is not group]
-        local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in params]
-        return local, peer.pg, tp_zero_stage_run(self.plan.zero_stage), None
+            out = list(params), group.pg, int(self.plan.zero_stage), shares
+        else:
+            peer = peers.get((self.stage, self.tp_index))
+            if peer is None or peer.pg is None or not all((s, self.tp_index) in peers for s in self.chunks):
+                return None
+            local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in params]
+            out = local, peer.pg, tp_zero_stage_run(self.plan.zero_stage), None
+        self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is not group]   # the sync's now
+        return out
 
     def _reduce_gradients(self) -> None:
         """Sum each gradient group's gradients over its ranks. A tensor-parallel rank contributes its

@@ -122,18 +122,10 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 # -- per engine: (masters: [(tensor, [Slot])], optimizer slots: {id(param): [Slot]}, or None: saves none)
 def _dp(engine: DataParallelEngine):
     names = _names(engine.model)
-    masters, opt_slots = [], {}
-    sync = engine.sync
+    masters: list = []
     trainable_ids = {id(p) for p in engine._params}
-    if sync is not None and sync.shard_params:
-        whole = {id(p): [Slot(names[id(p)], _shape(p), "whole")] for p in sync.params}
-        for sp, slots in _sync_slots(sync, whole).items():
-            opt_slots[sp] = slots
-        if engine.zero_stage == 3:
-            masters += [(sp.data, opt_slots[id(sp)]) for sp, _, _ in sync.shard_params]
-    else:
-        for p in engine._params:
-            opt_slots[id(p)] = [Slot(names[id(p)], _shape(p), "whole")]
+    opt_slots = {id(p): [Slot(names[id(p)], _shape(p), "whole")] for p in engine._params}
+    _add_sync_slots(engine.sync, opt_slots, masters)   # ZeRO >= 1: flat ranges of the shards
     for key, t in engine.model.state_dict(keep_vars=True).items():
         if names[id(t)] != key or t.is_meta:
             continue
