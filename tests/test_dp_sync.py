@@ -1,8 +1,8 @@
 """The one data-parallel sync (``autopar.runtime.dp_sync``) in the engines besides the data-parallel
 one, exact against the one-device oracle with AdamW on threaded ranks:
 
-- a 2-stage pipeline whose stages have two one-rank members each, at ZeRO-1 and at ZeRO-3 (uneven
-  ``zero_shares`` in the first stage), and a checkpoint of the ZeRO-3 run resumed under ZeRO-0;
+- a 2-stage pipeline whose stages have two one-rank members each, at ZeRO-1 (1F1B and zb-h1) and at
+  ZeRO-3 (uneven ``zero_shares`` in the first stage), and a checkpoint of the ZeRO-3 run resumed under ZeRO-0;
 - TP 2 x DP 2 (two tensor-parallel members of equal head shares) at ZeRO-2.
 
 The data-parallel engine's ZeRO 0-3 on 3 uneven ranks: ``tests/test_dp_engine.py``.
@@ -35,11 +35,11 @@ B, STEPS = 12, 2
 _LOCK = threading.Lock()
 
 
-def _pp_plan(zero: int, zero_shares=()) -> Plan:
+def _pp_plan(zero: int, zero_shares=(), schedule: str = "1f1b") -> Plan:
     stages = stages_of([(3, {0: (3, 2), 1: (3, 4)}), (6, {2: (2, 3), 3: (4, 3)})])
     if zero_shares:
         stages = (dataclasses.replace(stages[0], zero_shares=zero_shares), *stages[1:])
-    return Plan(strategy="pp", global_batch_size=B, zero_stage=zero, schedule="1f1b", stages=stages,
+    return Plan(strategy="pp", global_batch_size=B, zero_stage=zero, schedule=schedule, stages=stages,
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
@@ -78,8 +78,9 @@ class FourRanks(threaded_ranks(4)):
         data, ref = self._data(2 * STEPS)
         with _LOCK:
             half = single_device_run("gpt-tiny", B, STEPS, "adamw")
-        for zero, shares in ((1, ()), (3, (2.0, 1.0))):
-            engine = _pipeline(_pp_plan(zero, shares), self.rank, self.world_size)
+        # zb-h1's weight half sets .grad itself (no accumulation hook): the ZeRO-1 sync takes it too
+        for zero, shares, schedule in ((1, (), "1f1b"), (1, (), "zb-h1"), (3, (2.0, 1.0), "1f1b")):
+            engine = _pipeline(_pp_plan(zero, shares, schedule), self.rank, self.world_size)
             assert engine.zero_stage_applied == zero and engine.sync is not None
             _train_and_check(engine, data[:STEPS], half.state, half.losses)
         # ZeRO-3: between steps (state_dict() gathered and freed them again) a rank holds only its

@@ -9,7 +9,8 @@ Terms
   *reverse* flat order (the last parameters first), because backward produces the gradients of the
   last layers first (``bucket_ranges``).
 - ready: every parameter of the bucket has accumulated its gradient in this rank's *last*
-  micro-step of the step (``register_post_accumulate_grad_hook``); earlier micro-steps only
+  micro-step of the step (the sync's ``register_post_accumulate_grad_hook`` calls ``grad_ready``
+  once the gradient is in the flat buffer); earlier micro-steps only
   accumulate, as under DDP's ``no_sync``.
 - launch order: buckets are launched strictly in bucket order (bucket ``k`` only after ``k - 1``),
   as DDP does, so every rank issues the same collectives in the same order whatever order its hooks
@@ -35,7 +36,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from autopar.config import GRAD_BUCKET_BYTES
 from autopar.ir.costs import bucket_ranges   # one packing rule: the engine's and the cost model's
@@ -61,7 +61,7 @@ class GradBuckets:
     engine parameter indices in flat order; ``layouts``: per unit, its ``FlatLayout``; ``pause``: a
     context manager factory that suspends the emulated compute block around a launch."""
 
-    def __init__(self, params: Sequence[nn.Parameter], unit_params: Sequence[Sequence[int]], layouts,
+    def __init__(self, unit_params: Sequence[Sequence[int]], layouts,
                  flats: Sequence[torch.Tensor], group, pause: Callable[[], AbstractContextManager],
                  bucket_bytes: int = BUCKET_BYTES):
         self._flats = list(flats)
@@ -76,14 +76,12 @@ class GradBuckets:
                 hi = max(layout.offsets[k] + layout.numels[k] for k in members)
                 buckets.append(Bucket(u, lo, hi, tuple(idx[k] for k in members)))
         self.buckets: tuple[Bucket, ...] = tuple(buckets)
-        bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
         self._pending = [0] * len(self.buckets)
         self._handles: list[PendingCollective] = []
         self._next = 0
         self._armed = False
         self.launched_early = 0       # buckets of the last step launched from backward's hooks
-        self._hooks = [params[i].register_post_accumulate_grad_hook(lambda _p, b=b: self._grad_ready(b))
-                       for i, b in bucket_of.items()]
 
     def arm(self) -> None:
         """Before this rank's last micro-step of the step: count every bucket's gradients again."""
@@ -91,9 +89,12 @@ class GradBuckets:
         self._armed = True
         self.launched_early = 0
 
-    def _grad_ready(self, b: int) -> None:
+    def grad_ready(self, i: int) -> None:
+        """Parameter ``i`` has accumulated its gradient (the owner's post-accumulate-grad hook, after
+        the gradient is in the flat buffer)."""
         if not self._armed:
             return
+        b = self._bucket_of[i]
         self._pending[b] -= 1
         if self._next == b and self._pending[b] == 0:
             with self._pause():
@@ -119,8 +120,3 @@ class GradBuckets:
             h.wait()
         self._handles.clear()
         self._next = 0
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

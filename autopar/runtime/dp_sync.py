@@ -31,7 +31,8 @@ Terms (position, unit, shard, shard Parameter) as in ``autopar.runtime.dp_flat``
   has left its block (``_reduce_unit``), so a rank never holds the full gradient.
 
 Buffers are allocated once: under ZeRO 0/1 each unit's flat gradient, every ``.grad`` a view of it
-(backward accumulates in place, as DDP's ``gradient_as_bucket_view``); under ZeRO 0-2 the parameters
+once the step's first gradient of the parameter is copied in (later backwards accumulate in place, as
+DDP's ``gradient_as_bucket_view``; no zeroing pass); under ZeRO 0-2 the parameters
 are views of one flat buffer, which the all-gather writes straight into; under ZeRO 2/3 the shard's
 gradient sum.
 
@@ -57,7 +58,7 @@ from autopar.runtime.dp_flat import (
 from autopar.runtime.dp_overlap import BUCKET_BYTES, GradBuckets
 from autopar.runtime.memory import storage_resized
 
-__all__ = ["DataParallelSync", "Zero3Granularity"]
+__all__ = ["DataParallelSync", "KeptGrads", "Zero3Granularity"]
 
 Zero3Granularity = Literal["block", "micro_step"]
 
@@ -139,8 +140,14 @@ class DataParallelSync:
                                 for u, flat in enumerate(self.grad_flats)]
         self.buckets = None
         if self.overlap and self.grad_flats is not None and n > 1:
-            self.buckets = GradBuckets(self.params, self.unit_params, self.units, self.grad_flats, group, pause,
-                                       bucket_bytes)
+            self.buckets = GradBuckets(self.unit_params, self.units, self.grad_flats, group, pause, bucket_bytes)
+        self._landed = [False] * len(self.params)      # ZeRO 0/1: the gradient is in the flat buffer
+        if self.grad_flats is not None:
+            self._view = [None] * len(self.params)
+            for u, views in enumerate(self._grad_views):
+                for i, view in zip(self.unit_params[u], views):
+                    self._view[i] = view
+                    self.params[i].register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_in(i))
         if self.zero_stage >= 2 or (self.zero_stage == 1 and self.buckets is None):
             # the shard's gradient sum (ZeRO-1 without buckets reduce-scatters into it, as Megatron's
             # distributed optimizer: the bytes of the all-reduce it replaces, half of them moved)
@@ -194,18 +201,40 @@ class DataParallelSync:
 
     # -- a step ----------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Before the step's first backward: gradients zeroed (ZeRO 0/1: every ``.grad`` a view of
-        the zeroed flat gradient, so backward accumulates in place), the shard sums zeroed."""
-        if self.grad_flats is not None:
-            for u, flat in enumerate(self.grad_flats):
-                flat.zero_()
-                for i, view in zip(self.unit_params[u], self._grad_views[u]):
-                    self.params[i].grad = view
-        else:
-            for p in self.params:
-                p.grad = None
+        """Before the step's first backward: gradients None (ZeRO 0/1: each parameter's first gradient
+        of the step is copied into its place in the flat gradient, which it then views, so later
+        backwards accumulate in place; ``_grad_in``), the shard sums zeroed."""
+        for p in self.params:
+            p.grad = None
+        self._landed = [False] * len(self.params)
         for g in self.shard_grads or ():
             g.zero_()
+
+    def _grad_in(self, i: int) -> None:
+        """ZeRO 0/1, parameter ``i``'s gradient accumulated: the step's first one is copied into the
+        flat gradient (one pass, where zeroing the buffer and adding into it would be two), and the
+        bucket it fills is told."""
+        if not self._landed[i]:
+            self._landed[i] = True
+            p, view = self.params[i], self._view[i]
+            view.copy_(p.grad)
+            p.grad = view
+        if self.buckets is not None:
+            self.buckets.grad_ready(i)
+
+    def _settle(self) -> None:
+        """ZeRO 0/1 after the step's backwards: a gradient set without autograd's accumulation (the
+        zero-bubble weight half sets ``.grad`` itself) is copied into the flat gradient, and a parameter
+        without one gets zeros there (every ``.grad`` is then a view of it)."""
+        for i, landed in enumerate(self._landed):
+            if not landed:
+                self._landed[i] = True
+                p, view = self.params[i], self._view[i]
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
 
     def arm(self) -> None:
         """ZeRO 0/1 with overlap: before this rank's last backward of the step."""
@@ -225,6 +254,7 @@ class DataParallelSync:
         reduce-scatters into the shard instead. Nothing under ZeRO 2/3."""
         if self.zero_stage not in (0, 1):
             return
+        self._settle()
         if self.buckets is not None:
             self.buckets.finish()
         elif self.zero_stage == 1:
@@ -426,3 +456,34 @@ class DataParallelSync:
                 f"zero3_granularity: a gradient of unit {u} (block {self._blocks[u]}) grew after backward had "
                 "left its block and it was reduce-scattered; use zero3_granularity='micro_step' for this model")
         return out
+
+
+class KeptGrads:
+    """Gradients kept in the same tensors from step to step for ``params`` stepped outside a sync:
+    ``begin_step`` sets every ``.grad`` to None (a parameter that gets no gradient stays None, so the
+    optimizer skips it, as after ``zero_grad``); a parameter's first gradient of the step is copied into
+    its kept tensor (the one its first step made), which backward then accumulates into. A step so
+    reuses its gradients' memory instead of allocating it anew (on a CPU, fresh pages to fault in)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params = list(params)
+        self._kept: list[torch.Tensor | None] = [None] * len(self.params)
+        self._landed = [False] * len(self.params)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_in(i))
+
+    def begin_step(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self._landed = [False] * len(self.params)
+
+    def _grad_in(self, i: int) -> None:
+        if self._landed[i]:
+            return
+        self._landed[i] = True
+        p, kept = self.params[i], self._kept[i]
+        if kept is None or kept.shape != p.grad.shape or kept.dtype != p.grad.dtype:
+            self._kept[i] = p.grad
+        else:
+            kept.copy_(p.grad)
+            p.grad = kept

@@ -48,6 +48,10 @@ Terms
   all-reduce. A stage's own parameters thus sync over its data-parallel members, and a parameter tied
   across stages (a GPT's input embedding and LM head) sums its contributions from both stages, so
   every copy takes the same optimizer step and they stay identical.
+- kept gradients: the parameters stepped outside the data-parallel sync keep their ``.grad`` tensors
+  from step to step (``runtime.dp_sync.KeptGrads``): each step starts with every ``.grad`` None and
+  copies a parameter's first gradient into its kept tensor, so a step reuses the memory instead of
+  allocating it anew, and a parameter without a gradient stays None for the optimizer to skip.
 - idle rank: a rank the plan leaves out (``uniform-pp`` may); it computes nothing but joins the
   collectives over every rank (group creation, the initial and ``state_dict`` broadcasts, the loss).
 - owner of a tensor (parameter or buffer): the first stage that uses it; ``state_dict()`` broadcasts
@@ -103,7 +107,7 @@ from autopar.runtime.pipeline_msg import PipelineMessages
 from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
 from autopar.runtime.pipeline_zb import backward_input, backward_weight
 from autopar.runtime.dp_flat import merged_optimizer
-from autopar.runtime.dp_sync import DataParallelSync
+from autopar.runtime.dp_sync import DataParallelSync, KeptGrads
 from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout, tp_zero_groups, tp_zero_stage_run
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
@@ -233,6 +237,7 @@ class PipelineEngine(PipelineMessages):
             self.zero_stage_applied = zero
         skip = {id(p) for p in (self.sync.params if self.sync is not None else ())}
         stepped = [p for p in self.params if id(p) not in skip]
+        self._kept = KeptGrads(stepped)
         self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
         if self.sync is not None:       # one optimizer over the sync's shards and the rest: one step
             self.optimizer = self.sync.optimizer = merged_optimizer(self.sync.optimizer, self.optimizer)
@@ -289,6 +294,7 @@ class PipelineEngine(PipelineMessages):
         t_step = time.perf_counter()
         trace: list[tuple[str, int, float, float]] = []
         worker = self.stage if self.stage is not None else None
+        self._kept.begin_step()
         if self.sync is not None:         # ZeRO 0/1: backward accumulates into the flat gradient buffer
             self.sync.begin_step()
             if self.sync.zero_stage == 3:
@@ -370,8 +376,6 @@ class PipelineEngine(PipelineMessages):
         elif self.optimizer is not None:
             with self.clock.compute():
                 self.optimizer.step()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
         self.comm.all_reduce([loss_sum])
         return float(loss_sum)
 
