@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.passes.capture import CaptureError, align_inputs
+from autopar.passes.flop_formulas import GroupedMmCounting
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
 from autopar.passes.meta_values import MetaValueMode, dynamo_deferred, flop_total_mode
 from autopar.passes.repeats import Segment, describe, repeated_segments
@@ -133,7 +134,10 @@ class _Analyzer(fx.Interpreter):
             # Imported here: it imports triton (~0.2 s), which an analysis read from the cache never needs.
             from torch.utils.flop_counter import FlopCounterMode
 
-            self._as_val, self._flops = fake_mode.from_tensor, lambda: FlopCounterMode(display=False)
+            class Counter(GroupedMmCounting, FlopCounterMode):
+                pass
+
+            self._as_val, self._flops = fake_mode.from_tensor, lambda: Counter(display=False)
         self.with_backward = with_backward
         self._cache: dict[Any, tuple[float, float, tuple[int, ...], int]] = {}
         self._param_ids = {id(p) for p in gm.parameters()} | {id(b) for b in gm.buffers()}
@@ -209,6 +213,16 @@ class _Analyzer(fx.Interpreter):
         name = _target_name(n, self.module).split(".")
         inplace = any(p.endswith("_") and not p.endswith("__") for p in name[:2])
         with_backward = self.with_backward and not inplace
+        if with_backward:
+            try:
+                return self._run_counted(n, args, kwargs, name, True)
+            except RuntimeError:
+                # An op autograd cannot differentiate on these inputs (an integer result of a float
+                # input, as routing's cumsum of a histogram): it has no backward to count.
+                pass
+        return self._run_counted(n, args, kwargs, name, False)
+
+    def _run_counted(self, n: fx.Node, args, kwargs, name: list, with_backward: bool):
         flat, spec = tree_flatten((args, kwargs))
         leaves = []
         det = []
@@ -233,6 +247,10 @@ class _Analyzer(fx.Interpreter):
                     out = getattr(self, n.op)(n.target, args2, kwargs2)
             else:
                 out = getattr(self, n.op)(n.target, args2, kwargs2)
+        # An output that is an input (getitem of a tuple, an alias) passes on the graph's value, not
+        # the detached leaf made here: a later in-place op on it must not meet a leaf that needs grad.
+        originals = {id(y): x for x, y in zip(flat, det) if y is not x}
+        out = tree_map(lambda o: originals.get(id(o), o), out)
         fwd = float(fc.get_total_flops())
         num_ops = counter.count
         attn = _attention_flops(n, args, kwargs) if "scaled_dot_product" in ".".join(name) else None

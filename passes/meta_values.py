@@ -39,6 +39,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.passes.flop_formulas import GroupedMmCounting
+
 __all__ = ["MetaValue", "MetaValueMode", "flop_total_mode", "dynamo_deferred"]
 
 _DEVICE = torch.ops.prim.device.default
@@ -171,7 +173,7 @@ def _flop_total_class():
 
         __torch_dispatch__ = getattr(raw, "__wrapped__", raw)
 
-    class FlopTotal(flop_counter.FlopCounterMode):
+    class FlopTotal(GroupedMmCounting, flop_counter.FlopCounterMode):
         def __enter__(self):   # FlopCounterMode.__enter__ with ``_Mode``
             self.flop_counts.clear()
             self.mod_tracker.__enter__()

@@ -3,6 +3,14 @@ Triton kernels run under the interpreter (TRITON_INTERPRET=1 is read when triton
 
 import os
 import shutil
+import sys
+
+# ``python -m pytest`` puts the working directory, the repository root, first on sys.path, where the
+# source folders kernels/ and passes/ would import as top-level packages: kernels/ then shadows the
+# PyPI package of that name, which transformers imports. The tests import the installed autopar
+# (autopar.kernels, autopar.passes), nothing from the root; processes they start inherit the path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
     os.environ["TRITON_INTERPRET"] = "1"
