@@ -1,0 +1,90 @@
+"""Mixture-of-experts models as transformers ships them (Mixtral, Qwen2-MoE, Qwen3-MoE, from small
+configs) train under uniform-dp, uniform-pp and TP 2 to the one-device state (AdamW). Needs
+transformers, which is not in the test extra: skipped without it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from oracle import RTOL, optimizer_factory, state_rel_errors, train_one_device
+
+pytestmark = [pytest.mark.launch,
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason="transformers is not installed")]
+
+GB, STEPS = 12, 2
+MODELS = ("mixtral", "qwen2moe", "qwen3moe")
+STRATEGIES = ("uniform-dp", "uniform-pp", "tp")
+
+
+def build(name: str) -> nn.Module:
+    """A 2-layer model of 4 experts, 2 per token, returning logits."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, use_cache=False, num_experts_per_tok=2,
+                  intermediate_size=64)
+    if name == "mixtral":
+        lm = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, **common))
+    elif name == "qwen2moe":
+        lm = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                                      num_experts=4, **common))
+    else:
+        lm = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, head_dim=8, **common))
+    lm.config._attn_implementation = "sdpa"
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(input_ids=ids).logits
+
+    return Logits()
+
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def data() -> list:
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randint(0, 64, (GB, 8), generator=g),), torch.randint(0, 64, (GB, 8), generator=g))
+            for _ in range(STEPS)]
+
+
+def _rank(rank: int) -> dict:
+    import autopar
+
+    out = {}
+    for name in MODELS:
+        for strategy in STRATEGIES:
+            pin = autopar.Pin(tp=2) if strategy == "tp" else None
+            compiled = autopar.compile(build(name), autopar.current_cluster(), data()[0][0], GB, loss_fn,
+                                       optimizer=optimizer_factory("adamw"), strategy=strategy, pin=pin)
+            losses = [compiled.step(x, y) for x, y in data()]
+            state = compiled.state_dict()
+            if rank == 0:
+                out[(name, strategy)] = (state, losses)
+    return out
+
+
+def test_moe_models_train_exactly():
+    import autopar
+
+    cluster = autopar.Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
+                                                               "memory_GB": 4}, "count": 2}]})
+    results = autopar.launch(_rank, cluster, timeout_s=900)[0]
+    for name in MODELS:
+        ref = train_one_device(build(name), loss_fn, data(), "adamw")
+        for strategy in STRATEGIES:
+            state, losses = results[(name, strategy)]
+            worst = max(state_rel_errors(state, ref.state).values())
+            assert worst <= RTOL["adamw"], (name, strategy, worst)
+            assert losses == pytest.approx(ref.losses, rel=1e-5), (name, strategy)
