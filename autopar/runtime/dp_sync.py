@@ -132,22 +132,19 @@ class DataParallelSync:
                 probe, self.units, shards, self.position, self.zero_stage, self.dtype, self.device)
         del shards
         new = dict(dtype=self.dtype, device=self.device)
-        self.grad_flats = self._grad_views = self.shard_grads = None
+        self.grad_flats = self.shard_grads = None
+        self.buckets = self._grads = None
         if self.zero_stage in (0, 1):
             self.grad_flats = [torch.zeros(layout.total_numel, **new) for layout in self.units]
-            self._grad_views = [tuple(flat[o:o + k].view(self.shapes[i]) for i, o, k in
-                                      zip(self.unit_params[u], self.units[u].offsets, self.units[u].numels))
-                                for u, flat in enumerate(self.grad_flats)]
-        self.buckets = None
-        if self.overlap and self.grad_flats is not None and n > 1:
-            self.buckets = GradBuckets(self.unit_params, self.units, self.grad_flats, group, pause, bucket_bytes)
-        self._landed = [False] * len(self.params)      # ZeRO 0/1: the gradient is in the flat buffer
-        if self.grad_flats is not None:
-            self._view = [None] * len(self.params)
-            for u, views in enumerate(self._grad_views):
-                for i, view in zip(self.unit_params[u], views):
-                    self._view[i] = view
-                    self.params[i].register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_in(i))
+            if self.overlap and n > 1:
+                self.buckets = GradBuckets(self.unit_params, self.units, self.grad_flats, group, pause, bucket_bytes)
+            views: list = [None] * len(self.params)     # each .grad's place in its unit's flat gradient
+            for u, flat in enumerate(self.grad_flats):
+                for i, o, k in zip(self.unit_params[u], self.units[u].offsets, self.units[u].numels):
+                    views[i] = flat[o:o + k].view(self.shapes[i])
+            # each step's first gradient is copied into its view, which .grad then is (KeptGrads)
+            self._grads = KeptGrads(self.params, into=views,
+                                    then=self.buckets.grad_ready if self.buckets is not None else None)
         if self.zero_stage >= 2 or (self.zero_stage == 1 and self.buckets is None):
             # the shard's gradient sum (ZeRO-1 without buckets reduce-scatters into it, as Megatron's
             # distributed optimizer: the bytes of the all-reduce it replaces, half of them moved)
@@ -203,38 +200,14 @@ class DataParallelSync:
     def begin_step(self) -> None:
         """Before the step's first backward: gradients None (ZeRO 0/1: each parameter's first gradient
         of the step is copied into its place in the flat gradient, which it then views, so later
-        backwards accumulate in place; ``_grad_in``), the shard sums zeroed."""
-        for p in self.params:
-            p.grad = None
-        self._landed = [False] * len(self.params)
+        backwards accumulate in place; ``KeptGrads``), the shard sums zeroed."""
+        if self._grads is not None:
+            self._grads.begin_step()
+        else:
+            for p in self.params:
+                p.grad = None
         for g in self.shard_grads or ():
             g.zero_()
-
-    def _grad_in(self, i: int) -> None:
-        """ZeRO 0/1, parameter ``i``'s gradient accumulated: the step's first one is copied into the
-        flat gradient (one pass, where zeroing the buffer and adding into it would be two), and the
-        bucket it fills is told."""
-        if not self._landed[i]:
-            self._landed[i] = True
-            p, view = self.params[i], self._view[i]
-            view.copy_(p.grad)
-            p.grad = view
-        if self.buckets is not None:
-            self.buckets.grad_ready(i)
-
-    def _settle(self) -> None:
-        """ZeRO 0/1 after the step's backwards: a gradient set without autograd's accumulation (the
-        zero-bubble weight half sets ``.grad`` itself) is copied into the flat gradient, and a parameter
-        without one gets zeros there (every ``.grad`` is then a view of it)."""
-        for i, landed in enumerate(self._landed):
-            if not landed:
-                self._landed[i] = True
-                p, view = self.params[i], self._view[i]
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
-                p.grad = view
 
     def arm(self) -> None:
         """ZeRO 0/1 with overlap: before this rank's last backward of the step."""
@@ -254,7 +227,7 @@ class DataParallelSync:
         reduce-scatters into the shard instead. Nothing under ZeRO 2/3."""
         if self.zero_stage not in (0, 1):
             return
-        self._settle()
+        self._grads.settle()
         if self.buckets is not None:
             self.buckets.finish()
         elif self.zero_stage == 1:
@@ -459,15 +432,23 @@ class DataParallelSync:
 
 
 class KeptGrads:
-    """Gradients kept in the same tensors from step to step for ``params`` stepped outside a sync:
-    ``begin_step`` sets every ``.grad`` to None (a parameter that gets no gradient stays None, so the
-    optimizer skips it, as after ``zero_grad``); a parameter's first gradient of the step is copied into
-    its kept tensor (the one its first step made), which backward then accumulates into. A step so
-    reuses its gradients' memory instead of allocating it anew (on a CPU, fresh pages to fault in)."""
+    """Gradients kept in the same tensors from step to step: ``begin_step`` sets every ``.grad`` of
+    ``params`` to None; a parameter's first gradient of the step is copied into its kept tensor, which
+    ``.grad`` then is and backward accumulates into. A step so reuses its gradients' memory instead of
+    allocating it anew (on a CPU, fresh pages to fault in), and copying once is one pass where zeroing
+    and adding would be two.
 
-    def __init__(self, params: Sequence[nn.Parameter]):
+    The kept tensors are ``into`` (fixed: views of a sync's flat gradient) or, without it, each
+    parameter's first gradient ever (a parameter that gets no gradient stays None, so the optimizer
+    skips it, as after ``zero_grad``). ``then(i)``: called after parameter ``i``'s gradient is in place
+    (the sync's buckets)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], into: Sequence[torch.Tensor] | None = None,
+                 then: Callable[[int], None] | None = None):
         self.params = list(params)
-        self._kept: list[torch.Tensor | None] = [None] * len(self.params)
+        self._fixed = into is not None
+        self._kept: list[torch.Tensor | None] = list(into) if into is not None else [None] * len(self.params)
+        self._then = then
         self._landed = [False] * len(self.params)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_in(i))
@@ -478,12 +459,27 @@ class KeptGrads:
         self._landed = [False] * len(self.params)
 
     def _grad_in(self, i: int) -> None:
-        if self._landed[i]:
-            return
-        self._landed[i] = True
-        p, kept = self.params[i], self._kept[i]
-        if kept is None or kept.shape != p.grad.shape or kept.dtype != p.grad.dtype:
-            self._kept[i] = p.grad
-        else:
-            kept.copy_(p.grad)
-            p.grad = kept
+        if not self._landed[i]:
+            self._landed[i] = True
+            p, kept = self.params[i], self._kept[i]
+            if not self._fixed and (kept is None or kept.shape != p.grad.shape or kept.dtype != p.grad.dtype):
+                self._kept[i] = p.grad
+            else:
+                kept.copy_(p.grad)
+                p.grad = kept
+        if self._then is not None:
+            self._then(i)
+
+    def settle(self) -> None:
+        """Fixed tensors, after the step's backwards: a gradient set without autograd's accumulation
+        (the zero-bubble weight half sets ``.grad`` itself) is copied in, and a parameter without one
+        gets zeros there, so every ``.grad`` is its fixed tensor."""
+        for i, landed in enumerate(self._landed):
+            if not landed:
+                self._landed[i] = True
+                p, kept = self.params[i], self._kept[i]
+                if p.grad is None:
+                    kept.zero_()
+                else:
+                    kept.copy_(p.grad)
+                p.grad = kept
