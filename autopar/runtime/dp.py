@@ -91,6 +91,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from autopar.runtime.dp_flat import ELEMENTWISE_OPTIMIZERS, DataParallelError, FlatLayout, shard_bounds
@@ -102,6 +103,7 @@ from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_ranks
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.dp_overlap import BUCKET_BYTES
 from autopar.runtime.dp_sync import DataParallelSync, Zero3Granularity
+from autopar.passes.grad_fusion import fuse_linear_grads
 
 # materialize(meta tensors, extra graph modules holding them) -> elements materialised
 Materializer = Callable[[list, tuple], int]
@@ -251,6 +253,11 @@ class DataParallelEngine:
         if units is not None:
             self.gm = program.zero3_gm.to(self.device)
             self.sync.bind_hooks(self.gm, units.blocks)
+        # ZeRO 0/1: weight gradients accumulate inside their GEMMs, into the flat views (runtime.grad_fusion)
+        kept = self.sync.kept_grads if self.sync is not None else None
+        gms = [b.gm for b in self._block_programs] if self._block_programs is not None else [self.gm]
+        self.fused_linears = fuse_linear_grads(gms, kept) \
+            if kept is not None and all(isinstance(g, fx.GraphModule) for g in gms) else 0
 
     def _materialize_unit(self, params: list, materialize: "Materializer", name_of: dict,
                           program: RankProgram) -> list:

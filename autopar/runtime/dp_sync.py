@@ -32,7 +32,8 @@ Terms (position, unit, shard, shard Parameter) as in ``autopar.runtime.dp_flat``
 
 Buffers are allocated once: under ZeRO 0/1 each unit's flat gradient, every ``.grad`` a view of it
 once the step's first gradient of the parameter is copied in (later backwards accumulate in place, as
-DDP's ``gradient_as_bucket_view``; no zeroing pass); under ZeRO 0-2 the parameters
+DDP's ``gradient_as_bucket_view``; no zeroing pass; a linear layer's weight gradient is written
+there by its GEMM, ``passes.grad_fusion``); under ZeRO 0-2 the parameters
 are views of one flat buffer, which the all-gather writes straight into; under ZeRO 2/3 the shard's
 gradient sum.
 
@@ -163,6 +164,11 @@ class DataParallelSync:
         self._blocks: tuple = (None,) * len(self.units)
 
     # -- layout ----------------------------------------------------------------------------------
+    @property
+    def kept_grads(self) -> KeptGrads | None:
+        """ZeRO 0/1: the gradients kept as views of the flat gradient (None under ZeRO 2/3)."""
+        return self._grads
+
     @property
     def gathered(self) -> tuple[bool, ...]:
         """ZeRO-3: whether each unit's full weights are gathered now."""
@@ -441,7 +447,8 @@ class KeptGrads:
     The kept tensors are ``into`` (fixed: views of a sync's flat gradient) or, without it, each
     parameter's first gradient ever (a parameter that gets no gradient stays None, so the optimizer
     skips it, as after ``zero_grad``). ``then(i)``: called after parameter ``i``'s gradient is in place
-    (the sync's buckets)."""
+    (the sync's buckets). It is also the sink of ``passes.grad_fusion`` (``index``, ``add_mm``,
+    ``add_row_sum``): a fused linear's gradient is computed into the kept tensor, not copied."""
 
     def __init__(self, params: Sequence[nn.Parameter], into: Sequence[torch.Tensor] | None = None,
                  then: Callable[[int], None] | None = None):
@@ -450,15 +457,25 @@ class KeptGrads:
         self._kept: list[torch.Tensor | None] = list(into) if into is not None else [None] * len(self.params)
         self._then = then
         self._landed = [False] * len(self.params)
+        self._fused = [0] * len(self.params)      # hooks to come for gradients ``_land`` put in place
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_in(i))
+
+    def index(self, p: torch.Tensor) -> int | None:
+        """``p``'s place in ``params`` (None: not kept here)."""
+        return self._index.get(id(p))
 
     def begin_step(self) -> None:
         for p in self.params:
             p.grad = None
         self._landed = [False] * len(self.params)
+        self._fused = [0] * len(self.params)
 
     def _grad_in(self, i: int) -> None:
+        if self._fused[i]:      # the hook of a gradient ``_land`` put in place: autograd brought none
+            self._fused[i] -= 1
+            return
         if not self._landed[i]:
             self._landed[i] = True
             p, kept = self.params[i], self._kept[i]
@@ -467,6 +484,34 @@ class KeptGrads:
             else:
                 kept.copy_(p.grad)
                 p.grad = kept
+        if self._then is not None:
+            self._then(i)
+
+    def add_mm(self, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient += ``a @ b``, computed into its kept tensor (the step's first
+        gradient written there, later ones accumulated by the GEMM: ``runtime.grad_fusion``)."""
+        self._land(i, lambda out: torch.mm(a, b, out=out), lambda g: g.addmm_(a, b))
+
+    def add_row_sum(self, i: int, t: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient += ``t.sum(0)`` (a bias), into its kept tensor likewise."""
+        self._land(i, lambda out: torch.sum(t, 0, out=out), lambda g: g.add_(t.sum(0)))
+
+    def _land(self, i: int, write, add) -> None:
+        """Autograd still runs the parameter's accumulate node, with no gradient, and its hook fires
+        after this: ``_grad_in`` lets that call pass."""
+        p = self.params[i]
+        self._fused[i] += 1
+        if self._landed[i]:
+            add(p.grad)
+        else:
+            self._landed[i] = True
+            kept = self._kept[i]
+            if kept is None or kept.shape != p.shape or kept.dtype != p.dtype:
+                kept = torch.empty_like(p, memory_format=torch.contiguous_format)
+                if not self._fixed:
+                    self._kept[i] = kept
+            write(kept)
+            p.grad = kept
         if self._then is not None:
             self._then(i)
 

@@ -52,6 +52,8 @@ Terms
   from step to step (``runtime.dp_sync.KeptGrads``): each step starts with every ``.grad`` None and
   copies a parameter's first gradient into its kept tensor, so a step reuses the memory instead of
   allocating it anew, and a parameter without a gradient stays None for the optimizer to skip.
+  A linear layer's weight gradient goes into it from its GEMM (``passes.grad_fusion``: written by the
+  first micro-batch, accumulated by the others; not under zb-h1, whose weight half runs apart).
 - idle rank: a rank the plan leaves out (``uniform-pp`` may); it computes nothing but joins the
   collectives over every rank (group creation, the initial and ``state_dict`` broadcasts, the loss).
 - owner of a tensor (parameter or buffer): the first stage that uses it; ``state_dict()`` broadcasts
@@ -108,6 +110,7 @@ from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary
 from autopar.runtime.pipeline_zb import backward_input, backward_weight
 from autopar.runtime.dp_flat import merged_optimizer
 from autopar.runtime.dp_sync import DataParallelSync, KeptGrads
+from autopar.passes.grad_fusion import fuse_linear_grads
 from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout, tp_zero_groups, tp_zero_stage_run
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
@@ -264,6 +267,14 @@ class PipelineEngine(PipelineMessages):
                                     targets=inputs.loss_fn is not None,
                                     input_stages={p.index % R for p in self.programs if p.graph_inputs})
         self._reads = {s: bool(self._prog(s).graph_inputs) for s in self.chunks}
+        # Weight gradients accumulate inside their GEMMs (runtime.grad_fusion), except under zb-h1,
+        # whose weight half computes them apart from the input half.
+        self.fused_linears = 0
+        if name != "zb-h1" and self.stage is not None:
+            gms = [self._prog(s).gm for s in self.chunks]
+            for kept in (self._kept, self.sync.kept_grads if self.sync is not None else None):
+                if kept is not None:
+                    self.fused_linears += fuse_linear_grads(gms, kept)
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float:
