@@ -82,6 +82,10 @@ class FourRanks(threaded_ranks(4)):
         for zero, shares, schedule in ((1, (), "1f1b"), (1, (), "zb-h1"), (3, (2.0, 1.0), "1f1b")):
             engine = _pipeline(_pp_plan(zero, shares, schedule), self.rank, self.world_size)
             assert engine.zero_stage_applied == zero and engine.sync is not None
+            # ZeRO-1's weight gradients accumulate inside their GEMMs (passes.grad_fusion), but under
+            # zb-h1; ZeRO-3 keeps no full gradient to accumulate into
+            if zero == 1:
+                assert (engine.fused_linears > 0) == (schedule != "zb-h1"), engine.fused_linears
             _train_and_check(engine, data[:STEPS], half.state, half.losses)
         # ZeRO-3: between steps (state_dict() gathered and freed them again) a rank holds only its
         # shard of its stage's parameters, by the stage's zero_shares

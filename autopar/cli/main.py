@@ -20,6 +20,7 @@ autopar: plan and run training of a PyTorch model over a heterogeneous cluster.
   autopar analyze --model gpt2-small             per-block parameters, FLOPs, memory, time per device type
   autopar plan --model llama-7b --cluster benchmarks/clusters/mixed-3.yaml --global-batch 256
   autopar train --model gpt-tiny --cluster demo --global-batch 48 --steps 5
+  autopar check --model gpt-tiny --cluster demo --global-batch 48   exact? autopar vs the model's own rounding
   autopar models                                 the model zoo
   autopar tune                                   Triton kernel tuning runs (needs a GPU)
 
@@ -388,6 +389,12 @@ def _cmd_checkpoint(args) -> int:
     return cmd_checkpoint(args)
 
 
+def _cmd_check(args) -> int:
+    from autopar.cli.check import cmd_check
+
+    return cmd_check(args, _load_cluster)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autopar.cli.trainer import WARMUP_STEPS
     from autopar.config import SCHEDULES, STRATEGIES, ZERO_STAGES
@@ -473,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.cli.checkpoint import add_parser as add_checkpoint_parser
 
     add_checkpoint_parser(sub)
+    from autopar.cli.check import add_parser as add_check_parser
+
+    add_check_parser(sub)
     return p
 
 
@@ -490,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {"models": cmd_models, "analyze": cmd_analyze, "plan": cmd_plan, "train": cmd_train,
-               "demo": cmd_demo, "checkpoint": _cmd_checkpoint}[args.command]
+               "demo": cmd_demo, "checkpoint": _cmd_checkpoint, "check": _cmd_check}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as exc:   # AutoparError is a ValueError

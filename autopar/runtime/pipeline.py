@@ -53,7 +53,8 @@ Terms
   copies a parameter's first gradient into its kept tensor, so a step reuses the memory instead of
   allocating it anew, and a parameter without a gradient stays None for the optimizer to skip.
   A linear layer's weight gradient goes into it from its GEMM (``passes.grad_fusion``: written by the
-  first micro-batch, accumulated by the others; not under zb-h1, whose weight half runs apart).
+  first micro-batch, accumulated by the others; not under zb-h1, whose weight half runs apart, nor
+  with one micro-batch, where there is nothing to accumulate).
 - idle rank: a rank the plan leaves out (``uniform-pp`` may); it computes nothing but joins the
   collectives over every rank (group creation, the initial and ``state_dict`` broadcasts, the loss).
 - owner of a tensor (parameter or buffer): the first stage that uses it; ``state_dict()`` broadcasts
@@ -270,7 +271,7 @@ class PipelineEngine(PipelineMessages):
         # Weight gradients accumulate inside their GEMMs (runtime.grad_fusion), except under zb-h1,
         # whose weight half computes them apart from the input half.
         self.fused_linears = 0
-        if name != "zb-h1" and self.stage is not None:
+        if name != "zb-h1" and self.stage is not None and self.num_micro > 1:
             gms = [self._prog(s).gm for s in self.chunks]
             for kept in (self._kept, self.sync.kept_grads if self.sync is not None else None):
                 if kept is not None:
