@@ -212,6 +212,14 @@ def _stand_in_disable(fn=None, recursive=True, *, wrapping=True, reason=None):
     return _DeferredDisable(fn, recursive)
 
 
+def _other_threads() -> int:
+    """Threads besides this one that could import ``torch._dynamo``: not tqdm's monitor, which only
+    polls its progress bars (torch.fx's ``Interpreter.run`` makes a disabled bar where tqdm is
+    installed, and tqdm then starts the monitor: with transformers installed, every analysis did)."""
+    me = threading.current_thread()
+    return sum(1 for t in threading.enumerate() if t is not me and type(t).__name__ != "TMonitor")
+
+
 @contextlib.contextmanager
 def dynamo_deferred():
     """While this lasts, ``import torch._dynamo`` gives a stand-in whose ``disable`` is ``_DeferredDisable``
@@ -220,7 +228,7 @@ def dynamo_deferred():
     is gone. Process-wide while it lasts, so only where this is the process's one thread (another could
     import ``torch._dynamo`` meanwhile); elsewhere, and where ``torch._dynamo`` is already imported,
     nothing changes (the first such call imports it)."""
-    if "torch._dynamo" in sys.modules or threading.active_count() > 1:
+    if "torch._dynamo" in sys.modules or _other_threads():
         yield
         return
     stand_in = types.ModuleType("torch._dynamo", "autopar's stand-in while it analyses a graph (passes.meta_values)")

@@ -160,3 +160,29 @@ def test_the_stand_in_serves_only_what_disable_dynamo_asks():
     with pytest.raises(RuntimeError, match="stand-in"):
         _stand_in_disable(None, wrapping=False)   # the decorator form, refused
     assert _stand_in_disable(f, wrapping=False)(1) == 2
+
+
+def test_tqdm_monitor_does_not_count_as_another_thread():
+    """torch.fx's Interpreter makes a (disabled) tqdm bar where tqdm is installed, and tqdm starts its
+    monitor thread: that thread never imports torch._dynamo, so the stand-in still applies."""
+    import threading
+
+    from autopar.passes.meta_values import _other_threads
+
+    stop = threading.Event()
+
+    class TMonitor(threading.Thread):            # tqdm._monitor's class name
+        def run(self):
+            stop.wait()
+
+    before = _other_threads()
+    monitor, other = TMonitor(daemon=True), threading.Thread(target=stop.wait, daemon=True)
+    monitor.start()
+    try:
+        assert _other_threads() == before
+        other.start()
+        assert _other_threads() == before + 1
+    finally:
+        stop.set()
+        monitor.join()
+        other.join()

@@ -63,7 +63,8 @@ class CheckResult:
                            "the model's own micro-batching difference: the plan's, worth an issue")}[self.verdict]
         return [f"{self.model}, {self.strategy}, {self.steps} steps of {self.optimizer}: largest relative difference "
                 f"from one device on the whole batch (per tensor, max |a - b| / max |b|)",
-                f"  one device, batch cut into {len(self.pieces)} micro-batches {list(self.pieces)}: "
+                f"  one device, batch cut into {len(self.pieces)} micro-batch{'es' if len(self.pieces) != 1 else ''} "
+                f"{list(self.pieces)}: "
                 f"{self.control:.3g}   (the model's own rounding)",
                 f"  autopar ({self.plan}): {self.autopar:.3g}   (farthest: {self.worst_tensor})",
                 f"  verdict: {how}"]
