@@ -127,7 +127,7 @@ def test_launch_interleaved_and_zero_bubble_match_one_device():
     runs = [("il-2x2", "gpt-tiny", il_2x2, "sgd"), ("il-3x2", "gpt-tiny", il_3x2, "adamw"),
             ("il-dp", "gpt-tiny", il_dp, "adamw"),
             ("zb-dp", "gpt-tiny", zb_dp, "adamw"), ("zb-recompute", "gpt-tiny", zb_rc, "sgd")]
-    if importlib.util.find_spec("transformers") is not None:   # the HF runs need it (not in the test extra)
+    if importlib.util.find_spec("transformers") is not None:   # the HF runs need it (the thirdparty extra)
         runs += [("neox-il", "neox", il_2x2, "adamw"), ("neox-zb", "neox", zb_3, "sgd")]
     results = autopar.launch(_run, _cluster(), runs, timeout_s=600)
     for key, name, _, optimizer in runs:

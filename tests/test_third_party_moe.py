@@ -1,7 +1,7 @@
 """Mixture-of-experts models as transformers ships them (Mixtral, Qwen2-MoE, Qwen3-MoE, from small
 configs) train under uniform-dp, uniform-pp and TP 2 to the one-device state (AdamW), and their
 routed experts' FLOPs are the analytic count. Needs
-transformers, which is not in the test extra: skipped without it."""
+transformers (the thirdparty extra pins it); skipped without it."""
 
 from __future__ import annotations
 
