@@ -5,7 +5,7 @@ allocates that product as a new tensor and ``AccumulateGrad`` then adds it to ``
 allocation (on a CPU, fresh pages to fault in), a write, and an add that reads both again. Here the
 product goes straight into the parameter's gradient through a *sink*: the step's first micro-batch
 writes it into the kept tensor (``mm(out=)``), later ones accumulate in the same GEMM (``addmm_``).
-On a pipeline stage of 8 micro-batches of 14 rows, that was about a tenth of backward.
+On a pipeline stage of 8 micro-batches of 14 rows, that was about a tenth of forward and backward.
 
 - sink: an object with ``index(p)`` (the parameter's index, None if it does not take ``p``),
   ``add_mm(i, a, b)`` (gradient ``i`` += ``a @ b``) and ``add_row_sum(i, t)`` (+= ``t.sum(0)``):
