@@ -1,4 +1,4 @@
-"""Weight gradients accumulated inside their GEMMs (autopar.runtime.grad_fusion): the same gradients as
+"""Weight gradients accumulated inside their GEMMs (autopar.passes.grad_fusion): the same gradients as
 autograd's accumulation over micro-batches, into the kept tensors, with the graph's parameters and
 state dict unchanged."""
 

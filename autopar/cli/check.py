@@ -19,6 +19,7 @@ difference of the plan's (exit status 1: worth an issue).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 from dataclasses import asdict, dataclass
@@ -178,8 +179,6 @@ max |a - b| / max |b|) with a verdict:
 
 def add_parser(sub) -> None:
     from autopar.config import STRATEGIES
-
-    import argparse
 
     c = sub.add_parser("check", help="is a plan exact on this model? autopar and the model's own micro-batching "
                                      "against one device on the whole batch",

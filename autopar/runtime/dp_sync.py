@@ -489,7 +489,7 @@ class KeptGrads:
 
     def add_mm(self, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Parameter ``i``'s gradient += ``a @ b``, computed into its kept tensor (the step's first
-        gradient written there, later ones accumulated by the GEMM: ``runtime.grad_fusion``)."""
+        gradient written there, later ones accumulated by the GEMM: ``passes.grad_fusion``)."""
         self._land(i, lambda out: torch.mm(a, b, out=out), lambda g: g.addmm_(a, b))
 
     def add_row_sum(self, i: int, t: torch.Tensor) -> None:

@@ -268,7 +268,7 @@ class PipelineEngine(PipelineMessages):
                                     targets=inputs.loss_fn is not None,
                                     input_stages={p.index % R for p in self.programs if p.graph_inputs})
         self._reads = {s: bool(self._prog(s).graph_inputs) for s in self.chunks}
-        # Weight gradients accumulate inside their GEMMs (runtime.grad_fusion), except under zb-h1,
+        # Weight gradients accumulate inside their GEMMs (passes.grad_fusion), except under zb-h1,
         # whose weight half computes them apart from the input half.
         self.fused_linears = 0
         if name != "zb-h1" and self.stage is not None and self.num_micro > 1:
