@@ -6,7 +6,7 @@ Plans (4 threaded ranks, global batch 10, micro-batches 4+3+3, 2 rank stages x 2
 is the TP member (0, 1), rank stage 1 the TP member (2, 3) (or, in one plan, two one-rank members 2 and
 3); chunk sizes are uneven (blocks 0-1 | 2 | 3 | 4-5) and each chunk has its own uneven TP shares, so the
 two chunks of one rank hold different shards; one plan turns on sequence parallelism on some chunks
-(H1's ``Stage.sequence_parallel``), one recomputes a chunk, one computes in bf16. The backward overlap (``passes.tp_overlap``)
+(``Stage.sequence_parallel``), one recomputes a chunk, one computes in bf16. The backward overlap (``passes.tp_overlap``)
 is on, as lowering applies it by default. SGD with momentum and AdamW (eps 1e-6).
 """
 

@@ -133,7 +133,7 @@ def test_planner_sets_sequence_parallel_where_priced_no_slower_and_supported():
 
 
 def test_sequence_parallel_pin_is_honoured_or_named():
-    if "sequence_parallel" not in Pin.__dataclass_fields__:      # config.py's hunk, committed by the lead
+    if "sequence_parallel" not in Pin.__dataclass_fields__:      # a config.py without the field
         pytest.skip("Pin.sequence_parallel is not in autopar/config.py yet")
     tables, pairs, n = _gpt_tables()
     costs = _costs(tables, pairs, n, types=("a",))

@@ -1,4 +1,4 @@
-"""TP pricing as the engine runs it on the device it runs on (issue 12, H9): SP's all-gathers and
+"""TP pricing as the engine runs it on the device it runs on (issue 12): SP's all-gathers and
 reduce-scatters priced on their own operation's link, the backward overlap hidden only where the
 collectives have an engine of their own (NCCL), SP's compute from what the rewrite measures. Pure."""
 

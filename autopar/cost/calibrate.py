@@ -39,7 +39,7 @@ Terms
   the median of the samples' log ratios weighted by predicted seconds (a median: one strategy that the
   model prices badly, such as resmlp's pipeline stage holding only the head, 0.51-0.84 on the 0.25
   device, does not move the machine's figure); ``call`` ``TRANSFER_WEIGHT`` x ``fit_factors``'. Why
-  0.5: across the accuracy benchmark's four models (sessions 8, 9, 11; emulated), each device type's
+  0.5: across the accuracy benchmark's four models (three runs of it; emulated), each device type's
   compute ratio scattered between models by 0.03-0.18 in log (mean ~0.1), about as much as the
   offset the models shared (0.98-1.18), so one model tells about half of what the machine does.
   ``fit_factors`` (all of a profile's ratio) stays what re-planning uses: it re-prices the same model.

@@ -11,7 +11,7 @@ Terms (``cost.tp``'s; per Linear pair, Megatron's f before the columns and g aft
   sequence shard (``sp_pad``).
 - backward overlap (``tp_backward_comm_s``): f's backward collective under the columns' weight-gradient
   GEMMs, exposed ``max(0, c - w)``.
-- chunked collective-matmul (``tp_overlap_hidden_s``; H1's runtime in ``passes.tp_fwd_overlap``, on
+- chunked collective-matmul (``tp_overlap_hidden_s``; the runtime's in ``passes.tp_fwd_overlap``, on
   NCCL groups under SP): a call of ``c = alpha + beta B`` split into ``k = FWD_OVERLAP_CHUNKS`` pieces
   against a GEMM of ``m`` seconds (the pair's GEMM on the group's rank with least of it,
   ``group_gemm_s``) leaves exposed ``k alpha + beta B / k + (k - 1) / k max(0, beta B - m)``

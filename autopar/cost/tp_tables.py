@@ -18,12 +18,12 @@ Terms (the graph's ``passes.meta.COST`` and ``BLOCK`` annotations; ``passes.tp_m
 - SP activations whole (``tp_sp_act_replicated``): in an SP block, the pairs' column inputs (the
   all-gathered copy each column Linear saves for its weight gradient, one per distinct input) over the
   block's saved output bytes; everything else there is sharded along the sequence in proportion to the
-  rank's TP shares (H1's rewrite), like the pairs' regions along the heads. Elsewhere the TP layout's
+  rank's TP shares (``passes.tp_sp``'s rewrite), like the pairs' regions along the heads. Elsewhere the TP layout's
   fraction (``cost.tp.tp_memory_replicated_per_block``). The copy is priced as a fraction of the graph's
   bytes, so a rank's factor ``rep + (1 - rep) f`` under-counts it by ``rep * f`` (small: rep ~ 0.05).
 - weight-gradient share (``tp_wgrad_share``, [block, pair]): the pair's column Linears' forward FLOPs
   (their weight-gradient GEMMs cost the same) over twice the block's work (backward ~ 2x forward): the
-  part of the block's backward that f's backward collective can overlap (``passes.tp_overlap``, H2).
+  part of the block's backward that f's backward collective can overlap (``passes.tp_overlap``).
   Pairs in graph order per block; 0-padded to the most pairs of any block.
 - forward GEMM shares (``tp_fwd_col_share`` / ``tp_fwd_row_share`` / ``tp_bwd_row_share``, [block, pair],
   laid out like ``tp_wgrad_share``): the pair's column Linears' forward FLOPs over the block's work (what
