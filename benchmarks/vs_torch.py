@@ -13,14 +13,21 @@ program that does the same work:
 | tp | a pinned TP 2 | DTensor ``ColwiseParallel`` / ``RowwiseParallel`` on every MLP |
 | hf-fsdp2 | ZeRO-3 on a Hugging Face GPT-2 built from a config | FSDP2 per ``GPT2Block`` (needs ``transformers``) |
 
+``--model`` picks the model of the first five rows: ``resmlp`` (the 9.5M-parameter residual MLP, batch 112)
+or ``llama`` (a 13.8M-parameter Llama of the zoo's family at a size no other benchmark or table uses:
+6 layers, hidden 384, 6 heads, SwiGLU 1024, vocabulary 4096, 64 tokens; batch 16). On the Llama, the TP
+row shards attention (q, k, v by column, o by row, the heads split) and the SwiGLU (gate and up by
+column, down by row) on both sides. Each autopar row also reports the plan's predicted step beside the
+measured one.
+
 Time: both sides step in one launch, interleaved step by step (``_common.interleaved_steps``), the
 slowest rank's wall time per step; each side's median over ``--steps`` after ``--warmup``; the whole
 launch repeated ``--runs`` times, so the ratio autopar / PyTorch is reported per run (its spread).
 Memory: each side alone in a fresh launch, the peak resident set of the slowest rank above what it had
 before building the model (``ru_maxrss``), over warm-up steps.
 
-    python benchmarks/vs_torch.py [--rows ddp,fsdp2-keep,fsdp2,pp,tp,hf-fsdp2] [--steps 10] [--warmup 3]
-                                  [--runs 2] [--name vs-torch]
+    python benchmarks/vs_torch.py [--model resmlp|llama] [--rows ddp,fsdp2-keep,fsdp2,pp,tp,hf-fsdp2]
+                                  [--steps 10] [--warmup 3] [--runs 2] [--name vs-torch]
 
 Writes ``benchmarks/results/<name>.json`` and ``.md``.
 """
@@ -37,7 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROWS = ("ddp", "fsdp2-keep", "fsdp2", "pp", "tp", "hf-fsdp2")
-BATCH = 112
+MODELS = ("resmlp", "llama")
+BATCHES = {"resmlp": 112, "llama": 16, "hf-gpt2": 112}
 MICRO = 8
 CLUSTER = {"name": "two-cpu", "nodes": [{"device": "cpu", "count": 2}]}
 
@@ -47,6 +55,13 @@ def _resmlp():
     from bench_accuracy import resmlp
 
     return resmlp()
+
+
+def _llama():
+    from autopar.models.llama import LlamaConfig, make_case
+
+    cfg = LlamaConfig(num_layers=6, hidden_size=384, num_heads=6, ffn_hidden_size=1024, vocab_size=4096, seq_len=64)
+    return make_case("llama-13m", cfg, seed=0)
 
 
 def _hf_gpt2():
@@ -79,8 +94,14 @@ def _hf_gpt2():
                      make_batch=make_batch)
 
 
-def _case(row: str):
-    return _hf_gpt2() if row == "hf-fsdp2" else _resmlp()
+def _case(row: str, model: str):
+    if row == "hf-fsdp2":
+        return _hf_gpt2()
+    return _llama() if model == "llama" else _resmlp()
+
+
+def _batch(row: str, model: str) -> int:
+    return BATCHES["hf-gpt2" if row == "hf-fsdp2" else model]
 
 
 def _blocks(model) -> list:
@@ -115,17 +136,27 @@ class _Torch:
 
             mesh = init_device_mesh("cpu", (world,))
             for block in model.layers:
-                parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                if hasattr(block, "attn"):          # the Llama: attention heads and the SwiGLU
+                    parallelize_module(block, mesh, {
+                        "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                        "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
+                        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                        "mlp.down_proj": RowwiseParallel()})
+                    block.attn.n_heads //= world    # each rank's local heads, as torchtitan sets them
+                else:
+                    parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             self.model = model
         elif row == "pp":
             from torch import nn
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
             cut = len(model.layers) // 2
+            embed = [model.embed_tokens] if hasattr(model, "embed_tokens") else []
+            head = model.lm_head if hasattr(model, "lm_head") else model.head
             if rank == 0:
-                part = nn.Sequential(*model.layers[:cut])
+                part = nn.Sequential(*embed, *model.layers[:cut])
             else:
-                part = nn.Sequential(*model.layers[cut:], model.norm, model.head)
+                part = nn.Sequential(*model.layers[cut:], model.norm, head)
             self.model = part
             stage = PipelineStage(part, rank, world, torch.device("cpu"))
             scale = 1.0 / MICRO       # each micro-batch's mean loss, summed: the global mean's gradient
@@ -159,7 +190,7 @@ class _Torch:
 
 
 # -- the autopar side ---------------------------------------------------------------------------------
-def _autopar(row: str, case, cluster):
+def _autopar(row: str, case, cluster, batch: int):
     import torch
 
     import autopar
@@ -178,7 +209,7 @@ def _autopar(row: str, case, cluster):
         kw = dict(strategy="auto", pin=autopar.Pin(pp=2, num_micro_batches=MICRO, schedule="1f1b"))
     elif row == "tp":
         kw = dict(strategy="tp", pin=autopar.Pin(tp=2))
-    compiled = autopar.compile(case.model, cluster, case.example_inputs, BATCH, case.loss_fn, run=run, **kw)
+    compiled = autopar.compile(case.model, cluster, case.example_inputs, batch, case.loss_fn, run=run, **kw)
     if row == "pp":
         cut = len(case.model.layers) // 2
         layers = [st.num_layers for st in compiled.plan.stages]
@@ -188,22 +219,25 @@ def _autopar(row: str, case, cluster):
 
 
 # -- ranks ----------------------------------------------------------------------------------------------
-def _timing_rank(rank: int, row: str, warmup: int, steps: int):
+def _timing_rank(rank: int, row: str, model: str, warmup: int, steps: int):
     import torch.distributed as dist
 
     import autopar
     from _common import interleaved_steps
 
-    cluster = autopar.current_cluster()
-    ours = dict(case=_case(row), times=[], losses=[])
-    ours["engine"] = _autopar(row, ours["case"], cluster)
-    theirs = dict(case=_case(row), times=[], losses=[])
+    cluster, batch = autopar.current_cluster(), _batch(row, model)
+    ours = dict(case=_case(row, model), times=[], losses=[])
+    ours["engine"] = _autopar(row, ours["case"], cluster, batch)
+    theirs = dict(case=_case(row, model), times=[], losses=[])
     theirs["engine"] = _Torch(row, theirs["case"], rank, dist.get_world_size())
-    interleaved_steps([ours, theirs], BATCH, warmup, steps)
-    return {"autopar": ours["times"], "torch": theirs["times"], "plan": ours["engine"].plan.summary()}
+    interleaved_steps([ours, theirs], batch, warmup, steps)
+    plan = ours["engine"].plan
+    return {"autopar": ours["times"], "torch": theirs["times"], "plan": plan.summary(),
+            "predicted_s": plan.predicted.step_time_s,
+            "predicted_memory_bytes": max(plan.predicted.memory_bytes.values(), default=0)}
 
 
-def _memory_rank(rank: int, row: str, side: str, warmup: int):
+def _memory_rank(rank: int, row: str, model: str, side: str, warmup: int):
     import resource
 
     import torch.distributed as dist
@@ -214,11 +248,11 @@ def _memory_rank(rank: int, row: str, side: str, warmup: int):
     # load before the baseline, so that the peak above it is tensors and buffers, not modules
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    case = _case(row)
-    job = _autopar(row, case, autopar.current_cluster()) if side == "autopar" else \
+    case, batch = _case(row, model), _batch(row, model)
+    job = _autopar(row, case, autopar.current_cluster(), batch) if side == "autopar" else \
         _Torch(row, case, rank, dist.get_world_size())
     for step in range(warmup):
-        job.step(*case.batch(BATCH, seed=step))
+        job.step(*case.batch(batch, seed=step))
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
 
 
@@ -230,15 +264,21 @@ def _launch(fn, *args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="autopar beside DDP, FSDP2, pipelining and DTensor TP on 2 CPU ranks")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--model", choices=MODELS, default="resmlp",
+                    help="the model of the ddp, fsdp2-keep, fsdp2, pp and tp rows (default: resmlp)")
+    ap.add_argument("--rows", default=None, help=f"comma-separated rows (default: {','.join(ROWS)} with "
+                    "resmlp; without hf-fsdp2 with llama)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--name", default="vs-torch")
     args = ap.parse_args(argv)
+    if args.rows is None:
+        args.rows = ",".join(r for r in ROWS if args.model == "resmlp" or r != "hf-fsdp2")
     from _common import md_table, write_results
 
-    out: dict = {"rows": {}, "config": dict(vars(args), batch=BATCH, micro_batches=MICRO, cluster=CLUSTER)}
+    out: dict = {"rows": {}, "config": dict(vars(args), batch=BATCHES[args.model], micro_batches=MICRO,
+                                            cluster=CLUSTER)}
     for row in args.rows.split(","):
         if row == "hf-fsdp2":
             try:
@@ -248,27 +288,34 @@ def main(argv=None) -> int:
                 continue
         runs = []
         for _ in range(args.runs):
-            got = _launch(_timing_rank, row, args.warmup, args.steps)[0]
+            got = _launch(_timing_rank, row, args.model, args.warmup, args.steps)[0]
             runs.append({"autopar_s": statistics.median(got["autopar"]), "torch_s": statistics.median(got["torch"]),
-                         "autopar_steps": got["autopar"], "torch_steps": got["torch"], "plan": got["plan"]})
-        mem = {side: max(_launch(_memory_rank, row, side, args.warmup)) for side in ("autopar", "torch")}
+                         "autopar_steps": got["autopar"], "torch_steps": got["torch"], "plan": got["plan"],
+                         "predicted_s": got["predicted_s"], "predicted_memory_bytes": got["predicted_memory_bytes"]})
+        mem = {side: max(_launch(_memory_rank, row, args.model, side, args.warmup)) for side in ("autopar", "torch")}
         ratios = [r["autopar_s"] / r["torch_s"] for r in runs]
-        out["rows"][row] = {"runs": runs, "ratios": ratios, "peak_rss_bytes": mem,
+        gaps = [r["autopar_s"] / r["predicted_s"] for r in runs]
+        out["rows"][row] = {"runs": runs, "ratios": ratios, "measured_over_predicted": gaps, "peak_rss_bytes": mem,
                             "memory_ratio": mem["autopar"] / mem["torch"] if mem["torch"] > 0 else None}
-        print(f"{row}: autopar / torch {', '.join(f'{x:.2f}' for x in ratios)}; memory "
+        print(f"{row}: autopar / torch {', '.join(f'{x:.2f}' for x in ratios)}; measured / predicted "
+              f"{', '.join(f'{x:.2f}' for x in gaps)}; memory "
               f"{mem['autopar'] / 2**20:.0f} / {mem['torch'] / 2**20:.0f} MiB", flush=True)
+
+    def span(xs):
+        return f"{min(xs):.2f}-{max(xs):.2f}"
+
     table = [[row, ", ".join(f"{r['autopar_s'] * 1e3:.1f}" for r in d["runs"]),
-              ", ".join(f"{r['torch_s'] * 1e3:.1f}" for r in d["runs"]),
-              f"{min(d['ratios']):.2f}-{max(d['ratios']):.2f}",
+              ", ".join(f"{r['predicted_s'] * 1e3:.1f}" for r in d["runs"]), span(d["measured_over_predicted"]),
+              ", ".join(f"{r['torch_s'] * 1e3:.1f}" for r in d["runs"]), span(d["ratios"]),
               f"{d['peak_rss_bytes']['autopar'] / 2**20:.0f}", f"{d['peak_rss_bytes']['torch'] / 2**20:.0f}"]
              for row, d in out["rows"].items()]
-    md = (f"# autopar beside PyTorch: 2 native CPU ranks, AdamW, batch {BATCH}\n\n"
-          f"`python benchmarks/vs_torch.py --rows {args.rows} --steps {args.steps} --warmup {args.warmup} "
-          f"--runs {args.runs}`. Measured on this machine's CPUs (not emulated); median step of the slowest "
-          f"rank per run, both sides interleaved in one launch; memory: peak RSS above the start, each side "
-          f"alone (the slowest rank).\n\n"
-          + md_table(["row", "autopar ms (per run)", "PyTorch ms (per run)", "autopar / PyTorch",
-                      "autopar peak MiB", "PyTorch peak MiB"], table))
+    md = (f"# autopar beside PyTorch: 2 native CPU ranks, AdamW, {args.model} (batch {BATCHES[args.model]})\n\n"
+          f"`python benchmarks/vs_torch.py --model {args.model} --rows {args.rows} --steps {args.steps} "
+          f"--warmup {args.warmup} --runs {args.runs}`. Measured on this machine's CPUs (not emulated); median "
+          f"step of the slowest rank per run, both sides interleaved in one launch; predicted: the plan's "
+          f"step; memory: peak RSS above the start, each side alone (the slowest rank).\n\n"
+          + md_table(["row", "autopar ms (per run)", "predicted ms", "measured / predicted", "PyTorch ms (per run)",
+                      "autopar / PyTorch", "autopar peak MiB", "PyTorch peak MiB"], table))
     write_results(args.name, out, md)
     return 0
 

@@ -28,10 +28,11 @@ Terms
   launch records the count it shared out in the environment variable ``AUTOPAR_NUM_CORES`` of every
   rank (``autopar.runtime.emulate.apply_cpu_share``); without it, the cores this process may use.
 
-- emulated link (``autopar.cluster.links.EmulatedLink``): the measured gloo link between the emulated
+- emulated link (``autopar.cluster.links.EmulatedLink``): the measured gloo link between the CPU
   ranks of a node. ``with_emulated_link`` returns the cluster carrying it (``LinkedCluster``: the same
   devices, nodes and file figures, plus the link); ``emulated_link_nodes`` are the nodes it applies to:
-  those whose devices are all ``emulate: cpu`` and whose file declares no ``intra_bandwidth_GBps``.
+  those whose devices all run on a CPU under gloo (``emulate: cpu``, or the native ``cpu`` device,
+  whose ranks are processes of one machine as well) and whose file declares no ``intra_bandwidth_GBps``.
   ``link_layout`` names the core layout the ranks of a node run under (their ``cpu_shares``), which
   the measurement reproduces and its cache is keyed by.
 
@@ -166,7 +167,8 @@ def emulated_link_nodes(cluster) -> tuple[int, ...]:
     out = []
     for n in range(cluster.num_nodes):
         members = [d for d in cluster.devices if d.node == n]
-        if len(members) > 1 and cluster.node_intra_Bps[n] is None and all(d.spec.is_emulated for d in members):
+        if len(members) > 1 and cluster.node_intra_Bps[n] is None and \
+                all(d.spec.is_emulated or d.spec.vendor == "cpu" for d in members):
             out.append(n)
     return tuple(out)
 

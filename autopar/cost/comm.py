@@ -74,7 +74,7 @@ __all__ = [
     "pair_latency_s", "ring_link", "p2p_time_s", "allreduce_time_s", "reduce_scatter_time_s",
     "allgather_time_s", "broadcast_time_s", "zero_shard_sizes", "zero_shards_even", "zero_gather_s",
     "zero_reduce_scatter_rounds", "zero_reduce_scatter_s", "zero_units", "ZeroCollectives", "zero_collectives",
-    "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces", "dp_bucket_restarts_s",
+    "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces", "dp_bucket_restarts_s", "dp_comm_hides",
 ]
 
 Algorithm = Literal["ring", "hierarchical", "auto"]
@@ -450,6 +450,16 @@ def dp_allreduces(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], z
     buckets = grad_buckets(costs, blocks, bucket_bytes) if overlap else (grad_bytes,)
     times = [allreduce_time_s(cluster, ranks, b, link=link, algorithm=algorithm) for b in buckets]
     return DpAllReduces(float(sum(times)), times[-1], loss, len(buckets))
+
+
+def dp_comm_hides(cluster: "Cluster", ranks: Sequence[int]) -> bool:
+    """Whether the bucketed gradient all-reduce of data-parallel ``ranks`` runs beside their last
+    backward, so that overlap hides all but its last bucket: on NCCL ranks (the collectives run on the
+    GPU's own engine) and on emulated ones (their slow-down leaves their core idle for part of each
+    block, where gloo's thread runs). A native CPU rank's backward fills its cores, and gloo's thread
+    takes its time from that backward: the all-reduce adds to the step whole, as ``comm_hides`` (TP)
+    has it for every gloo rank."""
+    return all(cluster.devices[r].spec.backend == "nccl" or cluster.devices[r].spec.is_emulated for r in ranks)
 
 
 def dp_bucket_restarts_s(costs: ModelCosts, device_types, buckets: int | None = None) -> list[float]:

@@ -50,8 +50,11 @@ def _add(d: dict, key: str, value: float) -> None:
 def _hidden_allreduce_s(costs, cluster, stage, dar) -> float:
     """Seconds of a data-parallel stage's bucketed gradient all-reduce that overlap hides in the slowest
     rank's last backward, as ``autopar.planner.dp`` prices it: all but the last bucket, at most that
-    backward (the recorder measures only the rest, after the backward, as the all-reduce phase)."""
-    if dar.grad_s <= 0:
+    backward (the recorder measures only the rest, after the backward, as the all-reduce phase); none
+    where the ranks' collectives take their time from the backward (``comm.dp_comm_hides``)."""
+    from autopar.cost import comm
+
+    if dar.grad_s <= 0 or not comm.dp_comm_hides(cluster, [g[0] for g in stage.groups]):
         return 0.0
     blocks = slice(stage.block_start, stage.block_stop)
     slow, slow_t = None, -1.0

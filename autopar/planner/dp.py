@@ -392,7 +392,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
             by_type[key] = lambda b, c=curve: float(c(b))
         fns.append(by_type[key])
     bwds = restarts = None
-    if overlap and zc.allreduce_s > 0:
+    if overlap and zc.allreduce_s > 0 and comm.dp_comm_hides(cluster, ranks):
         def backward_s(name):
             return lambda b: float(costs.bwd_time(name, b).sum()
                                    + (costs.fwd_time(name, b).sum() if recompute else 0.0))
