@@ -19,6 +19,7 @@ from torch import nn
 from autopar.config import STRATEGIES, PlanConfig, RunConfig, Zero3Granularity
 from autopar.errors import ClusterError, PlanError, RuntimeInputError
 from autopar.ir.plan import Plan
+from autopar.passes.inputs import Inputs, flat_inputs, flatten_like
 
 __all__ = ["plan", "compile", "Compiled", "STRATEGIES", "prepare", "plan_config", "plan_from_costs",
            "model_num_heads", "planning_analysis_options", "run_planner"]
@@ -161,8 +162,7 @@ def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: in
     from autopar.planner.entry import check_request
 
     check_request(cluster, global_batch_size)   # before the costly analysis
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    model, example_inputs, _ = flat_inputs(model, example_inputs)   # pytree and keyword inputs: passes.inputs
     prepared = prepared or prepare(model, cluster, example_inputs, optimizer=optimizer, measure=measure,
                                    precision=config.precision, loss_fn=loss_fn, example_targets=example_targets,
                                    track_memory=track_memory)
@@ -206,13 +206,19 @@ class Compiled:
     # compile's replan="auto": autopar.runtime.replan.Replanner, and the reports of its checks
     replanner: Any = None
     replans: list = field(default_factory=list)
+    # how a step's inputs flatten to the tensors the graph takes, where the example's were pytrees or
+    # keywords (autopar.passes.inputs; None: a tuple of tensors)
+    input_layout: Any = None
 
     def step(self, inputs, targets=None, *, local: bool = False) -> float:
         """One optimizer step (forward, backward, optimizer); returns the global mean loss, the same on
         every rank. ``inputs`` (a tensor, or a tuple with one tensor per model input) and ``targets``
         hold the whole global batch on every rank; with ``local=True`` only this rank's rows, as
         ``dataloader`` yields them (None where the rank needs no inputs or no targets). Both train
-        to the same state."""
+        to the same state. Where the example inputs held pytrees (a ``BlockMask``) or keywords
+        (``autopar.Inputs``), ``inputs`` has the same form, its tensors cut by rows like any input."""
+        if inputs is not None and (self.input_layout is not None or isinstance(inputs, Inputs)):
+            inputs = flatten_like(inputs, self.input_layout)
         if not local:
             if not isinstance(inputs, tuple):
                 inputs = (inputs,)
@@ -411,8 +417,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     weights = open_weights(weights)     # reads the headers only: a bad path fails on every rank, early
     _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
     optimizer = optimizer or _default_optimizer
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    model, example_inputs, input_layout = flat_inputs(model, example_inputs)   # passes.inputs
     if not _launch.is_initialized():
         if len(cluster) != 1:
             raise ClusterError(f"cluster: has {len(cluster)} devices but no job is running; call compile on "
@@ -480,7 +485,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                               zero3_granularity=zero3_granularity, overlap=run.overlap, **engine_options)
     import_module("autopar.runtime.recorder").record_engine(engine, ctx.rank)     # compiled.profile()'s recorder
     compiled = Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter, cluster=cluster,
-                        costs=prepared.costs if ctx.rank == 0 and prepared is not None else None)
+                        costs=prepared.costs if ctx.rank == 0 and prepared is not None else None,
+                        input_layout=input_layout)
     if replan == "auto":
         if plan_options is not None and prepared is not None:     # rank 0 re-plans: the model's facts, as plan()
             plan_options = plan_options.with_(

@@ -109,6 +109,9 @@ def _element_flops(name: str) -> int:
 
 
 class _CountingOps(torch.utils._python_dispatch.TorchDispatchMode):
+    # a higher-order operator (flex attention) is one op: it runs below this mode, as any other
+    supports_higher_order_operators = True
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False   # else torch wraps __torch_dispatch__ in torch._dynamo.disable, importing torch._dynamo
@@ -241,7 +244,10 @@ class _Analyzer(fx.Interpreter):
             return t
 
         counter = _CountingOps()
-        with self._flops() as fc, counter:
+        # flex attention: torch's flop counter cannot run its operator under autograd (it meets the
+        # operator's own index mode); it is counted from its shapes below, as attention
+        flops = _NoFlops if _is_flex(n) else self._flops
+        with flops() as fc, counter:
             if with_backward:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = getattr(self, n.op)(n.target, args2, kwargs2)
@@ -253,7 +259,7 @@ class _Analyzer(fx.Interpreter):
         out = tree_map(lambda o: originals.get(id(o), o), out)
         fwd = float(fc.get_total_flops())
         num_ops = counter.count
-        attn = _attention_flops(n, args, kwargs) if "scaled_dot_product" in ".".join(name) else None
+        attn = _attention_flops(n, args, kwargs) if "scaled_dot_product" in ".".join(name) or _is_flex(n) else None
         if attn is not None and fwd < attn:
             # The flop counter has no formula for the CPU attention kernels; count it from the shapes.
             fwd = attn
@@ -265,7 +271,7 @@ class _Analyzer(fx.Interpreter):
                 mod_params = [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
             wrt = leaves + mod_params
             if wrt:
-                with self._flops() as fb:
+                with flops() as fb:
                     torch.autograd.grad(outs, wrt, grad_outputs=[torch.ones_like(o) for o in outs],
                                         allow_unused=True)
                 bwd = float(fb.get_total_flops())
@@ -435,6 +441,27 @@ class _Analyzer(fx.Interpreter):
             if isinstance(o, torch.Tensor):
                 n.meta[TENSOR] = TensorInfo(tuple(int(s) for s in o.shape), o.dtype)
                 return
+
+
+class _NoFlops:
+    """A flop counter that counts nothing (``_is_flex``)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @staticmethod
+    def get_total_flops() -> int:
+        return 0
+
+
+def _is_flex(n: fx.Node) -> bool:
+    """Whether ``n`` calls flex attention's higher-order operator (counted as attention by its shapes:
+    every block, as its dense CPU implementation runs it)."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator) \
+        and n.target.name() == "flex_attention"
 
 
 def _attention_flops(n: fx.Node, args, kwargs) -> float | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -126,8 +127,29 @@ def _batch_of_two(example_inputs: tuple) -> tuple:
     return tuple(torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in example_inputs)
 
 
+@contextmanager
+def _frozen(model: nn.Module):
+    """``model``'s parameters without ``requires_grad`` while torch.export traces its forward, their
+    flags restored after: the graph is the same, and a library that refuses to trace what it cannot
+    differentiate on a device (flex attention has no CPU backward in ``flex_attention``'s check; its
+    graph's operator has one) traces. The unlifted graph module holds the same Parameters, so it trains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 def _export(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, str | None]:
     """The exported graph, and why its batch dimension is static (None: it is dynamic)."""
+    with _frozen(model):
+        return _export_frozen(model, example_inputs)
+
+
+def _export_frozen(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphModule, str | None]:
     from torch.export import Dim
 
     example_inputs = _batch_of_two(align_inputs(model, example_inputs))

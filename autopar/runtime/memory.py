@@ -103,6 +103,10 @@ def module_tensors(*modules) -> list[torch.Tensor]:
 class _Tracking(TorchDispatchMode):
     """The dispatch mode of one ``TrackedMeter``: counts the storages operators return."""
 
+    # a higher-order operator (flex attention) is one operator: its outputs are counted, what it
+    # allocates inside and frees again is not
+    supports_higher_order_operators = True
+
     def __init__(self, meter: "TrackedMeter"):
         super().__init__()
         self.meter = meter

@@ -1,0 +1,122 @@
+"""torchtitan's models as it ships them (0.3.0): Llama 3 with its default flex attention, its
+``BlockMask`` built by the model's own ``get_attention_masks`` over the global batch and passed as an
+argument, trains under uniform-dp, uniform-pp, TP 2 and auto to the one-device state (AdamW).
+
+The one device runs the model's captured graph on the whole batch: torch's ``flex_attention`` refuses
+a CPU backward in eager mode, while the graph's flex-attention operator has one (the same math as
+torch's reference). Needs torchtitan (``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3
+tyro``); skipped without it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from oracle import RTOL, optimizer_factory, state_rel_errors, train_one_device
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+
+GB, SEQ, STEPS, VOCAB = 8, 32, 2, 2048
+STRATEGIES = ("uniform-dp", "uniform-pp", "tp", "auto")
+
+
+def build_llama3() -> nn.Module:
+    """torchtitan's Llama 3 debug model (flex attention, the registry's default), 2 of its 6 layers."""
+    import dataclasses
+
+    from torchtitan.models.llama3 import model_registry
+
+    config = model_registry("debugmodel").model
+    config = dataclasses.replace(config, layers=config.layers[:2])
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    return model
+
+
+def data(model) -> list:
+    """Each step's ``((tokens, positions, block_mask), targets)``: the mask the model builds itself for
+    the global batch (causal, documents by position resets)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (GB, SEQ), generator=g)
+        positions = torch.arange(SEQ).repeat(GB, 1)
+        positions[::2, SEQ // 2:] -= SEQ // 2            # every other row packs two documents
+        out.append(((tokens, positions, model.get_attention_masks(positions)),
+                    torch.randint(0, VOCAB, (GB, SEQ), generator=g)))
+    return out
+
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+
+def _rank(rank: int) -> dict:
+    import autopar
+
+    out = {}
+    for strategy in STRATEGIES:
+        pin = autopar.Pin(tp=2) if strategy == "tp" else None
+        model = build_llama3()
+        steps = data(model)
+        compiled = autopar.compile(model, autopar.current_cluster(), steps[0][0], GB, loss_fn,
+                                   optimizer=optimizer_factory("adamw"), strategy=strategy, pin=pin)
+        losses = [compiled.step(x, y) for x, y in steps]
+        state = compiled.state_dict()
+        if rank == 0:
+            out[strategy] = (state, losses, compiled.plan.strategy)
+    return out
+
+
+def _one_device():
+    """The captured graph trained on the whole batch (module docstring)."""
+    from autopar.passes.capture import capture
+    from autopar.passes.inputs import flat_inputs, flatten_like
+
+    model = build_llama3()
+    steps = data(model)
+    view, flat, layout = flat_inputs(model, steps[0][0])
+    gm = capture(view, flat).gm
+    gm.train = lambda mode=True: gm      # an exported module refuses train(); it has no dropout to switch
+    run = train_one_device(gm, loss_fn, [(flatten_like(x, layout), y) for x, y in steps], "adamw")
+    # the graph holds the model's Parameters: the model's state dict, in its own form (torchtitan
+    # saves the fused qkv weight as wq, wk, wv), is the trained state
+    return type(run)({k: v.detach().clone() for k, v in model.state_dict().items()}, run.losses)
+
+
+@pytest.mark.launch
+def test_flex_attention_llama3_trains_exactly():
+    import autopar
+
+    cluster = autopar.Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
+                                                               "memory_GB": 4}, "count": 2}]})
+    results = autopar.launch(_rank, cluster, timeout_s=900)[0]
+    ref = _one_device()
+    for strategy in STRATEGIES:
+        state, losses, _ = results[strategy]
+        worst = max(state_rel_errors(state, ref.state).values())
+        assert worst <= RTOL["adamw"], (strategy, worst)
+        assert losses == pytest.approx(ref.losses, rel=1e-5), strategy
+
+
+def test_a_block_mask_argument_captures_with_a_dynamic_batch():
+    """The mask's block tables and the tensors its mask_mod closes over are graph inputs cut by rows:
+    the graph on any rows of the batch is the model on those rows with their own mask."""
+    from autopar.passes.capture import capture
+    from autopar.passes.inputs import flat_inputs
+
+    model = build_llama3()
+    (inputs, _), = data(model)[:1]
+    view, flat, _ = flat_inputs(model, inputs)
+    captured = capture(view, flat)
+    assert captured.method == "export" and not captured.batch_static
+    assert sum("flex_attention" in str(n.target) for n in captured.gm.graph.nodes) == 2
+    rows = slice(1, 4)      # odd, even, odd rows: not the example's first three
+    with torch.no_grad():
+        got = captured.gm(*(t[rows] for t in flat))
+        want = model(inputs[0][rows], inputs[1][rows], attention_masks=model.get_attention_masks(inputs[1][rows]))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
