@@ -106,6 +106,15 @@ def _layout(inputs: Any, what: str) -> tuple[InputLayout, tuple]:
     return InputLayout(spec, slots, constants), tuple(leaves[i] for i in slots)
 
 
+def _has_block_mask(inputs: Any) -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return False
+    args, kwargs = _args_kwargs(inputs)
+    return any(isinstance(x, BlockMask) for x in (*args, *kwargs.values()))
+
+
 def _forward_of(n: int, layout: InputLayout, base: type):
     """A ``forward(self, x0, ..., x{n-1})``: explicit parameters, so that torch.export names and counts
     the inputs as the flat tuple."""
@@ -125,6 +134,10 @@ def flat_inputs(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tuple
         args, _ = _args_kwargs(example_inputs)
         return model, tuple(args), None
     layout, flat = _layout(example_inputs, "example_inputs")
+    if flat[0].dim() > 0 and flat[0].shape[0] == 1 and _has_block_mask(example_inputs):
+        raise InputsError("example_inputs: a BlockMask over one row; a mask of one row may take another form "
+                          "than a batch's (torchtitan builds it without a batch dimension), so give an example "
+                          "of at least 2 rows, its mask built as every step's is")
     base = type(model)
     view_cls = type(base.__name__, (base,), {"forward": _forward_of(len(flat), layout, base),
                                              "__module__": base.__module__, "__qualname__": base.__qualname__})

@@ -107,3 +107,21 @@ def test_expert_flops_are_the_analytic_count(name):
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     want = 2 * ids.numel() * cfg.num_experts_per_tok * 3 * cfg.hidden_size * width * cfg.num_hidden_layers
     assert got == pytest.approx(want, rel=0.05)
+
+
+def test_a_batch_1_example_plans_and_compiles():
+    """Mixtral from a one-row example (torch.export would fix a batch of 1): the plan prices other batch
+    sizes, and a compiled job steps the global batch as one device does."""
+    import autopar
+
+    steps = data()
+    one = (steps[0][0][0][:1],)
+    cluster = autopar.Cluster.from_dict({"nodes": [{"device": "cpu", "count": 1}]})
+    plan = autopar.plan(build("mixtral"), cluster, one, GB, loss_fn, strategy="uniform-dp")
+    assert plan.global_batch_size == GB and plan.predicted.step_time_s > 0
+    compiled = autopar.compile(build("mixtral"), cluster, one, GB, loss_fn, optimizer=optimizer_factory("adamw"),
+                               strategy="uniform-dp")
+    losses = [compiled.step(x, y) for x, y in steps]
+    ref = train_one_device(build("mixtral"), loss_fn, steps, "adamw")
+    assert max(state_rel_errors(compiled.state_dict(), ref.state).values()) <= RTOL["adamw"]
+    assert losses == pytest.approx(ref.losses, rel=1e-5)

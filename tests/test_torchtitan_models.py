@@ -120,3 +120,19 @@ def test_a_block_mask_argument_captures_with_a_dynamic_batch():
         got = captured.gm(*(t[rows] for t in flat))
         want = model(inputs[0][rows], inputs[1][rows], attention_masks=model.get_attention_masks(inputs[1][rows]))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+
+def test_a_one_row_block_mask_example_is_one_clear_error():
+    """torchtitan builds a one-row mask without a batch dimension in its mask's tensors: such an
+    example cannot stand for a batch's, and says so before any capture."""
+    import autopar
+    from autopar.passes.inputs import InputsError
+
+    model = build_llama3()
+    (inputs, _), = data(model)[:1]
+    positions = inputs[1][:1]
+    one = (inputs[0][:1], positions, model.get_attention_masks(positions))
+    cluster = autopar.Cluster.from_dict({"nodes": [{"device": "cpu", "count": 1}]})
+    with pytest.raises(InputsError, match="at least 2 rows"):
+        autopar.plan(model, cluster, one, 4, loss_fn, strategy="uniform-dp")
