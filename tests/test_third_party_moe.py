@@ -13,8 +13,8 @@ from torch import nn
 
 from oracle import RTOL, optimizer_factory, state_rel_errors, train_one_device
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed")
+pytestmark = [pytest.mark.thirdparty, pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                                         reason="transformers is not installed")]
 
 GB, STEPS = 12, 2
 MODELS = ("mixtral", "qwen2moe", "qwen3moe")

@@ -17,7 +17,8 @@ from torch import nn
 
 from oracle import RTOL, optimizer_factory, state_rel_errors, train_one_device
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+pytestmark = [pytest.mark.thirdparty,
+              pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")]
 
 GB, SEQ, STEPS, VOCAB = 8, 32, 2, 2048
 STRATEGIES = ("uniform-dp", "uniform-pp", "tp", "auto")
@@ -136,3 +137,35 @@ def test_a_one_row_block_mask_example_is_one_clear_error():
     cluster = autopar.Cluster.from_dict({"nodes": [{"device": "cpu", "count": 1}]})
     with pytest.raises(InputsError, match="at least 2 rows"):
         autopar.plan(model, cluster, one, 4, loss_fn, strategy="uniform-dp")
+
+
+@pytest.mark.parametrize("name,top_k,width,moe_layers", [("deepseek_v3", 3, 256, 1), ("qwen3_moe", 2, 256, 2)])
+def test_expert_flops_are_the_analytic_count(name, top_k, width, moe_layers):
+    """torchtitan's routed experts (bf16 grouped products, as shipped): forward FLOPs of 2 x routed
+    tokens x 3 GEMMs x hidden x expert width per mixture-of-experts layer."""
+    from autopar.models import titan
+    from autopar.passes.analyze import analyze
+    from autopar.passes.inputs import flat_inputs
+    from autopar.passes.meta import COST
+
+    case = getattr(titan, name)()
+    view, flat, _ = flat_inputs(case.model, case.example_inputs)
+    analysis = analyze(view, flat)
+    got = sum(n.meta[COST].fwd_flops for n in analysis.captured.gm.graph.nodes
+              if "grouped_mm" in str(n.target) and COST in n.meta)
+    tokens = flat[0].numel()
+    assert got == pytest.approx(2 * tokens * top_k * 3 * 256 * width * moe_layers, rel=0.05)
+
+
+def test_the_check_trains_a_flex_attention_model_on_its_graph():
+    """autopar check's one-device runs take the model's inputs as it takes them, and its captured graph
+    where torch refuses the model's own backward here (flex attention on CPU)."""
+    import torch.fx as fx
+
+    from autopar.cli.check import _trainable_forward
+    from autopar.models import titan
+
+    case = titan.llama3()
+    forward, layout = _trainable_forward(case.model, case.example_inputs)
+    assert isinstance(forward, fx.GraphModule) and layout is not None
+    assert all(p.grad is None for p in case.model.parameters())

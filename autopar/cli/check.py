@@ -25,6 +25,9 @@ import json
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten
+
+from autopar.passes.inputs import flatten_like
 
 __all__ = ["CheckResult", "OWN_FACTOR", "BOUNDS", "state_rel_errors", "check_worker", "run_check", "add_parser",
            "cmd_check"]
@@ -134,19 +137,40 @@ def _one_device(model: str, initial: dict, global_batch: int, pieces: tuple[int,
     case = load(model, device="cpu", seed=seed)
     net = case.model
     net.load_state_dict(copy.deepcopy(initial))
+    forward, layout = _trainable_forward(net, case.example_inputs)
     opt = _optimizer(optimizer)([p for p in net.parameters() if p.requires_grad])
     for s in range(steps):
         inputs, targets = _batch(case, global_batch, s)
+        leaves = flatten_like(inputs, layout)
         opt.zero_grad(set_to_none=True)
         start = 0
         for n in pieces:
             rows = slice(start, start + n)
-            take = tuple(t[rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in inputs)
+            take = tuple(t[rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in leaves)
             tgt = targets[rows] if isinstance(targets, torch.Tensor) else targets
-            (compute_loss(net(*take), tgt, case.loss_fn) * (n / global_batch)).backward()
+            (compute_loss(forward(*take), tgt, case.loss_fn) * (n / global_batch)).backward()
             start += n
         opt.step()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _trainable_forward(net, example_inputs):
+    """``(forward, layout)``: the model over the tensor leaves of its inputs (``passes.inputs``), or its
+    captured graph, the same operators on the same Parameters, where this device refuses the model's
+    own backward (torch's ``flex_attention`` has none on CPU; the graph's operator has)."""
+    from autopar.passes.capture import capture
+    from autopar.passes.inputs import flat_inputs
+
+    view, flat, layout = flat_inputs(net, example_inputs)
+    try:
+        out = next(t for t in tree_flatten(view(*flat))[0] if isinstance(t, torch.Tensor) and t.is_floating_point())
+        out.float().sum().backward()
+        return view, layout
+    except NotImplementedError:
+        return capture(view, flat).gm, layout
+    finally:
+        for p in net.parameters():
+            p.grad = None
 
 
 def run_check(model: str, cluster, global_batch: int, strategy: str = "auto", optimizer: str = "adamw",
