@@ -153,6 +153,10 @@ def _export_frozen(model: nn.Module, example_inputs: tuple) -> tuple[fx.GraphMod
     from torch.export import Dim
 
     example_inputs = _batch_of_two(align_inputs(model, example_inputs))
+    # an example that is a view (``ids[:, :-1]``) would leave a guard on its base's shape in the graph,
+    # which every other input (a micro-batch, a fresh tensor) fails: export a copy
+    example_inputs = tuple(t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t
+                           for t in example_inputs)
 
     dyn = tuple({0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in example_inputs)
     reason = None

@@ -154,3 +154,16 @@ def test_flat_graph_falls_back_to_top_level_modules():
     # nn.Sequential children are named 0, 1, 2: they are the blocks.
     assert [b.name for b in a.blocks][-3:] == ["0", "1", "2"] or len(a.blocks) >= 3
     assert a.total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_an_example_that_is_a_view_leaves_no_guard_on_its_base():
+    """``ids[:, :-1]`` as the example: export would guard its base's shape, which a micro-batch or a
+    fresh tensor fails; capture exports a copy."""
+    case = zoo.build("hf-gpt-tiny")
+    wide = torch.cat([case.example_inputs[0], case.example_inputs[0][:, :1]], dim=1)
+    view = (wide[:, :-1],) + tuple(case.example_inputs[1:])
+    assert view[0]._base is not None
+    c = capture(case.model, view)
+    assert c.method == "export" and not c.batch_static
+    fresh = tuple(t[:3].clone() for t in case.batch(3, seed=1)[0])
+    c.gm(*fresh)
