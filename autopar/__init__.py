@@ -1,7 +1,7 @@
 """autopar: a compiled-graph auto-parallelizer for training PyTorch models on heterogeneous clusters.
 
 Public surface (see shared/spec/api.md): ``Cluster``, ``plan``, ``compile``, ``launch``, ``init``,
-``Plan``, ``PlanConfig``, ``Pin``, ``RunConfig``, ``Inputs`` (keyword and pytree model inputs), ``materialize``, ``models``, ``kernels``, ``passes``,
+``Plan``, ``PlanConfig``, ``Pin``, ``RunConfig``, ``Inputs`` and ``Derived`` (keyword, pytree and per-batch model inputs), ``materialize``, ``models``, ``kernels``, ``passes``,
 ``current_cluster`` and ``restart_count`` (elastic runs), and the errors
 ``AutoparError`` (the base, a ``ValueError``), ``ClusterError``, ``PlanError``, ``RuntimeInputError``,
 ``LaunchError``.
@@ -14,7 +14,7 @@ from autopar.errors import AutoparError, ClusterError, LaunchError, PlanError, R
 
 __all__ = [
     "AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError",
-    "Cluster", "Plan", "PlanConfig", "Pin", "RunConfig", "Inputs", "plan", "compile", "launch", "init", "models", "kernels",
+    "Cluster", "Plan", "PlanConfig", "Pin", "RunConfig", "Inputs", "Derived", "plan", "compile", "launch", "init", "models", "kernels",
     "passes", "materialize", "current_cluster", "restart_count",
 ]
 
@@ -31,7 +31,8 @@ _LAZY = {
     "PlanConfig": ("autopar.config", "PlanConfig"),
     "Pin": ("autopar.config", "Pin"),
     "RunConfig": ("autopar.config", "RunConfig"),
-    "Inputs": ("autopar.passes.inputs", "Inputs"),
+    "Inputs": ("autopar.ir.inputs", "Inputs"),
+    "Derived": ("autopar.ir.inputs", "Derived"),
     "materialize": ("autopar.lowering.materialize", "materialize"),
     "current_cluster": ("autopar.runtime.elastic", "current_cluster"),
     "restart_count": ("autopar.runtime.elastic", "restart_count"),

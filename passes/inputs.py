@@ -10,6 +10,8 @@ buffers and submodules (the same dicts), so names, state dicts and weights are t
 
 - ``Inputs(*args, **kwargs)``: example or step inputs with keyword arguments (``compile(model,
   cluster, Inputs(tokens, attention_masks=mask), ...)``); a plain tuple is positional arguments.
+- ``Derived(fn)``: an argument computed from each batch's tensor arguments (a mask from positions),
+  from two rows where the example has one.
 - Non-tensor leaves (an ``int``, a ``bool``, a string) are fixed at the example's values: the graph is
   specialised to them.
 - Every tensor leaf is cut by rows like any input: a ``BlockMask`` over the global batch (batch size
@@ -28,25 +30,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.errors import AutoparError
+from autopar.ir.inputs import Derived, Inputs, InputsError
 
-__all__ = ["Inputs", "InputLayout", "InputsError", "flat_inputs", "flatten_like"]
-
-
-class InputsError(AutoparError):
-    """Inputs whose structure the compiled model cannot take."""
-
-
-class Inputs:
-    """A model's arguments, positional and keyword: ``Inputs(tokens, positions, attention_masks=mask)``."""
-
-    __slots__ = ("args", "kwargs")
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.args, self.kwargs = tuple(args), dict(kwargs)
-
-    def __repr__(self) -> str:
-        return f"Inputs({len(self.args)} positional, keywords {sorted(self.kwargs)})"
+__all__ = ["Inputs", "Derived", "InputLayout", "InputsError", "flat_inputs", "flatten_like"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +59,23 @@ def _args_kwargs(inputs: Any) -> tuple[tuple, dict]:
     if isinstance(inputs, tuple):
         return inputs, {}
     return (inputs,), {}
+
+
+def _derive(inputs: Any, two_rows: bool = False) -> Any:
+    """``inputs`` with every ``Derived`` argument computed (``two_rows``: from a one-row batch
+    repeated to two, the example's case); as given where there is none."""
+    args, kwargs = _args_kwargs(inputs)
+    if not any(isinstance(v, Derived) for v in (*args, *kwargs.values())):
+        return inputs
+    if two_rows:
+        args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 else a
+                     for a in args)
+        kwargs = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1 else v
+                  for k, v in kwargs.items()}
+    given = tuple(a for a in args if isinstance(a, torch.Tensor))
+    args = tuple(a.fn(*given) if isinstance(a, Derived) else a for a in args)
+    kwargs = {k: v.fn(*given) if isinstance(v, Derived) else v for k, v in kwargs.items()}
+    return Inputs(*args, **kwargs)
 
 
 def _is_flat(inputs: Any) -> bool:
@@ -133,11 +136,13 @@ def flat_inputs(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tuple
     if _is_flat(example_inputs):
         args, _ = _args_kwargs(example_inputs)
         return model, tuple(args), None
+    example_inputs = _derive(example_inputs, two_rows=True)
     layout, flat = _layout(example_inputs, "example_inputs")
     if flat[0].dim() > 0 and flat[0].shape[0] == 1 and _has_block_mask(example_inputs):
         raise InputsError("example_inputs: a BlockMask over one row; a mask of one row may take another form "
-                          "than a batch's (torchtitan builds it without a batch dimension), so give an example "
-                          "of at least 2 rows, its mask built as every step's is")
+                          "than a batch's (torchtitan builds it without a batch dimension): give it as "
+                          "autopar.Derived(lambda tokens, positions: ...), built from each batch, or give an "
+                          "example of at least 2 rows")
     base = type(model)
     view_cls = type(base.__name__, (base,), {"forward": _forward_of(len(flat), layout, base),
                                              "__module__": base.__module__, "__qualname__": base.__qualname__})
@@ -149,6 +154,7 @@ def flat_inputs(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, tuple
 def flatten_like(inputs: Any, layout: InputLayout | None) -> tuple:
     """A step's ``inputs`` as the flat tuple of tensors the compiled model takes (``layout`` None: the
     model takes a tuple of tensors as given)."""
+    inputs = _derive(inputs)
     if layout is None:
         args, kwargs = _args_kwargs(inputs)
         if kwargs:

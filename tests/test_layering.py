@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "ir": {"errors", "config"},
     "cluster": {"errors", "config"},
-    "models": {"errors"},
+    "models": {"errors", "ir"},
     "passes": {"errors", "config", "ir", "kernels"},
     "cost": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "planner": {"errors", "config", "ir", "cluster", "cost"},

@@ -169,3 +169,30 @@ def test_the_check_trains_a_flex_attention_model_on_its_graph():
     forward, layout = _trainable_forward(case.model, case.example_inputs)
     assert isinstance(forward, fx.GraphModule) and layout is not None
     assert all(p.grad is None for p in case.model.parameters())
+
+
+def test_a_batch_1_example_plans_and_compiles():
+    """A one-row example whose mask is ``autopar.Derived`` from each batch's positions (as
+    ``autopar.models.titan`` gives it): the plan prices other batch sizes, and a compiled job steps
+    batches of 4 as one device does."""
+    import autopar
+    from autopar.models import titan
+    from autopar.passes.capture import capture
+    from autopar.passes.inputs import flat_inputs, flatten_like
+
+    case = titan.llama3()
+    one, _ = case.batch(1, seed=0)
+    steps = [case.batch(4, seed=s) for s in (1, 2)]
+    cluster = autopar.Cluster.from_dict({"nodes": [{"device": "cpu", "count": 1}]})
+    plan = autopar.plan(case.model, cluster, one, 4, case.loss_fn, strategy="uniform-dp")
+    assert plan.global_batch_size == 4 and plan.predicted.step_time_s > 0
+    compiled = autopar.compile(titan.llama3().model, cluster, one, 4, case.loss_fn,
+                               optimizer=optimizer_factory("adamw"), strategy="uniform-dp")
+    losses = [compiled.step(x, y) for x, y in steps]
+    model = titan.llama3().model
+    view, flat, layout = flat_inputs(model, steps[0][0])
+    gm = capture(view, flat).gm
+    gm.train = lambda mode=True: gm
+    ref = train_one_device(gm, case.loss_fn, [(flatten_like(x, layout), y) for x, y in steps], "adamw")
+    assert max(state_rel_errors(compiled.state_dict(), model.state_dict()).values()) <= RTOL["adamw"]
+    assert losses == pytest.approx(ref.losses, rel=1e-5)

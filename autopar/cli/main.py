@@ -80,6 +80,7 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str
 
     from autopar.cost.profile import DEFAULT_SAMPLE_BATCHES
     from autopar.passes.analyze import analyze
+    from autopar.passes.inputs import flat_inputs
 
     case = _planning_case(model_spec)   # one build (a 140B model on meta takes ~0.7 s)
     if example_batch is not None:       # the model captured and analysed at this many rows
@@ -88,6 +89,8 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str
 
             raise PlanError(f"--example-batch: need N >= 1 rows, got {example_batch}")
         case = dataclasses.replace(case, example_inputs=case.batch(example_batch)[0])
+    view, flat, _ = flat_inputs(case.model, case.example_inputs)     # pytree and derived inputs
+    case = dataclasses.replace(case, model=view, example_inputs=flat)
     t0 = time.perf_counter()
     analysis = analyze(case.model, case.example_inputs, **planning_analysis_options())
     analyze_s = time.perf_counter() - t0

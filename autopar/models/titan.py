@@ -3,8 +3,9 @@ autopar.models.titan:NAME`` (``autopar check``, ``train``, ``plan``) and for tes
 
 Each is the registry's debug model (flex attention, torchtitan's default) cut to ``layers`` of its
 layers so that it trains quickly on CPUs; its inputs are torchtitan's trainer's: ``(tokens, positions,
-block_mask)``, the mask built by the model's own ``get_attention_masks`` over the whole batch
-(causal; every other row packs two documents, so the document masks differ by row). Targets are
+block_mask)``, the mask built by the model's own ``get_attention_masks`` from each batch's positions
+(``autopar.Derived``: so an example of any rows, one included, stands for every batch), causal, every
+other row packing two documents so that the document masks differ by row. Targets are
 next-token ids; the loss is token cross-entropy in fp32.
 
 - ``llama3``: Llama 3 debug model, 2 layers (about 4.5M parameters).
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from autopar.models.case import ModelCase, ModelZooError
+from autopar.ir.inputs import Derived
 
 __all__ = ["llama3", "deepseek_v3", "qwen3_moe", "SEQ_LEN", "VOCAB"]
 
@@ -60,7 +62,10 @@ def _case(name: str, config, layers: int, seed: int) -> ModelCase:
         positions[::2, SEQ_LEN // 2:] -= SEQ_LEN // 2          # every other row packs two documents
         if device is not None:
             tokens, positions = tokens.to(device), positions.to(device)
-        return (tokens[:, :-1], positions, model.get_attention_masks(positions)), tokens[:, 1:]
+        return (tokens[:, :-1], positions, Derived(_masks)), tokens[:, 1:]
+
+    def _masks(tokens, positions):
+        return model.get_attention_masks(positions)
 
     return ModelCase(name=name, model=model, example_inputs=make_batch(2, seed)[0], loss_fn=_loss,
                      make_batch=make_batch)
