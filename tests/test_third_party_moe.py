@@ -1,5 +1,5 @@
 """Mixture-of-experts models as transformers ships them (Mixtral, Qwen2-MoE, Qwen3-MoE, from small
-configs) train under uniform-dp, uniform-pp and TP 2 to the one-device state (AdamW), and their
+configs) train under uniform-dp, uniform-pp, TP 2 and auto to the one-device state (AdamW), and their
 routed experts' FLOPs are the analytic count. Needs
 transformers (the thirdparty extra pins it); skipped without it."""
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.thirdparty, pytest.mark.skipif(importlib.util.find_spe
 
 GB, STEPS = 12, 2
 MODELS = ("mixtral", "qwen2moe", "qwen3moe")
-STRATEGIES = ("uniform-dp", "uniform-pp", "tp")
+STRATEGIES = ("uniform-dp", "uniform-pp", "tp", "auto")
 
 
 def build(name: str) -> nn.Module:
