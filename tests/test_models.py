@@ -200,6 +200,22 @@ FACTORY_MODULE = textwrap.dedent("""
 
     def junk():
         return 42
+
+    class TinyCausalLM(nn.Module):
+        class config:
+            vocab_size = 11
+            max_position_embeddings = 8
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(11, 4)
+            self.head = nn.Linear(4, 11)
+
+        def forward(self, input_ids):
+            return self.head(self.embed(input_ids))
+
+    def causal_lm():
+        return TinyCausalLM()
 """)
 
 
@@ -218,6 +234,11 @@ def test_load_factories(tmp_path, monkeypatch):
         assert zoo.load("user_models_for_zoo_test:triple", device="meta").model.weight.is_meta
         with pytest.raises(ModelZooError, match="returned int"):
             zoo.load("user_models_for_zoo_test:junk")
+        lm = zoo.load("user_models_for_zoo_test:causal_lm")      # a bare causal LM: tokens in, next tokens out
+        inputs, targets = lm.batch(3, seed=1)
+        assert inputs[0].shape == (3, 8) and targets.shape == (3, 8) and int(inputs[0].max()) < 11
+        assert lm.loss_fn(lm.model(*inputs), targets).dim() == 0
+        assert sorted(lm.model.state_dict()) == ["lm.embed.weight", "lm.head.bias", "lm.head.weight"]
         with pytest.raises(ModelZooError, match="no callable"):
             zoo.load("user_models_for_zoo_test:missing")
     finally:

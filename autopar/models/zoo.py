@@ -2,8 +2,9 @@
 
 Terms
 - zoo name: a preset of one family (``gpt-tiny``, ``llama-140b``...), see ``names()``.
-- factory: a user function that takes no arguments and returns a ``ModelCase``, or a tuple
-  ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``.
+- factory: a user function that takes no arguments and returns a ``ModelCase``, a tuple
+  ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``, or a bare causal LM
+  (``causal_lm_case``: a module with ``config.vocab_size``, such as transformers' ``...ForCausalLM``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from autopar.models import bert, gpt, llama, mlp, resnet, thirdparty, vit
 from autopar.models.case import ModelCase, ModelZooError, apply_overrides
 
-__all__ = ["build", "names", "load", "config_of", "factory_of"]
+__all__ = ["build", "names", "load", "config_of", "factory_of", "causal_lm_case"]
 
 _FAMILIES = (gpt, llama, bert, vit, resnet, mlp, thirdparty)
 
@@ -103,5 +104,40 @@ def _as_case(spec: str, made: Any) -> ModelCase:
         if loss_fn is not None and not callable(loss_fn):
             raise ModelZooError(f"model: factory {spec!r} returned a loss_fn that is not callable")
         return ModelCase(name=spec, model=model, example_inputs=tuple(example_inputs), loss_fn=loss_fn)
-    raise ModelZooError(f"model: factory {spec!r} returned {type(made).__name__}; expected a ModelCase or a "
-                        "tuple (model, example_inputs) or (model, example_inputs, loss_fn)")
+    if isinstance(made, nn.Module) and isinstance(getattr(getattr(made, "config", None), "vocab_size", None), int):
+        return causal_lm_case(spec, made)
+    raise ModelZooError(f"model: factory {spec!r} returned {type(made).__name__}; expected a ModelCase, a "
+                        "tuple (model, example_inputs) or (model, example_inputs, loss_fn), or a causal LM "
+                        "(a module with config.vocab_size, called as model(input_ids=...))")
+
+
+class _Logits(nn.Module):
+    """A causal LM called as ``model(input_ids=ids)``, returning its logits (a model output's
+    ``logits``, or the output itself)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.lm(input_ids=input_ids)
+        return out.logits if hasattr(out, "logits") else out
+
+
+def causal_lm_case(name: str, lm: nn.Module, seq_len: int = 32) -> ModelCase:
+    """A bare causal LM (a Hugging Face ``...ForCausalLM``) as a case: token ids of ``seq_len`` (at
+    most its ``max_position_embeddings``) in, the next tokens as targets, token cross-entropy. Its
+    parameters are named under ``lm.``."""
+    from functools import partial
+
+    from autopar.models.data import lm_batch
+    from autopar.models.losses import token_cross_entropy
+
+    config = lm.config
+    if hasattr(config, "use_cache"):
+        config.use_cache = False          # no key-value cache in training
+    seq_len = min(seq_len, int(getattr(config, "max_position_embeddings", seq_len) or seq_len))
+    make_batch = partial(lm_batch, seq_len=seq_len, vocab_size=int(config.vocab_size))
+    device = next((p.device for p in lm.parameters()), torch.device("cpu"))
+    return ModelCase(name=name, model=_Logits(lm), example_inputs=make_batch(2, 0, device)[0],
+                     loss_fn=token_cross_entropy, make_batch=make_batch)
