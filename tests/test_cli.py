@@ -52,6 +52,22 @@ def test_plan_with_a_batch_1_example(capsys, model):
     assert plan["global_batch_size"] == 8 and plan["predicted"]["step_time_s"] > 0
 
 
+@pytest.mark.thirdparty
+def test_plan_a_hugging_face_config(capsys, tmp_path):
+    """``hf:PATH``: the causal LM a config.json describes, built on meta by transformers, plans; a path
+    that is not there is one line and exit status 2."""
+    tf = pytest.importorskip("transformers")
+    tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path)
+    assert main(["plan", "--model", f"hf:{tmp_path / 'config.json'}", "--cluster", "demo", "--global-batch", "8",
+                 "--json", "-"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["global_batch_size"] == 8 and plan["predicted"]["step_time_s"] > 0
+    assert main(["plan", "--model", f"hf:{tmp_path / 'nowhere'}", "--cluster", "demo", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no such config.json" in err
+
+
 def test_models_lists_the_zoo(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -45,6 +45,8 @@ def _planning_case(spec: str):
         case = _load_model(spec, device="meta")
         if case.num_params_expected >= 50_000_000:
             return case
+    if spec.startswith("hf:"):          # a config: no weights to measure with (api.md)
+        return _load_model(spec, device="meta")
     return _load_model(spec, device="cpu")
 
 

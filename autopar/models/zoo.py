@@ -2,6 +2,7 @@
 
 Terms
 - zoo name: a preset of one family (``gpt-tiny``, ``llama-140b``...), see ``names()``.
+- ``hf:PATH``: a Hugging Face ``config.json`` or a folder holding one (``hf_config_case``).
 - factory: a user function that takes no arguments and returns a ``ModelCase``, a tuple
   ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``, or a bare causal LM
   (``causal_lm_case``: a module with ``config.vocab_size``, such as transformers' ``...ForCausalLM``).
@@ -18,7 +19,7 @@ from torch import nn
 from autopar.models import bert, gpt, llama, mlp, resnet, thirdparty, vit
 from autopar.models.case import ModelCase, ModelZooError, apply_overrides
 
-__all__ = ["build", "names", "load", "config_of", "factory_of", "causal_lm_case"]
+__all__ = ["build", "names", "load", "config_of", "factory_of", "causal_lm_case", "hf_config_case"]
 
 _FAMILIES = (gpt, llama, bert, vit, resnet, mlp, thirdparty)
 
@@ -81,6 +82,8 @@ def load(spec: str, device: str | torch.device | None = None, *, seed: int = 0) 
         raise ModelZooError(f"model: expected a zoo name or 'package.module:factory', got {spec!r}")
     if ":" not in spec:
         return build(spec, device if device is not None else "cpu", seed=seed)
+    if spec.startswith("hf:"):
+        return hf_config_case(spec[3:], device=device if device is not None else "cpu", seed=seed)
     case = _as_case(spec, factory_of(spec)())
     if device is not None:
         case = ModelCase(name=case.name, model=case.model.to(device),
@@ -122,6 +125,32 @@ class _Logits(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.lm(input_ids=input_ids)
         return out.logits if hasattr(out, "logits") else out
+
+
+def hf_config_case(path: str, *, device: str | torch.device = "cpu", seed: int = 0) -> ModelCase:
+    """``hf:PATH``: the causal LM a Hugging Face ``config.json`` (or a folder holding one) describes,
+    built by transformers from the config alone (no weights) on ``device``, its attention SDPA, as
+    ``causal_lm_case``."""
+    from pathlib import Path
+
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelZooError(f"model: hf:{path} needs transformers (pip install 'autopar[thirdparty]')") from exc
+    if not Path(path).exists():
+        raise ModelZooError(f"model: hf:{path}: no such config.json or folder")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelZooError(f"model: hf:{path}: not a Hugging Face config ({str(exc).splitlines()[0][:200]})") from exc
+    torch.manual_seed(seed)
+    with torch.device(device):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError as exc:
+            raise ModelZooError(f"model: hf:{path}: transformers has no causal LM for this config "
+                                f"({str(exc).splitlines()[0][:200]})") from exc
+    return causal_lm_case(f"hf:{path}", model)
 
 
 def causal_lm_case(name: str, lm: nn.Module, seq_len: int = 32) -> ModelCase:
