@@ -23,6 +23,7 @@ buffers and submodules (the same dicts), so names, state dicts and weights are t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +69,10 @@ def _derive(inputs: Any, two_rows: bool = False) -> Any:
     if not any(isinstance(v, Derived) for v in (*args, *kwargs.values())):
         return inputs
     if two_rows:
-        args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 else a
-                     for a in args)
-        kwargs = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1 else v
-                  for k, v in kwargs.items()}
+        def two(v):
+            return torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1 else v
+
+        args, kwargs = tuple(map(two, args)), {k: two(v) for k, v in kwargs.items()}
     given = tuple(a for a in args if isinstance(a, torch.Tensor))
     args = tuple(a.fn(*given) if isinstance(a, Derived) else a for a in args)
     kwargs = {k: v.fn(*given) if isinstance(v, Derived) else v for k, v in kwargs.items()}
@@ -83,6 +84,7 @@ def _is_flat(inputs: Any) -> bool:
     return not kwargs and all(isinstance(a, torch.Tensor) for a in args)
 
 
+@functools.cache
 def _register_pytree_nodes() -> None:
     """``BlockMask`` as a pytree node, through its own ``_flatten`` / ``_unflatten`` (torch writes them
     but registers none: a mask would be one opaque leaf, and torch.export would bake its tensors into

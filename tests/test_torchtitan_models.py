@@ -73,20 +73,23 @@ def _rank(rank: int) -> dict:
     return out
 
 
-def _one_device():
-    """The captured graph trained on the whole batch (module docstring)."""
+def _graph_one_device(model, loss, steps):
+    """``model``'s captured graph trained on each whole batch of ``steps`` (module docstring)."""
     from autopar.passes.capture import capture
     from autopar.passes.inputs import flat_inputs, flatten_like
 
-    model = build_llama3()
-    steps = data(model)
     view, flat, layout = flat_inputs(model, steps[0][0])
     gm = capture(view, flat).gm
     gm.train = lambda mode=True: gm      # an exported module refuses train(); it has no dropout to switch
-    run = train_one_device(gm, loss_fn, [(flatten_like(x, layout), y) for x, y in steps], "adamw")
+    run = train_one_device(gm, loss, [(flatten_like(x, layout), y) for x, y in steps], "adamw")
     # the graph holds the model's Parameters: the model's state dict, in its own form (torchtitan
     # saves the fused qkv weight as wq, wk, wv), is the trained state
     return type(run)({k: v.detach().clone() for k, v in model.state_dict().items()}, run.losses)
+
+
+def _one_device():
+    model = build_llama3()
+    return _graph_one_device(model, loss_fn, data(model))
 
 
 @pytest.mark.launch
@@ -177,8 +180,6 @@ def test_a_batch_1_example_plans_and_compiles():
     batches of 4 as one device does."""
     import autopar
     from autopar.models import titan
-    from autopar.passes.capture import capture
-    from autopar.passes.inputs import flat_inputs, flatten_like
 
     case = titan.llama3()
     one, _ = case.batch(1, seed=0)
@@ -189,10 +190,6 @@ def test_a_batch_1_example_plans_and_compiles():
     compiled = autopar.compile(titan.llama3().model, cluster, one, 4, case.loss_fn,
                                optimizer=optimizer_factory("adamw"), strategy="uniform-dp")
     losses = [compiled.step(x, y) for x, y in steps]
-    model = titan.llama3().model
-    view, flat, layout = flat_inputs(model, steps[0][0])
-    gm = capture(view, flat).gm
-    gm.train = lambda mode=True: gm
-    ref = train_one_device(gm, case.loss_fn, [(flatten_like(x, layout), y) for x, y in steps], "adamw")
-    assert max(state_rel_errors(compiled.state_dict(), model.state_dict()).values()) <= RTOL["adamw"]
+    ref = _graph_one_device(titan.llama3().model, case.loss_fn, steps)
+    assert max(state_rel_errors(compiled.state_dict(), ref.state).values()) <= RTOL["adamw"]
     assert losses == pytest.approx(ref.losses, rel=1e-5)

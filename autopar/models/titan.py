@@ -55,6 +55,9 @@ def _case(name: str, config, layers: int, seed: int) -> ModelCase:
     model = config.build()
     model.init_states()
 
+    def _masks(tokens, positions):
+        return model.get_attention_masks(positions)
+
     def make_batch(n: int, seed: int, device=None):
         g = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, VOCAB, (n, SEQ_LEN + 1), generator=g)
@@ -63,9 +66,6 @@ def _case(name: str, config, layers: int, seed: int) -> ModelCase:
         if device is not None:
             tokens, positions = tokens.to(device), positions.to(device)
         return (tokens[:, :-1], positions, Derived(_masks)), tokens[:, 1:]
-
-    def _masks(tokens, positions):
-        return model.get_attention_masks(positions)
 
     return ModelCase(name=name, model=model, example_inputs=make_batch(2, seed)[0], loss_fn=_loss,
                      make_batch=make_batch)

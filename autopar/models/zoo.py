@@ -87,7 +87,8 @@ def load(spec: str, device: str | torch.device | None = None, *, seed: int = 0) 
     case = _as_case(spec, factory_of(spec)())
     if device is not None:
         case = ModelCase(name=case.name, model=case.model.to(device),
-                         example_inputs=tuple(t.to(device) if hasattr(t, "to") else t for t in case.example_inputs), loss_fn=case.loss_fn,
+                         example_inputs=tuple(t.to(device) if hasattr(t, "to") else t for t in case.example_inputs),
+                         loss_fn=case.loss_fn,
                          config=case.config, num_params_expected=case.num_params_expected,
                          fwd_flops_per_sample_expected=case.fwd_flops_per_sample_expected,
                          make_batch=case.make_batch)
