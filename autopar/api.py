@@ -132,13 +132,18 @@ def run_planner(costs, cluster, global_batch_size: int, config: PlanConfig, *, t
 
 
 def model_num_heads(model: nn.Module) -> int | None:
-    """The attention heads of ``model`` (the first ``n_heads`` / ``num_heads`` / ``n_head`` attribute
-    of a submodule), which bounds its tensor-parallel degree; None when it has none."""
-    for m in model.modules():
-        for attr in ("n_heads", "num_heads", "n_head"):
-            v = getattr(m, attr, None)
-            if isinstance(v, int) and v > 0:
-                return v
+    """The attention heads that tensor parallelism shares out in ``model``, which bound its degree:
+    under grouped-query attention the key/value heads (a submodule's ``n_kv_heads`` /
+    ``num_key_value_heads``, or its ``config.num_key_value_heads``: each TP member owns whole groups),
+    else the first ``n_heads`` / ``num_heads`` / ``n_head`` attribute of a submodule; None when it has none."""
+    for attrs in (("n_kv_heads", "num_key_value_heads", "num_kv_heads"), ("n_heads", "num_heads", "n_head")):
+        for m in model.modules():
+            for attr in attrs:
+                v = getattr(m, attr, None)
+                if v is None and attr == "num_key_value_heads":
+                    v = getattr(getattr(m, "config", None), attr, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
     return None
 
 

@@ -340,11 +340,12 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
         local_units = u1 - u0
         for name, where, value, stride in pair.literals:
             _set_literal(nodes[name], where, value * local_units // pair.num_units)
-        # columns: rows of each part
-        width = pair.part_features
+        # columns: rows of each part (grouped-query k and v: fewer features per unit than q)
         for j, (cname, parts) in enumerate(zip(pair.column_nodes, pair.parts)):
             lin = linear_use(gm, orig[cname])
-            runs = tuple(tuple((p * width + a * uf, p * width + b * uf) for p in range(parts)) for a, b in ranges)
+            cuf = pair.column_features(j)
+            width = pair.num_units * cuf
+            runs = tuple(tuple((p * width + a * cuf, p * width + b * cuf) for p in range(parts)) for a, b in ranges)
             w = attr_value(gm, lin.weight)
             bias = attr_value(gm, lin.bias) if lin.bias else None
             local_w = torch.cat([w.detach()[a:b] for a, b in runs[rank_index]])

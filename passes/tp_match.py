@@ -6,17 +6,15 @@ graph and the region of sharded tensors between them. The pure analysis the plan
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch import nn
 
 from autopar.passes.meta import TENSOR
+from autopar.passes.tp_nodes import LinearUse, attr_value, node_kind as _kind, node_shape, linear_use
 
 __all__ = ["TPPair", "LinearUse", "find_tp_pairs", "linear_use", "attr_value", "node_shape"]
 
@@ -35,10 +33,18 @@ class TPPair:
     region: tuple[str, ...]       # nodes carrying sharded tensors (columns included), graph order
     # (node name, where, global value, stride): shape literals to rewrite for a member.
     literals: tuple[tuple[str, tuple, int, int], ...] = field(default=(), repr=False)
+    # features per unit of each column's part where they differ from the row's ``unit_features``
+    # (grouped-query attention: a unit is one key/value head's group; q holds n_rep heads of it, k and
+    # v one head each); empty: every column has the row's
+    column_unit_features: tuple[int, ...] = ()
 
     @property
     def part_features(self) -> int:
         return self.num_units * self.unit_features
+
+    def column_features(self, j: int) -> int:
+        """Features per unit of column ``j``'s part."""
+        return self.column_unit_features[j] if self.column_unit_features else self.unit_features
 
 
 
@@ -55,116 +61,9 @@ class _Sh:
     size: int       # global size of that dim
     stride: int     # part features per index of that dim
     parts: int = 1  # > 1 only on a fused column output before its chunk/split
-
-
-_UNARY_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.Mish,
-                  nn.LeakyReLU, nn.ELU)
-_UNARY_FUNCS = {F.gelu, F.silu, F.relu, F.dropout, F.mish, F.leaky_relu, F.elu, torch.tanh, torch.sigmoid,
-                torch.exp, torch.relu, operator.neg, torch.neg, torch.square, torch.rsqrt, torch.sqrt}
-_UNARY_METHODS = {"contiguous", "float", "half", "bfloat16", "double", "to", "type_as", "clone", "neg",
-                  "exp", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "square", "type"}
-_BINARY_FUNCS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
-                 torch.mul, torch.div, torch.where, torch.masked_fill, operator.pow, torch.pow}
-_BINARY_METHODS = {"add", "sub", "mul", "div", "masked_fill", "pow", "__add__", "__mul__"}
-_PROBE_ATTRS = {"dtype", "device", "ndim", "is_cuda", "requires_grad"}
-# ATen ops of torch.export graphs, by op name (overloads alike).
-_ATEN_KINDS = {
-    **dict.fromkeys(("gelu", "silu", "relu", "tanh", "sigmoid", "exp", "neg", "contiguous", "clone",
-                     "dropout", "_to_copy", "to", "alias", "type_as", "rsqrt", "sqrt", "square"), "unary"),
-    **dict.fromkeys(("add", "sub", "mul", "div", "masked_fill", "where", "pow"), "binary"),
-    "scaled_dot_product_attention": "sdpa", "matmul": "matmul", "bmm": "matmul",
-    "softmax": "softmax", "_softmax": "softmax", "log_softmax": "softmax", "_log_softmax": "softmax",
-    "transpose": "transpose", "permute": "permute", "view": "view", "reshape": "view", "_unsafe_view": "view",
-    "split": "split", "split_with_sizes": "split", "chunk": "chunk", "cat": "cat", "slice": "slice",
-    "unsqueeze": "unsqueeze", "sym_size": "probe",
-}
-_FUNC_KINDS = {
-    **dict.fromkeys(_UNARY_FUNCS, "unary"), **dict.fromkeys(_BINARY_FUNCS, "binary"),
-    F.scaled_dot_product_attention: "sdpa", operator.matmul: "matmul", torch.matmul: "matmul",
-    torch.bmm: "matmul", F.softmax: "softmax", F.log_softmax: "softmax", torch.softmax: "softmax",
-    torch.log_softmax: "softmax", torch.transpose: "transpose", torch.permute: "permute",
-    torch.reshape: "view", torch.cat: "cat", torch.unsqueeze: "unsqueeze", operator.getitem: "getitem",
-    torch.split: "split", torch.chunk: "chunk",
-}
-_METHOD_KINDS = {
-    **dict.fromkeys(_UNARY_METHODS, "unary"), **dict.fromkeys(_BINARY_METHODS, "binary"),
-    "matmul": "matmul", "softmax": "softmax", "log_softmax": "softmax", "transpose": "transpose",
-    "permute": "permute", "view": "view", "reshape": "view", "chunk": "chunk", "split": "split",
-    "unsqueeze": "unsqueeze", "size": "probe", "dim": "probe",
-}
-_LINEAR_FUNCS = {F.linear, torch.ops.aten.linear.default}
-
-
-def _kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """The matcher's name for what a node does (None: unknown, so never part of a region)."""
-    t = node.target
-    if node.op == "call_method":
-        return _METHOD_KINDS.get(t)
-    if node.op == "call_module":
-        return "unary" if isinstance(gm.get_submodule(t), _UNARY_MODULES) else None
-    if node.op != "call_function":
-        return None
-    if t is getattr:
-        return "probe" if len(node.args) == 2 and node.args[1] in _PROBE_ATTRS else None
-    if isinstance(t, torch._ops.OpOverload):
-        if t.namespace != "aten":
-            return None
-        return _ATEN_KINDS.get(t.__name__.split(".")[0])
-    try:
-        return _FUNC_KINDS.get(t)
-    except TypeError:   # unhashable target
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class LinearUse:
-    """A Linear in the graph: an ``nn.Linear`` module call or ``F.linear`` / ``aten.linear`` on
-    parameters read with ``get_attr``."""
-    weight: str           # qualified name of the weight
-    bias: str | None
-    in_features: int
-    out_features: int
-    module: str | None    # call_module target, or None for the functional form
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    """The output shape the analysis recorded for a node (None: not a tensor / unknown)."""
-    if not isinstance(node, fx.Node):
-        return None
-    info = node.meta.get(TENSOR)
-    if info is not None:
-        return tuple(int(s) for s in info.shape)
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
-    tm = node.meta.get("tensor_meta")
-    return tuple(int(s) for s in tm.shape) if tm is not None and hasattr(tm, "shape") else None
-
-
-node_shape = _shape   # public: passes.tp_sp reads shapes by the same rule
-
-
-def linear_use(gm: fx.GraphModule, node: fx.Node) -> LinearUse | None:
-    """The ``LinearUse`` that ``node`` is (a plain ``nn.Linear`` call with one input, or ``F.linear`` /
-    ``aten.linear`` on a 2-D ``get_attr`` weight), or None when it is anything else."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
-            return None
-        return LinearUse(f"{node.target}.weight", f"{node.target}.bias" if mod.bias is not None else None,
-                    mod.in_features, mod.out_features, str(node.target))
-    if node.op == "call_function" and node.target in _LINEAR_FUNCS and not node.kwargs \
-            and 2 <= len(node.args) <= 3:
-        w = node.args[1]
-        b = node.args[2] if len(node.args) == 3 else None
-        if not (isinstance(w, fx.Node) and w.op == "get_attr" and (b is None or (isinstance(b, fx.Node)
-                                                                                  and b.op == "get_attr"))):
-            return None
-        weight = attr_value(gm, w.target)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            return None
-        return LinearUse(str(w.target), str(b.target) if b is not None else None, weight.shape[1], weight.shape[0], None)
-    return None
+    # > 1: an expanded dim of this size follows the sharded dim (grouped-query attention's key/value
+    # heads repeated for their query heads), waiting for the view that merges the two
+    repeat: int = 1
 
 
 def _closure(seed: fx.Node, linears: dict[fx.Node, LinearUse], kinds: dict[fx.Node, str | None]):
@@ -220,7 +119,7 @@ class _Matcher:
 
     def check_side(self, side, sh: _Sh, out_ndim: int) -> None:
         """A replicated operand must broadcast along the sharded dim."""
-        shape = _shape(side)
+        shape = node_shape(side)
         if shape is None:
             return  # a scalar
         neg = sh.dim - out_ndim
@@ -238,13 +137,13 @@ class _Matcher:
                 if self.kinds[u] == "probe" and u.target not in (getattr, "dim"):
                     sh = self.state[n]
                     d = _arg(u, 1, "dim")
-                    shape = _shape(n)
+                    shape = node_shape(n)
                     if d is None or shape is None or not isinstance(sh, _Sh) \
                             or _norm_dim(d, len(shape)) == sh.dim:
                         raise _Reject(f"{u} reads the size of a sharded dim")
 
     def column_state(self, n: fx.Node) -> _Sh:
-        shape = _shape(n)
+        shape = node_shape(n)
         if shape is None:
             raise _Reject("no shape")
         out = shape[-1]
@@ -278,17 +177,23 @@ class _Matcher:
             return self.chunk(n, kind)
         if any(isinstance(s, tuple) or s.parts != 1 for s in shs):
             raise _Reject(f"{n} consumes a fused output")
-        out_shape = _shape(n)
+        out_shape = node_shape(n)
         if out_shape is None or kind is None:
             raise _Reject(f"{n.format_node()}: not a recognised op")
         sh = self.st(n.args[0] if n.args else None)
         nd = len(out_shape)
+        if any(s.repeat > 1 for s in shs) and kind not in ("unary", "view"):
+            raise _Reject(f"{n}: uses repeated heads before their merge")
         if kind == "unary":
             if sh is None or len(ins) != 1:
                 raise _Reject(f"{n}: sharded tensor not in first position")
             return sh
         if kind == "binary":
             return self.elementwise(n, out_shape)
+        if kind == "expand":
+            return self.expand(n, sh, out_shape)
+        if kind == "sdpa" and _arg(n, 7, "enable_gqa", False):
+            return self.grouped_sdpa(n, out_shape)
         if kind in ("sdpa", "matmul"):   # the sharded dim must be a batch dim, not a matrix dim
             out = self.elementwise(n, out_shape)
             if out.dim > nd - 3:
@@ -315,7 +220,7 @@ class _Matcher:
             return _Sh(sh.dim + (d <= sh.dim), sh.size, sh.stride)
         if kind == "slice":   # aten.slice.Tensor(x, dim, start, end, step)
             d = _norm_dim(_arg(n, 1, "dim", 0), nd)
-            if d == sh.dim and _shape(n.args[0])[d] != out_shape[d]:
+            if d == sh.dim and node_shape(n.args[0])[d] != out_shape[d]:
                 raise _Reject(f"{n}: slices the sharded dim")
             return sh
         if kind == "view":
@@ -327,7 +232,7 @@ class _Matcher:
         negs = set()
         for a in n.all_input_nodes:
             if a in self.state:
-                s, shape = self.state[a], _shape(a)
+                s, shape = self.state[a], node_shape(a)
                 negs.add((s.dim - len(shape), s.size, s.stride))
         if len(negs) != 1:
             raise _Reject(f"{n}: operands sharded differently")
@@ -338,6 +243,45 @@ class _Matcher:
                 self.check_side(a, sh, nd)
         return sh
 
+    def grouped_sdpa(self, n: fx.Node, out_shape) -> _Sh:
+        """``scaled_dot_product_attention(q, k, v, enable_gqa=True)``: q sharded by heads, k and v by
+        their fewer key/value heads at the same dim and head size; a member's query heads must be the
+        groups of its key/value heads, which the unit (one group) ensures."""
+        q, k, v = (_arg(n, i, name) for i, name in ((0, "query"), (1, "key"), (2, "value")))
+        sq, sk, sv = self.st(q), self.st(k), self.st(v)
+        if sq is None or sk is None or sk != sv:
+            raise _Reject(f"{n}: grouped attention with q, k or v replicated")
+        nd = len(out_shape)
+        if sq.dim - len(node_shape(q)) != sk.dim - len(node_shape(k)) or sq.stride != sk.stride \
+                or sq.size % sk.size or sq.dim - len(node_shape(q)) + nd > nd - 3:
+            raise _Reject(f"{n}: q and k, v sharded on different dims")
+        for a in n.all_input_nodes:
+            if a not in self.state:
+                self.check_side(a, sq, nd)
+        return _Sh(nd + sq.dim - len(node_shape(q)), sq.size, sq.stride)
+
+    def expand(self, n: fx.Node, s: _Sh | None, out_shape) -> _Sh:
+        """``x.expand(sizes)``: the sharded dim kept (its literal rewritten); a dim of 1 right after it
+        expanded to r marks the r-fold repeat of each index that a view then merges (``repeat_kv``)."""
+        in_shape = node_shape(n.args[0])
+        if s is None or in_shape is None or len(in_shape) != len(out_shape) \
+                or any(a in self.state for a in n.all_input_nodes if a is not n.args[0]):
+            raise _Reject(f"{n}: expand of an unknown shape")
+        if out_shape[s.dim] != in_shape[s.dim]:
+            raise _Reject(f"{n}: expands the sharded dim")
+        args = n.args[1:]
+        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+            where, lit = ("list", 1, s.dim), args[0][s.dim]
+        else:
+            where, lit = ("arg", 1 + s.dim), args[s.dim] if s.dim < len(args) else None
+        if isinstance(lit, int) and lit != -1:
+            self.literals.append((n.name, where, lit, s.stride))
+        elif lit != -1:
+            raise _Reject(f"{n}: the sharded dim's size is not a literal")
+        after = s.dim + 1
+        repeat = out_shape[after] if after < len(out_shape) and in_shape[after] == 1 else 1
+        return _Sh(s.dim, s.size, s.stride, repeat=repeat)
+
     def getitem(self, n: fx.Node):
         src, idx = n.args
         s = self.state.get(src)
@@ -345,7 +289,7 @@ class _Matcher:
             if not isinstance(idx, int):
                 raise _Reject(f"{n}: dynamic index")
             return s[1]
-        shape = _shape(src)
+        shape = node_shape(src)
         if s is None or shape is None:
             raise _Reject(f"{n}: unknown source")
         items = idx if isinstance(idx, tuple) else (idx,)
@@ -379,7 +323,7 @@ class _Matcher:
 
     def chunk(self, n: fx.Node, kind: str):
         x = n.args[0]
-        s, shape = self.state.get(x), _shape(x)
+        s, shape = self.state.get(x), node_shape(x)
         if not isinstance(s, _Sh) or shape is None or len(n.all_input_nodes) != 1:
             raise _Reject(f"{n}: unknown input")
         d = _norm_dim(_arg(n, 2, "dim", 0), len(shape))
@@ -400,7 +344,7 @@ class _Matcher:
         return ("parts", s)
 
     def view(self, n: fx.Node, s: _Sh, out_shape) -> _Sh:
-        in_shape = _shape(n.args[0])
+        in_shape = node_shape(n.args[0])
         if s is None or in_shape is None:
             raise _Reject(f"{n}: unknown view input")
         outer = math.prod(in_shape[:s.dim])
@@ -413,7 +357,11 @@ class _Matcher:
         if acc != outer or e >= len(out_shape):
             raise _Reject(f"{n}: view mixes the sharded dim with an outer dim")
         size, new = s.size, out_shape[e]
-        if new == size:
+        if s.repeat > 1:      # the repeated heads merged: (kv heads, r) -> kv heads * r, same head size
+            if new != size * s.repeat or in_shape[s.dim + 1] != s.repeat:
+                raise _Reject(f"{n}: repeated heads not merged into the sharded dim")
+            stride = s.stride
+        elif new == size:
             stride = s.stride
         elif new < size:  # split: dims e.. multiply to size
             k, acc2 = e, 1
@@ -464,25 +412,30 @@ def _match(gm, linears, group: list[fx.Node], region: set[fx.Node], row: fx.Node
     m = _Matcher(gm, region, group, kinds)
     m.run(order)
     s = m.state.get(row.args[0])
-    in_shape = _shape(row.args[0])
+    in_shape = node_shape(row.args[0])
     rlin = linears[row]
     if not isinstance(s, _Sh) or in_shape is None or s.dim != len(in_shape) - 1 or s.stride != 1 \
-            or s.size != rlin.in_features:
+            or s.size != rlin.in_features or s.repeat > 1:
         raise _Reject("the row's input is not sharded on its features")
-    widths = {linears[c].out_features // m.state[c].parts for c in group}
-    if widths != {s.size}:
+    widths = [linears[c].out_features // m.state[c].parts for c in group]
+    if any(s.size % w for w in widths):     # narrower columns: grouped-query attention's k and v
         raise _Reject("columns of different widths")
     strides = {v.stride for v in m.state.values() if isinstance(v, _Sh)}
     strides |= {v[1].stride for v in m.state.values() if isinstance(v, tuple)}
-    uf = max(strides)
-    if s.size % uf or any(uf % st for st in strides) or any(lit[3] and uf % lit[3] for lit in m.literals):
+    head = max(strides)
+    if any(w % head for w in widths) or any(head % st for st in strides) \
+            or any(lit[3] and head % lit[3] for lit in m.literals):
         raise _Reject("incompatible strides")
+    units = math.gcd(*(w // head for w in widths))     # one unit: a key/value head's group of heads
+    uf = s.size // units
+    column_uf = tuple(w // units for w in widths)
     return TPPair(
         columns=tuple(_lin_name(linears[c]) for c in group), parts=tuple(m.state[c].parts for c in group),
-        row=_lin_name(rlin), num_units=s.size // uf, unit_features=uf,
+        row=_lin_name(rlin), num_units=units, unit_features=uf,
         kind="attention" if uf > 1 else "mlp", input_node=x.name,
         column_nodes=tuple(c.name for c in group), row_node=row.name,
-        region=tuple(n.name for n in order), literals=tuple(m.literals))
+        region=tuple(n.name for n in order), literals=tuple(m.literals),
+        column_unit_features=column_uf if set(column_uf) != {uf} else ())
 
 
 def _lin_name(lin: LinearUse) -> str:
@@ -505,15 +458,6 @@ def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, LinearUse]) -> 
         if all(count.get(id(attr_value(gm, name)), 0) == 1 for name in names):
             out.add(n)
     return out
-
-
-def attr_value(gm: fx.GraphModule, target: str):
-    """The object at the dotted ``target`` of ``gm`` (a ``get_attr`` target: parameter, buffer, module);
-    raises ``AttributeError`` when a part is missing."""
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _inputs_of(gm: fx.GraphModule) -> tuple[tuple, list]:

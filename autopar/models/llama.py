@@ -2,6 +2,8 @@
 
 Terms
 - embedding: ``embed_tokens``; head: ``norm`` + ``lm_head``; blocks: ``layers``.
+- grouped-query attention: ``num_kv_heads`` key/value heads (default ``num_heads``), each serving
+  ``num_heads / num_kv_heads`` query heads (``scaled_dot_product_attention(enable_gqa=True)``).
 - rotary: ``rotate_half`` form (as in Hugging Face Llama). The cos/sin tables are computed in the
   forward from the sequence length (cheap, no buffers), so a block is self-contained, works on ``meta``
   and after ``to_empty``, and traces with fx for any sequence length up to anything.
@@ -30,6 +32,7 @@ class LlamaConfig:
     hidden_size: int = 64
     num_heads: int = 4
     ffn_hidden_size: int = 172
+    num_kv_heads: int | None = None      # grouped-query attention: key/value heads (None: num_heads)
     vocab_size: int = 256
     seq_len: int = 32
     rope_theta: float = 10000.0
@@ -40,13 +43,24 @@ class LlamaConfig:
         if self.hidden_size % self.num_heads:
             raise ModelZooError(f"LlamaConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_heads={self.num_heads}")
+        if self.num_kv_heads is not None:
+            check_positive(self, "num_kv_heads")
+            if self.num_heads % self.num_kv_heads:
+                raise ModelZooError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
+                                    f"num_heads={self.num_heads}")
         if (self.hidden_size // self.num_heads) % 2:
             raise ModelZooError(f"LlamaConfig.num_heads={self.num_heads}: the head size "
                              f"{self.hidden_size // self.num_heads} must be even for rotary embedding")
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` without grouped-query attention."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
 
 PRESETS = {
     "llama-tiny": LlamaConfig(),
+    "llama-gqa-tiny": LlamaConfig(num_heads=4, num_kv_heads=2),
     "llama-7b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
                             vocab_size=32000, seq_len=4096),
     "llama-140b": LlamaConfig(num_layers=80, hidden_size=12288, num_heads=96, ffn_hidden_size=32768,
@@ -88,21 +102,25 @@ class Attention(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         self.n_heads = cfg.num_heads
+        self.n_kv_heads = cfg.kv_heads
         self.head_dim = d // cfg.num_heads
         self.rope_theta = cfg.rope_theta
         self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.size(0), x.size(1)
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary_tables(T, self.head_dim, self.rope_theta, x.device)
         q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.n_kv_heads == self.n_heads:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:   # grouped-query: each key/value head serves n_heads / n_kv_heads query heads
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
@@ -150,15 +168,21 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+def _attn_weights(cfg: LlamaConfig) -> int:
+    """Weights of q, k, v and o: q and o are d x d; k and v map d to the key/value heads."""
+    d = cfg.hidden_size
+    return 2 * d * d + 2 * d * (cfg.kv_heads * (d // cfg.num_heads))
+
+
 def num_params(cfg: LlamaConfig) -> int:
     d, L, V, F_ = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.ffn_hidden_size
-    per_layer = 4 * d * d + 3 * d * F_ + 2 * d   # q, k, v, o; gate, up, down; two RMSNorm weights
+    per_layer = _attn_weights(cfg) + 3 * d * F_ + 2 * d   # q, k, v, o; gate, up, down; two RMSNorm weights
     return 2 * V * d + L * per_layer + d         # embedding and untied head; final norm
 
 
 def fwd_flops_per_sample(cfg: LlamaConfig) -> int:
     d, L, V, T, F_ = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.seq_len, cfg.ffn_hidden_size
-    matmul = 2 * T * (L * (4 * d * d + 3 * d * F_) + d * V)
+    matmul = 2 * T * (L * (_attn_weights(cfg) + 3 * d * F_) + d * V)
     attention = L * 2 * 2 * T * T * d
     return matmul + attention
 

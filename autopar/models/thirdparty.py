@@ -64,6 +64,7 @@ class HFLlamaConfig:
     intermediate_size: int = 172
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
+    num_key_value_heads: int | None = None     # grouped-query attention (None: num_attention_heads)
     max_position_embeddings: int = 32
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
@@ -80,11 +81,17 @@ class HFLlamaConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ModelZooError(f"HFLlamaConfig.hidden_size={self.hidden_size} must be divisible by "
                              f"num_attention_heads={self.num_attention_heads}")
+        if self.num_key_value_heads is not None:
+            check_positive(self, "num_key_value_heads")
+            if self.num_attention_heads % self.num_key_value_heads:
+                raise ModelZooError(f"HFLlamaConfig.num_key_value_heads={self.num_key_value_heads} must divide "
+                                    f"num_attention_heads={self.num_attention_heads}")
         if self.hidden_act not in ACT2FN:
             raise ModelZooError(f"HFLlamaConfig.hidden_act={self.hidden_act!r}: one of {sorted(ACT2FN)}")
 
 
-PRESETS = {"hf-gpt-tiny": HFGPTConfig(), "hf-llama-tiny": HFLlamaConfig()}
+PRESETS = {"hf-gpt-tiny": HFGPTConfig(), "hf-llama-tiny": HFLlamaConfig(),
+           "hf-llama-gqa-tiny": HFLlamaConfig(num_key_value_heads=2)}
 
 
 def _causal_lm_output(config, logits, labels, hidden_states, return_dict):
@@ -307,6 +314,16 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
+def repeat_kv(hidden_states, n_rep: int):
+    """(B, kv heads, T, head_dim) -> (B, kv heads * n_rep, T, head_dim), each key/value head repeated
+    for the query heads of its group."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
 class HFLlamaAttention(nn.Module):
     def __init__(self, config: HFLlamaConfig, layer_idx: int | None = None):
         super().__init__()
@@ -314,10 +331,12 @@ class HFLlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads or config.num_attention_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.head_dim = self.hidden_size // self.num_heads
         self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(self.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=False)
         self.rotary_emb = HFLlamaRotaryEmbedding(self.head_dim, config.max_position_embeddings,
                                                  base=config.rope_theta)
@@ -325,10 +344,12 @@ class HFLlamaAttention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, position_ids=None):
         bsz, q_len, _ = hidden_states.size()
         query = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary_emb(value, seq_len=q_len)
         query, key = apply_rotary_pos_emb(query, key, cos, sin, position_ids)
+        key = repeat_kv(key, self.num_key_value_groups)
+        value = repeat_kv(value, self.num_key_value_groups)
         attn_output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
         attn_output = attn_output.transpose(1, 2).contiguous().reshape(bsz, q_len, self.hidden_size)
         return self.o_proj(attn_output)
@@ -437,7 +458,8 @@ def _as_zoo_config(config):
                                   vocab_size=config.vocab_size, seq_len=config.n_positions,
                                   tie_embeddings=config.tie_word_embeddings)
     cfg = llama.LlamaConfig(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                            num_heads=config.num_attention_heads, ffn_hidden_size=config.intermediate_size,
+                            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                            ffn_hidden_size=config.intermediate_size,
                             vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
     return llama, cfg
 
