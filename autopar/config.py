@@ -226,12 +226,19 @@ class PlanConfig:
     @property
     def resolved_strategy(self) -> str:
         """The strategy that runs: ``auto`` with pinned batch shares is a data-parallel search, with
-        pinned layers a pipeline search (the pins fix the dimension)."""
+        pinned layers a pipeline search (the pins fix the dimension), unless a pin also asks for TP
+        groups or data-parallel members: the joint search then plans the pinned layers."""
         if self.strategy == "auto" and self.dp_batch is not None:
             return "dp"
-        if self.strategy == "auto" and self.pp_layers is not None:
+        if self.strategy == "auto" and self.pp_layers is not None and not self._pins_groups:
             return "pp"
         return self.strategy
+
+    @property
+    def _pins_groups(self) -> bool:
+        """Whether the pin asks for TP groups or data-parallel members (pinned layers then plan jointly)."""
+        pin = self.pin
+        return pin is not None and (pin.tp not in (None, 1) or pin.dp not in (None, 1))
 
     def with_(self, **changes) -> "PlanConfig":
         """A copy with some fields changed (validated again)."""

@@ -58,7 +58,11 @@ def test_pin_is_validated_once_naming_the_field():
 PINS = [Pin(tp=2), Pin(pp=2), Pin(dp=2), Pin(tp=2, pp=2), Pin(pp=3, dp=2), Pin(num_micro_batches=4),
         Pin(recompute=True), Pin(recompute=False, pp=2), Pin(zero_stage=1), Pin(schedule="gpipe", pp=2),
         Pin(tp={"fast": 4}), Pin(tp=1, pp=4, dp=1, num_micro_batches=8, schedule="1f1b", zero_stage=0),
-        Pin(schedule="zb-h1"), Pin(virtual_stages=2)]
+        Pin(schedule="zb-h1"), Pin(virtual_stages=2),
+        # published layouts: interleaving with TP, recomputation under ZeRO-3 and under data parallelism
+        Pin(tp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2), Pin(tp=2, pp=2, virtual_stages=3),
+        Pin(tp=2, schedule="interleaved-1f1b"), Pin(dp=8, zero_stage=3, recompute=True),
+        Pin(dp=4, tp=2, recompute=True)]
 
 
 @pytest.mark.parametrize("pin", PINS, ids=str)
@@ -97,6 +101,16 @@ def test_a_pipeline_strategy_meets_a_pinned_micro_batch_count(pp_layers):
         assert [st.num_layers for st in plan.stages] == pp_layers
 
 
+@pytest.mark.parametrize("pin", [Pin(tp=2), Pin(tp=2, dp=2), Pin(tp=2, virtual_stages=2)], ids=str)
+def test_pinned_layers_together_with_tp_and_dp_pins(pin):
+    """``pp_layers`` with a TP or DP pin plans jointly (it used to mean the pipeline planner alone,
+    whose members are single devices, and refuse the pin)."""
+    cluster, plan = _plan(pin, pp_layers=[2, 4])
+    assert pin_violation(plan, pin, cluster) is None
+    R = plan.rank_stages
+    assert [sum(st.num_layers for st in plan.stages[r::R]) for r in range(R)] == [2, 4]
+
+
 def test_plan_with_config_routes_a_pin_and_attaches_the_bounds():
     cluster = _cluster()
     pin = Pin(pp=2)
@@ -108,7 +122,7 @@ def test_plan_with_config_routes_a_pin_and_attaches_the_bounds():
 def test_a_pin_that_cannot_be_met_names_the_pin():
     cases = [(Pin(tp=8), "pin.tp"), (Pin(tp={"other": 2}), "pin.tp"), (Pin(pp=7), "pin.pp"),
              (Pin(num_micro_batches=17), "pin.num_micro_batches"), (Pin(tp=4, pp=2, dp=2), "pin: tp x pp x dp"),
-             (Pin(virtual_stages=2, tp=2), "pin.schedule")]
+             (Pin(schedule="zb-h1", tp=2), "pin.schedule"), (Pin(virtual_stages=2, pp=1), "pin.virtual_stages")]
     for pin, match in cases:
         with pytest.raises(PlanError, match=match.replace(".", r"\.")):
             _plan(pin)

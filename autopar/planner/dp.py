@@ -501,7 +501,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
             ranks: Sequence[int] | None = None, memory_fraction: float = MEMORY_FRACTION,
             workspace_bytes: float = DEFAULT_WORKSPACE_BYTES,
             link: comm.LinkModel = comm.DEFAULT_LINK, algorithm: comm.Algorithm = "auto",
-            recompute: bool = False, overlap: bool = True) -> Plan:
+            recompute: bool = False, overlap: bool = True, force_recompute: bool = False) -> Plan:
     """A data-parallel plan (one stage over every block, one member per rank) and its prediction.
 
     ``zero_stage="auto"`` tries every stage and keeps the fastest that fits (fewest bytes moved on a
@@ -511,7 +511,8 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     efficiency are left at 0: ``autopar.planner.bounds.with_all_bounds`` sets them. ``recompute`` (strategy "dp" only; the baselines
     keep their activations) also tries every ZeRO stage recomputing activations block by block
     (``Stage.recompute``: memory of ``activation_bytes_per_sample``, one more forward per micro-step);
-    keeping wins ties. ``overlap`` (the engine's default, ``RunConfig.overlap``): ZeRO-0/1's gradient
+    keeping wins ties; ``force_recompute`` (a pinned recompute, any strategy) tries only recomputing
+    plans. ``overlap`` (the engine's default, ``RunConfig.overlap``): ZeRO-0/1's gradient
     all-reduce is priced as the runtime runs it, in buckets of ``GRAD_BUCKET_BYTES`` during the slowest
     rank's last backward: exposed is what does not fit in that backward, at least the last bucket.
     ZeRO-3's prefetch is not priced (its gathers stay on the micro-step's critical path).
@@ -540,7 +541,9 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
         stages = (int(zero_stage),)
 
     variants = [(z, False) for z in stages]
-    if recompute and strategy == "dp":
+    if force_recompute:
+        variants = [(z, True) for z in stages]
+    elif recompute and strategy == "dp":
         variants += [(z, True) for z in stages]
     found: dict[tuple[int, bool], _Candidate] = {}
     failed: dict[tuple[int, bool], str] = {}
@@ -562,7 +565,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
                 found[(z, rc)] = c
                 failed.pop((z, rc), None)
     if not found:
-        kept = [v for (_, rc), v in failed.items() if not rc]
+        kept = [v for (_, rc), v in failed.items() if rc == force_recompute]
         if len(kept) == 1:
             raise PlanError(f"{strategy}: " + kept[0])
         raise PlanError(f"{strategy}: no ZeRO stage fits: " + "; ".join(kept))

@@ -210,13 +210,17 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 groupings: Sequence[StageGrouping] | None = None, num_micro: int | None = None,
                 best_s: float = math.inf,
                 shortlist: int = _SHORTLIST, recompute: bool = False,
-                force_recompute: bool = False) -> list[_Scored]:
+                force_recompute: bool = False, virtual_counts: Sequence[int] | None = None,
+                pp_layers: Sequence[int] | None = None) -> list[_Scored]:
     """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
     reached elsewhere (pruning); ``shortlist``:
     how many candidates (best split estimates) the simulator predicts; ``recompute=True`` lets a stage
     whose in-flight activations do not fit recompute them (see ``joint_cost_tensor``);
-    ``force_recompute=True`` (a pinned recompute) makes every stage recompute."""
+    ``force_recompute=True`` (a pinned recompute) makes every stage recompute; ``virtual_counts`` (a
+    pinned interleaving) returns only the interleaved variants, at those chunk counts, of every 1F1B
+    plan found, faster than its flat plan or not; ``pp_layers`` (pinned blocks per stage) predicts only
+    that split, on the groupings of as many stages."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     zero_choices, z_search = _zero_choices(zero_stage)
@@ -238,7 +242,9 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
             break
         entry = entries[e]
         stages = [[ctx.members[g] for g in st] for st in entry.grouping.stages]
-        for sizes, flags in _splits_to_predict(ctx, entry, M, split_schedule, sizes, flags):
+        splits = (_splits_to_predict(ctx, entry, M, split_schedule, sizes, flags) if pp_layers is None
+                  else _pinned_split(ctx, entry, M, split_schedule, pp_layers))
+        for sizes, flags in splits:
             built = _build(ctx, stages, sizes, M, flags)
             label = f"{entry.layout.name} {entry.grouping.name} S={len(built)} M={M} layers={list(sizes)}"
             if any(flags):
@@ -246,6 +252,11 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
             for x in _predict(ctx, built, schedules, label, zero_choices):
                 scored.append(x)
                 best = min(best, x.step_time_s)
+    if virtual_counts is not None:
+        return sorted((_Scored(*x) for x in interleave_hybrid(
+            costs, cluster, [(x.step_time_s, x.plan, x.label) for x in scored], memory_fraction, virtual_counts,
+            top=len(scored), kinds=ctx.cache.setdefault("group_kinds", {}), require_faster=False)),
+            key=lambda x: x.step_time_s)
     if schedule in ("auto", "interleaved-1f1b"):   # the best few interleaved where that fits and pays
         scored += [_Scored(*x) for x in interleave_hybrid(costs, cluster, [(x.step_time_s, x.plan, x.label)
                                                                           for x in scored], memory_fraction,
@@ -269,6 +280,19 @@ def _splits_to_predict(ctx: JointContext, entry: GroupingState, M: int, schedule
         if all(math.isfinite(cost[s, b[s], b[s + 1]]) for s in range(S)):
             out.append((tuple(b[s + 1] - b[s] for s in range(S)), tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S))))
     return out or [(tuple(sizes), tuple(flags))]
+
+
+def _pinned_split(ctx: JointContext, entry: GroupingState, M: int, schedule: str, layers: Sequence[int]) -> list:
+    """``[(layers, recompute flags)]`` where the pinned split fits this grouping at M micro-batches,
+    else ``[]``."""
+    n, S = ctx.costs.num_blocks, len(entry.prep)
+    if S != len(layers) or sum(layers) != n:
+        return []
+    cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
+    b = (0, *itertools.accumulate(layers))
+    if not all(math.isfinite(cost[s, b[s], b[s + 1]]) for s in range(S)):
+        return []
+    return [(tuple(layers), tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S)))]
 
 
 def _zero_choices(zero_stage) -> tuple[tuple[int, ...], int | None]:
@@ -321,15 +345,15 @@ def plan_strategy(costs: ModelCosts, cluster: "Cluster", global_batch: int, stra
                   schedule: str = "auto", memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
                   replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False,
                   pp_layers: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
-                  num_micro: int | None = None) -> Plan:
+                  num_micro: int | None = None, force_recompute: bool = False) -> Plan:
     """The plan of one single-dimension strategy (``SINGLE_STRATEGIES``) with the same arguments
     (``recompute``: whether pipeline stages and the ``dp`` strategy may recompute activations; the
-    uniform baselines never do; ``pp_layers`` and ``num_micro`` pin the blocks per stage and the
+    uniform baselines never do; ``force_recompute``: data-parallel plans, the baselines too, recompute; ``pp_layers`` and ``num_micro`` pin the blocks per stage and the
     micro-batch count of "pp" and "uniform-pp"; ``schedules``: what "pp" picks among when
     ``schedule="auto"``, None for its default)."""
     if strategy in DP_STRATEGIES:
         return plan_dp(costs, cluster, global_batch, strategy=strategy, zero_stage=zero_stage, ranks=ranks,
-                       memory_fraction=memory_fraction, recompute=recompute)
+                       memory_fraction=memory_fraction, recompute=recompute, force_recompute=force_recompute)
     if strategy in PP_STRATEGIES:
         # uniform-pp has one device per stage: a ZeRO stage would shard over one member, no change.
         zs = ((0,) if strategy == "uniform-pp" else (0, 1)) if zero_stage == "auto" else (zero_stage,)

@@ -35,8 +35,9 @@ from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
 from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
 from autopar.planner.joint import SINGLE_STRATEGIES, TP_DEGREES, plan_hybrid, plan_strategy
-from autopar.planner.layouts import member_layouts, pinned_groupings
+from autopar.planner.layouts import member_groupings, member_layouts, pinned_groupings
 from autopar.planner.pp import plan_pipeline
+from autopar.planner.pp_virtual import VIRTUAL_COUNTS
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -142,8 +143,22 @@ def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int
         raise PlanError("pin.sequence_parallel: no block of the model can run sequence parallelism "
                         "(cost.tp.sp_blocks: no Linear pair with a token-wise region, or tables without SP facts)")
     if _pipeline_only(pin) and pin.tp not in (None, 1):
-        raise PlanError(f"pin.schedule: {pin.schedule or 'interleaved-1f1b'!r} is planned by the pipeline "
-                        f"planner only so far, whose members are single devices; it cannot also pin {pin}")
+        raise PlanError(f"pin.schedule: {pin.schedule!r} is planned by the pipeline planner only so far, "
+                        f"whose members are single devices; it cannot also pin {pin}")
+    if _interleaved(pin) and pin.schedule not in (None, "interleaved-1f1b"):
+        raise PlanError(f"pin.virtual_stages: {pin.virtual_stages} chunks per rank stage need "
+                        f"schedule='interleaved-1f1b', not {pin.schedule!r}")
+    if _interleaved(pin) and pin.pp == 1:
+        raise PlanError("pin.virtual_stages: an interleaved schedule needs pp >= 2 rank stages, but pin.pp is 1")
+
+
+def _layers_violation(plan: Plan, pp_layers) -> str | None:
+    """None when ``plan``'s rank stages hold the pinned ``pp_layers`` (chunks of a rank stage summed)."""
+    if pp_layers is None:
+        return None
+    R = getattr(plan, "rank_stages", len(plan.stages))
+    have = tuple(sum(st.num_layers for st in plan.stages[r::R]) for r in range(R))
+    return None if have == tuple(pp_layers) else f"pp_layers: the plan has {list(have)}, pinned {list(pp_layers)}"
 
 
 def _sp_possible(costs: ModelCosts) -> bool:
@@ -152,16 +167,22 @@ def _sp_possible(costs: ModelCosts) -> bool:
 
 
 def _pipeline_only(pin: Pin) -> bool:
-    """Whether only the pipeline planner can meet the pin (schedules the joint search lacks so far)."""
-    return (pin.schedule is not None and pin.schedule not in PIPELINE_SCHEDULES) or (pin.virtual_stages or 1) > 1
+    """Whether only the pipeline planner can meet the pin (schedules the joint search lacks so far:
+    zero-bubble)."""
+    return pin.schedule is not None and pin.schedule not in PIPELINE_SCHEDULES and not _interleaved(pin)
+
+
+def _interleaved(pin: Pin) -> bool:
+    """Whether the pin asks for an interleaved pipeline (several chunks per rank stage)."""
+    return pin.schedule == "interleaved-1f1b" or (pin.virtual_stages or 1) > 1
 
 
 def _single_could_meet(strategy: str, pin: Pin) -> bool:
     one = (None, 1)
     if getattr(pin, "sequence_parallel", None) and (strategy in DP_STRATEGIES or strategy in PP_STRATEGIES):
         return False                    # members of one device: no TP stage to run SP
-    if _pipeline_only(pin):
-        return strategy in PP_STRATEGIES
+    if _pipeline_only(pin) or _interleaved(pin):
+        return strategy in PP_STRATEGIES and pin.tp in one and pin.dp in one
     if strategy in DP_STRATEGIES:
         return pin.pp in one and pin.tp in one and pin.schedule is None
     if strategy in PP_STRATEGIES:
@@ -186,7 +207,7 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
 
     def offer(p: Plan) -> None:
         nonlocal best
-        why = pin_violation(p, pin, cluster)
+        why = pin_violation(p, pin, cluster) or _layers_violation(p, cfg.pp_layers)
         if why is not None:
             misses.append(why)
         elif best is None or p.predicted.step_time_s < best.predicted.step_time_s:
@@ -194,10 +215,10 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
 
     singles = SINGLE_STRATEGIES if strategy == "auto" else (strategy,)
     for s in singles:
-        if not _single_could_meet(s, pin):
+        if not _single_could_meet(s, pin) or (cfg.pp_layers is not None and s not in PP_STRATEGIES):
             continue
         try:
-            if _pipeline_only(pin) and s == "pp":
+            if (_pipeline_only(pin) or _interleaved(pin)) and s == "pp":
                 v = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else None
                 sched = pin.schedule or "interleaved-1f1b"
                 offer(plan_pipeline(costs, cluster, global_batch, schedule=sched, schedules=(sched,),
@@ -208,7 +229,8 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
                 pp = s in PP_STRATEGIES
                 offer(plan_strategy(costs, cluster, global_batch, s, **common,
                                     pp_layers=cfg.pp_layers if pp else None,
-                                    num_micro=pin.num_micro_batches if pp else None))
+                                    num_micro=pin.num_micro_batches if pp else None,
+                                    force_recompute=bool(pin.recompute)))
         except PlanError as e:
             misses.append(f"{s}: {str(e)[:120]}")
     if strategy == "auto" and not _pipeline_only(pin):
@@ -217,17 +239,31 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
         layouts = member_layouts(costs, cluster, num_heads=cfg.num_heads, degrees=degrees, replicated_fraction=rho,
                                  type_degrees=dict(tp_pin) if isinstance(tp_pin, tuple) else None)
         bound = math.inf if best is None else best.predicted.step_time_s
+        hybrid = dict(common)
+        if _interleaved(pin):     # the flat 1F1B plans, each interleaved at the pinned chunk count
+            hybrid.update(schedule="1f1b", virtual_counts=(pin.virtual_stages,) if (pin.virtual_stages or 1) > 1
+                          else VIRTUAL_COUNTS)
+            bound = math.inf      # an interleaved variant may beat the flat plans it comes from
+        if cfg.pp_layers is not None:   # that split, on groupings of as many stages
+            hybrid["pp_layers"] = cfg.pp_layers
+        pp = pin.pp if pin.pp is not None else (len(cfg.pp_layers) if cfg.pp_layers is not None else None)
         for lay in layouts:
             groupings = None
-            if pin.pp is not None or pin.dp is not None:
-                groupings = pinned_groupings(lay, costs.num_blocks, pin.pp, pin.dp)
+            if pp is not None or pin.dp is not None:
+                groupings = pinned_groupings(lay, costs.num_blocks, pp, pin.dp)
+            elif _interleaved(pin):
+                groupings = member_groupings(cluster, lay, costs.num_blocks)
+            if groupings is not None:
+                if _interleaved(pin):   # two rank stages or more, each with a block for every chunk
+                    V = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else min(VIRTUAL_COUNTS)
+                    groupings = [g for g in groupings if 2 <= len(g.stages) <= costs.num_blocks // V]
                 if not groupings:
                     continue
             for x in plan_hybrid(costs, cluster, global_batch, layouts=[lay], groupings=groupings,
                                  num_micro=pin.num_micro_batches, best_s=bound,
-                                 force_recompute=bool(pin.recompute), **common):
+                                 force_recompute=bool(pin.recompute), **hybrid):
                 offer(x.plan)
-                if best is not None:
+                if best is not None and not _interleaved(pin):
                     bound = min(bound, best.predicted.step_time_s)
     if best is None:
         why = "; ".join(dict.fromkeys(misses))[:600]

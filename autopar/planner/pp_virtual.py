@@ -36,6 +36,7 @@ Terms
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 from autopar.cost.memory import (fits_memory, loss_bytes_per_sample, stage_input_bytes, stage_memory_bytes,
@@ -215,11 +216,12 @@ def interleaved_memory_bytes(costs, stages: Sequence[Stage], zero_stage: int, vi
 
 def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], memory_fraction: float,
                       virtual_counts: Sequence[int] = VIRTUAL_COUNTS, top: int = HYBRID_TOP, *,
-                      kinds: dict | None = None) -> list[tuple[float, Plan, str]]:
+                      kinds: dict | None = None, require_faster: bool = True) -> list[tuple[float, Plan, str]]:
     """The interleaved variants (step seconds, plan, label) of the ``top`` fastest of ``best`` (the
     joint search's (step seconds, plan, label), 1F1B plans of at least two stages) that fit in
     ``memory_fraction`` of every rank's memory and are predicted faster than their flat plan (see the
-    module docstring). ``kinds``: ``stage_durations``' memo of TP groups' kinds on ``cluster``."""
+    module docstring; ``require_faster=False``: faster or not, for a pinned interleaving). ``kinds``:
+    ``stage_durations``' memo of TP groups' kinds on ``cluster``."""
     kinds = {} if kinds is None else kinds
     out = []
     flat_plans = [x for x in sorted(best, key=lambda x: x[0])
@@ -231,8 +233,8 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
             sizes = chunk_sizes([st.num_layers for st in plan.stages], V)
             if sizes is None or R * V > MAX_VIRTUAL_STAGES:
                 continue
-            got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction, step0,
-                                 kinds=kinds)
+            got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction,
+                                 step0 if require_faster else math.inf, kinds=kinds)
             if got is None:
                 continue
             probe, timeline, step = got
