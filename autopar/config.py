@@ -23,7 +23,7 @@ from autopar.errors import PlanError
 __all__ = [
     "Strategy", "ZeroChoice", "ScheduleChoice", "Zero3Granularity", "STRATEGIES", "DP_STRATEGIES",
     "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "GRAD_BUCKET_BYTES", "PlanConfig", "RunConfig", "Pin",
-    "PIN_SCHEDULES", "Precision", "PRECISIONS",
+    "PIN_SCHEDULES", "Precision", "PRECISIONS", "RECOMPUTE_MODES",
 ]
 
 Strategy = Literal["auto", "dp", "pp", "tp", "uniform-dp", "proportional-dp", "uniform-pp"]
@@ -38,6 +38,8 @@ PP_STRATEGIES: tuple[str, ...] = ("pp", "uniform-pp")
 SCHEDULES: tuple[str, ...] = get_args(ScheduleChoice)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+# recompute="full" is True (every block's forward again); "selective" recomputes attention cores only
+RECOMPUTE_MODES: tuple[str, ...] = ("full", "selective")
 
 MEMORY_FRACTION = 0.9   # of each device's memory a plan may fill (see the module docstring)
 # Data parallel: the size of a gradient bucket the engine reduces during backward (runtime.dp_overlap)
@@ -68,7 +70,8 @@ class Pin:
     - ``tp``: tensor-parallel degree of every member, or ``{device type: degree}`` per type;
     - ``pp``: pipeline stages; ``dp``: data-parallel members of every stage;
     - ``num_micro_batches``: micro-batches per step (data parallelism: the most micro-steps a rank takes);
-    - ``recompute``: every stage recomputes its activations (True) or none does (False);
+    - ``recompute``: every stage recomputes its activations (True or "full"), none does (False), or every
+      stage recomputes only its attention cores ("selective", Megatron's selective recomputation);
     - ``zero_stage``, ``schedule``, ``virtual_stages`` (chunks per rank of an interleaved schedule);
     - ``sequence_parallel``: every tensor-parallel stage runs sequence parallelism (True) or none does."""
 
@@ -76,7 +79,7 @@ class Pin:
     pp: int | None = None
     dp: int | None = None
     num_micro_batches: int | None = None
-    recompute: bool | None = None
+    recompute: bool | str | None = None
     zero_stage: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -97,14 +100,17 @@ class Pin:
         for name in ("pp", "dp", "num_micro_batches", "virtual_stages"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), f"pin.{name}")
+        if self.recompute in RECOMPUTE_MODES:
+            object.__setattr__(self, "recompute", self.recompute == "full" or self.recompute)
         for name in ("recompute", "sequence_parallel"):
             value = getattr(self, name)
-            if value is None:
+            if value is None or (name == "recompute" and value == "selective"):
                 continue
-            if value in (0, 1) and not isinstance(value, float):
+            if value in (0, 1) and not isinstance(value, (float, str)):
                 object.__setattr__(self, name, bool(value))
             else:
-                raise PlanError(f"pin.{name}: {value!r} must be True or False (1 or 0)")
+                also = ", 'full' or 'selective'" if name == "recompute" else ""
+                raise PlanError(f"pin.{name}: {value!r} must be True or False (1 or 0){also}")
         if self.zero_stage is not None:
             _choice(self.zero_stage, "pin.zero_stage", ZERO_STAGES)
         if self.schedule is not None:
@@ -141,7 +147,7 @@ class Pin:
                 raise PlanError(f"pin: {item!r} is not NAME=VALUE with NAME one of "
                                 f"{', '.join(cls.__dataclass_fields__)}")
             value = value.strip()
-            if key == "schedule":
+            if key == "schedule" or (key == "recompute" and value in RECOMPUTE_MODES):
                 kw[key] = value
             elif key == "tp" and ":" in value:
                 try:
@@ -165,7 +171,7 @@ class PlanConfig:
     strategy: Strategy = "auto"
     zero_stage: ZeroChoice = "auto"
     schedule: ScheduleChoice = "auto"
-    recompute: bool = False
+    recompute: bool | str = False      # True / "full", False, or "selective" (a pin: attention cores)
     memory_fraction: float = MEMORY_FRACTION
     pp_layers: tuple[int, ...] | None = None
     dp_batch: tuple[tuple[int, int], ...] | None = None   # ((rank, samples), ...), sorted by rank
@@ -179,8 +185,16 @@ class PlanConfig:
         _choice(self.precision, "precision", PRECISIONS)
         _choice(self.zero_stage, "zero_stage", ("auto",) + ZERO_STAGES)
         _choice(self.schedule, "schedule", SCHEDULES)
+        if self.recompute == "full":
+            object.__setattr__(self, "recompute", True)
+        elif self.recompute == "selective":      # every stage recomputes its attention cores: a pin
+            pin = self.pin if isinstance(self.pin, Pin) else Pin()
+            if pin.recompute not in (None, "selective"):
+                raise PlanError(f"recompute: 'selective' but pin.recompute={pin.recompute!r}")
+            object.__setattr__(self, "pin", replace(pin, recompute="selective"))
+            object.__setattr__(self, "recompute", False)
         if not isinstance(self.recompute, bool):
-            raise PlanError(f"recompute: {self.recompute!r} must be True or False")
+            raise PlanError(f"recompute: {self.recompute!r} must be True, False, 'full' or 'selective'")
         mf = self.memory_fraction
         if isinstance(mf, bool) or not isinstance(mf, (int, float)) or not (0 < mf <= 1) or math.isnan(mf):
             raise PlanError(f"memory_fraction: {mf!r} must be a number in (0, 1]")

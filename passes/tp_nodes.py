@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.passes.attention_recompute import checkpointed_aten_attention, checkpointed_attention
 from autopar.passes.meta import TENSOR
 
 __all__ = ["LinearUse", "node_kind", "node_shape", "linear_use", "attr_value"]
@@ -48,6 +49,7 @@ _FUNC_KINDS = {
     torch.log_softmax: "softmax", torch.transpose: "transpose", torch.permute: "permute",
     torch.reshape: "view", torch.cat: "cat", torch.unsqueeze: "unsqueeze", operator.getitem: "getitem",
     torch.split: "split", torch.chunk: "chunk",
+    checkpointed_attention: "sdpa", checkpointed_aten_attention: "sdpa",   # selective recomputation's
 }
 _METHOD_KINDS = {
     **dict.fromkeys(_UNARY_METHODS, "unary"), **dict.fromkeys(_BINARY_METHODS, "binary"),

@@ -250,7 +250,8 @@ def model_facts(analysis, cluster, *, optimizer: str = "adamw", precision: str |
         optimizer_bytes_per_param=OPTIMIZER_STATE_BYTES.get(optimizer, 8) + (4 if all_gpu else 0),
         grad_bytes_per_param=weight_bytes_per_param, tied_groups=analysis.tied_groups,
         output_bytes=_output_bytes(analysis) * act_scale,
-        param_tensors=param_tensors_per_block(analysis, len(stats)))
+        param_tensors=param_tensors_per_block(analysis, len(stats)),
+        attn_fwd_flops=np.array([dict(s.flops_by_class).get("attention", 0.0) / per for s in stats], float))
     if precision not in (None, "fp32"):
         from autopar.cost.precision import precision_bytes
 

@@ -178,6 +178,7 @@ class ModelCosts:
     # tensors); ``optimizer_time``. None / {}: no per-tensor term
     param_tensors: np.ndarray | None = None
     optimizer_s_per_tensor: dict[str, float] = field(default_factory=dict)
+    attn_fwd_flops: np.ndarray | None = None   # per block, forward FLOPs of its attention cores per sample
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -185,7 +186,7 @@ class ModelCosts:
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
         for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
                      "tp_sp_act_replicated", "tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share",
-                     "tp_bwd_row_share", "param_tensors"):
+                     "tp_bwd_row_share", "param_tensors", "attn_fwd_flops"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 

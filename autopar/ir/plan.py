@@ -42,6 +42,9 @@ class Stage:
     # Activation recomputation: keep only the stage's inputs per micro-batch in flight and recompute
     # the stage's forward during its backward (torch.utils.checkpoint).
     recompute: bool = False
+    # Selective recomputation (Megatron's): only the attention cores (scaled dot-product attention) are
+    # recomputed in backward, everything else kept; exclusive with ``recompute``.
+    recompute_attention: bool = False
     # Sequence parallelism (Megatron-SP) in the tensor-parallel blocks: the token-wise ops between the
     # column/row pairs (norms, residual adds) run on a sequence shard of each TP rank, the pairs' all-reduces
     # become reduce-scatter / all-gather along the sequence (``passes.tp_sp``). Only meaningful with TP.
@@ -52,6 +55,9 @@ class Stage:
             raise PlanError(f"Stage.block_stop: block range [{self.block_start}, {self.block_stop}) is empty")
         if len(self.micro_batches) != len(self.groups):
             raise PlanError("Stage.micro_batches: need one list per member group")
+        if self.recompute and self.recompute_attention:
+            raise PlanError("Stage.recompute_attention: selective recomputation with full recomputation "
+                            "(recompute=True) on one stage; choose one")
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -66,8 +72,14 @@ class Stage:
 
     def __repr__(self) -> str:
         sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        sel = ", recompute_attention=True" if self.recompute_attention else ""
         return (f"Stage(blocks={self.block_start}:{self.block_stop}, groups={self.groups}, "
-                f"micro_batches={self.micro_batches}{sp})")
+                f"micro_batches={self.micro_batches}{sp}{sel})")
+
+    @property
+    def recompute_mode(self) -> bool | str:
+        """False, True (full: the stage's forward again) or "selective" (attention cores only)."""
+        return "selective" if self.recompute_attention else bool(self.recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +182,7 @@ class Plan:
                 micro_batches=tup(s["micro_batches"]), tp_shares=tup(s.get("tp_shares", [])),
                 zero_shares=tuple(s.get("zero_shares", [])), recompute=bool(s.get("recompute", False)),
                 sequence_parallel=bool(s.get("sequence_parallel", False)),
+                recompute_attention=bool(s.get("recompute_attention", False)),
             )
             for s in d["stages"]
         )

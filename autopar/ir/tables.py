@@ -92,10 +92,11 @@ class ModelFacts(_Json):
     tied_groups: tuple[tuple[int, ...], ...] = ()
     output_bytes: float = 0.0         # bytes of the graph's output (what the loss reads), per sample
     param_tensors: np.ndarray | None = None
+    attn_fwd_flops: np.ndarray | None = None   # forward FLOPs of attention cores per sample (None: unknown)
 
     _decode = {"block_names": tuple, "params": _array, "param_bytes": _array, "act_bytes": _array,
                "out_bytes": _array, "fwd_flops": _array, "tied_groups": lambda g: tuple(tuple(x) for x in g),
-               "output_bytes": float, "param_tensors": _optional_array}
+               "output_bytes": float, "param_tensors": _optional_array, "attn_fwd_flops": _optional_array}
 
 
 @dataclass(frozen=True, eq=False)

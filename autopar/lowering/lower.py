@@ -2,7 +2,9 @@
 
 The passes, in order (each a function over fx graphs from ``autopar.passes``):
 
-1. kernel substitution (``passes.triton_patterns.substitute_kernels``) when ``use_triton``;
+1. kernel substitution (``passes.triton_patterns.substitute_kernels``) when ``use_triton``; with
+   ``Stage.recompute_attention`` (selective recomputation, every stage), the attention calls under
+   checkpoint (``passes.attention_recompute``);
 2. for a ``"pipeline"`` plan: the stage split (``passes.split.split_stages``) at the stages' block
    ranges (with ``Plan.virtual_stages`` > 1 these are the model chunks, several per rank: the engine
    runs every stage of ``Plan.chunks_of(rank)``), then, on a tensor-parallel member, the TP rewrite of
@@ -27,9 +29,11 @@ from typing import Sequence
 import torch.fx as fx
 from torch import nn
 
+from autopar.errors import PlanError
 from autopar.ir.plan import Plan
 from autopar.lowering.program import RankProgram, engine_kind, rank_position
 from autopar.lowering.zero3_units import insert_unit_hooks, param_units
+from autopar.passes.attention_recompute import checkpoint_attention
 from autopar.passes.meta import BLOCK
 from autopar.passes.split import split_stages
 from autopar.passes.tp import tp_rewrite
@@ -103,6 +107,12 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
         from autopar.passes.triton_patterns import substitute_kernels
 
         gm = substitute_kernels(gm)
+    selective = [st.recompute_attention for st in plan.stages]
+    if any(selective) and gm is not None:
+        if not all(selective):
+            raise PlanError("Stage.recompute_attention: selective recomputation on some stages only; "
+                            "the runtime recomputes the attention cores of every stage or of none")
+        gm = checkpoint_attention(gm)
     kind = engine_kind(plan)
     stage, member, tp_index = rank_position(plan, rank)
     common = dict(plan=plan, rank=rank, kind=kind, gm=gm, stage=stage, member=member, tp_index=tp_index)

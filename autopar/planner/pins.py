@@ -8,7 +8,9 @@ Terms
   (1: no plan has more yet), ``sequence_parallel`` (the set of the TP stages' flags).
 - meeting a pin (``pin_violation``): every pinned dimension of the plan equals the pin (``tp``: every
   member of that type has that many ranks; ``dp``: every stage that many members; ``recompute``:
-  every stage recomputes, or none does; ``sequence_parallel``: True, every stage with a TP member runs
+  every stage recomputes, none does, or every stage recomputes its attention cores ("selective":
+  searched with ``cost.selective.attention_recompute_costs``, whose backward reruns them, keeping every
+  activation; the stages are marked ``recompute_attention`` after); ``sequence_parallel``: True, every stage with a TP member runs
   SP and there is one; False, none does).
 - the search (``plan_pinned``): the single-dimension strategies that can meet the pin, and the joint
   planner's hybrid search restricted up front: TP layouts of the pinned degree (members of another
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from autopar.config import DP_STRATEGIES, PP_STRATEGIES, Pin, PlanConfig
 from autopar.cost import tp as tp_cost
+from autopar.cost.selective import attention_recompute_costs
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
@@ -54,7 +57,7 @@ def plan_dims(plan: Plan, cluster: "Cluster") -> dict:
                 tp.setdefault(cluster.devices[r].spec.name, set()).add(len(g))
     rank_stages = plan.stages[:getattr(plan, "rank_stages", len(plan.stages))]
     return dict(tp=tp, pp=len(rank_stages), dp={len(st.groups) for st in rank_stages},
-                num_micro_batches=plan.num_micro_batches, recompute={bool(st.recompute) for st in plan.stages},
+                num_micro_batches=plan.num_micro_batches, recompute={st.recompute_mode for st in plan.stages},
                 zero_stage=plan.zero_stage, schedule=plan.schedule,
                 virtual_stages=int(getattr(plan, "virtual_stages", 1) or 1),
                 sequence_parallel={bool(st.sequence_parallel) for st in plan.stages if any(len(g) > 1 for g in st.groups)})
@@ -193,8 +196,13 @@ def _single_could_meet(strategy: str, pin: Pin) -> bool:
 def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig) -> Plan:
     """The fastest predicted plan of ``config.resolved_strategy`` that meets ``config.pin`` (see the
     module docstring); ``PlanError`` naming the pin when none does."""
+    asked = config.pin
+    check_pin(asked, costs, cluster, global_batch, config.num_heads)
+    selective = asked.recompute == "selective"
+    if selective:      # backward reruns the attention cores; the search keeps every activation
+        costs = attention_recompute_costs(costs)
+        config = config.with_(pin=replace(asked, recompute=False))
     pin = config.pin
-    check_pin(pin, costs, cluster, global_batch, config.num_heads)
     cfg = pinned_config(config)
     if getattr(pin, "sequence_parallel", None) is False:     # SP neither priced nor set anywhere
         costs = dataclasses.replace(costs, tp_sp_supported=None, _cache={})
@@ -269,5 +277,7 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
         why = "; ".join(dict.fromkeys(misses))[:600]
         raise PlanError(f"pin: no plan meets {pin} on {len(cluster)} devices (it does not fit in memory, "
                         f"or no layout has those dimensions)" + (f": {why}" if why else ""))
+    if selective:
+        best = replace(best, stages=tuple(replace(st, recompute_attention=True) for st in best.stages))
     return replace(best, strategy=strategy if strategy != "auto" else "auto",
-                   notes=(f"pinned: {pin}; the planner searched the rest",) + tuple(best.notes))
+                   notes=(f"pinned: {asked}; the planner searched the rest",) + tuple(best.notes))
