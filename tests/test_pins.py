@@ -128,9 +128,11 @@ def test_a_pin_that_cannot_be_met_names_the_pin():
             _plan(pin)
     with pytest.raises(PlanError, match=r"pin\.dp"):
         _plan(Pin(dp=8), batch=4)
-    # memory: at 1 GB per device no plan of one-device members fits, while the unpinned search plans
-    with pytest.raises(PlanError, match=r"pin: no plan meets tp=1, dp=1 .*does not fit in memory"):
-        _plan(Pin(tp=1, dp=1), memory_GB=1)
+    # memory: at 1 GB per device no plan of one-device members keeping its activations fits, while the
+    # unpinned search plans (an unpinned recompute is searched: that pin plans)
+    with pytest.raises(PlanError, match=r"pin: no plan meets tp=1, dp=1, recompute=False .*does not fit in memory"):
+        _plan(Pin(tp=1, dp=1, recompute=False), memory_GB=1)
+    assert _plan(Pin(tp=1, dp=1), memory_GB=1)[1].predicted.step_time_s > 0
     assert _plan(None, memory_GB=1)[1].predicted.step_time_s > 0
 
 

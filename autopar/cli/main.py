@@ -371,6 +371,34 @@ def cmd_demo(args) -> int:
     return cmd_train(args)
 
 
+BENCHES = ("published",)   # benchmarks/NAME.py scripts ``autopar bench NAME`` runs
+
+
+def cmd_bench(rest: list[str]) -> int:
+    """``autopar bench NAME [ARGS]``: ``main(ARGS)`` of ``benchmarks/NAME.py`` in the source tree this
+    package was installed from (an editable install or a checkout; a wheel carries no benchmarks)."""
+    import importlib.util
+    from pathlib import Path
+
+    if not rest or rest[0] in ("-h", "--help") or rest[0] not in BENCHES:
+        known = ", ".join(BENCHES)
+        if rest and rest[0] not in ("-h", "--help"):
+            print(f"autopar bench: error: unknown benchmark {rest[0]!r}; one of: {known}", file=sys.stderr)
+            return 2
+        print(f"usage: autopar bench NAME [ARGS]\n\nbenchmarks: {known} (autopar bench NAME --help)")
+        return 0 if rest else 2
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{rest[0]}.py"
+    if not path.is_file():
+        print(f"autopar bench: error: {path} is missing: the benchmarks live in the source tree; install autopar "
+              "from a checkout (pip install -e .) to run them", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"autopar_bench_{rest[0]}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module      # dataclasses of the script look their module up
+    spec.loader.exec_module(module)
+    return module.main(rest[1:])
+
+
 def cmd_tune(args, rest: list[str]) -> int:
     from autopar.kernels import tune
 
@@ -482,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last measured step of both strategies")
 
     sub.add_parser("tune", help="Triton kernel tuning runs on the local GPU (autopar tune --help)", add_help=False)
+    sub.add_parser("bench", help="run a benchmark of the source tree: 'autopar bench published' pins published GPU "
+                                 "runs as published and predicts them (autopar bench published --help)",
+                   add_help=False)
     from autopar.cli.checkpoint import add_parser as add_checkpoint_parser
 
     add_checkpoint_parser(sub)
@@ -494,6 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
     if argv and argv[0] == "tune":
         try:
             return cmd_tune(None, argv[1:])

@@ -151,6 +151,11 @@ def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int
     if _interleaved(pin) and pin.schedule not in (None, "interleaved-1f1b"):
         raise PlanError(f"pin.virtual_stages: {pin.virtual_stages} chunks per rank stage need "
                         f"schedule='interleaved-1f1b', not {pin.schedule!r}")
+    if pin.zero_stage == 3 and ((pin.tp not in (None, 1) and not isinstance(pin.tp, tuple)) or (pin.pp or 1) > 1):
+        raise PlanError(f"pin.zero_stage: 3 with {'tp' if pin.tp not in (None, 1) else 'pp'} > 1: the planner plans "
+                        "ZeRO-3 for one-stage data parallelism of single devices only so far (TP members run at "
+                        "most ZeRO-2, a pipeline stage holds its whole stage through the step); pin zero_stage=1 "
+                        "or 2, or drop the TP / PP pin")
     if _interleaved(pin) and pin.pp == 1:
         raise PlanError("pin.virtual_stages: an interleaved schedule needs pp >= 2 rank stages, but pin.pp is 1")
 
@@ -208,8 +213,11 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
         costs = dataclasses.replace(costs, tp_sp_supported=None, _cache={})
     strategy = cfg.resolved_strategy
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if cfg.replicated_fraction is None else cfg.replicated_fraction
+    # recomputation is a dimension like the others: unpinned, the search may recompute where keeping
+    # does not fit or is slower (a selective pin keeps: it was searched with recompute=False)
+    may_recompute = cfg.recompute or (asked.recompute is None)
     common = dict(num_heads=cfg.num_heads, zero_stage=cfg.zero_stage, schedule=cfg.schedule,
-                  memory_fraction=cfg.memory_fraction, replicated_fraction=rho, recompute=cfg.recompute)
+                  memory_fraction=cfg.memory_fraction, replicated_fraction=rho, recompute=may_recompute)
     best: Plan | None = None
     misses: list[str] = []
 
@@ -231,7 +239,7 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
                 sched = pin.schedule or "interleaved-1f1b"
                 offer(plan_pipeline(costs, cluster, global_batch, schedule=sched, schedules=(sched,),
                                     virtual_stages=v, zero_stage=0 if cfg.zero_stage == "auto" else cfg.zero_stage,
-                                    memory_fraction=cfg.memory_fraction, recompute=cfg.recompute,
+                                    memory_fraction=cfg.memory_fraction, recompute=may_recompute,
                                     pp_layers=cfg.pp_layers, num_micro=pin.num_micro_batches))
             else:
                 pp = s in PP_STRATEGIES
