@@ -81,6 +81,7 @@ class JointContext:
     cache: dict
     recompute: bool = False        # offer activation recomputation to stages whose memory binds
     force_recompute: bool = False  # every stage recomputes (a pinned ``recompute=True``)
+    force_sp: bool = False         # every TP stage whose blocks can runs SP (a pinned ``sequence_parallel=True``)
 
     def kind_id(self, kind) -> int:
         ids = self.cache.setdefault("kind_ids", {})

@@ -527,23 +527,27 @@ def tp_optimizer_params(stage, params: float, replicated_fraction: float = DEFAU
 
 
 def stage_sequence_parallel(costs: ModelCosts, kinds: Sequence[GroupKind], micro_batches: Sequence[float],
-                            replicated_fraction: float | None = None) -> bool:
+                            replicated_fraction: float | None = None, force: bool = False) -> bool:
     """``Stage.sequence_parallel`` as the planner sets it on a stage whose members are of ``kinds``
     (with their largest micro-batch each): every member a TP group for which ``sp_pays``. A stage
     whose members disagree runs without SP (the flag is the stage's); ``kind_block_times`` with the
-    stage's flag then prices what it runs."""
+    stage's flag then prices what it runs. ``force`` (a pinned SP): every member a TP group and some
+    block able to run it, priced slower or not."""
     kinds = list(kinds)
+    if force:
+        sp = sp_blocks(costs)
+        return bool(kinds) and sp is not None and bool(sp.any()) and all(len(k.types) > 1 for k in kinds)
     return bool(kinds) and all(sp_pays(costs, k, float(x), replicated_fraction)
                                for k, x in zip(kinds, micro_batches))
 
 
 def with_sequence_parallel(costs: ModelCosts, stages: Sequence, members: Sequence[Sequence[Member]],
-                           replicated_fraction: float | None = None) -> tuple:
+                           replicated_fraction: float | None = None, force: bool = False) -> tuple:
     """The joint planner's built ``stages`` (of ``members`` each) with ``Stage.sequence_parallel`` set
     as ``stage_sequence_parallel`` says (each member at its largest micro-batch)."""
     out = []
     for st, ms in zip(stages, members):
         sp = stage_sequence_parallel(costs, [m.kind for m in ms], [max(x, default=0) for x in st.micro_batches],
-                                     replicated_fraction)
+                                     replicated_fraction, force)
         out.append(replace(st, sequence_parallel=sp) if sp != st.sequence_parallel else st)
     return tuple(out)

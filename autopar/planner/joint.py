@@ -111,7 +111,8 @@ def _build(ctx: JointContext, stages: Sequence[Sequence[Member]], sizes: Sequenc
             micro_batches=tuple(tuple(pm[g] for pm in per_micro) for g in range(len(members))),
             tp_shares=tuple(m.shares for m in members) if tp else (), recompute=bool(rc)))
         start += k
-    return tp_cost.with_sequence_parallel(ctx.costs, out, stages, ctx.rho)   # where SP is priced no slower
+    # where SP is priced no slower, or wherever it can run when the pin asks for it
+    return tp_cost.with_sequence_parallel(ctx.costs, out, stages, ctx.rho, force=ctx.force_sp)
 
 
 def _make_plan(ctx: JointContext, strategy: str, schedule: str, stages, step_s: float, memory: dict,
@@ -211,7 +212,7 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 best_s: float = math.inf,
                 shortlist: int = _SHORTLIST, recompute: bool = False,
                 force_recompute: bool = False, virtual_counts: Sequence[int] | None = None,
-                pp_layers: Sequence[int] | None = None) -> list[_Scored]:
+                pp_layers: Sequence[int] | None = None, force_sequence_parallel: bool = False) -> list[_Scored]:
     """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
     reached elsewhere (pruning); ``shortlist``:
@@ -220,7 +221,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     ``force_recompute=True`` (a pinned recompute) makes every stage recompute; ``virtual_counts`` (a
     pinned interleaving) returns only the interleaved variants, at those chunk counts, of every 1F1B
     plan found, faster than its flat plan or not; ``pp_layers`` (pinned blocks per stage) predicts only
-    that split, on the groupings of as many stages."""
+    that split, on the groupings of as many stages; ``force_sequence_parallel`` (a pinned SP) sets SP on
+    every TP stage that can run it, priced slower or not."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     zero_choices, z_search = _zero_choices(zero_stage)
@@ -232,7 +234,7 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
         layouts = member_layouts(costs, cluster, ranks, num_heads=num_heads, degrees=degrees,
                                  replicated_fraction=replicated_fraction)
     ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {},
-                       recompute or force_recompute, force_recompute)
+                       recompute or force_recompute, force_recompute, force_sequence_parallel)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
     found, _ = search(ctx, entries, split_schedule, num_micro, best_s, keep=shortlist)
     scored: list[_Scored] = []

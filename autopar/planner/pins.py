@@ -17,9 +17,9 @@ Terms
   size idle: ``layouts.member_layouts(type_degrees=)``), groupings of the pinned stage and member
   counts (``layouts.pinned_groupings``), the pinned micro-batch count, ZeRO stage and schedule, and
   every stage recomputing when recompute is pinned on. ``sequence_parallel`` False plans with costs that
-  carry no SP facts (SP neither priced nor set); True searches as usual (SP is set where it is priced
-  no slower, ``cost.tp.sp_pays``) and keeps the plans whose every TP stage runs it: where SP is priced
-  slower on every layout, or the model's blocks cannot run it, the ``PlanError`` names the pin. Each candidate is checked again with
+  carry no SP facts (SP neither priced nor set); True sets SP on every TP stage of the joint search
+  that can run it, priced slower or not (``plan_hybrid(force_sequence_parallel=)``), and keeps the plans
+  whose every TP stage runs it: where the model's blocks cannot run it, the ``PlanError`` names the pin. Each candidate is checked again with
   ``pin_violation``, so what is returned equals the pin by construction and by check.
 """
 
@@ -262,6 +262,8 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
             bound = math.inf      # an interleaved variant may beat the flat plans it comes from
         if cfg.pp_layers is not None:   # that split, on groupings of as many stages
             hybrid["pp_layers"] = cfg.pp_layers
+        if pin.sequence_parallel:       # SP wherever it can run, priced slower or not
+            hybrid["force_sequence_parallel"] = True
         pp = pin.pp if pin.pp is not None else (len(cfg.pp_layers) if cfg.pp_layers is not None else None)
         for lay in layouts:
             groupings = None
