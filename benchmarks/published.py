@@ -254,12 +254,18 @@ def markdown(rows: list[dict], command: str, refused: list[tuple[str, str]] = ()
             f"`{command}`. Predicted: `meta` models, roofline time tables for the GPU types (nothing ran on "
             "a GPU). Published step: as the source gives it, or derived from its tokens per second or its "
             "Megatron TFLOP/s (see `benchmarks/published.py`).\n\n")
+    unpinned = any("unpinned_step_s" in r for r in rows)
+    extra = ["unpinned s", "unpinned / pinned"] if unpinned else []
     table = md_table(
-        ["run", "GPUs", "pin", "schedule (V)", "predicted s", "published s", "pred / pub", "pred MFU", "pub MFU"],
+        ["run", "GPUs", "pin", "schedule (V)", "predicted s", "published s", "pred / pub", "pred MFU", "pub MFU",
+         *extra],
         [[r["run"], r["gpus"], ", ".join(f"{k}={v}" for k, v in r["pin"].items()),
           f"{r['schedule']} ({r['virtual_stages']})", _fmt(r["predicted_step_s"], ".4g"),
           _fmt(r["published_step_s"], ".4g"), _fmt(r["predicted_over_published"], ".2f"),
-          _fmt(r["predicted_mfu"], ".1%"), _fmt(r["published_mfu"], ".1%")] for r in rows])
+          _fmt(r["predicted_mfu"], ".1%"), _fmt(r["published_mfu"], ".1%"),
+          *([_fmt(r.get("unpinned_step_s"), ".4g"),
+             _fmt(r["unpinned_step_s"] / r["predicted_step_s"] if "unpinned_step_s" in r else None, ".2f")]
+            if unpinned else [])] for r in rows])
     gaps = "".join(f"- `{name}`: {KNOWN_GAPS.get(name, 'not a known gap')}. The planner: {why}\n"
                    for name, why in refused)
     env = environment()
