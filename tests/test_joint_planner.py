@@ -5,6 +5,7 @@ HETHUB's Llama-140B on 768 devices at >= 97.5% of the homogeneous upper bound.""
 import itertools
 import math
 import random
+import re
 import time
 
 import numpy as np
@@ -263,6 +264,11 @@ def test_auto_is_never_slower_than_a_single_strategy(nodes):
     assert ran >= 3
     assert auto.strategy == "auto"
     assert any(n.startswith("runner-up") for n in auto.notes)
+    # --explain's account of the search: every candidate is fitted, pruned or solved, and counted
+    searched = next(n for n in auto.notes if n.startswith("searched"))
+    c, unfit, pruned, solved = map(int, re.search(r"(\d+) \(grouping, micro-batch count\) candidates; (\d+) do not "
+                                                  r"fit, (\d+) pruned.*?, (\d+) split exactly", searched).groups())
+    assert c == unfit + pruned + solved, searched
 
 
 def test_nothing_fits_is_a_plan_error():

@@ -212,7 +212,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
                 best_s: float = math.inf,
                 shortlist: int = _SHORTLIST, recompute: bool = False,
                 force_recompute: bool = False, virtual_counts: Sequence[int] | None = None,
-                pp_layers: Sequence[int] | None = None, force_sequence_parallel: bool = False) -> list[_Scored]:
+                pp_layers: Sequence[int] | None = None, force_sequence_parallel: bool = False,
+                stats: dict | None = None) -> list[_Scored]:
     """The predicted plans of the hybrid search (best first; see the module docstring). ``layouts`` and
     ``groupings`` restrict the search (tests, the "tp" strategy); ``best_s`` is a step time already
     reached elsewhere (pruning); ``shortlist``:
@@ -222,7 +223,9 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     pinned interleaving) returns only the interleaved variants, at those chunk counts, of every 1F1B
     plan found, faster than its flat plan or not; ``pp_layers`` (pinned blocks per stage) predicts only
     that split, on the groupings of as many stages; ``force_sequence_parallel`` (a pinned SP) sets SP on
-    every TP stage that can run it, priced slower or not."""
+    every TP stage that can run it, priced slower or not. ``stats``, when given, receives how much was
+    searched: ``layouts`` (TP member layouts), ``groupings`` (their stage groupings searched), the
+    search's counts (``joint_search.search``) and ``predicted`` (plans the simulator priced)."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     zero_choices, z_search = _zero_choices(zero_stage)
@@ -236,7 +239,10 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     ctx = JointContext(costs, cluster, B, z_search, memory_fraction, replicated_fraction, {}, {},
                        recompute or force_recompute, force_recompute, force_sequence_parallel)
     entries = _entries(ctx, cluster, layouts, groupings, best_s)
-    found, _ = search(ctx, entries, split_schedule, num_micro, best_s, keep=shortlist)
+    found, _ = search(ctx, entries, split_schedule, num_micro, best_s, keep=shortlist, stats=stats)
+    if stats is not None:
+        stats.update(layouts=len(layouts), groupings=len(entries),
+                     layouts_pruned=len(layouts) - len({id(e.layout) for e in entries}))
     scored: list[_Scored] = []
     best = best_s
     for est, e, M, sizes, flags in found[:shortlist]:
@@ -254,6 +260,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
             for x in _predict(ctx, built, schedules, label, zero_choices):
                 scored.append(x)
                 best = min(best, x.step_time_s)
+    if stats is not None:
+        stats["predicted"] = len(scored)
     if virtual_counts is not None:
         return sorted((_Scored(*x) for x in interleave_hybrid(
             costs, cluster, [(x.step_time_s, x.plan, x.label) for x in scored], memory_fraction, virtual_counts,
@@ -295,6 +303,18 @@ def _pinned_split(ctx: JointContext, entry: GroupingState, M: int, schedule: str
     if not all(math.isfinite(cost[s, b[s], b[s + 1]]) for s in range(S)):
         return []
     return [(tuple(layers), tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S)))]
+
+
+def searched_note(stats: dict, predictions: int) -> str:
+    """One line of how much the hybrid search covered and why it left the rest (``plan_hybrid(stats=)``)."""
+    if "candidates" not in stats:
+        return f"searched {predictions} hybrid predictions"
+    c, unfit, solved = stats["candidates"], stats["unfit"], stats["solved"]
+    return (f"searched {stats['layouts']} TP layouts ({stats['layouts_pruned']} pruned whole: even perfect balance "
+            f"is no faster than the best single strategy), {stats['groupings']} stage groupings: {c} (grouping, "
+            f"micro-batch count) candidates; {unfit} do not fit, {c - unfit - solved} pruned by their lower "
+            f"bound (no better than the best estimate x {ESTIMATE_SLACK}), {solved} split exactly, "
+            f"{stats.get('predicted', 0)} simulated, {predictions} hybrid predictions")
 
 
 def _zero_choices(zero_stage) -> tuple[tuple[int, ...], int | None]:
@@ -428,9 +448,10 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
             continue
         scored.append(_Scored(p.predicted.step_time_s, p, f"{strategy} (zero-{p.zero_stage}, {p.schedule})"))
     best_single = min((x.step_time_s for x in scored), default=math.inf)
+    stats: dict = {}
     hybrids = plan_hybrid(costs, cluster, B, num_heads=num_heads, zero_stage=zero_stage, schedule=schedule,
                           memory_fraction=memory_fraction, ranks=ranks, replicated_fraction=rho,
-                          degrees=degrees, best_s=best_single, recompute=recompute)
+                          degrees=degrees, best_s=best_single, recompute=recompute, stats=stats)
     scored += hybrids
     if not scored:
         raise PlanError("auto: no plan fits: " + "; ".join(failed))
@@ -445,7 +466,7 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
         notes.append(f"runner-up: {x.label}: {x.step_time_s:.6g} s/step "
                      f"({x.step_time_s / best.step_time_s:.4g}x the chosen)")
     notes += failed
-    notes.append(f"searched {len(hybrids)} hybrid predictions")
+    notes.append(searched_note(stats, len(hybrids)))
     plan = replace(best.plan, strategy="auto", notes=tuple(notes) + tuple(best.plan.notes))
     if key is not None:
         cache.put(key, plan)

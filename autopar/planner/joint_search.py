@@ -130,7 +130,7 @@ class GroupingState:
 
 
 def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_micro: int | None,
-           best_s: float, keep: int | None = None) -> tuple[list[tuple[float, int, int, tuple[int, ...],
+           best_s: float, keep: int | None = None, stats: dict | None = None) -> tuple[list[tuple[float, int, int, tuple[int, ...],
                                                                        tuple[bool, ...]]], int]:
     """Best-first over every (grouping, micro-batch count) by ``split_lower_bound`` + ``tail_lower_bound``
     (a heap keyed by the split bound alone until an item comes first: the costly tail bound is only
@@ -145,7 +145,11 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
     whose bound exceeds the ``keep``-th least estimate found so far cannot be among them (its estimate
     is at least its bound; the list is sorted stably, so a later item that ties comes after), so the
     limit is the lesser of that and the slack limit. The first ``keep`` entries are the same as
-    without it, in the same order; only fewer of the rest are solved."""
+    without it, in the same order; only fewer of the rest are solved.
+
+    ``stats``, when given, receives ``candidates`` (every (grouping, micro-batch count)), ``unfit``
+    (those skipped because their grouping cannot hold the model) and ``solved`` (the split DP ran);
+    the others were pruned by their lower bounds."""
     items = []
     largest = []              # per entry: its largest micro-batch count
     for e, entry in enumerate(entries):
@@ -197,6 +201,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
 
     # the tail bound is costly: only for what the split bound alone does not prune
     order = best_first(items, lambda e, M: tail_lower_bound(ctx, entries[e], M), limit)
+    unfit = 0
     for bound, e, M in order:
         entry = entries[e]
         S = len(entry.prep)
@@ -207,6 +212,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
                 top = largest[e]
                 entry.feasible = top < S or solve(entry, top) != "infeasible"
             if not entry.feasible:
+                unfit += 1
                 continue
         got = solve(entry, M)
         solved += 1
@@ -222,4 +228,6 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
             elif est < -kept[0]:
                 heapq.heapreplace(kept, -est)
     found.sort(key=lambda x: x[0])
+    if stats is not None:
+        stats.update(candidates=len(items), unfit=unfit, solved=solved)
     return found, solved
