@@ -21,6 +21,7 @@ from autopar.lowering import lower
 from autopar.passes.tp_sp import SP_META_KEY
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
+from autopar.models.losses import token_cross_entropy
 from oracle import RTOL, optimizer_factory, stages_of, state_rel_errors, threaded_ranks, train_one_device
 
 pytestmark = [pytest.mark.thirdparty, pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -32,7 +33,10 @@ _GRAPH: dict = {}
 
 
 def build(family: str = "qwen2") -> nn.Module:
+    """4 query heads over 2 key/value heads, 2 layers, SDPA; logits out (``causal_lm_case``'s wrapper)."""
     import transformers as tf
+
+    from autopar.models.zoo import causal_lm_case
 
     config, model = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                      "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[family]
@@ -40,20 +44,10 @@ def build(family: str = "qwen2") -> nn.Module:
     lm = model(config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
     lm.config._attn_implementation = "sdpa"
-
-    class Logits(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, ids):
-            return self.lm(input_ids=ids).logits
-
-    return Logits()
+    return causal_lm_case(family, lm).model
 
 
-def loss_fn(out, y):
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+loss_fn = token_cross_entropy
 
 
 def data() -> list:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import threading
 
 import numpy as np
@@ -24,7 +23,7 @@ from autopar.planner.pins import pin_violation, plan_pinned
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.tp import tp_layout
-from oracle import RTOL, assert_state_close, batches, optimizer_factory, prepared_case, single_device_run, threaded_ranks
+from oracle import batches, optimizer_factory, prepared_case, threaded_ranks, train_and_check
 
 B, STEPS = 8, 2
 _LOCK = threading.Lock()
@@ -46,13 +45,7 @@ def _train(name, plan, rank, world_size, optimizer="adamw"):
     engine = select_engine(plan)(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
         rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()), program)
-    with _LOCK:
-        data = batches(name, B, STEPS)
-        ref = single_device_run(name, B, STEPS, optimizer)
-    losses = [engine.step(inputs, targets) for inputs, targets in data]
-    assert_state_close(engine.state_dict(), ref.state, RTOL[optimizer])
-    for got, want in zip(losses, ref.losses):
-        assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
+    train_and_check(engine, name, optimizer, STEPS, lock=_LOCK)
     return program
 
 
