@@ -66,6 +66,13 @@ def test_plan_a_hugging_face_config(capsys, tmp_path):
     assert main(["plan", "--model", f"hf:{tmp_path / 'nowhere'}", "--cluster", "demo", "--global-batch", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no such config.json" in err
+    # --seq-len: the tokens of a sample, up to the config's position table
+    base = ["plan", "--model", f"hf:{tmp_path / 'config.json'}", "--cluster", "demo", "--global-batch", "8"]
+    assert main(base + ["--seq-len", "64", "--json", "-"]) == 0
+    longer = json.loads(capsys.readouterr().out)
+    assert longer["predicted"]["step_time_s"] > plan["predicted"]["step_time_s"]      # 64 tokens, not 32
+    assert main(base + ["--seq-len", "65"]) == 2
+    assert "--seq-len: 65 tokens, but" in capsys.readouterr().err
 
 
 def test_models_lists_the_zoo(capsys):

@@ -77,7 +77,7 @@ def _write_json(obj, dest: str) -> None:
 
 
 def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str | None = None,
-             example_batch: int | None = None):
+             example_batch: int | None = None, seq_len: int | None = None):
     from autopar.api import planning_analysis_options, prepare
 
     from autopar.cost.profile import DEFAULT_SAMPLE_BATCHES
@@ -85,6 +85,10 @@ def _prepare(model_spec: str, cluster, need_measure: bool = True, precision: str
     from autopar.passes.inputs import flat_inputs
 
     case = _planning_case(model_spec)   # one build (a 140B model on meta takes ~0.7 s)
+    if seq_len is not None:             # tokens per sample of a language model
+        from autopar.models.case import with_seq_len
+
+        case = with_seq_len(case, seq_len)
     if example_batch is not None:       # the model captured and analysed at this many rows
         if example_batch < 1:
             from autopar.errors import PlanError
@@ -183,7 +187,8 @@ def _plan_command(args) -> int:
     pin = Pin.parse(args.pin) if args.pin else None
     cluster = _load_cluster(args.cluster)
     check_request(cluster, args.global_batch)   # before the analysis and the profiling
-    case, prep = _prepare(args.model, cluster, precision=args.precision, example_batch=args.example_batch)
+    case, prep = _prepare(args.model, cluster, precision=args.precision, example_batch=args.example_batch,
+                          seq_len=args.seq_len)
     timings: dict = {}
     p = plan_from_costs(prep.costs, cluster, args.global_batch, strategy=args.strategy,
                         zero_stage=args.zero if args.zero == "auto" else int(args.zero), schedule=args.schedule,
@@ -468,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(tp, pp, dp, num_micro_batches, recompute, zero_stage, schedule, virtual_stages, "
                                  "sequence_parallel; "
                                  "tp=TYPE:D/TYPE:D per device type)")
+    q.add_argument("--seq-len", type=int, metavar="T",
+                   help="tokens per sample of a language model (the zoo's LMs, hf:PATH, causal LMs; default: the "
+                        "model's own example), at most its position table")
     q.add_argument("--example-batch", type=int, metavar="N",
                    help="capture and analyse the model with an example of N rows (any N >= 1; default: the "
                         "model's own example); the plan's batch sizes do not depend on it")

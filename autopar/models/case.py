@@ -27,7 +27,7 @@ from autopar.errors import AutoparError
 __all__ = [
     "ModelCase", "ModelZooError", "BatchFn", "LossFn",
     "instantiate", "example_inputs_from", "model_device", "batch_device", "check_positive",
-    "apply_overrides",
+    "apply_overrides", "with_seq_len",
 ]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -137,6 +137,33 @@ def example_inputs_from(make_batch: BatchFn, *, device: str | torch.device, seed
     device = torch.device(device)
     inputs, _ = make_batch(2, seed, torch.device("cpu"))
     return tuple(t.to(device) for t in inputs)
+
+
+def with_seq_len(case: ModelCase, seq_len: int) -> ModelCase:
+    """``case`` whose batches (and example) hold ``seq_len`` tokens a sample: a language model whose
+    ``make_batch`` takes a ``seq_len`` (the zoo's LMs, ``hf:PATH`` and other causal LMs), at most its
+    config's ``max_position_embeddings`` or ``seq_len`` (its position table). ``ModelZooError`` naming
+    ``--seq-len`` otherwise."""
+    import dataclasses
+    import functools
+
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ModelZooError(f"--seq-len: {seq_len!r} is not a positive number of tokens")
+    mb = case.make_batch
+    if not (isinstance(mb, functools.partial) and "seq_len" in mb.keywords):
+        raise ModelZooError(f"--seq-len: the batches of {case.name} have no sequence length to set "
+                            "(a language model of the zoo, hf:PATH or a causal LM has one)")
+    cfg = getattr(getattr(case.model, "lm", None), "config", None) or case.config
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if limit is None and not hasattr(cfg, "rope_theta"):       # a position table sized by the config
+        limit = getattr(cfg, "seq_len", None)
+    if limit is not None and seq_len > int(limit):
+        raise ModelZooError(f"--seq-len: {seq_len} tokens, but {case.name} holds positions for {int(limit)}")
+    make_batch = functools.partial(mb.func, *mb.args, **{**mb.keywords, "seq_len": seq_len})
+    device = next((t.device for t in case.example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    rows = next((t.shape[0] for t in case.example_inputs if isinstance(t, torch.Tensor) and t.dim()), 2)
+    inputs, _ = make_batch(rows, 0, torch.device("cpu"))
+    return dataclasses.replace(case, make_batch=make_batch, example_inputs=tuple(t.to(device) for t in inputs))
 
 
 def check_positive(cfg: Any, *names: str) -> None:
