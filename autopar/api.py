@@ -97,7 +97,7 @@ def plan_config(config: PlanConfig | None = None, **options) -> PlanConfig:
 
 def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", zero_stage="auto",
                     schedule="auto", pp_layers=None, dp_batch=None, num_heads: int | None = None,
-                    replicated_fraction: float | None = None, recompute: bool = False,
+                    replicated_fraction: float | None = None, recompute: bool = True,
                     timings: dict | None = None, config: PlanConfig | None = None, pin=None) -> Plan:
     """Run the planner of ``strategy`` on prepared cost tables and attach the bounds, on ``cluster`` with
     this machine's calibration and measured emulated link attached (``autopar.measure.machine``).
@@ -107,8 +107,9 @@ def plan_from_costs(costs, cluster, global_batch_size: int, *, strategy="auto", 
     ``auto`` with a pinned ``pp_layers`` is a pipeline search, with a pinned ``dp_batch`` a data-parallel
     one (the pins fix the dimension); ``replicated_fraction`` is the part of each block that tensor
     parallelism cannot shard (``autopar.cost.tp.replicated_fraction_of``). ``recompute`` lets pipeline
-    stages whose activations do not fit, and the ``dp`` strategy, recompute them in backward (off by
-    default; the uniform baselines never do). ``timings``, when
+    stages whose activations do not fit or where it makes the plan faster, and the ``dp`` strategy,
+    recompute them in backward (on by default: a dimension the search chooses like the others;
+    ``recompute=False`` keeps every activation; the uniform baselines never recompute). ``timings``, when
     given, receives the wall seconds of the planner (``plan_s``) and of the bounds (``bounds_s``: the
     planner run again on each device type alone)."""
     config = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule, pp_layers=pp_layers,
@@ -150,7 +151,7 @@ def model_num_heads(model: nn.Module) -> int | None:
 def plan(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
          strategy="auto", zero_stage="auto", schedule="auto", pp_layers=None, dp_batch=None,
          optimizer: str = "adamw", measure: bool | None = None, prepared: Prepared | None = None,
-         recompute: bool = False, config: PlanConfig | None = None, precision: str = "fp32", pin=None,
+         recompute: bool = True, config: PlanConfig | None = None, precision: str = "fp32", pin=None,
          example_targets=None, track_memory: bool | None = None) -> Plan:
     """Plan how to train ``model`` on ``cluster`` with ``global_batch_size`` samples per step: the plan
     ``compile`` runs for the same arguments (``prepare`` measures the same tables for both:
@@ -342,7 +343,7 @@ def _optimizer_kind(factory) -> str:
 def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
             optimizer: Callable | None = None, strategy="auto", zero_stage="auto", schedule="auto",
             pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
-            recompute: bool = False, zero3_granularity: Zero3Granularity = "block",
+            recompute: bool = True, zero3_granularity: Zero3Granularity = "block",
             config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
             init="reset_parameters", weights=None, precision: str = "fp32", pin=None,
             checkpoint_dir=None, checkpoint_every: int | None = None, replan: str = "off",

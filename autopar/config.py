@@ -171,7 +171,7 @@ class PlanConfig:
     strategy: Strategy = "auto"
     zero_stage: ZeroChoice = "auto"
     schedule: ScheduleChoice = "auto"
-    recompute: bool | str = False      # True / "full", False, or "selective" (a pin: attention cores)
+    recompute: bool | str = True       # may recompute (True / "full"), never (False), or "selective" (a pin)
     memory_fraction: float = MEMORY_FRACTION
     pp_layers: tuple[int, ...] | None = None
     dp_batch: tuple[tuple[int, int], ...] | None = None   # ((rank, samples), ...), sorted by rank

@@ -333,7 +333,7 @@ def cmd_train(args) -> int:
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
                    steps=args.steps, strategies=strategies, warmup_steps=args.warmup,
                    zero_stage=args.zero if args.zero == "auto" else int(args.zero),
-                   recompute=getattr(args, "recompute", False), replan=getattr(args, "replan", "off"),
+                   recompute=getattr(args, "recompute", True), replan=getattr(args, "replan", "off"),
                    max_restarts=getattr(args, "max_restarts", 0), checkpoint_dir=getattr(args, "checkpoint_dir", None),
                    checkpoint_every=getattr(args, "checkpoint_every", None),
                    consecutive=getattr(args, "consecutive", 1))
@@ -457,9 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--global-batch", type=int, required=not train, help="samples per optimizer step")
         q.add_argument("--strategy", default="auto", choices=list(STRATEGIES))
         q.add_argument("--zero", default="auto", choices=["auto", *map(str, ZERO_STAGES)], help="ZeRO stage")
-        q.add_argument("--recompute", action="store_true",
+        q.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                        help="let pipeline stages and data parallelism recompute activations in backward "
-                            "where that is faster or keeping them does not fit (one more forward)")
+                            "where that is faster or keeping them does not fit (one more forward; on by "
+                            "default, --no-recompute keeps every activation)")
         q.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-' for stdout)")
 
     q = sub.add_parser("plan", help="plan a model on a cluster and show the predicted throughput")

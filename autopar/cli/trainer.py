@@ -61,7 +61,7 @@ class RunSpec:
     zero_stage: object = "auto"
     model_overrides: tuple[tuple[str, object], ...] = ()   # zoo config fields, e.g. (("num_layers", 10),)
     schedule: str = "auto"
-    recompute: bool = False
+    recompute: bool = True
     track_memory: bool | None = None    # RunConfig.track_memory (None: as the device says)
     replan: str = "off"                 # compile's replan= (autopar.runtime.replan)
     max_restarts: int = 0               # launch's max_restarts= (autopar.runtime.elastic, docs/elastic.md)
