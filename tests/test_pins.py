@@ -133,6 +133,8 @@ def test_a_pin_that_cannot_be_met_names_the_pin():
     with pytest.raises(PlanError, match=r"pin: no plan meets tp=1, dp=1, recompute=False .*does not fit in memory"):
         _plan(Pin(tp=1, dp=1, recompute=False), memory_GB=1)
     assert _plan(Pin(tp=1, dp=1), memory_GB=1)[1].predicted.step_time_s > 0
+    with pytest.raises(PlanError, match=r"pin: no plan meets tp=1, dp=1 "):    # recompute=False: the user's "never"
+        _plan(Pin(tp=1, dp=1), memory_GB=1, recompute=False)
     assert _plan(None, memory_GB=1)[1].predicted.step_time_s > 0
 
 

@@ -213,9 +213,10 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
         costs = dataclasses.replace(costs, tp_sp_supported=None, _cache={})
     strategy = cfg.resolved_strategy
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if cfg.replicated_fraction is None else cfg.replicated_fraction
-    # recomputation is a dimension like the others: unpinned, the search may recompute where keeping
-    # does not fit or is slower (a selective pin keeps: it was searched with recompute=False)
-    may_recompute = cfg.recompute or (asked.recompute is None)
+    # recomputation is a dimension like the others: unpinned (and not turned off by recompute=False), the
+    # search may recompute where keeping does not fit or is slower; a selective pin keeps (its search
+    # runs with recompute=False)
+    may_recompute = bool(cfg.recompute)
     common = dict(num_heads=cfg.num_heads, zero_stage=cfg.zero_stage, schedule=cfg.schedule,
                   memory_fraction=cfg.memory_fraction, replicated_fraction=rho, recompute=may_recompute)
     best: Plan | None = None
