@@ -1,7 +1,8 @@
 """Grouped-query attention under tensor parallelism: the zoo's Llama with ``num_kv_heads``
 (``scaled_dot_product_attention(enable_gqa=True)``) and the Hugging Face-style Llama with
 ``num_key_value_heads`` (``repeat_kv``: expand and reshape, captured by torch.export). A TP unit is one
-key/value head with its query heads, so each member owns whole groups; trained exactly against one device."""
+key/value head with its query heads, so each member owns whole groups; trained exactly against one device.
+(TP 2 x PP 2 interleaved on a grouped-query model: ``tests/test_gqa_transformers.py``, on transformers' Qwen2.)"""
 
 from __future__ import annotations
 
@@ -51,18 +52,6 @@ class TwoRanks(threaded_ranks(2)):
             engine = make_engine(name, ((0, 1),), ((1, 1),), ONE_MEMBER, "adamw", self.rank, self.world_size)
             assert len(engine.layout.pairs) == 8
             train_and_check(engine, name, "adamw")
-
-
-class FourRanks(threaded_ranks(4)):
-    def test_hf_grouped_query_tp_2_x_pp_2_interleaved_sequence_parallel_and_recompute(self):
-        """TP 2 x PP 2, interleaved 1F1B with 2 chunks per rank stage, one group per member; sequence
-        parallelism on three chunks and one chunk recomputed; AdamW."""
-        from test_interleaved_tp import MB, _plan, _run
-
-        plan = _plan([(2, {(0, 1): MB}, ((1, 1),)), (3, {(2, 3): MB}, ((1, 1),)),
-                      (4, {(0, 1): MB}, ((1, 1),)), (6, {(2, 3): MB}, ((1, 1),))], sp=(0, 2, 3), recompute=(1,))
-        engine = _run("hf-llama-gqa-tiny", self.rank, self.world_size, plan, "adamw")
-        assert engine.chunks == ((0, 2) if self.rank < 2 else (1, 3))
 
 
 class ThreeRanks(threaded_ranks(3)):
