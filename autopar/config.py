@@ -100,8 +100,8 @@ class Pin:
         for name in ("pp", "dp", "num_micro_batches", "virtual_stages"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), f"pin.{name}")
-        if self.recompute in RECOMPUTE_MODES:
-            object.__setattr__(self, "recompute", self.recompute == "full" or self.recompute)
+        if self.recompute == "full":
+            object.__setattr__(self, "recompute", True)
         for name in ("recompute", "sequence_parallel"):
             value = getattr(self, name)
             if value is None or (name == "recompute" and value == "selective"):

@@ -62,6 +62,14 @@ class PublishedRun:
     def seq_len(self) -> int:
         return int(self.shape["seq_len"])
 
+    def cluster(self, count: int | None = None):
+        """The run's cluster (``count`` devices of its GPU instead: a node to prepare on), 8 to a node."""
+        import autopar
+        from autopar.cluster.devices import preset
+
+        spec = dataclasses.replace(preset(self.device), **dict(self.device_changes))
+        return autopar.Cluster.homogeneous(spec, count=count or self.gpus, per_node=8)
+
 
 def _gpt(layers: int, hidden: int, heads: int) -> dict:
     """Megatron's GPT of SC'21 and Korthikanti et al.: vocabulary 51,200, sequence 2,048, tied embedding."""
@@ -209,17 +217,13 @@ def plan_run(run: PublishedRun, *, pinned: bool = True, prepared: dict | None = 
     import autopar
     from autopar.api import prepare
 
-    from autopar.cluster.devices import preset
-
-    spec = dataclasses.replace(preset(run.device), **dict(run.device_changes))
     memo = prepared if prepared is not None else {}
-    key = (run.family, tuple(sorted(run.shape.items())), spec.name, run.precision)
+    key = (run.family, tuple(sorted(run.shape.items())), run.device, run.device_changes, run.precision)
     if key not in memo:
         case = _case(run)
-        node = autopar.Cluster.homogeneous(spec, count=8, per_node=8)
-        memo[key] = (case, prepare(case.model, node, case.example_inputs, precision=run.precision))
+        memo[key] = (case, prepare(case.model, run.cluster(8), case.example_inputs, precision=run.precision))
     case, ready = memo[key]
-    cluster = autopar.Cluster.homogeneous(spec, count=run.gpus, per_node=8)
+    cluster = run.cluster()
     t0 = time.perf_counter()
     plan = autopar.plan(case.model, cluster, case.example_inputs, run.global_batch, case.loss_fn, prepared=ready,
                         precision=run.precision, pin=autopar.Pin(**run.pin) if pinned else None)

@@ -49,15 +49,10 @@ FAST = ("megatron-sc21-gpt-1.7b", "korthikanti-22b-sp-selective", "korthikanti-2
 
 
 def _check(names):
-    import autopar
-
     memo: dict = {}
     for run in (r for r in published.RUNS if r.name in names):
         plan, _ = published.plan_run(run, prepared=memo)
-        cluster = autopar.Cluster.homogeneous("A100-80GB", count=run.gpus, per_node=8) \
-            if run.device == "A100-80GB" else None
-        if cluster is not None:
-            assert pin_violation(plan, Pin(**run.pin), cluster) is None, run.name
+        assert pin_violation(plan, Pin(**run.pin), run.cluster()) is None, run.name
         assert plan.predicted.step_time_s > 0 and plan.notes[0].startswith("pinned:"), run.name
         if run.pin.get("recompute") == "selective":
             assert all(st.recompute_attention for st in plan.stages)

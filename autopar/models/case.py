@@ -16,6 +16,7 @@ Terms
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -144,9 +145,6 @@ def with_seq_len(case: ModelCase, seq_len: int) -> ModelCase:
     ``make_batch`` takes a ``seq_len`` (the zoo's LMs, ``hf:PATH`` and other causal LMs), at most its
     config's ``max_position_embeddings`` or ``seq_len`` (its position table). ``ModelZooError`` naming
     ``--seq-len`` otherwise."""
-    import dataclasses
-    import functools
-
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ModelZooError(f"--seq-len: {seq_len!r} is not a positive number of tokens")
     mb = case.make_batch

@@ -284,25 +284,27 @@ def _splits_to_predict(ctx: JointContext, entry: GroupingState, M: int, schedule
     if S < 2 or math.comb(n - 1, S - 1) > _EXACT_SPLITS:
         return [(tuple(sizes), tuple(flags))]
     cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
-    out = []
-    for cuts in itertools.combinations(range(1, n), S - 1):
-        b = (0, *cuts, n)
-        if all(math.isfinite(cost[s, b[s], b[s + 1]]) for s in range(S)):
-            out.append((tuple(b[s + 1] - b[s] for s in range(S)), tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S))))
-    return out or [(tuple(sizes), tuple(flags))]
+    fitting = (_fitting_split(cost, rc, (0, *cuts, n)) for cuts in itertools.combinations(range(1, n), S - 1))
+    return [x for x in fitting if x is not None] or [(tuple(sizes), tuple(flags))]
+
+
+def _fitting_split(cost, rc, bounds: Sequence[int]) -> tuple | None:
+    """(blocks per stage, recompute flags) of the split at block ``bounds`` where every stage fits
+    (a finite entry of the joint cost tensor), else None."""
+    stages = range(len(bounds) - 1)
+    if not all(math.isfinite(cost[s, bounds[s], bounds[s + 1]]) for s in stages):
+        return None
+    return (tuple(bounds[s + 1] - bounds[s] for s in stages), tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in stages))
 
 
 def _pinned_split(ctx: JointContext, entry: GroupingState, M: int, schedule: str, layers: Sequence[int]) -> list:
     """``[(layers, recompute flags)]`` where the pinned split fits this grouping at M micro-batches,
     else ``[]``."""
-    n, S = ctx.costs.num_blocks, len(entry.prep)
-    if S != len(layers) or sum(layers) != n:
+    if len(entry.prep) != len(layers) or sum(layers) != ctx.costs.num_blocks:
         return []
     cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
-    b = (0, *itertools.accumulate(layers))
-    if not all(math.isfinite(cost[s, b[s], b[s + 1]]) for s in range(S)):
-        return []
-    return [(tuple(layers), tuple(bool(rc[s, b[s], b[s + 1]]) for s in range(S)))]
+    got = _fitting_split(cost, rc, (0, *itertools.accumulate(layers)))
+    return [got] if got is not None else []
 
 
 def searched_note(stats: dict, predictions: int) -> str:
