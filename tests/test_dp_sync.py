@@ -3,7 +3,8 @@ one, exact against the one-device oracle with AdamW on threaded ranks:
 
 - a 2-stage pipeline whose stages have two one-rank members each, at ZeRO-1 (1F1B and zb-h1) and at
   ZeRO-3 (uneven ``zero_shares`` in the first stage), and a checkpoint of the ZeRO-3 run resumed under ZeRO-0;
-- TP 2 x DP 2 (two tensor-parallel members of equal head shares) at ZeRO-2.
+- TP 2 x DP 2 (two tensor-parallel members of equal head shares) at ZeRO-2, and at ZeRO-3 (the
+  member's local parameters gathered for the step) with its checkpoint resumed at ZeRO-2.
 
 The data-parallel engine's ZeRO 0-3 on 3 uneven ranks: ``tests/test_dp_engine.py``.
 """
@@ -101,16 +102,32 @@ class FourRanks(threaded_ranks(4)):
         Compiled(plan=resumed.plan, engine=resumed, rank=self.rank).load(root / "ck")
         _train_and_check(resumed, data[STEPS:], ref.state, ref.losses[STEPS:])
 
-    def test_tp_2_by_dp_2_at_zero_2(self):
-        data, ref = self._data(STEPS)
+    def test_tp_2_by_dp_2_at_zero_2_and_zero_3(self):
+        data, ref = self._data(2 * STEPS)
         with _LOCK:
             num_blocks = prepared_case("gpt-tiny")[3]
-        plan = _tp_plan(2, num_blocks)
-        inputs, gm = _inputs(plan, self.rank, self.world_size)
-        engine = TensorParallelEngine(inputs, lower(plan, gm, self.rank))
+            half = single_device_run("gpt-tiny", B, STEPS, "adamw")
+
+        def engine_at(zero):
+            plan = _tp_plan(zero, num_blocks)
+            inputs, gm = _inputs(plan, self.rank, self.world_size)
+            return TensorParallelEngine(inputs, lower(plan, gm, self.rank))
+
+        engine = engine_at(2)
         assert engine.zero_stage_applied == 2 and engine.sync.shard_grads is not None
-        _train_and_check(engine, data, ref.state, ref.losses)
+        _train_and_check(engine, data[:STEPS], half.state, half.losses)
         assert all(p.grad is None for p in engine.sync.params), "ZeRO-2 keeps the step's full gradient"
+        # ZeRO-3: the member's local parameters gathered for the step, only the shard held between steps
+        engine = engine_at(3)
+        assert engine.zero_stage_applied == 3
+        _train_and_check(engine, data[:STEPS], half.state, half.losses)
+        assert all(p.untyped_storage().nbytes() == 0 for p in engine.sync.params)
+        # its checkpoint (the shards are its masters) resumed at ZeRO-2
+        root = Path(tempfile.gettempdir()) / f"autopar-tp-sync-{os.getpid()}"
+        Compiled(plan=engine.plan, engine=engine, rank=self.rank).save(root / "ck")
+        resumed = engine_at(2)
+        Compiled(plan=resumed.plan, engine=resumed, rank=self.rank).load(root / "ck")
+        _train_and_check(resumed, data[STEPS:], ref.state, ref.losses[STEPS:])
 
 
 if __name__ == "__main__":

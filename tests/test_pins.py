@@ -1,6 +1,8 @@
 """What-if pins (autopar.Pin): validated once with errors naming the field; a pinned plan equals the pin
 in every pinned dimension, or the planner raises PlanError naming the pin; the CLI's --pin and --explain."""
 
+from dataclasses import replace
+
 import pytest
 
 from autopar.cluster.model import Cluster
@@ -62,7 +64,20 @@ PINS = [Pin(tp=2), Pin(pp=2), Pin(dp=2), Pin(tp=2, pp=2), Pin(pp=3, dp=2), Pin(n
         # published layouts: interleaving with TP, recomputation under ZeRO-3 and under data parallelism
         Pin(tp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2), Pin(tp=2, pp=2, virtual_stages=3),
         Pin(tp=2, schedule="interleaved-1f1b"), Pin(dp=8, zero_stage=3, recompute=True),
-        Pin(dp=4, tp=2, recompute=True)]
+        Pin(dp=4, tp=2, recompute=True),
+        # FSDP with TP and with pipelining (torchtitan's 2D and 3D layouts)
+        Pin(tp=2, dp=2, zero_stage=3), Pin(tp=2, pp=2, zero_stage=3), Pin(pp=2, dp=2, zero_stage=3)]
+
+
+@pytest.mark.parametrize("pin", [Pin(tp=2, dp=2), Pin(tp=2, pp=2, dp=2), Pin(pp=2, dp=2)], ids=str)
+def test_zero_3_on_tp_and_pipeline_stages_is_priced_as_zero_1(pin):
+    """A TP or pipeline stage's ZeRO-3 gathers the member's whole stage for the step: the peak and
+    the bytes of ZeRO-1 (``planner.joint._as_zero3``), so the plans differ only in the stage named."""
+    cluster, one = _plan(replace(pin, zero_stage=1))
+    _, three = _plan(replace(pin, zero_stage=3))
+    assert (one.zero_stage, three.zero_stage) == (1, 3)
+    assert three.stages == one.stages and three.predicted.step_time_s == one.predicted.step_time_s
+    assert three.predicted.memory_bytes == one.predicted.memory_bytes
 
 
 @pytest.mark.parametrize("pin", PINS, ids=str)

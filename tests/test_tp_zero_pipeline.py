@@ -1,4 +1,4 @@
-"""ZeRO-1 inside the tensor-parallel stages of a pipeline (``autopar.runtime.pipeline`` with
+"""ZeRO-1 and ZeRO-3 inside the tensor-parallel stages of a pipeline (``autopar.runtime.pipeline`` with
 the data-parallel sync ``autopar.runtime.dp_sync``): exact against the one-device oracle on threaded ranks, and each TP
 rank's optimizer state is its chunk of its shard, as ``autopar.cost.tp`` prices it.
 
@@ -92,6 +92,27 @@ class FiveRanks(threaded_ranks(5)):
             assert_state_close(resumed.state_dict(), ref.state, RTOL["adamw"])
             for got, want in zip(losses, ref.losses[STEPS:]):
                 assert math.isclose(got, want, rel_tol=1e-5), (zero, losses, ref.losses)
+
+    def test_tp_members_at_zero_3_hold_only_their_shard_between_steps(self):
+        engine = _run(self.rank, self.world_size, ((3, 1), (3, 1)), 3, "adamw")
+        assert engine.zero_stage_applied == (3 if self.rank < 4 else 0)
+        if self.rank < 4:       # the local parameters are freed between steps (state_dict() gathered them)
+            z = engine.sync
+            assert all(p.untyped_storage().nbytes() == 0 for p in z.params)
+            held, local = sum(sp.numel() for sp, _, _ in z.shard_params), sum(p.numel() for p in z.params)
+            assert abs(held - local / 2) <= 1
+        # the ZeRO-3 run's checkpoint (the shards are its masters) resumed at ZeRO-1
+        root = Path(tempfile.gettempdir()) / f"autopar-tpz3-{os.getpid()}"
+        Compiled(plan=engine.plan, engine=engine, rank=self.rank).save(root / "ck")
+        with _LOCK:
+            data = batches("gpt-tiny", B, 2 * STEPS)
+            ref = single_device_run("gpt-tiny", B, 2 * STEPS, "adamw")
+        resumed = _engine(self.rank, self.world_size, ((3, 1), (3, 1)), 1, "adamw")
+        Compiled(plan=resumed.plan, engine=resumed, rank=self.rank).load(root / "ck")
+        losses = [resumed.step(inputs, targets) for inputs, targets in data[STEPS:]]
+        assert_state_close(resumed.state_dict(), ref.state, RTOL["adamw"])
+        for got, want in zip(losses, ref.losses[STEPS:]):
+            assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)
 
     def test_different_shardings_fall_back_to_zero_0(self):
         engine = _run(self.rank, self.world_size, ((3, 1), (2, 2)), 1, "sgd")

@@ -27,8 +27,10 @@ Terms
   micro-batch: it is offered only to candidates of one micro-batch (M = 1), where it moves the same
   bytes as ZeRO-1 (DeepSpeed refuses ZeRO-2 with pipeline parallelism for this reason).
   ``zero_stage="auto"`` searches with the memory of the highest stage a candidate may take and
-  reports the least stage the chosen plan fits with. ZeRO-3 is only offered by pure data
-  parallelism, whose planner models its per-micro-step gathers.
+  reports the least stage the chosen plan fits with. ZeRO-3 (``zero_stage=3`` only, never "auto")
+  holds each member's whole stage for the step, gathered at its start: searched and priced as
+  ZeRO-1, whose peak and bytes it has (``_as_zero3``); pure data parallelism's planner prices its
+  block-by-block gathers.
 - search: every (grouping, micro-batch count) gets a cheap lower bound of its split estimate
   (``autopar.cost.joint.split_lower_bound``) and they are visited best-first; the search stops once the bound exceeds
   the best estimate found (x ``ESTIMATE_SLACK``, so near-ties still reach the simulator), and the
@@ -228,7 +230,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     search's counts (``joint_search.search``) and ``predicted`` (plans the simulator priced)."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
-    zero_choices, z_search = _zero_choices(zero_stage)
+    zero3 = zero_stage == 3      # whole-stage ZeRO-3: searched and priced as ZeRO-1 (``_as_zero3``)
+    zero_choices, z_search = _zero_choices(1 if zero3 else zero_stage)
     if z_search is None:
         return []
     schedules = PIPELINE_SCHEDULES if schedule == "auto" else (schedule,)
@@ -263,17 +266,30 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     if stats is not None:
         stats["predicted"] = len(scored)
     if virtual_counts is not None:
-        return sorted((_Scored(*x) for x in interleave_hybrid(
+        return _as_zero3(zero3, sorted((_Scored(*x) for x in interleave_hybrid(
             costs, cluster, [(x.step_time_s, x.plan, x.label) for x in scored], memory_fraction, virtual_counts,
             top=len(scored), kinds=ctx.cache.setdefault("group_kinds", {}), require_faster=False)),
-            key=lambda x: x.step_time_s)
+            key=lambda x: x.step_time_s))
     if schedule in ("auto", "interleaved-1f1b"):   # the best few interleaved where that fits and pays
         scored += [_Scored(*x) for x in interleave_hybrid(costs, cluster, [(x.step_time_s, x.plan, x.label)
                                                                           for x in scored], memory_fraction,
                                                           kinds=ctx.cache.setdefault("group_kinds", {}))]
     fastest = min((x.step_time_s for x in scored), default=math.inf)
     scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.plan.schedule != "1f1b", x.step_time_s))
-    return scored
+    return _as_zero3(zero3, scored)
+
+
+def _as_zero3(zero3: bool, scored: list[_Scored]) -> list[_Scored]:
+    """The ZeRO-1 plans of a ZeRO-3 search, as ZeRO-3 (``zero3``; else ``scored`` as is). The stages of
+    a hybrid plan run ZeRO-3 with one unit per member, its whole stage, gathered for the whole step
+    (``runtime.tp``, ``runtime.pipeline``), as torchtitan's FSDP does under pipelining: its peak and
+    its bytes are ZeRO-1's (the full gradient held through the step, one reduce-scatter and one
+    all-gather), so it is priced as ZeRO-1. A single stage of single devices is left to the
+    data-parallel planner, whose ZeRO-3 gathers block by block."""
+    if not zero3:
+        return scored
+    return [_Scored(x.step_time_s, replace(x.plan, zero_stage=3), x.label.replace("zero-1", "zero-3"))
+            for x in scored if len(x.plan.stages) > 1 or any(len(m) > 1 for m in x.plan.stages[0].groups)]
 
 
 def _splits_to_predict(ctx: JointContext, entry: GroupingState, M: int, schedule: str, sizes, flags) -> list:

@@ -151,11 +151,6 @@ def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int
     if _interleaved(pin) and pin.schedule not in (None, "interleaved-1f1b"):
         raise PlanError(f"pin.virtual_stages: {pin.virtual_stages} chunks per rank stage need "
                         f"schedule='interleaved-1f1b', not {pin.schedule!r}")
-    if pin.zero_stage == 3 and ((pin.tp not in (None, 1) and not isinstance(pin.tp, tuple)) or (pin.pp or 1) > 1):
-        raise PlanError(f"pin.zero_stage: 3 with {'tp' if pin.tp not in (None, 1) else 'pp'} > 1: the planner plans "
-                        "ZeRO-3 for one-stage data parallelism of single devices only so far (TP members run at "
-                        "most ZeRO-2, a pipeline stage holds its whole stage through the step); pin zero_stage=1 "
-                        "or 2, or drop the TP / PP pin")
     if _interleaved(pin) and pin.pp == 1:
         raise PlanError("pin.virtual_stages: an interleaved schedule needs pp >= 2 rank stages, but pin.pp is 1")
 

@@ -159,6 +159,8 @@ def _tp(engine: TensorParallelEngine):
     keys = {name: ks[0] for name, ks in engine._source_keys.items() if ks}
     shards = {s.local: s for s in engine.layout.params}
     masters, opt_slots, seen = [], {}, set()
+    sync = engine.sync
+    sharded = {id(p) for p in sync.params} if sync is not None and sync.zero_stage == 3 else set()
     if engine._member is None:          # an idle rank: it never steps, and state_dict() takes rank 0's
         return masters, None
     for local_name, p in engine.gm.named_parameters():
@@ -174,7 +176,8 @@ def _tp(engine: TensorParallelEngine):
             raise CheckpointError(f"checkpoint: the tensor-parallel module's parameter {local_name!r} is neither "
                                   "a shard nor a parameter of the model: cannot name it")
         seen.add(id(p))
-        masters.append((p.data, [slot]))
+        if id(p) not in sharded:        # ZeRO-3: freed between steps; the shards are the masters
+            masters.append((p.data, [slot]))
         opt_slots[id(p)] = [slot]
     _add_sync_slots(engine.sync, opt_slots, masters)   # ZeRO >= 1 over the members
     for key, t in engine.model.state_dict(keep_vars=True).items():   # buffers, frozen parameters

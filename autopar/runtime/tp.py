@@ -25,11 +25,13 @@ Gradient reduction across members, once per step after the member's micro-steps:
 The optimizer steps the local parameters (shards and replicas): exact for elementwise optimizers
 (SGD, Adam, AdamW...). Equal shardings over at least two members sync through the one data-parallel
 sync (``runtime.dp_sync``) over each TP index's data-parallel group under ZeRO >= 1, at the plan's
-ZeRO stage up to 2 (ZeRO-0 all-reduces a flat copy of the gradient over that group): ZeRO-1 is
+ZeRO stage (ZeRO-0 all-reduces a flat copy of the gradient over that group): ZeRO-1 is
 Megatron's distributed optimizer (each rank steps its shard, the group all-gathers the parameters: the bytes of the
 all-reduce they replace); ZeRO-2 reduce-scatters the step's gradient into the shard and frees it
-(the whole gradient is held during the step's backwards, so its peak is ZeRO-1's). ZeRO-3 runs as 2;
-different shardings and a single member as 0; ``zero_stage_applied`` records what ran. ``state_dict()`` gathers the shards (a collective inside
+(the whole gradient is held during the step's backwards, so its peak is ZeRO-1's); ZeRO-3 keeps only
+the shard between steps and gathers the member's whole local parameters for the step (one unit: the
+stage), as torchtitan's FSDP under pipelining does (``reshard_after_forward=False``): the bytes and
+the peak of ZeRO-2. Different shardings and a single member run ZeRO-0; ``zero_stage_applied`` records what ran. ``state_dict()`` gathers the shards (a collective inside
 each member) and returns the full state on every rank.
 
 The rewrite itself is lowered (``RankProgram.tp_module``, ``passes.tp.tp_rewrite``); the engine binds its
@@ -119,9 +121,9 @@ def tp_zero_applies(zero_stage: int, tp_shares: Sequence[Sequence[int]]) -> bool
 
 
 def tp_zero_stage_run(zero_stage: int) -> int:
-    """The ZeRO stage the data-parallel sync of a TP stage with equal shares runs: the plan's, up to 2
-    (its units are whole stages: ZeRO-3 would gather them for the whole step)."""
-    return min(int(zero_stage), 2)
+    """The ZeRO stage the data-parallel sync of a TP stage with equal shares runs: the plan's (under
+    ZeRO-3 its one unit is the member's whole local stage, gathered for the whole step)."""
+    return int(zero_stage)
 
 
 def tp_zero_groups(new_group: Callable, plan) -> dict[tuple[int, int], object]:
@@ -422,6 +424,8 @@ class TensorParallelEngine:
             inputs = global_batch_inputs(inputs, self.plan.global_batch_size, TensorParallelError)
         if self.sync is not None:
             self.sync.begin_step()
+            if self.sync.zero_stage == 3:       # the member's local parameters, for the whole step
+                self.sync.gather_all()
         else:
             for p in self._params:
                 p.grad = None
@@ -435,7 +439,9 @@ class TensorParallelEngine:
             loss_sum.zero_()      # each member's loss counts once
         pg_all_reduce(loss_sum, group=self.group)
         if self.sync is not None:
-            if self.sync.zero_stage == 2:
+            if self.sync.zero_stage == 3:
+                self.sync.free_all()
+            if self.sync.zero_stage >= 2:
                 self.sync.reduce_round()
             self.sync.reduce()
             self.sync.step(self.clock.compute, self.optimizer)
@@ -482,6 +488,9 @@ class TensorParallelEngine:
         """The full, unsharded model state (keys of ``model.state_dict()``), as CPU clones on every
         rank. A collective: every rank must call it (shards are gathered inside each member; idle
         ranks receive the state from the plan's first rank)."""
+        zero3 = self.sync is not None and self.sync.zero_stage == 3
+        if zero3:                               # sharded between steps: gathered for this
+            self.sync.gather_all()
         full = gather_full_params(self.gm, self.tp_group) if self._member is not None else {}
         replace = {}
         for source, t in full.items():
@@ -498,4 +507,7 @@ class TensorParallelEngine:
                     n = state[k].numel()
                     state[k] = flat[offset:offset + n].view(state[k].shape)
                     offset += n
-        return {key: t.to("cpu").clone() for key, t in state.items()}
+        out = {key: t.to("cpu").clone() for key, t in state.items()}
+        if zero3:
+            self.sync.free_all()
+        return out
