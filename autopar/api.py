@@ -385,6 +385,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
     from importlib import import_module
 
+    from autopar.cost.comm import grad_bucket_bytes
     from autopar.lowering import lower
     from autopar.lowering import materialize as mat
     from autopar.lowering.weights import open_weights
@@ -465,7 +466,9 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     gm = analysis.captured.gm
     meter = rank_memory.meter_for(cluster.devices[ctx.rank], ctx.rank, ctx.device, track=run.track_memory)
     meter.track(rank_memory.module_tensors(model))     # what the rank holds already (a model not on meta)
-    engine_options: dict = {}    # the data-parallel engine's deferred ZeRO-3 materialisation, if any
+    # the data-parallel engine's gradient buckets, as the planner priced them, and its deferred ZeRO-3
+    # materialisation, if any
+    engine_options: dict = {"bucket_bytes": grad_bucket_bytes(cluster, the_plan.stages[0].ranks)}
     with meter:   # an emulated device's memory_GB is a limit from here on (autopar.runtime.memory)
         if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
             retarget_device(gm, "meta", ctx.device)     # an exported graph baked the meta inputs' device in

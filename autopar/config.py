@@ -22,7 +22,7 @@ from autopar.errors import PlanError
 
 __all__ = [
     "Strategy", "ZeroChoice", "ScheduleChoice", "Zero3Granularity", "STRATEGIES", "DP_STRATEGIES",
-    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "GRAD_BUCKET_BYTES", "PlanConfig", "RunConfig", "Pin",
+    "PP_STRATEGIES", "SCHEDULES", "ZERO_STAGES", "MEMORY_FRACTION", "GRAD_BUCKET_BYTES", "UNHIDDEN_BUCKET_BYTES", "PlanConfig", "RunConfig", "Pin",
     "PIN_SCHEDULES", "Precision", "PRECISIONS", "RECOMPUTE_MODES",
 ]
 
@@ -45,6 +45,8 @@ MEMORY_FRACTION = 0.9   # of each device's memory a plan may fill (see the modul
 # Data parallel: the size of a gradient bucket the engine reduces during backward (runtime.dp_overlap)
 # and the planner prices (planner.dp); DDP's default is 25 MiB, smaller buckets overlap more on small models.
 GRAD_BUCKET_BYTES = 4 * 2**20
+# ... and where the reduction cannot hide behind backward (native CPU ranks: cost.comm.grad_bucket_bytes)
+UNHIDDEN_BUCKET_BYTES = 25 * 2**20
 
 
 def _positive_int(value: Any, name: str) -> int:

@@ -23,6 +23,8 @@ measured one.
 Time: both sides step in one launch, interleaved step by step (``_common.interleaved_steps``), the
 slowest rank's wall time per step; each side's median over ``--steps`` after ``--warmup``; the whole
 launch repeated ``--runs`` times, so the ratio autopar / PyTorch is reported per run (its spread).
+The timing launches run with glibc's heap trimming off for both sides (``STEADY_MALLOC``: the page
+faults it causes otherwise land on one side of the interleaved pair).
 Memory: each side alone in a fresh launch, the peak resident set of the slowest rank above what it had
 before building the model (``ru_maxrss``), over warm-up steps.
 
@@ -256,10 +258,29 @@ def _memory_rank(rank: int, row: str, model: str, side: str, warmup: int):
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
 
 
-def _launch(fn, *args):
+# glibc trims its heap and unmaps large blocks as they are freed. With both sides in one process, the
+# pages that then fault back in land on whichever side allocates next: autopar's ZeRO-0 steps took 2-20k
+# minor faults each beside DDP's 0 in the same processes, while launched alone both sides take them.
+# The timing launches keep freed memory in the process, for both sides alike; the memory launches run
+# the default allocator.
+STEADY_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(2**30)}
+
+
+def _launch(fn, *args, env: dict | None = None):
+    import os
+
     import autopar
 
-    return autopar.launch(fn, autopar.Cluster.from_dict(CLUSTER), *args, timeout_s=900)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})         # the spawned ranks inherit it
+    try:
+        return autopar.launch(fn, autopar.Cluster.from_dict(CLUSTER), *args, timeout_s=900)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv=None) -> int:
@@ -288,7 +309,7 @@ def main(argv=None) -> int:
                 continue
         runs = []
         for _ in range(args.runs):
-            got = _launch(_timing_rank, row, args.model, args.warmup, args.steps)[0]
+            got = _launch(_timing_rank, row, args.model, args.warmup, args.steps, env=STEADY_MALLOC)[0]
             runs.append({"autopar_s": statistics.median(got["autopar"]), "torch_s": statistics.median(got["torch"]),
                          "autopar_steps": got["autopar"], "torch_steps": got["torch"], "plan": got["plan"],
                          "predicted_s": got["predicted_s"], "predicted_memory_bytes": got["predicted_memory_bytes"]})
@@ -312,7 +333,7 @@ def main(argv=None) -> int:
     md = (f"# autopar beside PyTorch: 2 native CPU ranks, AdamW, {args.model} (batch {BATCHES[args.model]})\n\n"
           f"`python benchmarks/vs_torch.py --model {args.model} --rows {args.rows} --steps {args.steps} "
           f"--warmup {args.warmup} --runs {args.runs}`. Measured on this machine's CPUs (not emulated); median "
-          f"step of the slowest rank per run, both sides interleaved in one launch; predicted: the plan's "
+          f"step of the slowest rank per run, both sides interleaved in one launch (glibc's heap trimming off, `STEADY_MALLOC`); predicted: the plan's "
           f"step; memory: peak RSS above the start, each side alone (the slowest rank).\n\n"
           + md_table(["row", "autopar ms (per run)", "predicted ms", "measured / predicted", "PyTorch ms (per run)",
                       "autopar / PyTorch", "autopar peak MiB", "PyTorch peak MiB"], table))
