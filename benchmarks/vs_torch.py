@@ -145,6 +145,7 @@ class _Torch:
                         "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                         "mlp.down_proj": RowwiseParallel()})
                     block.attn.n_heads //= world    # each rank's local heads, as torchtitan sets them
+                    block.attn.n_kv_heads //= world
                 else:
                     parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             self.model = model
