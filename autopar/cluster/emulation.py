@@ -165,8 +165,7 @@ class LinkedCluster(Cluster):
 def emulated_link_nodes(cluster) -> tuple[int, ...]:
     """The nodes of ``cluster`` whose links the measured emulated link prices (see the module docstring)."""
     out = []
-    for n in range(cluster.num_nodes):
-        members = [d for d in cluster.devices if d.node == n]
+    for n, members in enumerate(cluster.node_devices()):
         if len(members) > 1 and cluster.node_intra_Bps[n] is None and \
                 all(d.spec.is_emulated or d.spec.vendor == "cpu" for d in members):
             out.append(n)
@@ -179,10 +178,9 @@ def link_layout(cluster, node: int, cores: Sequence[int] | None = None) -> tuple
     shares = cpu_shares(cluster, cores)
     seen: dict[int, int] = {}
     out = []
-    for d in cluster.devices:
-        if d.node == node:
-            first = shares[d.rank].cores[0] if shares[d.rank] is not None else -1
-            out.append(seen.setdefault(first, len(seen)))
+    for r in cluster.ranks_of_node(node):
+        first = shares[r].cores[0] if shares[r] is not None else -1
+        out.append(seen.setdefault(first, len(seen)))
     return tuple(out)
 
 

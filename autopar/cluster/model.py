@@ -16,7 +16,9 @@ The schema of cluster files and dicts is ``autopar.cluster.schema``'s; detection
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -47,6 +49,10 @@ class Device:
 
     def __repr__(self) -> str:
         return f"Device(rank={self.rank}, {self.spec.name}, node={self.node}, local_rank={self.local_rank})"
+
+
+def _node_of(d: Device) -> int:
+    return d.node
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +191,14 @@ class Cluster:
     def ranks_of_node(self, node: int) -> tuple[int, ...]:
         if not 0 <= node < self.num_nodes:
             raise ClusterError(f"node: {node!r} is not in 0..{self.num_nodes - 1}")
-        return tuple(d.rank for d in self.devices if d.node == node)
+        # devices are in node order (checked on construction): a node's ranks are one run of them
+        lo = bisect.bisect_left(self.devices, node, key=_node_of)
+        hi = bisect.bisect_right(self.devices, node, lo=lo, key=_node_of)
+        return tuple(range(lo, hi))
+
+    def node_devices(self) -> tuple[tuple[Device, ...], ...]:
+        """The devices of each node, node by node (one pass over the devices)."""
+        return tuple(tuple(ds) for _, ds in itertools.groupby(self.devices, key=_node_of))
 
     def node_intra_bandwidth_Bps(self, node: int, specs: tuple[DeviceSpec, ...] = ()) -> float:
         """The intra-node link of ``node``: the file's figure if given, else the slowest default link

@@ -248,8 +248,7 @@ def calibrated_cluster(cluster, factors: Mapping[str, Mapping[str, float]], *, t
     comm = {d.rank: float(factors.get(device_key(d.spec, time_scale), {}).get("comm", 1.0)) for d in cluster.devices}
     linked = set(emulated_link_nodes(cluster)) if link is not None else set()
     node_intra = list(cluster.node_intra_Bps)
-    for n in range(cluster.num_nodes):
-        members = [d for d in cluster.devices if d.node == n]
+    for n, members in enumerate(cluster.node_devices()):
         f = max(comm[d.rank] for d in members)
         if f == 1.0:
             continue

@@ -257,15 +257,19 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
         loss = loss_bytes_per_sample(costs) if s == len(stages) - 1 else 0.0
         reduce = stage_reduce_bytes(costs, st, zero_stage)
         rho_p, rho_a = tp_memory_fractions(costs, st, rho)
+        by_member: dict[tuple, list[int]] = {}    # members alike (shares, micro-batch) hold alike
         for g, ranks in enumerate(st.groups):
-            shares = st.tp_shares[g] if st.tp_shares else (1,)
-            fractions = np.asarray(shares, float) / sum(shares)
-            ks, ka = tp_cost.work_factors(fractions, rho_p), tp_cost.work_factors(fractions, rho_a)
+            shares = tuple(st.tp_shares[g]) if st.tp_shares else (1,)
             x = max(st.micro_batches[g])
-            # after backward the activations are freed and the gradients' flat copy is made
-            for r, k, kx in zip(ranks, ks, ka):
-                need = state * k + max(act * x * (1 if st.recompute else fly) * kx, reduce * k)
-                out[r] = int(math.ceil(need + (held * fly + loss) * x))
+            peaks = by_member.get((shares, x))
+            if peaks is None:
+                fractions = np.asarray(shares, float) / sum(shares)
+                ks, ka = tp_cost.work_factors(fractions, rho_p), tp_cost.work_factors(fractions, rho_a)
+                # after backward the activations are freed and the gradients' flat copy is made
+                peaks = by_member[(shares, x)] = [
+                    int(math.ceil(state * k + max(act * x * (1 if st.recompute else fly) * kx, reduce * k)
+                                  + (held * fly + loss) * x)) for k, kx in zip(ks, ka)]
+            out.update(zip(ranks, peaks))
     return dict(sorted(out.items()))
 
 

@@ -302,9 +302,15 @@ def balanced_zero_shares(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[
     if caps is None:
         return None
 
+    a_, b_, c_ = (np.asarray(v, dtype=np.float64) for v in (a, b, caps))
+    pos = b_ > 0
+    safe_b = np.where(pos, b_, 1.0)
+
     def filled(level: float) -> list[float]:
-        return [min(c, max(0.0, (level - ai) / bi)) if bi > 0 else (c if level >= ai else 0.0)
-                for ai, bi, c in zip(a, b, caps)]
+        # per rank min(cap, max(0, (level - a) / b)), or its cap once the level reaches a where b = 0;
+        # summed in rank order by the caller (the same floats as a loop over the ranks)
+        rising = np.minimum(c_, np.maximum(0.0, (level - a_) / safe_b))
+        return np.where(pos, rising, np.where(level >= a_, c_, 0.0)).tolist()
 
     lo, hi = min(a), max(ai + bi * c for ai, bi, c in zip(a, b, caps))
     for _ in range(200):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -111,10 +112,9 @@ def check_pin(pin: Pin, costs: ModelCosts, cluster: "Cluster", global_batch: int
     """``PlanError`` naming the pin when no plan can meet it whatever the memory (before any search)."""
     n = len(cluster)
     units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
-    node_sizes: dict[str, int] = {}
-    for r, dev in enumerate(cluster.devices):
-        size = sum(1 for d in cluster.devices if d.node == dev.node and d.spec.name == dev.spec.name)
-        node_sizes[dev.spec.name] = max(node_sizes.get(dev.spec.name, 0), size)
+    node_sizes: dict[str, int] = {}      # per type: the most devices of it on one node
+    for (_, name), size in Counter((d.node, d.spec.name) for d in cluster.devices).items():
+        node_sizes[name] = max(node_sizes.get(name, 0), size)
     if isinstance(pin.tp, tuple):
         unknown = [t for t, _ in pin.tp if t not in node_sizes]
         if unknown:
