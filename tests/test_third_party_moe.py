@@ -1,6 +1,6 @@
 """Mixture-of-experts models as transformers ships them (Mixtral, Qwen2-MoE, Qwen3-MoE, from small
-configs) train under uniform-dp, uniform-pp, TP 2 and auto to the one-device state (AdamW), and their
-routed experts' FLOPs are the analytic count. Needs
+configs): Mixtral and Qwen2-MoE train under uniform-dp, uniform-pp, TP 2 and auto to the one-device
+state (AdamW), and every one's routed experts' FLOPs are the analytic count. Needs
 transformers (the thirdparty extra pins it); skipped without it."""
 
 from __future__ import annotations
@@ -59,11 +59,15 @@ def data() -> list:
             for _ in range(STEPS)]
 
 
+# trained (a launch of two ranks): Qwen3-MoE's experts route as Qwen2-MoE's, without its shared expert
+TRAINED = ("mixtral", "qwen2moe")
+
+
 def _rank(rank: int) -> dict:
     import autopar
 
     out = {}
-    for name in MODELS:
+    for name in TRAINED:
         for strategy in STRATEGIES:
             pin = autopar.Pin(tp=2) if strategy == "tp" else None
             compiled = autopar.compile(build(name), autopar.current_cluster(), data()[0][0], GB, loss_fn,
@@ -82,7 +86,7 @@ def test_moe_models_train_exactly():
     cluster = autopar.Cluster.from_dict({"nodes": [{"device": {"name": "cpu-a", "emulate": "cpu", "speed": 1.0,
                                                                "memory_GB": 4}, "count": 2}]})
     results = autopar.launch(_rank, cluster, timeout_s=900)[0]
-    for name in MODELS:
+    for name in TRAINED:
         ref = train_one_device(build(name), loss_fn, data(), "adamw")
         for strategy in STRATEGIES:
             state, losses = results[(name, strategy)]

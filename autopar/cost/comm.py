@@ -37,7 +37,7 @@ shards by largest remainder, as ``autopar.runtime.dp_flat.shard_bounds``):
   zero_collectives       the per-step and per-round seconds of a ZeRO stage over all of them (the
                          planner's ``zero_comm`` and ``autopar.cost.step.predicted_phases`` both read it)
 The data-parallel engine's all-reduces (``dp_allreduces``): under ZeRO 0/1 the flat gradient, in
-buckets of at most ``autopar.config.GRAD_BUCKET_BYTES`` with overlap (``autopar.runtime.dp_overlap``;
+buckets of at most ``grad_bucket_bytes`` with overlap (``autopar.runtime.dp_overlap``;
 packed from the blocks' gradients as the engine packs parameters, ``grad_buckets``; each bucket pays
 its latencies), in one all-reduce without;
 under every stage the step's loss sum (``LOSS_BYTES``, one float64), which every engine all-reduces

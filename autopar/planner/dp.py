@@ -301,24 +301,17 @@ def balanced_zero_shares(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[
             break
     if caps is None:
         return None
-
     a_, b_, c_ = (np.asarray(v, dtype=np.float64) for v in (a, b, caps))
-    pos = b_ > 0
-    safe_b = np.where(pos, b_, 1.0)
+    pos, safe_b = b_ > 0, np.where(b_ > 0, b_, 1.0)
 
-    def filled(level: float) -> list[float]:
-        # per rank min(cap, max(0, (level - a) / b)), or its cap once the level reaches a where b = 0;
-        # summed in rank order by the caller (the same floats as a loop over the ranks)
+    def filled(level: float) -> list[float]:   # per rank clip((level - a) / b, 0, cap); b = 0: cap once level >= a
         rising = np.minimum(c_, np.maximum(0.0, (level - a_) / safe_b))
         return np.where(pos, rising, np.where(level >= a_, c_, 0.0)).tolist()
 
     lo, hi = min(a), max(ai + bi * c for ai, bi, c in zip(a, b, caps))
     for _ in range(200):
         mid = 0.5 * (lo + hi)
-        if sum(filled(mid)) < 1.0:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if sum(filled(mid)) < 1.0 else (lo, mid)
     f = filled(hi)
     s = sum(f)
     return tuple(x / s for x in f)
@@ -519,7 +512,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     (``Stage.recompute``: memory of ``activation_bytes_per_sample``, one more forward per micro-step);
     keeping wins ties; ``force_recompute`` (a pinned recompute, any strategy) tries only recomputing
     plans. ``overlap`` (the engine's default, ``RunConfig.overlap``): ZeRO-0/1's gradient
-    all-reduce is priced as the runtime runs it, in buckets of ``GRAD_BUCKET_BYTES`` during the slowest
+    all-reduce is priced as the runtime runs it, in buckets of ``comm.grad_bucket_bytes`` during the slowest
     rank's last backward: exposed is what does not fit in that backward, at least the last bucket.
     ZeRO-3's prefetch is not priced (its gathers stay on the micro-step's critical path).
     """
