@@ -107,3 +107,24 @@ def test_no_side_process_from_a_thread_or_a_small_cluster(monkeypatch):
     finally:
         gate.set()
         worker.join()
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("side", [False, True])
+def test_one_device_type_takes_its_bounds_from_the_main_search(monkeypatch, recompute, side):
+    """On one device type the upper bound's and the homogeneous cluster's searches are the main one
+    (``bounds.repeats_main``): the plan carries the figures and notes that searching them again gives."""
+    from autopar.planner.bounds import repeats_main, with_all_bounds
+    from autopar.planner.joint import plan_auto
+
+    cluster = Cluster.homogeneous("V100-16GB", 8, per_node=4)
+    costs = ModelCosts.synthetic({"V100-16GB": [0.02] * 6}, param_bytes=[1.5e9] * 6, act_bytes=[4e8] * 6,
+                                 out_bytes=[1e6] * 6)
+    assert repeats_main(cluster)
+    monkeypatch.setattr(bound_worker, "MIN_DEVICES", 1 if side else 10 ** 9)
+    config = PlanConfig(num_heads=8, recompute=recompute)
+    got = plan_with_config(costs, cluster, 32, config, bounds=bound_worker.start_bound_searches)
+    main = plan_auto(costs, cluster, 32, num_heads=8, recompute=recompute)
+    want = with_all_bounds(main, costs, cluster, 32, num_heads=8, recompute=recompute)   # searched again
+    assert got.predicted == want.predicted and got.stages == want.stages
+    assert [n for n in got.notes if "searched" not in n] == [n for n in want.notes if "searched" not in n]

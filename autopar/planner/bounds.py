@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
 
 __all__ = ["type_batches", "upper_bound_samples_per_s", "compute_bound_samples_per_s", "with_all_bounds",
-           "bound_searches", "BOUND_PARTS", "merge_bound_parts",
+           "bound_searches", "BOUND_PARTS", "merge_bound_parts", "repeats_main", "bounds_from_main",
            "peak_flops_s", "model_flops_per_sample", "mfu", "homogeneous_cluster", "homogeneous_mfu"]
 
 _MAX_MICRO = 4096   # micro-batch sizes tried for the compute bound (the tables grow linearly beyond)
@@ -202,6 +202,35 @@ def bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, 
     if part in ("all", "homogeneous"):
         homo_mfu = homogeneous_mfu(costs, cluster, global_batch, details=homo, **plan_kw)
     return upper, details, homo_mfu, homo
+
+
+def repeats_main(cluster: "Cluster") -> bool:
+    """Whether the bounds' planner searches repeat the main search (``bounds_from_main``): one device
+    type, on nodes that ``homogeneous_cluster`` rebuilds as they are."""
+    return len(cluster.device_types()) == 1 and homogeneous_cluster(cluster).signature() == cluster.signature()
+
+
+def bounds_from_main(main: Plan, costs: ModelCosts, cluster: "Cluster", global_batch: int,
+                     kept: tuple | None, **plan_kw) -> tuple:
+    """``bound_searches``'s result where it repeats the main search (``repeats_main``; ``main``:
+    ``plan_auto``'s plan with the same ``plan_kw``): the homogeneous plan is ``main``, and the upper
+    bound's is ``main`` or the plan that keeps every activation, whichever is faster, as
+    ``upper_bound_samples_per_s`` picks. ``kept``: ``bound_searches(part="upper")`` searched without
+    recomputation (None when ``plan_kw`` does not recompute: then ``main`` is that plan). A type
+    whose memory had to be relaxed is searched again here, as the upper bound does."""
+    homo = homogeneous_cluster(cluster)
+    homogeneous = (None, {}, mfu(costs, homo, main.predicted.samples_per_s), {"cluster": homo, "plan": main})
+    if kept is None:
+        (t,) = cluster.device_types()
+        upper = (main.predicted.samples_per_s, {t: (global_batch, main.predicted.samples_per_s, main, 1)})
+    else:
+        (t, (batch, sps, plan, factor)), = kept[1].items()
+        if factor != 1:
+            return bound_searches(costs, cluster, global_batch, **plan_kw)
+        if main.predicted.samples_per_s > sps:
+            plan, sps = main, main.predicted.samples_per_s
+        upper = (sps, {t: (batch, sps, plan, factor)})
+    return merge_bound_parts(upper + (None, {}), homogeneous)
 
 
 def merge_bound_parts(upper_part: tuple, homogeneous_part: tuple) -> tuple:

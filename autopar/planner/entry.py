@@ -25,7 +25,7 @@ from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan
 from autopar.ir.pauses import gc_paused
-from autopar.planner.bounds import bound_searches, with_all_bounds
+from autopar.planner.bounds import BOUND_PARTS, bound_searches, bounds_from_main, repeats_main, with_all_bounds
 from autopar.planner.cache import PlanStore
 from autopar.planner.dp import plan_dp
 from autopar.planner.joint import plan_auto, plan_strategy
@@ -46,11 +46,12 @@ def check_request(cluster: "Cluster", global_batch: int) -> None:
         raise PlanError("cluster: has no devices")
 
 
-def in_process_bounds(costs: ModelCosts, cluster: "Cluster", global_batch: int,
+def in_process_bounds(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, parts=BOUND_PARTS,
                       **plan_kw) -> tuple[Callable[[], tuple], Callable[[], None], bool]:
-    """The bounds' searches run in this process when asked (``plan_with_config``'s default ``bounds``):
-    (``result()``, ``cancel()``, False)."""
-    return (lambda: bound_searches(costs, cluster, global_batch, **plan_kw)), (lambda: None), False
+    """The bounds' searches (those of ``parts``) run in this process when asked (``plan_with_config``'s
+    default ``bounds``): (``result()``, ``cancel()``, False)."""
+    part = "all" if set(parts) == set(BOUND_PARTS) else parts[0]
+    return (lambda: bound_searches(costs, cluster, global_batch, part=part, **plan_kw)), (lambda: None), False
 
 
 def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig, *,
@@ -78,15 +79,25 @@ def plan_with_config(costs: ModelCosts, cluster: "Cluster", global_batch: int, c
         tp_kw["replicated_fraction"] = config.replicated_fraction
     bound_kw = dict(schedule=config.schedule, recompute=config.recompute, memory_fraction=config.memory_fraction,
                     cache=cache, **tp_kw)
+    # On one device type the bounds' searches are the main one's (``bounds.repeats_main``): only the
+    # upper bound's plan that keeps every activation is searched apart, and only when the main may recompute.
+    reuse = strategy == "auto" and config.pin is None and config.zero_stage == "auto" and repeats_main(cluster)
     with gc_paused():   # the searches make many small objects; a collection would walk torch's too
-        searched, cancel, _side = bounds(costs, cluster, global_batch, **bound_kw)
+        if not reuse:
+            searched, cancel, _side = bounds(costs, cluster, global_batch, **bound_kw)
+        elif config.recompute:
+            searched, cancel, _side = bounds(costs, cluster, global_batch, parts=("upper",),
+                                             **{**bound_kw, "recompute": False})
+        else:
+            searched, cancel = (lambda: None), (lambda: None)
         try:
             p = _plan(costs, cluster, global_batch, config, strategy, tp_kw, cache)
         except BaseException:
             cancel()
             raise
         planned = clock() if clock is not None else 0.0
-        p = with_all_bounds(p, costs, cluster, global_batch, searched=searched(), **bound_kw)
+        found = bounds_from_main(p, costs, cluster, global_batch, searched(), **bound_kw) if reuse else searched()
+        p = with_all_bounds(p, costs, cluster, global_batch, searched=found, **bound_kw)
     if timings is not None:
         timings.update(plan_s=planned - start, bounds_s=clock() - planned)
     return p

@@ -55,10 +55,11 @@ def side_process_worthwhile(cluster: "Cluster") -> bool:
     return all(t.daemon for t in threading.enumerate() if t is not threading.main_thread())
 
 
-def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int,
+def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, parts=BOUND_PARTS,
                          **plan_kw) -> tuple[Callable[[], tuple], Callable[[], None], bool]:
     """(``result()``, ``cancel()``, whether side processes were started): ``result()`` returns
-    ``bound_searches(costs, cluster, global_batch, **plan_kw)``, from the side processes when it was
+    ``bound_searches(costs, cluster, global_batch, **plan_kw)`` (of ``parts`` only: the other's entries
+    empty), from the side processes when it was
     worthwhile and they succeeded, else computed when asked; ``cancel()`` ends the side processes when
     the result is no longer wanted (the main search failed). Call one of them exactly once.
 
@@ -66,8 +67,10 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
     process of its own: with the main search that makes three processes on two cores, whose total CPU
     the scheduler spreads over both, where one side process holding every search ended alone last
     (llama-140b / hethub-768: the main search ~2.5 s, the upper bound ~2.3 s, the homogeneous ~1.0 s)."""
+    whole = set(parts) == set(BOUND_PARTS)      # else the one part asked (its result, the other empty)
+
     def here() -> tuple:
-        return bound_searches(costs, cluster, global_batch, **plan_kw)
+        return bound_searches(costs, cluster, global_batch, part="all" if whole else parts[0], **plan_kw)
 
     if not side_process_worthwhile(cluster):
         return here, lambda: None, False
@@ -76,7 +79,7 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
     ctx = mp.get_context("fork")
     sides: list = []   # (part, receiving end, process)
     try:
-        for part in BOUND_PARTS:
+        for part in parts:
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, args=(send, costs, cluster, global_batch, part, plan_kw), daemon=True)
             try:
@@ -110,7 +113,8 @@ def start_bound_searches(costs: ModelCosts, cluster: "Cluster", global_batch: in
 
     def result() -> tuple:
         got = {part: one(part, recv, proc) for part, recv, proc in sides}
-        return merge_bound_parts(got["upper"], got["homogeneous"])
+        empty = (None, {}, None, {})
+        return merge_bound_parts(got.get("upper", empty), got.get("homogeneous", empty))
 
     def cancel() -> None:
         for _, recv, proc in sides:
