@@ -197,3 +197,42 @@ def test_planner_chooses_the_new_schedules_and_predicts_with_plan_timeline():
     assert pinned.virtual_stages == 3
     with pytest.raises(PlanError, match="virtual_stages"):
         plan_pipeline(costs, cluster, 8, schedule="zb-h1", virtual_stages=2)
+
+
+def _fewest_extra_by_trying_each(W: int, M: int, V: int):
+    """The interleaved order with the fewest extra warm-up forwards that runs, found by trying every
+    count in turn (the generator gallops and bisects instead)."""
+    from autopar.ir.actions import action_row
+
+    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
+    fwd = [[action_row(v * W + w, "F", M)[m] for r in rounds for v in range(V) for m in r] for w in range(W)]
+    bwd = [[action_row(v * W + w, "B", M)[m] for r in rounds for v in reversed(range(V)) for m in r]
+           for w in range(W)]
+    for extra in range(V * M + 1):
+        out = []
+        for w in range(W):
+            warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
+            acts = fwd[w][:warmup]
+            for f in range(warmup, V * M):
+                acts += [fwd[w][f], bwd[w][f - warmup]]
+            out.append(tuple(acts + bwd[w][V * M - warmup:]))
+        sched = PipelineSchedule("interleaved-1f1b", M, tuple(out), V)
+        try:
+            dry_run(sched)
+            return sched
+        except ScheduleError:
+            continue
+    return None
+
+
+def test_interleaved_order_takes_the_fewest_extra_warm_up_forwards():
+    """Galloping and bisecting over the extra warm-up forwards finds the count trying each one does
+    (a deadlock-free order stays so with more warm-up), for every small size."""
+    from autopar.ir.schedule import _interleaved
+
+    for W in range(2, 6):
+        for V in (2, 3):
+            for M in range(1, 3 * W + 2):
+                want = _fewest_extra_by_trying_each(W, M, V)
+                got = _interleaved.__wrapped__(W, M, V)
+                assert want is not None and got.actions == want.actions, (W, M, V)

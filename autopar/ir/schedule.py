@@ -131,7 +131,9 @@ def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
     br = {s: action_row(s, "B", M) for s in range(V * W)}
     fwd = [[fr[v * W + w][m] for r in rounds for v in range(V) for m in r] for w in range(W)]
     bwd = [[br[v * W + w][m] for r in rounds for v in reversed(range(V)) for m in r] for w in range(W)]
-    for extra in range(V * M + 1):
+
+    def order(extra: int) -> PipelineSchedule | None:
+        """The order with ``extra`` more warm-up forwards on every worker, if it is deadlock-free."""
         out = []
         for w in range(W):
             warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
@@ -146,8 +148,33 @@ def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
             return sched
         except ScheduleError:
             forget_valid(sched)
-            continue
-    raise ScheduleError(f"interleaved-1f1b: no deadlock-free order for {W} workers x {V} chunks, {M} micro-batches")
+            return None
+
+    # The fewest extra forwards that avoid a deadlock. More warm-up never brings one back (each worker
+    # only runs ahead further), so the count is found by galloping then bisecting, where trying every
+    # count dry-ran the whole schedule hundreds of times at hundreds of micro-batches;
+    # tests/test_schedules.py checks the count against trying every one on small sizes.
+    top = V * M
+    found = order(0)
+    if found is not None:
+        return found
+    lo, hi = 0, 1                 # order(lo) deadlocks; find a hi whose order does not
+    while hi < top and (best := order(hi)) is None:
+        lo, hi = hi, min(2 * hi, top)
+    if hi >= top:
+        best = order(top)
+        if best is None:
+            raise ScheduleError(f"interleaved-1f1b: no deadlock-free order for {W} workers x {V} chunks, "
+                                f"{M} micro-batches")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = order(mid)
+        if got is None:
+            lo = mid
+        else:
+            forget_valid(best)
+            best, hi = got, mid
+    return best
 
 
 def zb_h1(num_stages: int, num_micro: int) -> PipelineSchedule:
