@@ -225,11 +225,15 @@ def _fewest_extra_by_trying_each(W: int, M: int, V: int):
     return None
 
 
-def test_interleaved_order_takes_the_fewest_extra_warm_up_forwards():
-    """Galloping and bisecting over the extra warm-up forwards finds the count trying each one does
-    (a deadlock-free order stays so with more warm-up), for every small size."""
+@pytest.mark.parametrize("one_by_one", [1, 8])
+def test_interleaved_order_takes_the_fewest_extra_warm_up_forwards(monkeypatch, one_by_one):
+    """Galloping and bisecting over the extra warm-up forwards (after the first ``one_by_one`` counts,
+    tried in turn) finds the count trying each one does (a deadlock-free order stays so with more
+    warm-up), for every small size; these need up to 4 extra forwards."""
+    from autopar.ir import schedule
     from autopar.ir.schedule import _interleaved
 
+    monkeypatch.setattr(schedule, "_TRIED_ONE_BY_ONE", one_by_one)
     for W in range(2, 6):
         for V in (2, 3):
             for M in range(1, 3 * W + 2):

@@ -124,6 +124,9 @@ def interleaved_one_f_one_b(num_workers: int, num_micro: int, virtual_stages: in
     return _interleaved(num_workers, num_micro, virtual_stages)
 
 
+_TRIED_ONE_BY_ONE = 8     # extra warm-up counts an interleaved order tries in turn before it gallops
+
+
 @functools.lru_cache(maxsize=256)
 def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
     rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
@@ -150,15 +153,18 @@ def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
             forget_valid(sched)
             return None
 
-    # The fewest extra forwards that avoid a deadlock. More warm-up never brings one back (each worker
-    # only runs ahead further), so the count is found by galloping then bisecting, where trying every
-    # count dry-ran the whole schedule hundreds of times at hundreds of micro-batches;
-    # tests/test_schedules.py checks the count against trying every one on small sizes.
+    # The fewest extra forwards that avoid a deadlock: the first few counts one by one (most orders
+    # need none or a few), then, as more warm-up never brings a deadlock back (each worker only runs
+    # ahead further), galloping and bisecting, where trying every count dry-ran the whole schedule
+    # hundreds of times at hundreds of micro-batches; tests/test_schedule_virtual.py checks the count
+    # against trying every one on small sizes.
     top = V * M
-    found = order(0)
-    if found is not None:
-        return found
-    lo, hi = 0, 1                 # order(lo) deadlocks; find a hi whose order does not
+    for extra in range(min(_TRIED_ONE_BY_ONE, top + 1)):
+        found = order(extra)
+        if found is not None:
+            return found
+    lo, hi = _TRIED_ONE_BY_ONE - 1, 2 * _TRIED_ONE_BY_ONE   # order(lo) deadlocks; find a hi whose order does not
+    hi = min(hi, top)
     while hi < top and (best := order(hi)) is None:
         lo, hi = hi, min(2 * hi, top)
     if hi >= top:
