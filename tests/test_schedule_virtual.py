@@ -201,28 +201,10 @@ def test_planner_chooses_the_new_schedules_and_predicts_with_plan_timeline():
 
 def _fewest_extra_by_trying_each(W: int, M: int, V: int):
     """The interleaved order with the fewest extra warm-up forwards that runs, found by trying every
-    count in turn (the generator gallops and bisects instead)."""
-    from autopar.ir.actions import action_row
+    count in turn (the generator gallops and bisects past its first few)."""
+    from autopar.ir.schedule import interleaved_order
 
-    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
-    fwd = [[action_row(v * W + w, "F", M)[m] for r in rounds for v in range(V) for m in r] for w in range(W)]
-    bwd = [[action_row(v * W + w, "B", M)[m] for r in rounds for v in reversed(range(V)) for m in r]
-           for w in range(W)]
-    for extra in range(V * M + 1):
-        out = []
-        for w in range(W):
-            warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
-            acts = fwd[w][:warmup]
-            for f in range(warmup, V * M):
-                acts += [fwd[w][f], bwd[w][f - warmup]]
-            out.append(tuple(acts + bwd[w][V * M - warmup:]))
-        sched = PipelineSchedule("interleaved-1f1b", M, tuple(out), V)
-        try:
-            dry_run(sched)
-            return sched
-        except ScheduleError:
-            continue
-    return None
+    return next((s for e in range(V * M + 1) if (s := interleaved_order(W, M, V, e)) is not None), None)
 
 
 @pytest.mark.parametrize("one_by_one", [1, 8])

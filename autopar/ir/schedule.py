@@ -53,7 +53,7 @@ from autopar.ir.timeline import dry_run
 
 __all__ = [
     "Action", "ActionKind", "PipelineSchedule", "ScheduleError",
-    "PIPELINE_SCHEDULES", "ALL_SCHEDULES", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zb_h1",
+    "PIPELINE_SCHEDULES", "ALL_SCHEDULES", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "interleaved_order", "zb_h1",
     "make_schedule",
     "in_flight_micro_batches", "with_comm",
 ]
@@ -64,7 +64,7 @@ ALL_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1") 
 
 # -- generators -------------------------------------------------------------------------------------
 #
-# The generators share their Action objects (frozen, so sharing is safe): ``actionaction_row(s, kind, n)``
+# The generators share their Action objects (frozen, so sharing is safe): ``action_row(s, kind, n)``
 # (``autopar.ir.actions``) is built once per (stage, kind) and grown as needed, so that a planner
 # pricing hundreds of schedules does not construct (and check) every action again. Their schedules are
 # registered as valid (``_trust``): ``simulate`` does not check their structure again (a deadlock is
@@ -127,31 +127,32 @@ def interleaved_one_f_one_b(num_workers: int, num_micro: int, virtual_stages: in
 _TRIED_ONE_BY_ONE = 8     # extra warm-up counts an interleaved order tries in turn before it gallops
 
 
+def interleaved_order(W: int, M: int, V: int, extra: int) -> PipelineSchedule | None:
+    """Interleaved 1F1B's order with ``extra`` more warm-up forwards on every worker than
+    ``interleaved_one_f_one_b`` gives, if it is deadlock-free (else None)."""
+    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
+    out = []
+    for w in range(W):
+        fwd = [action_row(v * W + w, "F", M)[m] for r in rounds for v in range(V) for m in r]
+        bwd = [action_row(v * W + w, "B", M)[m] for r in rounds for v in reversed(range(V)) for m in r]
+        warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
+        acts = fwd[:warmup]
+        for f in range(warmup, V * M):
+            acts += [fwd[f], bwd[f - warmup]]
+        out.append(tuple(acts + bwd[V * M - warmup:]))
+    sched = _trust(PipelineSchedule("interleaved-1f1b", M, tuple(out), V))
+    try:
+        dry_run(sched)
+        return sched
+    except ScheduleError:
+        forget_valid(sched)
+        return None
+
+
 @functools.lru_cache(maxsize=256)
 def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
-    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
-    fr = {s: action_row(s, "F", M) for s in range(V * W)}
-    br = {s: action_row(s, "B", M) for s in range(V * W)}
-    fwd = [[fr[v * W + w][m] for r in rounds for v in range(V) for m in r] for w in range(W)]
-    bwd = [[br[v * W + w][m] for r in rounds for v in reversed(range(V)) for m in r] for w in range(W)]
-
     def order(extra: int) -> PipelineSchedule | None:
-        """The order with ``extra`` more warm-up forwards on every worker, if it is deadlock-free."""
-        out = []
-        for w in range(W):
-            warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
-            acts = fwd[w][:warmup]
-            for f in range(warmup, V * M):
-                acts += [fwd[w][f], bwd[w][f - warmup]]
-            acts += bwd[w][V * M - warmup:]
-            out.append(tuple(acts))
-        sched = _trust(PipelineSchedule("interleaved-1f1b", M, tuple(out), V))
-        try:
-            dry_run(sched)
-            return sched
-        except ScheduleError:
-            forget_valid(sched)
-            return None
+        return interleaved_order(W, M, V, extra)
 
     # The fewest extra forwards that avoid a deadlock: the first few counts one by one (most orders
     # need none or a few), then, as more warm-up never brings a deadlock back (each worker only runs
