@@ -127,19 +127,29 @@ def interleaved_one_f_one_b(num_workers: int, num_micro: int, virtual_stages: in
 _TRIED_ONE_BY_ONE = 8     # extra warm-up counts an interleaved order tries in turn before it gallops
 
 
+@functools.lru_cache(maxsize=8)
+def _interleaved_rows(W: int, M: int, V: int) -> tuple[list, list]:
+    """Per worker, its forwards and its backwards in interleaved 1F1B's order (rounds of W
+    micro-batches, chunks in order for forwards and reversed for backwards)."""
+    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
+    fr = {s: action_row(s, "F", M) for s in range(V * W)}
+    br = {s: action_row(s, "B", M) for s in range(V * W)}
+    fwd = [[fr[v * W + w][m] for r in rounds for v in range(V) for m in r] for w in range(W)]
+    bwd = [[br[v * W + w][m] for r in rounds for v in reversed(range(V)) for m in r] for w in range(W)]
+    return fwd, bwd
+
+
 def interleaved_order(W: int, M: int, V: int, extra: int) -> PipelineSchedule | None:
     """Interleaved 1F1B's order with ``extra`` more warm-up forwards on every worker than
     ``interleaved_one_f_one_b`` gives, if it is deadlock-free (else None)."""
-    rounds = [range(g, min(g + W, M)) for g in range(0, M, W)]
+    fwd, bwd = _interleaved_rows(W, M, V)
     out = []
     for w in range(W):
-        fwd = [action_row(v * W + w, "F", M)[m] for r in rounds for v in range(V) for m in r]
-        bwd = [action_row(v * W + w, "B", M)[m] for r in rounds for v in reversed(range(V)) for m in r]
         warmup = min(V * M, 2 * (W - w - 1) + (V - 1) * W + extra)
-        acts = fwd[:warmup]
+        acts = fwd[w][:warmup]
         for f in range(warmup, V * M):
-            acts += [fwd[f], bwd[f - warmup]]
-        out.append(tuple(acts + bwd[V * M - warmup:]))
+            acts += [fwd[w][f], bwd[w][f - warmup]]
+        out.append(tuple(acts + bwd[w][V * M - warmup:]))
     sched = _trust(PipelineSchedule("interleaved-1f1b", M, tuple(out), V))
     try:
         dry_run(sched)
@@ -151,9 +161,6 @@ def interleaved_order(W: int, M: int, V: int, extra: int) -> PipelineSchedule | 
 
 @functools.lru_cache(maxsize=256)
 def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
-    def order(extra: int) -> PipelineSchedule | None:
-        return interleaved_order(W, M, V, extra)
-
     # The fewest extra forwards that avoid a deadlock: the first few counts one by one (most orders
     # need none or a few), then, as more warm-up never brings a deadlock back (each worker only runs
     # ahead further), galloping and bisecting, where trying every count dry-ran the whole schedule
@@ -161,21 +168,19 @@ def _interleaved(W: int, M: int, V: int) -> PipelineSchedule:
     # against trying every one on small sizes.
     top = V * M
     for extra in range(min(_TRIED_ONE_BY_ONE, top + 1)):
-        found = order(extra)
+        found = interleaved_order(W, M, V, extra)
         if found is not None:
             return found
-    lo, hi = _TRIED_ONE_BY_ONE - 1, 2 * _TRIED_ONE_BY_ONE   # order(lo) deadlocks; find a hi whose order does not
-    hi = min(hi, top)
-    while hi < top and (best := order(hi)) is None:
-        lo, hi = hi, min(2 * hi, top)
-    if hi >= top:
-        best = order(top)
+    lo, hi, best = _TRIED_ONE_BY_ONE - 1, min(2 * _TRIED_ONE_BY_ONE, top), None
+    while best is None and lo < top:      # gallop: order(lo) deadlocks
+        best = interleaved_order(W, M, V, hi)
         if best is None:
-            raise ScheduleError(f"interleaved-1f1b: no deadlock-free order for {W} workers x {V} chunks, "
-                                f"{M} micro-batches")
-    while hi - lo > 1:
+            lo, hi = hi, min(2 * hi, top)
+    if best is None:
+        raise ScheduleError(f"interleaved-1f1b: no deadlock-free order for {W} workers x {V} chunks, {M} micro-batches")
+    while hi - lo > 1:                    # bisect: order(lo) deadlocks, order(hi) is best
         mid = (lo + hi) // 2
-        got = order(mid)
+        got = interleaved_order(W, M, V, mid)
         if got is None:
             lo = mid
         else:

@@ -112,7 +112,7 @@ from autopar.runtime.pipeline_zb import backward_input, backward_weight
 from autopar.runtime.dp_flat import merged_optimizer
 from autopar.runtime.dp_sync import DataParallelSync, KeptGrads
 from autopar.passes.grad_fusion import fuse_linear_grads
-from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout, tp_zero_groups, tp_zero_stage_run
+from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout, tp_zero_groups
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
 
@@ -447,9 +447,8 @@ class PipelineEngine(PipelineMessages):
     def _sync_params(self, peers: dict) -> tuple[list, Any, int, tuple | None] | None:
         """(parameters, process group, ZeRO stage, shares by position) of this rank's data-parallel
         sync, or None: the trainable parameters of its stage's own gradient group (no other stage uses
-        them) over the stage's ranks (members of one rank: the plan's ZeRO stage, the stage's
-        ``zero_shares``), or their TP shards over this TP index's peers (equal TP members:
-        ``tp_zero_stage_run``). With interleaving, the parameters of every chunk of the rank (its
+        them) over the stage's ranks (members of one rank: the stage's ``zero_shares``), or their TP
+        shards over this TP index's peers (equal TP members), at the plan's ZeRO stage. With interleaving, the parameters of every chunk of the rank (its
         chunks have its stage's members), where every chunk qualifies."""
         if self.stage is None or self.plan.zero_stage < 1:
             return None
@@ -470,7 +469,7 @@ class PipelineEngine(PipelineMessages):
             if peer is None or peer.pg is None or not all((s, self.tp_index) in peers for s in self.chunks):
                 return None
             local = [self._shards[id(p)][1] if id(p) in self._shards else p for p in params]
-            out = local, peer.pg, tp_zero_stage_run(self.plan.zero_stage), None
+            out = local, peer.pg, int(self.plan.zero_stage), None
         self._grad_groups = [(g, ps) for g, ps in self._grad_groups if g is not group]   # the sync's now
         return out
 

@@ -79,7 +79,7 @@ from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.dp_sync import DataParallelSync
 from autopar.runtime.tp_comm import GroupAllGather, GroupAllReduce, GroupReduceScatter
 
-__all__ = ["TensorParallelEngine", "TensorParallelError", "tp_zero_applies", "tp_zero_stage_run", "tp_zero_groups", "shard_stage_module", "bind_tp_group", "tp_layout",
+__all__ = ["TensorParallelEngine", "TensorParallelError", "tp_zero_applies", "tp_zero_groups", "shard_stage_module", "bind_tp_group", "tp_layout",
            "gather_full_params", "flat_full_grad", "bind_sp_group", "sum_deferred_sp_grads"]
 
 
@@ -118,12 +118,6 @@ def tp_zero_applies(zero_stage: int, tp_shares: Sequence[Sequence[int]]) -> bool
     full-model buffers instead: ZeRO-0)."""
     shares = [tuple(s) for s in tp_shares]
     return zero_stage >= 1 and len(shares) > 1 and len(set(shares)) == 1
-
-
-def tp_zero_stage_run(zero_stage: int) -> int:
-    """The ZeRO stage the data-parallel sync of a TP stage with equal shares runs: the plan's (under
-    ZeRO-3 its one unit is the member's whole local stage, gathered for the whole step)."""
-    return int(zero_stage)
 
 
 def tp_zero_groups(new_group: Callable, plan) -> dict[tuple[int, int], object]:
@@ -347,7 +341,7 @@ class TensorParallelEngine:
         self.optimizer = inputs.optimizer_factory(self._params)
         self.sync = None
         if self._member is not None and self.dp_group is not None and tp_zero_applies(plan.zero_stage, shares):
-            self.zero_stage_applied = tp_zero_stage_run(plan.zero_stage)
+            self.zero_stage_applied = int(plan.zero_stage)
             self.sync = DataParallelSync(self._params, self.optimizer, zero_stage=self.zero_stage_applied,
                                          group=self.dp_group, position=pg_ranks(self.dp_group).index(inputs.rank),
                                          device=self.device, overlap=False)
