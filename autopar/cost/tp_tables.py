@@ -81,13 +81,15 @@ def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.
     is mostly their outputs: the Linears' and norms' inputs), sharded where a node of a pair's region
     made them (the columns' outputs and what follows them up to the row Linear), whole otherwise (the
     columns' input, norms, residual adds, the row Linear's all-reduced output). A block without a pair is whole (1, 1). The memory counterpart of
-    ``replicated_fraction_of_graph``, which is a fraction of time. None without pairs."""
+    ``replicated_fraction_of_graph``, which is a fraction of time. A graph without pairs is whole in
+    every block: tensor parallelism shards none of it (torchtitan's fused-QKV attention with grouped
+    experts: every TP rank held the whole model, which the time fraction had priced as halved)."""
     from autopar.passes.meta import BLOCK, COST
     from autopar.passes.tp_match import find_tp_pairs
 
     pairs = find_tp_pairs(gm)
     if not pairs:
-        return None
+        return np.ones(int(num_blocks)), np.ones(int(num_blocks))
     nodes = {n.name: n for n in gm.graph.nodes}
     params = dict(gm.named_parameters())
     total_p, sharded_p = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
