@@ -1,5 +1,5 @@
 """Recomputation under ZeRO-3 (FSDP with activation checkpointing, torchtitan's standard recipe), as a
-pinned plan and as the engine runs it: 3 threaded ranks of uneven shares and micro-step counts,
+pinned plan and as the engine runs it, block by block: 3 threaded ranks of uneven shares and micro-step counts,
 AdamW, exact against one device on the whole global batch; and the planner meets
 ``Pin(zero_stage=3, recompute=True)``."""
 
@@ -39,10 +39,21 @@ class ThreeRanks(threaded_ranks(3)):
             rank=self.rank, world_size=self.world_size, device=torch.device("cpu"), clock=NullClock()),
             lower(PLAN, gm, self.rank, params=[p for p in model.parameters() if p.requires_grad]))
         assert engine.recompute and engine.zero_stage == 3
+        # block by block, as FSDP with activation checkpointing: each recomputed block gathers its unit
+        assert engine.zero3_granularity == "block" and len(engine.units) > 2
         with _LOCK:
             data = batches("gpt-tiny", B, STEPS)
             ref = single_device_run("gpt-tiny", B, STEPS, "adamw")
+        seen: list[int] = []                       # units gathered at once, at every gather
+        gather = engine.sync.gather
+
+        def counting(u):
+            gather(u)
+            seen.append(sum(engine.sync.gathered))
+        engine.sync.gather = counting
         losses = [engine.step(inputs, targets) for inputs, targets in data]
+        assert not any(engine.sync.gathered)       # between steps: shards only
+        assert seen and max(seen) <= 3, seen       # the root, the block and the prefetched next one
         assert_state_close(engine.state_dict(), ref.state, RTOL["adamw"])
         for got, want in zip(losses, ref.losses):
             assert math.isclose(got, want, rel_tol=1e-5), (losses, ref.losses)

@@ -96,7 +96,6 @@ def test_reduce_scatter_runs_in_rounds_of_one_staging_buffer():
 def test_units_and_collectives_per_zero_stage():
     costs = _costs()
     assert comm.zero_units(costs, 3) == ((300_000, 2), (500_000, 2), (200_000, 2))
-    assert comm.zero_units(costs, 3, recompute=True) == ((1_000_000, 1),)
     assert comm.zero_units(costs, 2) == ((1_000_000, 1),)
     c, ranks, shares = _cluster(), (0, 1, 2), (4, 2, 1)
     assert comm.zero_collectives(costs, c, ranks, 0) == comm.ZeroCollectives()

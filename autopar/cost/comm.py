@@ -338,15 +338,14 @@ def zero_reduce_scatter_s(cluster: "Cluster", ranks: Sequence[int], numel: int, 
                                           algorithm=algorithm)
 
 
-def zero_units(costs: ModelCosts, zero_stage: int, recompute: bool = False,
-               blocks: slice = slice(None)) -> tuple[tuple[int, int], ...]:
+def zero_units(costs: ModelCosts, zero_stage: int, blocks: slice = slice(None)) -> tuple[tuple[int, int], ...]:
     """(elements, gathers per round) of each unit the engine gathers and reduce-scatters over the
-    ``blocks`` of ``costs``: ZeRO-3 without recomputation one unit per block with parameters, gathered
-    for forward and again for backward (``"block"`` granularity); otherwise one unit of every
-    parameter (ZeRO-3 with recomputation gathers it once per round: ``"micro_step"``). The engine's
-    root unit (parameters of several blocks, e.g. a tied embedding) is priced as its block's."""
+    ``blocks`` of ``costs``: ZeRO-3 one unit per block with parameters, gathered for forward and again
+    for backward (``"block"`` granularity; a recomputed block's second gather is for its re-run,
+    which its backward then uses); otherwise one unit of every parameter. The engine's root unit
+    (parameters of several blocks, e.g. a tied embedding) is priced as its block's."""
     params = np.asarray(costs.params[blocks], dtype=np.float64)
-    if zero_stage >= 3 and not recompute:
+    if zero_stage >= 3:
         return tuple((int(round(p)), 2) for p in params if p > 0)
     total = int(round(float(params.sum())))
     return ((total, 1),) if total > 0 else ()
@@ -364,7 +363,7 @@ class ZeroCollectives:
 
 
 def zero_collectives(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_stage: int,
-                     shares: Sequence[float] | None = None, *, recompute: bool = False,
+                     shares: Sequence[float] | None = None, *,
                      blocks: slice = slice(None), link: LinkModel = DEFAULT_LINK,
                      algorithm: Algorithm = "auto") -> ZeroCollectives:
     """The gathers and reduce-scatters of ``zero_stage`` over ``ranks`` with shard ``shares``, unit
@@ -375,7 +374,7 @@ def zero_collectives(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int]
         return ZeroCollectives()
     params = float(np.asarray(costs.params[blocks]).sum())
     size = int(round(float(np.asarray(costs.param_bytes[blocks]).sum()) / params)) if params > 0 else 4
-    units = zero_units(costs, zero_stage, recompute, blocks)
+    units = zero_units(costs, zero_stage, blocks)
     gather = sum(k * zero_gather_s(cluster, ranks, u, size, shares, link, algorithm) for u, k in units)
     uneven = any(not zero_shards_even(u, n, shares) for u, _ in units)
     op = "broadcast" if uneven else "all_gather"

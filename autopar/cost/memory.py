@@ -345,41 +345,39 @@ class RankMemory:
         return min(_MICRO_LIMIT, int((room + self.staging_bytes) // self.act_bytes_per_sample))
 
 
-def zero_staging_bytes(costs: ModelCosts, zero_stage: int, num_shards: int, recompute: bool = False) -> float:
+def zero_staging_bytes(costs: ModelCosts, zero_stage: int, num_shards: int) -> float:
     """Under ZeRO-2/3 the staging buffer of the engine's reduce-scatter rounds (``num_shards`` times
     ``autopar.ir.costs.zero_staging_numel`` elements: one gradient bucket, or less for a unit whose
-    even shard is smaller; the unit is the whole model, or under ZeRO-3 by block the largest block);
-    0 below, or for one rank."""
+    even shard is smaller; the unit is the whole model, or under ZeRO-3, by block with or without
+    recomputation, the largest block); 0 below, or for one rank."""
     if zero_stage < 2 or num_shards < 1:
         return 0.0
-    by_block = zero_stage == 3 and not recompute and costs.num_blocks
+    by_block = zero_stage == 3 and costs.num_blocks
     total = int(costs.params.max() if by_block else costs.params.sum())
     g = int(costs.grad_bytes_per_param)
     return float(num_shards * zero_staging_numel(total, num_shards, g) * g)
 
 
-def transient_grad_bytes(costs: ModelCosts, zero_stage: int, recompute: bool = False) -> float:
+def transient_grad_bytes(costs: ModelCosts, zero_stage: int) -> float:
     """Under ZeRO-2/3 the gradient a rank's micro-step holds before the engine reduce-scatters it:
-    the full gradient (backward makes every parameter's first), or under ZeRO-3 by block (without
-    ``recompute``) the two largest blocks' (the root unit's, kept to the end, and the unit backward is
-    in: each unit is reduce-scattered when backward leaves it, ``autopar.runtime.dp_sync``); 0 below
+    the full gradient (backward makes every parameter's first), or under ZeRO-3 by block (recomputed
+    or not) the two largest blocks' (the root unit's, kept to the end, and the unit backward is in:
+    each unit is reduce-scattered when backward leaves it, ``autopar.runtime.dp_sync``); 0 below
     (ZeRO-0/1 keep it, in the state)."""
     check_zero_stage(zero_stage)
     if zero_stage < 2:
         return 0.0
-    if zero_stage == 3 and not recompute and costs.num_blocks:
+    if zero_stage == 3 and costs.num_blocks:
         return float(np.sort(costs.params)[-2:].sum()) * costs.grad_bytes_per_param
     return float(costs.params.sum()) * costs.grad_bytes_per_param
 
 
-def zero3_gathered_bytes(costs: ModelCosts, recompute: bool = False) -> float:
+def zero3_gathered_bytes(costs: ModelCosts) -> float:
     """Full weights a ZeRO-3 rank holds gathered at once (``autopar.runtime.dp_sync``): block by block
-    the largest block's and the next one it prefetches (two largest blocks), or with ``recompute``
-    (gathered per micro-step) every block's."""
+    the largest block's and the next one it prefetches (two largest blocks). A recomputed block is
+    gathered again when backward re-runs it, one at a time as well (``DataParallelSync.enter_block``)."""
     if not costs.num_blocks:
         return 0.0
-    if recompute:
-        return float(costs.param_bytes.sum())
     return float(np.sort(costs.param_bytes)[-2:].sum())
 
 
@@ -402,15 +400,15 @@ def rank_memory(costs: ModelCosts, spec: "DeviceSpec", zero_stage: int, num_shar
         raise ValueError(f"num_shards: {num_shards!r} must be an integer >= 1")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction: {memory_fraction!r} must be in (0, 1]")
-    gathered = zero3_gathered_bytes(costs, recompute) if zero_stage == 3 else 0.0
+    gathered = zero3_gathered_bytes(costs) if zero_stage == 3 else 0.0
     return RankMemory(
         usable_bytes=usable_bytes(spec, memory_fraction),
         state_bytes=costs.state_bytes(zero_stage=zero_stage, shard_fraction=1.0 / num_shards),
         gathered_bytes=gathered, workspace_bytes=device_workspace_bytes(spec, workspace_bytes),
         act_bytes_per_sample=activation_bytes_per_sample(costs, recompute),
-        transient_bytes=transient_grad_bytes(costs, zero_stage, recompute),
-        staging_bytes=zero_staging_bytes(costs, zero_stage, num_shards, recompute),
-        during_backward=zero_stage == 3 and not recompute and bool(costs.num_blocks),
+        transient_bytes=transient_grad_bytes(costs, zero_stage),
+        staging_bytes=zero_staging_bytes(costs, zero_stage, num_shards),
+        during_backward=zero_stage == 3 and bool(costs.num_blocks),
     )
 
 

@@ -184,7 +184,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
                         _add(d, "backward", comm.dp_bucket_restarts_s(costs, [t], dar.buckets)[0])
                     if zc is None:                         # as the engine runs them (one function: comm's)
                         zc = comm.zero_collectives(costs, cluster, ring, zero, st.zero_shares or None,
-                                                   recompute=st.recompute, blocks=blocks)
+                                                   blocks=blocks)
                     if zc.step_gather_s > 0:
                         _add(d, zc.gather_op, zc.step_gather_s)
                     if zc.round_reduce_scatter_s > 0:

@@ -139,16 +139,18 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             _overlap(module, tp_overlap, forward)
         return RankProgram(**common, tp_module=module)
     st = plan.stages[0]
-    if st.recompute:
-        n = num_blocks(gm)
-        blocks = tuple(split_stages(gm, [(b, b + 1) for b in range(n)])) if n else ()
-        return RankProgram(**common, blocks=blocks)
+    zero3: dict = {}
     if plan.zero_stage == 3 and isinstance(gm, fx.GraphModule):
         trainable = tuple(params) if params is not None else tuple(p for p in gm.parameters() if p.requires_grad)
         units = param_units(gm, list(trainable))
         if units is not None:
-            return RankProgram(**common, zero3_units=units, zero3_gm=insert_unit_hooks(gm, units),
-                               zero3_params=trainable)
+            zero3 = dict(zero3_units=units, zero3_params=trainable)
+    if st.recompute:    # ZeRO-3's units gathered around each recomputed block by the engine, not in the graph
+        n = num_blocks(gm)
+        blocks = tuple(split_stages(gm, [(b, b + 1) for b in range(n)])) if n else ()
+        return RankProgram(**common, blocks=blocks, **(zero3 if blocks else {}))
+    if zero3:
+        return RankProgram(**common, **zero3, zero3_gm=insert_unit_hooks(gm, zero3["zero3_units"]))
     return RankProgram(**common)
 
 

@@ -117,7 +117,7 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
     dar = comm.dp_allreduces(costs, cluster, ranks, zero_stage, link=link, algorithm=algorithm) if n else \
         comm.DpAllReduces()
     ar, last, loss = dar.grad_s, dar.last_bucket_s, dar.loss_s   # buckets (each its latencies) and the loss sum
-    zc = comm.zero_collectives(costs, cluster, ranks, zero_stage, fractions, recompute=recompute, link=link,
+    zc = comm.zero_collectives(costs, cluster, ranks, zero_stage, fractions, link=link,
                                algorithm=algorithm) if n else comm.ZeroCollectives()
     rs_bytes = ring * zc.round_reduce_scatter_bytes
     if zero_stage == 0:

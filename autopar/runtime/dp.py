@@ -69,8 +69,11 @@ Recomputation: with ``plan.stages[0].recompute`` each micro-step runs the captur
 block (``RankProgram.blocks``, the graph cut at every block), each block under a non-reentrant
 ``torch.utils.checkpoint``: only the values between blocks stay saved and backward re-runs one block
 at a time (inside the micro-step's compute block). It needs the captured graph with block
-annotations; ZeRO-3 then gathers per micro-step (``zero3_granularity`` reports ``"micro_step"``), as
-re-running forward code in backward needs. Buffers updated in forward (BatchNorm's running
+annotations. ZeRO-3 still goes block by block, as FSDP with activation checkpointing does: each
+block's unit is gathered around its forward and freed after it, gathered again when backward re-runs
+the block, and freed and reduce-scattered once backward has its gradients
+(``DataParallelSync.enter_block`` / ``leave_block``), so a rank never holds the whole model's weights
+or gradient. Buffers updated in forward (BatchNorm's running
 statistics) are updated again by the recomputation.
 
 BatchNorm (and any layer coupling the samples of a batch) normalises per micro-batch, not over the
@@ -133,6 +136,16 @@ def _units_over(units: ParamUnits, lowered: tuple, trainable: list[nn.Parameter]
 def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
     """One block program (``passes.split.StageProgram``) on the flat inputs and received values."""
     return prog(values[:num_flat], values[num_flat:])
+
+
+def _run_unit_block(sync: DataParallelSync, unit: int, prog: Any, num_flat: int, *values: Any) -> Any:
+    """``_run_block`` of a recomputed block under ZeRO-3 by block: its unit gathered around it, in
+    forward and again when backward re-runs it (``DataParallelSync.enter_block`` / ``leave_block``)."""
+    sync.enter_block(unit)
+    try:
+        return prog(values[:num_flat], values[num_flat:])
+    finally:
+        sync.leave_block(unit)
 
 
 class DataParallelEngine:
@@ -217,8 +230,7 @@ class DataParallelEngine:
 
         probe = inputs.optimizer_factory(trainable)
         units = None
-        if self.zero_stage == 3 and zero3_granularity == "block" and not self.recompute \
-                and program.zero3_units is not None:   # recomputation re-runs forward: micro_step
+        if self.zero_stage == 3 and zero3_granularity == "block" and program.zero3_units is not None:
             units = _units_over(program.zero3_units, program.zero3_params, trainable)
         self.zero3_granularity: Zero3Granularity | None = \
             None if self.zero_stage != 3 else ("block" if units is not None else "micro_step")
@@ -250,7 +262,11 @@ class DataParallelEngine:
             self.gm = self.gm.to(self.device) if program.gm is not None else self.model
             for prog in self._block_programs or ():
                 prog.gm.to(self.device)
-        if units is not None:
+        self._unit_of_block: dict[int, int] = {}
+        if units is not None and self.recompute:     # each recomputed block gathers its unit (_forward)
+            self.sync.track_units(units.blocks)
+            self._unit_of_block = {b: u for u, b in enumerate(units.blocks) if b is not None}
+        elif units is not None:
             self.gm = program.zero3_gm.to(self.device)
             self.sync.bind_hooks(self.gm, units.blocks)
         # ZeRO 0/1 over several micro-steps: weight gradients accumulate inside their GEMMs, into the
@@ -329,9 +345,11 @@ class DataParallelEngine:
 
         flat = flat_inputs(self.program.gm, local)
         received: Any = ()
-        for prog in self._block_programs:
+        for b, prog in enumerate(self._block_programs):
+            u = self._unit_of_block.get(b)
+            run = _run_block if u is None else functools.partial(_run_unit_block, self.sync, u)
             # tensors positional: checkpoint stashes the RNG state and autocast of their device
-            received = checkpoint(_run_block, prog, len(flat), *flat, *received, use_reentrant=False)
+            received = checkpoint(run, prog, len(flat), *flat, *received, use_reentrant=False)
             if not prog.is_last:
                 received = tuple(received)
         return received
@@ -354,6 +372,8 @@ class DataParallelEngine:
             loss = compute_loss(out, target, self.loss_fn)
             B = self.plan.global_batch_size
             weighted = loss if n == B else loss * (n / B)    # x * 1.0 == x: skip the multiply
+            if self._unit_of_block:
+                self.sync.backward_begins()
             weighted.backward()
         finally:
             self._segment_end()

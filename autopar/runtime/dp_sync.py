@@ -162,6 +162,7 @@ class DataParallelSync:
         self._bwd_next = 0
         self._in_backward = False
         self._blocks: tuple = (None,) * len(self.units)
+        self._unpacks = False
 
     # -- layout ----------------------------------------------------------------------------------
     @property
@@ -292,12 +293,37 @@ class DataParallelSync:
     def bind_hooks(self, hooked, blocks: Sequence[int | None]) -> None:
         """ZeRO-3 by block: bind the unit hooks of the lowered graph ``hooked`` to gather and free,
         and count each unit's gradients as backward accumulates them."""
-        self._blocks = tuple(blocks)
+        self.track_units(blocks)
         hooked.get_submodule(PRE_HOOK).bind(self._forward_gather)
         hooked.get_submodule(POST_HOOK).bind(self.free)
+        self._unpacks = True       # backward finds a unit's weights by the saved tensors it unpacks
+
+    def track_units(self, blocks: Sequence[int | None]) -> None:
+        """ZeRO-3 by block: ``blocks[u]`` is unit ``u``'s block; count each unit's gradients as backward
+        accumulates them (a unit is freed once they are all in)."""
+        self._blocks = tuple(blocks)
         for u in range(1, len(self.units)):
             for p in self.unit(u)[1]:
                 p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u))
+
+    def enter_block(self, u: int) -> None:
+        """A recomputed block of unit ``u`` starts (the engine runs each under a checkpoint): in forward
+        it is gathered (and the next prefetched); when backward re-runs it, the units of the backward
+        order are gathered through it, the one before reduce-scattered, as ``_unpack`` does."""
+        if not self._in_backward:
+            self._forward_gather(u)
+        else:
+            self._backward_gather_through(self._bwd_order.index(u))
+
+    def leave_block(self, u: int) -> None:
+        """A recomputed block of unit ``u`` ends: freed after its forward; after its recomputation it
+        stays until backward has its gradients (``_grad_ready``)."""
+        if not self._in_backward:
+            self.free(u)
+
+    def backward_begins(self) -> None:
+        """The micro-step's backward starts (recomputed blocks gather for backward from here on)."""
+        self._in_backward = True
 
     def gather(self, u: int) -> None:
         """Unit ``u`` gathered, waiting for its prefetch if one is in flight."""
@@ -412,7 +438,8 @@ class DataParallelSync:
             if run is not None:
                 self._pending = [len(self.unit_params[u]) for u in units]
                 self._in_backward = False
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self._unpacks \
+                        else nullcontext():     # recomputed blocks gather through enter_block instead
                     out = run()
             else:
                 self._pending = [0] * len(self.units)
