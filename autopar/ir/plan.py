@@ -19,7 +19,7 @@ Terms
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from autopar.errors import PlanError
@@ -164,8 +164,15 @@ class Plan:
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["predicted"]["memory_bytes"] = {str(k): v for k, v in self.predicted.memory_bytes.items()}
+        """The plan as plain data (``dataclasses.asdict``'s, with the memory's keys as strings). The stages' rank
+        and batch tuples are immutable and hold plain numbers, so they are taken as they are, not
+        copied element by element (``asdict`` took 0.4 s on a 16,384-rank plan)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["stages"] = tuple({f.name: getattr(st, f.name) for f in fields(st)} for st in self.stages)
+        pred = {f.name: getattr(self.predicted, f.name) for f in fields(self.predicted)}
+        pred["breakdown"] = dict(pred["breakdown"])
+        pred["memory_bytes"] = {str(k): v for k, v in self.predicted.memory_bytes.items()}
+        d["predicted"] = pred
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
