@@ -358,8 +358,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
     ``zero3_granularity`` (a data-parallel plan at ZeRO stage 3 only; other plans ignore it): when
     parameters are gathered. ``"block"`` (the default) gathers each block's parameters right before
-    its use and frees them right after, where the captured graph carries block annotations and
-    activations are not recomputed (otherwise it falls back to ``"micro_step"``); ``"micro_step"``
+    its use and frees them right after (a recomputed block again when backward re-runs it), where the
+    captured graph carries block annotations (otherwise it falls back to ``"micro_step"``); ``"micro_step"``
     gathers every parameter once per micro-step: fewer, larger collectives for a higher peak memory.
     Both train to the same state (``autopar.runtime.dp_sync``). Anything else raises ``PlanError``.
 
