@@ -107,13 +107,16 @@ def _check_rho(replicated_fraction: float) -> float:
 
 
 def best_shares(time_s: Sequence[float], num_units: int,
-                replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> tuple[int, ...]:
+                replicated_fraction: float = DEFAULT_REPLICATED_FRACTION,
+                caps: Sequence[int] | None = None) -> tuple[int, ...]:
     """Whole-unit shares (each >= 1, summing to ``num_units``) minimising the slowest rank, where rank i
     takes ``time_s[i] * (rho + (1 - rho) * share_i / num_units)`` (``time_s[i]``: the whole block on
-    rank i's device). Exact: every rank's time grows with its share, so handing out units one at a
-    time to the rank that is then the least slow reaches the min-max (it is the threshold solution);
-    among equal times the lower rank index wins. Raises ``PlanError`` when ``num_units`` is smaller
-    than the group."""
+    rank i's device). ``caps``: the most units each rank may hold (what fits its memory, ``tp_share_caps``;
+    None: no bound). Exact: every rank's time grows with its share, so handing out units one at a
+    time to the rank that is then the least slow among those below their cap reaches the min-max (it
+    is the threshold solution, clipped at the caps); among equal times the lower rank index wins.
+    Raises ``PlanError`` when ``num_units`` is smaller than the group, or when the caps leave a rank
+    no unit or hold fewer units than ``num_units`` together (no shares fit)."""
     t = [float(x) for x in time_s]
     n = len(t)
     rho = _check_rho(replicated_fraction)
@@ -123,6 +126,12 @@ def best_shares(time_s: Sequence[float], num_units: int,
         raise ValueError(f"time_s: {t} must be finite and > 0")
     if num_units < n:
         raise PlanError(f"num_heads: {num_units} units cannot be shared by a TP group of {n} ranks")
+    cap = [num_units] * n if caps is None else [int(c) for c in caps]
+    if len(cap) != n:
+        raise ValueError(f"caps: {len(cap)} caps for a group of {n} ranks")
+    if min(cap) < 1 or sum(cap) < num_units:
+        raise PlanError(f"tp: no head shares fit: each rank's memory holds at most {cap} of the "
+                        f"{num_units} heads")
     if n == 1:
         return (int(num_units),)
     shares = [1] * n
@@ -130,25 +139,31 @@ def best_shares(time_s: Sequence[float], num_units: int,
     def cost(i: int, s: int) -> float:
         return t[i] * (rho + (1.0 - rho) * s / num_units)
 
-    heap = [(cost(i, 2), i) for i in range(n)]
+    heap = [(cost(i, 2), i) for i in range(n) if cap[i] > 1]
     heapq.heapify(heap)
     for _ in range(num_units - n):
         _, i = heapq.heappop(heap)
         shares[i] += 1
-        heapq.heappush(heap, (cost(i, shares[i] + 1), i))
+        if shares[i] < cap[i]:
+            heapq.heappush(heap, (cost(i, shares[i] + 1), i))
     return tuple(shares)
 
 
 def brute_force_shares(time_s: Sequence[float], num_units: int,
-                       replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
-    """The optimum of ``best_shares`` by enumeration (tests; small groups only): the least slowest time."""
+                       replicated_fraction: float = DEFAULT_REPLICATED_FRACTION,
+                       caps: Sequence[int] | None = None) -> float:
+    """The optimum of ``best_shares`` by enumeration (tests; small groups only): the least slowest time
+    (inf when no shares within ``caps`` exist)."""
     import itertools
 
     n = len(time_s)
+    cap = [num_units] * n if caps is None else list(caps)
     best = math.inf
     for cut in itertools.combinations(range(1, num_units), n - 1):
         b = (0, *cut, num_units)
         shares = [b[i + 1] - b[i] for i in range(n)]
+        if any(s > c for s, c in zip(shares, cap)):
+            continue
         worst = max(time_s[i] * work_factors(np.array(shares) / num_units, replicated_fraction)[i]
                     for i in range(n)) if n > 1 else time_s[0]
         best = min(best, worst)

@@ -81,7 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "TP_DEGREES", "SINGLE_STRATEGIES", "Member", "MemberLayout", "member_layouts", "member_groupings",
-    "plan_auto", "plan_tp", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_key",
+    "plan_auto", "plan_tp", "tp_share_caps", "plan_strategy", "plan_hybrid", "best_split_estimate", "cache_key",
 ]
 
 SINGLE_STRATEGIES: tuple[str, ...] = DP_STRATEGIES + PP_STRATEGIES + ("tp",)
@@ -353,11 +353,48 @@ def _check_batch(global_batch) -> int:
 
 # -- single-dimension strategies ----------------------------------------------------------------------
 
+def tp_share_caps(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], num_units: int,
+                  memory_fraction: float = MEMORY_FRACTION,
+                  replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION,
+                  recompute: bool = False) -> tuple[int, ...]:
+    """Per rank of one TP group over ``ranks`` holding every block, the most of ``num_units`` head units
+    it can hold and still fit its memory at one sample per micro-batch (``stage_memory_bytes``; 0: not
+    even one). A rank's peak grows with its own share alone (its work factors), so each cap is a
+    bisection over that share, the other ranks given the rest."""
+    ranks = tuple(ranks)
+    n = len(ranks)
+    if n < 2:
+        return (num_units,) * n
+
+    def fits(i: int, share: int) -> bool:
+        rest = num_units - share
+        shares = [rest // (n - 1) + (1 if k < rest % (n - 1) else 0) for k in range(n - 1)]
+        shares.insert(i, share)
+        st = Stage(block_start=0, block_stop=costs.num_blocks, groups=(ranks,), micro_batches=((1,),),
+                   tp_shares=(tuple(shares),), recompute=recompute)
+        peak = stage_memory_bytes(costs, [st], "1f1b", 0, replicated_fraction)[ranks[i]]
+        return fits_memory(cluster, {ranks[i]: peak}, memory_fraction)
+
+    caps = []
+    for i in range(n):
+        lo, hi = 0, num_units - (n - 1)      # fits(lo) holds (0: nothing), fits(hi + 1) is not asked
+        if fits(i, hi):
+            caps.append(hi)
+            continue
+        while hi - lo > 1:                   # fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(i, mid) else (lo, mid)
+        caps.append(lo)
+    return tuple(caps)
+
+
 def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_heads: int | None = None,
             memory_fraction: float = MEMORY_FRACTION, ranks: Sequence[int] | None = None,
             replicated_fraction: float = tp_cost.DEFAULT_REPLICATED_FRACTION, recompute: bool = False) -> Plan:
     """Heterogeneous tensor parallelism: one TP group of every rank (uneven head shares, exact
-    min-max), one stage, the micro-batch count that fits and is fastest."""
+    min-max under each rank's memory: ``tp_share_caps``), one stage, the micro-batch count that fits
+    and is fastest. Where the fastest shares do not fit, the fastest ones that do; ``PlanError`` only
+    when no shares fit."""
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
@@ -365,7 +402,8 @@ def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_hea
         raise PlanError(f"tp: {len(ranks)} ranks cannot share {units} heads (num_heads); a single TP group "
                         f"needs at least one head per rank")
     whole = [costs.step_time(cluster.devices[r].spec.name, 1.0) for r in ranks]
-    shares = tp_cost.best_shares(whole, units, replicated_fraction) if len(ranks) > 1 else (units,)
+    caps = tp_share_caps(costs, cluster, ranks, units, memory_fraction, replicated_fraction, recompute)
+    shares = tp_cost.best_shares(whole, units, replicated_fraction, caps) if len(ranks) > 1 else (units,)
     member = Member(ranks, shares, tp_cost.group_kind(cluster, ranks, shares), cluster.devices[ranks[0]].node)
     layout = MemberLayout("tp-all", (), (member,))
     grouping = StageGrouping("one-group", ((ranks,),))
