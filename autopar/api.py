@@ -55,7 +55,9 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     with ``loss_fn`` and ``example_targets``, the targets of ``example_inputs``, the loss's time is in
     the last block's (``autopar.measure.loss``); unless ``track_memory`` is False (``RunConfig``'s), the
     tables of emulated types carry what the rank's memory meter costs them
-    (``autopar.measure.engine_call.measure_tracking``), as ``compile`` runs them."""
+    (``autopar.measure.engine_call.measure_tracking``), as ``compile`` runs them. Tables of emulated
+    devices are timed with freed memory held in the heap, as their ranks run (``autopar.cluster.heap``)."""
+    from autopar.cluster.heap import freed_memory_held
     from autopar.measure.tables import model_costs
     from autopar.measure.tp import replicated_fraction_for
     from autopar.passes.analyze import analyze
@@ -63,11 +65,14 @@ def prepare(model: nn.Module, cluster, example_inputs: tuple, *, optimizer: str 
     t0 = time.perf_counter()
     analysis = analysis or analyze(model, tuple(example_inputs), **planning_analysis_options())
     t1 = time.perf_counter()
-    costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
-                        optimizer=optimizer, measure=measure, progress=progress, precision=precision,
-                        loss_fn=loss_fn, example_targets=example_targets,
-                        tracking=_tracking_probe if track_memory is not False else None)
-    rho, costs = replicated_fraction_for(analysis, tuple(example_inputs), costs, cluster)
+    # emulated devices' tables are timed under their ranks' allocator regime (autopar.cluster.heap)
+    held = freed_memory_held() if any(d.spec.is_emulated for d in cluster.devices) else contextlib.nullcontext()
+    with held:
+        costs = model_costs(analysis, cluster, model=model, example_inputs=tuple(example_inputs),
+                            optimizer=optimizer, measure=measure, progress=progress, precision=precision,
+                            loss_fn=loss_fn, example_targets=example_targets,
+                            tracking=_tracking_probe if track_memory is not False else None)
+        rho, costs = replicated_fraction_for(analysis, tuple(example_inputs), costs, cluster)
     return Prepared(analysis, costs, t1 - t0, time.perf_counter() - t1, rho)
 
 

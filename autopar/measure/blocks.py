@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from autopar.cluster.heap import heap_held
 from autopar.measure.cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
 from autopar.passes.grad_fusion import PlainSink, fused_copy
 from autopar.passes.meta import BLOCK
@@ -199,4 +200,4 @@ MEASURE_VERSION = "insitu-v4"
 
 def _key(sig: str, b: int, dev: str, nthreads: int) -> str:
     return (f"{MEASURE_VERSION}|{sig}|b{b}|{dev}|t{nthreads}|fp32"
-            + ("|cpu-time" if dev == "cpu" and nthreads == 1 else ""))
+            + ("|cpu-time" if dev == "cpu" and nthreads == 1 else "") + ("|held" if heap_held() else ""))

@@ -35,9 +35,18 @@ import torch
 
 __all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
            "graph_signature", "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV",
-           "links_path", "load_link", "save_link"]
+           "links_path", "load_link", "save_link", "cpu_regime"]
 
 CALIBRATION_ENV = "AUTOPAR_CALIBRATION"
+
+
+def cpu_regime() -> str:
+    """How this process times CPU work, as the measurement caches file it: torch's intra-op threads,
+    and ``|held`` while freed memory stays in the heap (``autopar.cluster.heap``: the emulated ranks'
+    allocator regime, whose blocks fault no pages in again)."""
+    from autopar.cluster.heap import heap_held
+
+    return f"t{torch.get_num_threads()}" + ("|held" if heap_held() else "")
 
 
 def cache_dir() -> Path:

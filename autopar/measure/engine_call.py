@@ -100,7 +100,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.ir.costs import CALL_KINDS   # the kinds' order: micro-step, forward, backward
-from autopar.measure.cache import graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
+from autopar.measure.cache import cpu_regime, graph_signature, load_json, machine_id, measure_cache_path, save_json, tile_batch
 
 __all__ = ["EngineCalls", "measure_engine_calls", "measure_machine_calls", "MACHINE_REPEATS", "call_gap_s", "CALL_GAP_RANGE_S", "CALL_MICRO_BATCH",
            "bucket_gap_s", "BUCKET_GAP_RANGE_S", "measure_tracking", "tracking_batches", "KIND_OUTLIER"]
@@ -225,7 +225,7 @@ def measure_engine_calls(analysis, example_inputs: tuple, *, sleep_factor: float
     afterwards. The cost model prices the machine's figure instead (``measure_machine_calls``)."""
     with_loss = loss_fn is not None and example_targets is not None
     key = (f"engine-call|v{_VERSION}|{graph_signature(analysis)}|b{int(micro_batch)}|s{float(sleep_factor):.3g}"
-           f"|loss{int(with_loss)}|cpu|t{torch.get_num_threads()}|{machine_id()}")
+           f"|loss{int(with_loss)}|cpu|{cpu_regime()}|{machine_id()}")
     return _cached_calls(key, lambda: (analysis.captured.gm, example_inputs, loss_fn if with_loss else None,
                                        example_targets),
                          sleep_factor=sleep_factor, micro_batch=micro_batch, repeats=repeats, use_cache=use_cache)
@@ -261,7 +261,7 @@ def measure_machine_calls(*, sleep_factor: float, micro_batch: int = CALL_MICRO_
     row, its loss included) rather than the model's graph, ``repeats`` times; cached per machine, sleep
     factor, rows and CPU threads. Leaves the global RNG as it found it."""
     key = (f"engine-call-machine|v{_VERSION}|probe{_PROBE_VERSION}|b{int(micro_batch)}|s{float(sleep_factor):.3g}"
-           f"|r{int(repeats)}|cpu|t{torch.get_num_threads()}|{machine_id()}")
+           f"|r{int(repeats)}|cpu|{cpu_regime()}|{machine_id()}")
     return _cached_calls(key, _probe_call, sleep_factor=sleep_factor, micro_batch=micro_batch, repeats=repeats,
                          use_cache=use_cache)
 
@@ -381,7 +381,7 @@ def measure_tracking(analysis, example_inputs: tuple, batches, *, tracking, loss
     gm = analysis.captured.gm
     for b in tracking_batches(want):
         key = (f"tracking|v{_TRACKING_VERSION}|{sig}|b{b}|g{float(gap_s):.3g}|loss{int(with_loss)}|cpu"
-               f"|t{torch.get_num_threads()}|{machine_id()}")
+               f"|{cpu_regime()}|{machine_id()}")
         if key not in cache:
             forward, backward = _micro_step(gm, example_inputs, b, loss_fn if with_loss else None, example_targets)
 

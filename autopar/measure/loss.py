@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from autopar.measure.cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
+from autopar.measure.cache import cpu_regime, graph_signature, load_json, measure_cache_path, save_json, tile_batch
 
 __all__ = ["measure_loss", "add_loss_to_tables"]
 
@@ -55,7 +55,7 @@ def measure_loss(analysis, model, example_inputs: tuple, loss_fn, example_target
     cache = load_json(path) if use_cache else {}
     out, changed = {}, False
     for b in (int(x) for x in batches):
-        key = f"loss|{sig}|{_loss_name(loss_fn)}|{what}|b{b}|cpu|t{torch.get_num_threads()}|min"
+        key = f"loss|{sig}|{_loss_name(loss_fn)}|{what}|b{b}|cpu|{cpu_regime()}|min"
         if key not in cache:
             inputs = tile_batch(tuple(example_inputs), b)
             targets = tile_batch((example_targets,), b)[0]

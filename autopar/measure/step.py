@@ -40,7 +40,7 @@ import torch
 from autopar.cluster.emulation import emulation_time_scale, machine_cores
 from autopar.cost.precision import is_mixed_precision
 from autopar.cost.step import optimizer_roofline_s_per_param
-from autopar.measure.cache import graph_signature, load_json, measure_cache_path, save_json, tile_batch
+from autopar.measure.cache import cpu_regime, graph_signature, load_json, measure_cache_path, save_json, tile_batch
 
 __all__ = ["PER_TENSOR_PROBE", "measure_optimizer", "measure_optimizer_per_tensor", "kept_shapes",
            "step_concurrency", "flat_shard_numel", "measure_call_overhead", "step_terms"]
@@ -90,7 +90,7 @@ def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7
         raise ValueError(f"concurrent: {concurrent!r} must be an int >= 1")
     kept = kept_shapes(shapes)
     n = sum(int(np.prod(s)) if s else 1 for s in kept)
-    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|t{_threads()}|min" + (f"|c{k}" if k > 1 else "")
+    key = f"optimizer|{optimizer}|{n}|{len(kept)}|cpu|{cpu_regime()}|min" + (f"|c{k}" if k > 1 else "")
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
         opts = []
@@ -179,7 +179,7 @@ def measure_call_overhead(analysis, example_inputs: tuple, *, micro_batch: int =
     if not gap_s > 0:
         raise ValueError(f"gap_s: {gap_s!r} must be > 0 (the sleep a cold call starts after)")
     sig = graph_signature(analysis)
-    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|t{_threads()}|min|interleaved"
+    key = f"call|{sig}|b{micro_batch}|g{gap_s}|cpu|{cpu_regime()}|min|interleaved"
     path, cache, save = _cache() if use_cache else (None, {}, None)
     if key not in cache:
         gm = analysis.captured.gm

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from autopar.cluster.heap import heap_held
 from autopar.measure.cache import cache_dir, load_json, machine_id, save_json, tile_batch
 from autopar.cost.tp import tp_pairs_of
 
@@ -106,7 +107,7 @@ def _time(modules, inputs: tuple, repeats: int) -> list[tuple[float, float]]:
 def _key(gm, inputs: tuple, batch: int, repeats: int) -> str:
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in gm.named_parameters()]
     ins = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in inputs]
-    text = repr((_VERSION, gm.code, shapes, ins, batch, repeats, MEASURE_SHARES, torch.__version__, machine_id()))
+    text = repr((_VERSION, gm.code, shapes, ins, batch, repeats, MEASURE_SHARES, torch.__version__, machine_id(), heap_held()))
     return hashlib.sha1(text.encode()).hexdigest()
 
 

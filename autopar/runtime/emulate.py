@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from autopar.cluster.emulation import (
     NUM_CORES_ENV, CpuShare, cpu_shares, emulation_time_scale, oversubscription, steady_emulation,
 )
+from autopar.cluster.heap import hold_freed_memory
 from autopar.errors import ClusterError
 
 __all__ = ["ClockStats", "EmulatedClock", "NullClock", "clock_for", "emulation_time_scale", "oversubscription",
@@ -245,11 +246,13 @@ def clock_for(device, time_scale: float = 1.0, cpu_time: Callable[[], float] = t
     """The clock for a cluster ``Device`` (or its ``DeviceSpec``): an emulated device gets an
     ``EmulatedClock`` (stretching ``cpu_time``) at the speed it really runs at (``actual_speed`` when the
     cluster file gives one, else ``speed``: the planner sees ``speed``) unless that is 1.0 with no time
-    scale; everything else, GPUs above all, a ``NullClock``."""
+    scale; everything else, GPUs above all, a ``NullClock``. An emulated rank's process keeps freed memory
+    in its heap from then on (``autopar.cluster.heap``), as its tables were timed."""
     spec = getattr(device, "spec", device)
     if getattr(spec, "emulate", None):
         speed = float(spec.run_speed)
         if speed != 1.0 or time_scale != 1.0:
+            hold_freed_memory()       # as a device's caching allocator: no pages faulted in again per step
             return EmulatedClock(speed, time_scale=time_scale, steady=steady_emulation(), cpu_time=cpu_time)
     return NullClock()
 
