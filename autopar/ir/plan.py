@@ -24,7 +24,7 @@ from typing import Literal
 
 from autopar.errors import PlanError
 
-__all__ = ["Stage", "Predicted", "Plan", "Schedule"]
+__all__ = ["Stage", "Predicted", "Plan", "Schedule", "zero3_by_block"]
 
 Schedule = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
@@ -80,6 +80,22 @@ class Stage:
     def recompute_mode(self) -> bool | str:
         """False, True (full: the stage's forward again) or "selective" (attention cores only)."""
         return "selective" if self.recompute_attention else bool(self.recompute)
+
+
+def zero3_by_block(stages: "tuple[Stage, ...] | list[Stage]", zero_stage: int) -> bool:
+    """Whether a plan's ZeRO-3 goes block by block in a stage of tensor-parallel members: one stage that
+    recomputes, of at least two TP members with the same head shares (the data-parallel sync over each
+    TP index's ranks), at ZeRO-3. Each block's unit is then gathered around the block's forward, again
+    when backward re-runs it, and reduce-scattered as backward leaves it (``runtime.pipeline``), as FSDP
+    with activation checkpointing does; other TP stages at ZeRO-3 gather their whole stage for the
+    step. The one rule the lowering, the engine and the cost model read."""
+    if zero_stage != 3 or len(stages) != 1:
+        return False
+    st = stages[0]
+    if not st.recompute or len(st.groups) < 2 or not any(len(g) > 1 for g in st.groups):
+        return False
+    shares = {tuple(s) for s in st.tp_shares} if st.tp_shares else {(1,) * len(g) for g in st.groups}
+    return len(shares) == 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,9 @@ The passes, in order (each a function over fx graphs from ``autopar.passes``):
 3. for a ``"tp"`` plan: the TP rewrite of the whole graph for this rank (an idle rank gets the
    one-rank rewrite: it never runs and holds no shard), with SP as in 2;
    on a TP member in 2 and 3: the backward overlap (``passes.tp_overlap``) and, where
-   ``forward_overlap_on`` says, the forward overlap (``passes.tp_fwd_overlap``);
+   ``forward_overlap_on`` says, the forward overlap (``passes.tp_fwd_overlap``); a plan of one
+   recomputing stage of TP members at ZeRO-3 (``ir.plan.zero3_by_block``) also gets that TP module
+   cut at every block (``RankProgram.local_blocks``: its ZeRO-3 gathers block by block);
 4. for a ``"dp"`` plan: with ``Stage.recompute`` the split at every block (the engine recomputes block
    by block); at ZeRO-3 without recomputation, the gather units and the graph with their hooks
    (``autopar.lowering.zero3_units``).
@@ -30,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopar.errors import PlanError
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, zero3_by_block
 from autopar.lowering.program import RankProgram, engine_kind, rank_position
 from autopar.lowering.zero3_units import insert_unit_hooks, param_units
 from autopar.passes.attention_recompute import checkpoint_attention
@@ -68,6 +70,21 @@ def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.
     if not plan.stages[stage].sequence_parallel:
         return local
     return sp_rewrite(local, shares, tp_index, defer_param_grads=defer_sp_grads)
+
+
+def _block_programs(local) -> tuple:
+    """A TP stage program (``passes.split.StageProgram``) cut at every block, before the overlap passes
+    (each block gets them on its own: a TP pair lies inside one block); the last piece keeps the
+    stage's output structure. The pieces share the stage module's parameters and f / g modules."""
+    import dataclasses
+
+    n = num_blocks(local.gm)
+    if not n:
+        return ()
+    blocks = tuple(split_stages(local.gm, [(b, b + 1) for b in range(n)]))
+    if blocks[-1].out_spec is None and local.out_spec is not None:
+        blocks = (*blocks[:-1], dataclasses.replace(blocks[-1], out_spec=local.out_spec))
+    return blocks
 
 
 def forward_overlap_on(plan: Plan, rank: int, choice: bool | None, backends: Sequence[str] | None,
@@ -117,18 +134,23 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
     stage, member, tp_index = rank_position(plan, rank)
     common = dict(plan=plan, rank=rank, kind=kind, gm=gm, stage=stage, member=member, tp_index=tp_index)
     if kind == "pipeline":
+        import dataclasses
+
         stages = tuple(split_stages(gm, [(st.block_start, st.block_stop) for st in plan.stages]))
         local = stages[stage] if stage is not None else None
+        blocks = ()    # one recomputing TP stage at ZeRO-3: its TP module cut at every block
         if local is not None and len(plan.stages[stage].groups[member]) > 1:
-            import dataclasses
-
             local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
+            if zero3_by_block(plan.stages, plan.zero_stage):
+                blocks = _block_programs(local)
+                for b in blocks:
+                    _overlap(b.gm, tp_overlap, forward)
             _overlap(local.gm, tp_overlap, forward)
         chunks = ()    # interleaving on a TP member: every later chunk of this rank rewritten alike
         if local is not None and len(plan.stages[stage].groups[member]) > 1:
             chunks = tuple(_tp_chunk(plan, s, member, tp_index, stages[s], tp_overlap, forward)
                            for s in plan.chunks_of(rank)[1:])
-        return RankProgram(**common, stages=stages, local_stage=local, local_chunks=chunks)
+        return RankProgram(**common, stages=stages, local_stage=local, local_chunks=chunks, local_blocks=blocks)
     if kind == "tp":
         if gm is None:
             return RankProgram(**common)

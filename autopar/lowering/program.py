@@ -15,6 +15,10 @@ Terms
   weights equal on every rank reloads them (``passes.tp.load_shards``).
 - ZeRO-3 units: ``lowering.zero3_units.ParamUnits`` over ``zero3_params``, and the captured graph with
   the units' gather / free hooks inserted (unbound ``UnitHook``s that the data-parallel engine binds).
+- local blocks: a plan of one recomputing stage of tensor-parallel members at ZeRO-3 runs on the
+  pipeline engine block by block: its TP module cut at every block (``passes.split.split_stages``; the
+  pieces share the module's parameters and f / g), so that each block's ZeRO-3 unit is gathered around
+  it, as FSDP with activation checkpointing does (``runtime.pipeline``).
 
 A ``RankProgram`` holds graphs, so it has no JSON form; it is built on the rank that runs it.
 """
@@ -69,6 +73,8 @@ class RankProgram:
                                          # (``Plan.chunks_of(rank)[1:]``, in that order)
     tp_module: fx.GraphModule | None = None   # "tp": this rank's TP module of ``gm``
     blocks: tuple[Any, ...] = ()         # "dp" with Stage.recompute: one StageProgram per block
+    local_blocks: tuple[Any, ...] = ()   # "pipeline", one recomputing stage of TP members at ZeRO-3: this rank's
+                                         # TP stage cut at every block (its ZeRO-3 goes block by block)
     zero3_units: Any = None              # "dp" at ZeRO-3: ParamUnits over ``zero3_params`` (None: no blocks)
     zero3_gm: fx.GraphModule | None = None    # ``gm`` with the units' (unbound) gather / free hooks
     zero3_params: tuple[Any, ...] = ()
@@ -86,8 +92,8 @@ class RankProgram:
         if self.tp_module is not None or (self.local_stage is not None and self.local_stage.gm is not
                                           self.stages[self.stage].gm):
             parts.append("tp")
-        if self.blocks:
-            parts.append(f"blocks={len(self.blocks)}")
+        if self.blocks or self.local_blocks:
+            parts.append(f"blocks={len(self.blocks or self.local_blocks)}")
         if self.zero3_units is not None:
             parts.append(f"zero3_units={self.zero3_units.num_units}")
         return f"RankProgram({', '.join(parts)})"

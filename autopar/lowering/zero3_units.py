@@ -25,7 +25,8 @@ from torch import nn
 
 from autopar.passes.meta import BLOCK
 
-__all__ = ["ParamUnits", "UnitHook", "param_units", "insert_unit_hooks", "PRE_HOOK", "POST_HOOK"]
+__all__ = ["ParamUnits", "UnitHook", "param_units", "block_param_units", "insert_unit_hooks", "PRE_HOOK",
+           "POST_HOOK"]
 
 PRE_HOOK = "_autopar_gather_unit"   # submodule names of the inserted hooks
 POST_HOOK = "_autopar_free_unit"
@@ -117,6 +118,30 @@ def param_units(gm: fx.GraphModule, params: list[nn.Parameter]) -> ParamUnits | 
     spans = [(min(first[i] for i in by_block[b]),
               max([last[i] for i in by_block[b]] + [block_last.get(b, 0)])) for b in ordered]
     return ParamUnits(units=tuple(units), blocks=(None, *ordered), spans=tuple(spans))
+
+
+def block_param_units(blocks, params: list[nn.Parameter]) -> ParamUnits:
+    """Gather units of ``params`` over block programs (``passes.split.StageProgram``, one per block, in
+    order; a graph cut at every block, whose pieces hold the parameters they read): a unit per block of
+    the parameters only that block reads, the rest (read by several blocks, or by none) the root. The
+    units of a graph run block by block under recomputation, where the engine gathers each around its
+    block (no hooks in the graph: ``spans`` are empty)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    readers: dict[int, set[int]] = {}
+    for b, prog in enumerate(blocks):
+        for p in prog.gm.parameters():
+            if id(p) in index:
+                readers.setdefault(index[id(p)], set()).add(b)
+    by_block: dict[int, list[int]] = {}
+    root = []
+    for i in range(len(params)):
+        r = readers.get(i, set())
+        if len(r) == 1:
+            by_block.setdefault(next(iter(r)), []).append(i)
+        else:
+            root.append(i)
+    order = sorted(by_block)
+    return ParamUnits(units=(tuple(root), *(tuple(by_block[b]) for b in order)), blocks=(None, *order), spans=())
 
 
 def insert_unit_hooks(gm: fx.GraphModule, units: ParamUnits, gather: nn.Module | None = None,

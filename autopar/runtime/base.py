@@ -28,7 +28,7 @@ itself. ``autopar.runtime.engine`` picks and builds the engine of a plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.fx as fx
@@ -37,7 +37,7 @@ from torch import nn
 from autopar.ir.plan import Plan
 
 __all__ = ["EngineInputs", "Engine", "share_slices", "micro_slices", "compute_loss", "take_rows",
-           "global_batch_inputs"]
+           "global_batch_inputs", "run_recomputed_blocks"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +113,41 @@ def compute_loss(output: Any, targets: torch.Tensor | None, loss_fn) -> torch.Te
     from autopar.passes.capture import output_to_loss
 
     return output_to_loss(output)
+
+
+def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
+    """One block program (``passes.split.StageProgram``) on the flat inputs and received values."""
+    return prog(values[:num_flat], values[num_flat:])
+
+
+def _run_unit_block(sync: Any, unit: int, prog: Any, num_flat: int, *values: Any) -> Any:
+    """``_run_block`` of a recomputed block under ZeRO-3 by block: its unit gathered around it, in
+    forward and again when backward re-runs it (``DataParallelSync.enter_block`` / ``leave_block``)."""
+    sync.enter_block(unit)
+    try:
+        return prog(values[:num_flat], values[num_flat:])
+    finally:
+        sync.leave_block(unit)
+
+
+def run_recomputed_blocks(blocks: Sequence[Any], flat: Sequence[Any], sync: Any = None,
+                          unit_of_block: dict[int, int] | None = None) -> Any:
+    """The output of ``blocks`` (one ``passes.split.StageProgram`` per block, in order) on the flat
+    graph inputs ``flat``, each block under a non-reentrant ``torch.utils.checkpoint``: only the values
+    between blocks stay saved and backward re-runs one block at a time. ``unit_of_block`` (with
+    ``sync``, a ``runtime.dp_sync.DataParallelSync`` at ZeRO-3 by block): block ``b``'s ZeRO-3 unit,
+    gathered around the block's forward and again when backward re-runs it."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    units = unit_of_block or {}
+    received: Any = ()
+    for b, prog in enumerate(blocks):
+        u = units.get(b)
+        run = _run_block if u is None else functools.partial(_run_unit_block, sync, u)
+        # tensors positional: checkpoint stashes the RNG state and autocast of their device
+        received = checkpoint(run, prog, len(flat), *flat, *received, use_reentrant=False)
+        if not prog.is_last:
+            received = tuple(received)
+    return received

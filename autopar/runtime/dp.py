@@ -101,7 +101,9 @@ from autopar.runtime.dp_flat import ELEMENTWISE_OPTIMIZERS, DataParallelError, F
 from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram, engine_kind
 from autopar.lowering.zero3_units import ParamUnits
-from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
+from autopar.runtime.base import (
+    EngineInputs, compute_loss, global_batch_inputs, micro_slices, run_recomputed_blocks, share_slices,
+)
 from autopar.runtime.communicator import ReduceOp, pg_all_reduce, pg_ranks
 from autopar.runtime.data import StepRows, local_inputs, rank_rows
 from autopar.runtime.dp_overlap import BUCKET_BYTES
@@ -131,21 +133,6 @@ def _units_over(units: ParamUnits, lowered: tuple, trainable: list[nn.Parameter]
     seen = {i for unit in members for i in unit}
     members[0] = tuple(sorted(set(members[0]) | (set(range(len(trainable))) - seen)))
     return ParamUnits(units=tuple(members), blocks=units.blocks, spans=units.spans)
-
-
-def _run_block(prog: Any, num_flat: int, *values: Any) -> Any:
-    """One block program (``passes.split.StageProgram``) on the flat inputs and received values."""
-    return prog(values[:num_flat], values[num_flat:])
-
-
-def _run_unit_block(sync: DataParallelSync, unit: int, prog: Any, num_flat: int, *values: Any) -> Any:
-    """``_run_block`` of a recomputed block under ZeRO-3 by block: its unit gathered around it, in
-    forward and again when backward re-runs it (``DataParallelSync.enter_block`` / ``leave_block``)."""
-    sync.enter_block(unit)
-    try:
-        return prog(values[:num_flat], values[num_flat:])
-    finally:
-        sync.leave_block(unit)
 
 
 class DataParallelEngine:
@@ -339,20 +326,10 @@ class DataParallelEngine:
         non-reentrant checkpoint (only its inputs are kept; backward re-runs it)."""
         if self._block_programs is None:
             return self.gm(*local)
-        from torch.utils.checkpoint import checkpoint
-
         from autopar.passes.split import flat_inputs
 
-        flat = flat_inputs(self.program.gm, local)
-        received: Any = ()
-        for b, prog in enumerate(self._block_programs):
-            u = self._unit_of_block.get(b)
-            run = _run_block if u is None else functools.partial(_run_unit_block, self.sync, u)
-            # tensors positional: checkpoint stashes the RNG state and autocast of their device
-            received = checkpoint(run, prog, len(flat), *flat, *received, use_reentrant=False)
-            if not prog.is_last:
-                received = tuple(received)
-        return received
+        return run_recomputed_blocks(self._block_programs, flat_inputs(self.program.gm, local), self.sync,
+                                     self._unit_of_block)
 
     def _group_ranks(self) -> list[int]:
         return pg_ranks(self.group)

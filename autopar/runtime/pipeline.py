@@ -90,6 +90,7 @@ gradients in full (``_reduce_gradients``, through one flat copy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import OrderedDict
 from typing import Any
@@ -101,9 +102,10 @@ from autopar.errors import PlanError
 from autopar.ir.schedule import make_schedule, with_comm
 from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
+from autopar.lowering.zero3_units import block_param_units
 from autopar.passes.split import batched_values, flat_inputs
 from autopar.passes.tp import load_shards
-from autopar.runtime.base import EngineInputs, compute_loss
+from autopar.runtime.base import EngineInputs, compute_loss, run_recomputed_blocks
 from autopar.runtime.communicator import Communicator, pg_ranks
 from autopar.runtime.data import StepRows, check_like, local_inputs, rank_rows, stand_in_inputs
 from autopar.runtime.pipeline_msg import PipelineMessages
@@ -233,12 +235,19 @@ class PipelineEngine(PipelineMessages):
         self.zero_stage_applied = 0
         peers = tp_zero_groups(self.comm.new_group, plan)      # every rank: groups are collective
         synced = self._sync_params(peers)
+        self._unit_of_block: dict[int, int] = {}    # ZeRO-3 by block: block -> its unit in the sync
         if synced is not None:
             params, group, zero, shares = synced
+            units = block_param_units(program.local_blocks, list(params)) \
+                if zero == 3 and program.local_blocks else None
             self.sync = DataParallelSync(params, inputs.optimizer_factory(params), zero_stage=zero, group=group,
                                          position=pg_ranks(group).index(inputs.rank), device=self.device,
-                                         shares=shares, overlap=False)
+                                         shares=shares, overlap=units is not None,
+                                         units=None if units is None else units.units)
             self.zero_stage_applied = zero
+            if units is not None:     # each recomputed block gathers its unit (``_step_by_block``)
+                self.sync.track_units(units.blocks)
+                self._unit_of_block = {b: u for u, b in enumerate(units.blocks) if b is not None}
         skip = {id(p) for p in (self.sync.params if self.sync is not None else ())}
         stepped = [p for p in self.params if id(p) not in skip]
         self._kept = KeptGrads(stepped)
@@ -309,8 +318,11 @@ class PipelineEngine(PipelineMessages):
         self._kept.begin_step()
         if self.sync is not None:         # ZeRO 0/1: backward accumulates into the flat gradient buffer
             self.sync.begin_step()
-            if self.sync.zero_stage == 3:
+            if self.sync.zero_stage == 3 and not self._unit_of_block:
                 self.sync.gather_all()
+        if self._unit_of_block:
+            loss_sum += self._step_by_block(flat, in_rows, tgt_rows, targets)
+            worker = None
         for action in self.schedule.actions[worker] if worker is not None else ():
             m, s = action.micro, action.stage
             a, b = self.layout[s][self.member][m]
@@ -380,7 +392,7 @@ class PipelineEngine(PipelineMessages):
         # finishes early steps its optimizer while the others still compute.
         self._reduce_gradients()
         if self.sync is not None:
-            if self.sync.zero_stage >= 2:
+            if self.sync.zero_stage >= 2 and not self._unit_of_block:    # (by block: inside each round)
                 self.sync.free_all()
                 self.sync.reduce_round()
             self.sync.reduce()
@@ -390,6 +402,37 @@ class PipelineEngine(PipelineMessages):
                 self.optimizer.step()
         self.comm.all_reduce([loss_sum])
         return float(loss_sum)
+
+    def _step_by_block(self, flat, in_rows: StepRows, tgt_rows: StepRows, targets) -> torch.Tensor:
+        """The micro-batches of one recomputing stage of TP members at ZeRO-3 (``ir.plan.zero3_by_block``;
+        one stage: nothing to send), each one ZeRO-3 round of the sync: every block's unit gathered
+        around the block's forward and again when backward re-runs it, and reduce-scattered as backward
+        leaves it, so a rank holds at most a few blocks' weights and gradients. Every rank joins every
+        round (one whose member has no rows in a micro-batch runs the round's collectives alone).
+        Returns the summed weighted loss of this rank's member (TP index 0 only: it counts once)."""
+        B = self.plan.global_batch_size
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        stage_flat = [flat[i] for i in self.program.graph_inputs]
+        for m in range(self.num_micro):
+            a, b = self.layout[self.stage][self.member][m]
+            run = functools.partial(self._micro_by_block, stage_flat, in_rows, tgt_rows, targets, slice(a, b),
+                                    (b - a) / B) if b > a else None
+            loss = self.sync.zero3_round(run, by_block=True)
+            if loss is not None and self.tp_index == 0:
+                total += loss.to(torch.float64)
+        return total
+
+    def _micro_by_block(self, flat, in_rows: StepRows, tgt_rows: StepRows, targets, rows: slice,
+                        weight: float) -> torch.Tensor:
+        """One micro-batch's forward (block by block, ``run_recomputed_blocks``), loss and backward."""
+        local = [in_rows.take(t, rows, self.device) for t in flat]
+        tgt = tgt_rows.take(targets, rows, self.device)
+        with self.clock.compute():
+            out = run_recomputed_blocks(self.rank_program.local_blocks, local, self.sync, self._unit_of_block)
+            loss = compute_loss(out, tgt, self.inputs.loss_fn) * weight
+            self.sync.backward_begins()
+            loss.backward()
+        return loss.detach()
 
     def _local_step_inputs(self, inputs, targets) -> tuple[list, StepRows, StepRows]:
         """A local=True step's flat inputs (stand-ins where this rank is given none: they give the
