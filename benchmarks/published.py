@@ -159,7 +159,9 @@ _TITAN = [
                  shape=_LLAMA31_70B, device="H100-80GB", gpus=256, global_batch=512,
                  pin=dict(tp=8, dp=32, zero_stage=3, recompute=True), published=dict(tokens_per_s_per_gpu=829),
                  device_changes=_GRAND_TETON,
-                 notes=("torch.compile and Float8 linears: priced in bf16", *_TITAN_H100)),
+                 notes=("torch.compile and Float8 linears: priced in bf16",
+                        "FSDP block by block inside the TP mesh with full activation checkpointing: ZeRO-3 by "
+                        "block in one recomputing TP stage", *_TITAN_H100)),
     PublishedRun(name="torchtitan-llama3-405b-3d-1f1b", source=f"{TITAN}, Table 5", family="llama",
                  shape=_LLAMA31_405B, device="H100-80GB", gpus=512, global_batch=256,
                  pin=dict(tp=8, pp=8, dp=8, zero_stage=3, recompute=True, schedule="1f1b"),
@@ -175,12 +177,8 @@ _TITAN = [
 
 RUNS: tuple[PublishedRun, ...] = tuple(_SC21 + _KORTHIKANTI + _LLAMA3 + _NEMOTRON + _TITAN)
 
-# Runs autopar cannot state yet, and why (the bench prints the planner's own refusal for each).
-_ZERO3_BLOCKS_TP = ("FSDP block by block inside a TP stage without pipelining: a TP stage's ZeRO-3 gathers its "
-                    "whole stage for the step (torchtitan's FSDP under pipelining), whose peak does not fit here")
-KNOWN_GAPS: dict[str, str] = {
-    "torchtitan-llama3-70b-fsdp32-tp8": _ZERO3_BLOCKS_TP,
-}
+# Runs autopar cannot state yet, and why (the bench prints the planner's own refusal for each): none now.
+KNOWN_GAPS: dict[str, str] = {}
 
 
 # -- figures ------------------------------------------------------------------------------------------
@@ -252,7 +250,7 @@ def _fmt(x, spec=".3g", none="-") -> str:
 
 
 def markdown(rows: list[dict], command: str, refused: list[tuple[str, str]] = ()) -> str:
-    from _common import environment, md_table
+    from _common import md_table
 
     head = ("# Published runs pinned as published: autopar's prediction beside the published figure\n\n"
             f"`{command}`. Predicted: `meta` models, roofline time tables for the GPU types (nothing ran on "
@@ -272,9 +270,7 @@ def markdown(rows: list[dict], command: str, refused: list[tuple[str, str]] = ()
             if unpinned else [])] for r in rows])
     gaps = "".join(f"- `{name}`: {KNOWN_GAPS.get(name, 'not a known gap')}. The planner: {why}\n"
                    for name, why in refused)
-    env = environment()
-    return (head + table + (f"\n\nRefused ({len(refused)}):\n\n{gaps}" if refused else "")
-            + f"\n\nMachine: {env.get('machine', '')}; {env.get('date', '')}.\n")
+    return head + table + (f"\n\nRefused ({len(refused)}):\n\n{gaps}" if refused else "") + "\n"
 
 
 def main(argv=None) -> int:

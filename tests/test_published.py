@@ -69,3 +69,26 @@ def test_bench_command_runs_the_script(capsys):
     assert "megatron-sc21-gpt-1t" in capsys.readouterr().out
     assert main(["bench", "nope"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_fsdp_inside_a_tp_mesh_pins_block_by_block():
+    """torchtitan's Llama 3 70B (FSDP 32 x TP 8, full recomputation) pins: one recomputing TP stage at
+    ZeRO-3 gathering block by block, which fits where gathering the whole stage (ZeRO-1's peak) does not."""
+    from autopar.cost.memory import fits_memory, stage_memory_bytes
+    from autopar.cost.pipeline import zero3_block_round_s
+    from autopar.ir.plan import zero3_by_block
+
+    run = next(r for r in published.RUNS if r.name == "torchtitan-llama3-70b-fsdp32-tp8")
+    memo: dict = {}
+    plan, _ = published.plan_run(run, prepared=memo)
+    costs = next(iter(memo.values()))[1].costs
+    cluster = run.cluster()
+    assert pin_violation(plan, Pin(**run.pin), cluster) is None
+    assert zero3_by_block(plan.stages, plan.zero_stage) and plan.stages[0].recompute
+    assert fits_memory(cluster, plan.predicted.memory_bytes)
+    rho = plan.predicted.breakdown["tp_replicated_fraction"]
+    whole = stage_memory_bytes(costs, plan.stages, plan.schedule, 1, rho)
+    assert not fits_memory(cluster, whole)
+    # every micro-batch a round of per-block gathers and reduce-scatters, after the compute
+    rounds = plan.num_micro_batches * zero3_block_round_s(costs, cluster, plan.stages[0], rho)
+    assert plan.predicted.breakdown["allreduce_s"] >= rounds > 0

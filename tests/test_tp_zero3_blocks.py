@@ -4,8 +4,9 @@ checkpointing runs inside a TP mesh: exact against the one-device oracle on thre
 never more than a root unit and two block units gathered at once, and nothing but the shards held
 between steps. The checkpoint of such a run resumes at ZeRO-1.
 
-Plan: one stage of every block of gpt-tiny (tied embedding: the root unit) and of llama-tiny, two TP
-members (0, 1) and (2, 3) of head shares (3, 1), micro-batches (3, 2) / (2, 3) of a batch of 10.
+Plan: one stage of every block of gpt-tiny (tied embedding: the root unit) and of llama-tiny (also with
+sequence parallelism), two TP members (0, 1) and (2, 3) of head shares (3, 1), micro-batches (3, 2) /
+(2, 3) of a batch of 10.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 import tempfile
 import threading
 from pathlib import Path
@@ -31,21 +31,22 @@ from oracle import RTOL, assert_state_close, batches, optimizer_factory, prepare
 
 B, STEPS = 10, 2
 _LOCK = threading.Lock()
+_ROOT = Path(tempfile.mkdtemp(prefix="autopar-tpz3b-"))    # one per process: its ranks are threads
 
 
-def _plan(name: str, zero: int, recompute: bool = True) -> Plan:
+def _plan(name: str, zero: int, recompute: bool = True, sp: bool = False) -> Plan:
     n = prepared_case(name)[3]
     (stage,) = stages_of([(n, {(0, 1): (3, 2), (2, 3): (2, 3)}, ((3, 1), (3, 1)))])
     return Plan(strategy="tp", global_batch_size=B, zero_stage=zero, schedule="1f1b",
-                stages=(dataclasses.replace(stage, recompute=recompute),),
+                stages=(dataclasses.replace(stage, recompute=recompute, sequence_parallel=sp),),
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
 
 
-def _engine(name: str, rank: int, world_size: int, zero: int) -> PipelineEngine:
+def _engine(name: str, rank: int, world_size: int, zero: int, sp: bool = False) -> PipelineEngine:
     with _LOCK:
         model, gm, loss_fn, _ = prepared_case(name)
         model, gm = copy.deepcopy((model, gm))
-    plan = _plan(name, zero)
+    plan = _plan(name, zero, sp=sp)
     return PipelineEngine(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory("adamw"),
         rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()), lower(plan, gm, rank))
@@ -80,8 +81,8 @@ def _count_gathers(engine: PipelineEngine) -> list[int]:
 
 class FourRanks(threaded_ranks(4)):
     def test_zero3_goes_block_by_block_exactly(self):
-        for name in ("gpt-tiny", "llama-tiny"):
-            engine = _engine(name, self.rank, self.world_size, 3)
+        for name, sp in (("gpt-tiny", False), ("llama-tiny", False), ("llama-tiny", True)):
+            engine = _engine(name, self.rank, self.world_size, 3, sp)
             assert zero3_by_block(engine.plan.stages, 3) and engine.zero_stage_applied == 3
             assert len(engine.rank_program.local_blocks) == prepared_case(name)[3]
             assert set(engine._unit_of_block) == set(range(prepared_case(name)[3]))
@@ -95,11 +96,10 @@ class FourRanks(threaded_ranks(4)):
     def test_its_checkpoint_resumes_at_zero_1(self):
         engine = _engine("llama-tiny", self.rank, self.world_size, 3)
         _check(engine, "llama-tiny", 0, STEPS)
-        root = Path(tempfile.gettempdir()) / f"autopar-tpz3b-{os.getpid()}"
-        Compiled(plan=engine.plan, engine=engine, rank=self.rank).save(root / "ck")
+        Compiled(plan=engine.plan, engine=engine, rank=self.rank).save(_ROOT / "ck")
         resumed = _engine("llama-tiny", self.rank, self.world_size, 1)
         assert not resumed._unit_of_block
-        Compiled(plan=resumed.plan, engine=resumed, rank=self.rank).load(root / "ck")
+        Compiled(plan=resumed.plan, engine=resumed, rank=self.rank).load(_ROOT / "ck")
         _check(resumed, "llama-tiny", STEPS, STEPS)
 
 

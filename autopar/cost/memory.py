@@ -35,6 +35,11 @@ Terms
   (``stage_input_bytes``, whole on every TP rank) of every micro-batch in flight; the last stage adds
   the loss of one micro-batch (whole on every TP rank). A pipeline of one-rank members is the case
   of every work factor 1.
+- ZeRO-3 by block in one recomputing stage of TP members (``zero3_block_memory_bytes``, what
+  ``stage_memory_bytes`` gives for such a plan, ``ir.plan.zero3_by_block``): the rank's ZeRO-3 state
+  (each block's local share sharded over the members), two blocks' local weights gathered and their
+  gradients, the staging buffer; per sample the largest block's activations, every block's input and
+  the loss.
 - data-parallel rank memory (``rank_memory``): one rank holding every block: its ZeRO state; under
   ZeRO-3 the gathered weights (``zero3_gathered_bytes``: a block and the next one it prefetches);
   under ZeRO-2/3 the reduce-scatter's staging buffer (``zero_staging_bytes``); a fixed workspace
@@ -64,7 +69,7 @@ from autopar.cost import tp as tp_cost
 from autopar.errors import PlanError
 from autopar.config import GRAD_BUCKET_BYTES
 from autopar.ir.costs import ModelCosts, sharded_state_bytes, zero_staging_numel
-from autopar.ir.plan import Stage
+from autopar.ir.plan import Stage, zero3_by_block
 from autopar.ir.schedule import in_flight_micro_batches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,7 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "tp_replicated_per_block", "tp_memory_fractions", "tp_span_factors",
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
-    "stage_input_bytes", "stage_memory_bytes",
+    "stage_input_bytes", "stage_memory_bytes", "zero3_block_memory_bytes",
     "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "sync_reduce_bytes", "transient_grad_bytes", "fits_memory",
     "LOSS_OUTPUT_COPIES", "loss_bytes_per_sample", "zero_staging_bytes", "zero3_gathered_bytes",
     "RankMemory", "activation_bytes_per_sample", "rank_memory", "max_micro_batch", "check_zero_stage",
@@ -247,6 +252,8 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
     """Peak bytes of every rank of a pipeline plan under ``schedule`` and ``zero_stage`` (see the module
     docstring; ``replicated_fraction``: the TP work factors' rho, ``tp_cost``'s default when None)."""
     rho = tp_cost.DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
+    if zero3_by_block(stages, zero_stage):
+        return zero3_block_memory_bytes(costs, stages[0], rho)
     out = {}
     for s, st in enumerate(stages):
         blocks = slice(st.block_start, st.block_stop)
@@ -270,6 +277,39 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
                     int(math.ceil(state * k + max(act * x * (1 if st.recompute else fly) * kx, reduce * k)
                                   + (held * fly + loss) * x)) for k, kx in zip(ks, ka)]
             out.update(zip(ranks, peaks))
+    return dict(sorted(out.items()))
+
+
+def zero3_block_memory_bytes(costs: ModelCosts, stage: Stage, rho: float) -> dict[int, int]:
+    """Peak bytes of every rank of one recomputing stage of TP members at ZeRO-3 by block
+    (``ir.plan.zero3_by_block``, ``runtime.pipeline``): per TP rank, with each block's state work factor
+    (``tp_replicated_per_block``: a layer's weights sharded, an embedding's whole), its ZeRO-3 state
+    (every term sharded over the members), the two largest blocks' weights gathered (the one running
+    and the one prefetched) and their gradients before the reduce-scatter, the staging buffer; and per
+    sample of its largest micro-batch the largest block's activations while backward re-runs it (its
+    activation work factor), every block's input (whole on every TP rank: what the checkpoints keep)
+    and the loss."""
+    blocks = slice(stage.block_start, stage.block_stop)
+    rep_p, rep_a = tp_replicated_per_block(costs, rho, bool(stage.sequence_parallel))
+    rep_p, rep_a = rep_p[blocks], rep_a[blocks]
+    params, wbytes, act = costs.params[blocks], costs.param_bytes[blocks], costs.act_bytes[blocks]
+    held = float(costs.out_bytes[blocks][:-1].sum()) + (float(costs.out_bytes[stage.block_start - 1])
+                                                        if stage.block_start > 0 else 0.0)
+    d, g = len(stage.groups), costs.grad_bytes_per_param
+    out: dict[int, int] = {}
+    for members, shares, rows in zip(stage.groups, stage.tp_shares or [(1,) * len(m) for m in stage.groups],
+                                     stage.micro_batches):
+        x = max(rows)
+        for r, f in zip(members, np.asarray(shares, float) / sum(shares)):
+            kp, ka = rep_p + (1.0 - rep_p) * f, rep_a + (1.0 - rep_a) * f
+            local_p, local_w = params * kp, wbytes * kp
+            state = sharded_state_bytes(float(local_w.sum()), float(local_p.sum()), g,
+                                        costs.optimizer_bytes_per_param, 3, 1.0 / d)
+            top = np.sort(local_p)[-2:]
+            staging = d * zero_staging_numel(int(top[-1]), d, int(g)) * g
+            gathered = float(np.sort(local_w)[-2:].sum()) + float(top.sum()) * g + staging
+            acts = float((act * ka).max()) + held + loss_bytes_per_sample(costs)
+            out[r] = int(math.ceil(state + gathered + acts * x))
     return dict(sorted(out.items()))
 
 

@@ -49,12 +49,15 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from autopar.config import SCHEDULES
-from autopar.cost.comm import allgather_time_s, allreduce_time_s, loss_allreduce_s, p2p_time_s
-from autopar.cost.memory import stage_input_bytes, usable_bytes
+from autopar.cost.comm import (
+    allgather_time_s, allreduce_time_s, dp_comm_hides, loss_allreduce_s, p2p_time_s, zero_gather_s,
+    zero_reduce_scatter_s,
+)
+from autopar.cost.memory import stage_input_bytes, tp_replicated_per_block, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
-from autopar.ir.plan import Plan, Stage
+from autopar.ir.plan import Plan, Stage, zero3_by_block
 from autopar.ir.schedule import in_flight_micro_batches, make_schedule
 from autopar.ir.timeline import Timeline, simulate
 
@@ -63,7 +66,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PipelineContext", "pipeline_cost_tensor", "pipeline_split_feasible", "stage_durations",
            "stage_input_bytes", "plan_timeline", "stage_optimizer_s", "pipeline_memory_bytes",
-           "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
+           "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "zero3_block_round_s", "ZB_INPUT_SHARE",
+           "ZB_WEIGHT_SHARE"]
 
 ZB_INPUT_SHARE = 0.95    # BI / whole backward, as the runtime's split measures (see the module docstring)
 ZB_WEIGHT_SHARE = 0.85   # BW / whole backward
@@ -407,6 +411,32 @@ def stage_optimizer_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, zero_
     return worst
 
 
+def zero3_block_round_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, rho: float | None) -> float:
+    """Seconds a round (one micro-batch) of ZeRO-3 by block in a recomputing stage of TP members
+    (``ir.plan.zero3_by_block``) adds to its compute: over the ring of the members' first ranks (each TP
+    index's peers run alike, in parallel), each block's local weights (its state work factor at the
+    largest share) gathered for forward and again for the re-run in backward, and its gradient
+    reduce-scattered, as ``runtime.dp_sync`` runs them (``cost.comm.zero_gather_s`` /
+    ``zero_reduce_scatter_s``). Where the data-parallel collectives hide behind compute
+    (``cost.comm.dp_comm_hides``: the sync prefetches the next block's weights), only each pass's
+    first gather waits; the reduce-scatters, issued between blocks, do not hide."""
+    from autopar.cost import tp as tp_cost
+
+    blocks = slice(stage.block_start, stage.block_stop)
+    rep_p, _ = tp_replicated_per_block(costs, tp_cost.DEFAULT_REPLICATED_FRACTION if rho is None else rho,
+                                       bool(stage.sequence_parallel))
+    f = max(max(sh) / sum(sh) for sh in (stage.tp_shares or [(1,) * len(m) for m in stage.groups]))
+    local = [int(round(u)) for u in costs.params[blocks] * (rep_p[blocks] + (1.0 - rep_p[blocks]) * f) if u > 0]
+    if not local:
+        return 0.0
+    ranks = [m[0] for m in stage.groups]
+    size = float(costs.param_bytes[blocks].sum() / max(float(costs.params[blocks].sum()), 1.0))
+    gathers = [zero_gather_s(cluster, ranks, u, size) for u in local]
+    rs = sum(zero_reduce_scatter_s(cluster, ranks, u, int(costs.grad_bytes_per_param)) for u in local)
+    exposed = gathers[0] + gathers[-1] if dp_comm_hides(cluster, ranks) else 2 * sum(gathers)
+    return exposed + rs
+
+
 def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[float],
               rho: float | None) -> tuple[float, float]:
     """(step seconds, slowest optimizer step) after the schedule: each stage all-reduces its gradients
@@ -416,7 +446,10 @@ def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[
     stages = plan.stages
     R = plan.rank_stages
     chunks = [range(p, len(stages), R) for p in range(R)]   # a rank stage's chunks (one without interleaving)
-    ar = [_allreduce_s(costs, cluster, st, rho, plan.zero_stage) for st in stages]
+    if zero3_by_block(stages, plan.zero_stage):   # every micro-batch a round of per-block collectives
+        ar = [plan.num_micro_batches * zero3_block_round_s(costs, cluster, stages[0], rho)]
+    else:
+        ar = [_allreduce_s(costs, cluster, st, rho, plan.zero_stage) for st in stages]
     ready = [0.0] * len(stages)
     for cs in chunks:   # a rank reduces its chunks' gradients one after another
         for c in cs:

@@ -72,6 +72,22 @@ def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.
     return sp_rewrite(local, shares, tp_index, defer_param_grads=defer_sp_grads)
 
 
+def _fill_blocks(gm: fx.GraphModule) -> None:
+    """Annotate the nodes a rewrite inserted without a block (sequence parallelism's collectives and
+    lengths) with their inputs' latest block, or where they read no annotated node, their users'
+    earliest: a node put between two ops of a block belongs to it."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    for n in nodes:
+        if BLOCK not in n.meta:
+            got = [a.meta[BLOCK] for a in n.all_input_nodes if BLOCK in a.meta]
+            if got:
+                n.meta[BLOCK] = max(got)
+    for n in reversed(nodes):
+        if BLOCK not in n.meta:
+            got = [u.meta[BLOCK] for u in n.users if BLOCK in u.meta]
+            n.meta[BLOCK] = min(got) if got else 0
+
+
 def _block_programs(local) -> tuple:
     """A TP stage program (``passes.split.StageProgram``) cut at every block, before the overlap passes
     (each block gets them on its own: a TP pair lies inside one block); the last piece keeps the
@@ -81,6 +97,7 @@ def _block_programs(local) -> tuple:
     n = num_blocks(local.gm)
     if not n:
         return ()
+    _fill_blocks(local.gm)
     blocks = tuple(split_stages(local.gm, [(b, b + 1) for b in range(n)]))
     if blocks[-1].out_spec is None and local.out_spec is not None:
         blocks = (*blocks[:-1], dataclasses.replace(blocks[-1], out_spec=local.out_spec))

@@ -7,7 +7,8 @@ Terms (seconds per step, predicted; the slowest member of a stage)
 - p2p: its sends of activations and gradients to the next stage;
 - bubble: the rest of the simulated pipeline during which the stage waits (step of the schedule minus
   its compute);
-- sync: its gradient all-reduce over the stage's members after the schedule (``cost.tp.stage_sync_time_s``);
+- sync: its gradient all-reduce over the stage's members after the schedule (``cost.tp.stage_sync_time_s``;
+  under ZeRO-3 by block its rounds of per-block gathers and reduce-scatters);
 - optimizer: its optimizer step (``cost.pipeline.stage_optimizer_s``);
 - memory: the largest predicted peak of its ranks over that rank's usable memory.
 A one-stage plan (schedule "none") has no simulated pipeline: a data-parallel plan's row is the
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING
 from autopar.config import MEMORY_FRACTION
 from autopar.cost import tp as tp_cost
 from autopar.cost.memory import usable_bytes
-from autopar.cost.pipeline import plan_timeline, stage_durations, stage_optimizer_s
+from autopar.cost.pipeline import plan_timeline, stage_durations, stage_optimizer_s, zero3_block_round_s
 from autopar.ir.costs import ModelCosts
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, zero3_by_block
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -79,6 +80,14 @@ def _slowest_rank(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[fl
     return best
 
 
+def _sync_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", stage, rho) -> float:
+    """A stage's gradient reduction: its rounds of per-block collectives under ZeRO-3 by block
+    (``cost.pipeline.zero3_block_round_s``), else ``cost.tp.stage_sync_time_s``."""
+    if zero3_by_block(plan.stages, plan.zero_stage):
+        return plan.num_micro_batches * zero3_block_round_s(costs, cluster, stage, rho)
+    return tp_cost.stage_sync_time_s(costs, cluster, stage, rho, zero_stage=plan.zero_stage)
+
+
 def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
                    memory_fraction: float = MEMORY_FRACTION) -> list[StageCost]:
     """Per stage, where the predicted step goes (see the module docstring)."""
@@ -100,7 +109,7 @@ def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
         out.append(StageCost(
             s, (st.block_start, st.block_stop), _devices(plan, cluster, s), busy,
             float(comm[s].sum()) if s < len(comm) else 0.0, max(0.0, timeline.step_time_s - busy),
-            tp_cost.stage_sync_time_s(costs, cluster, st, rho, zero_stage=plan.zero_stage),
+            _sync_s(plan, costs, cluster, st, rho),
             stage_optimizer_s(costs, cluster, st, plan.zero_stage, rho),
             _memory(plan, cluster, s, memory_fraction)))
     return out

@@ -67,7 +67,7 @@ from autopar.cost.joint import JointContext, joint_cost_tensor, prepare_stages
 from autopar.cost.memory import check_zero_stage, fits_memory, stage_memory_bytes
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
-from autopar.ir.plan import Plan, Predicted, Stage
+from autopar.ir.plan import Plan, Predicted, Stage, zero3_by_block
 from autopar.ir.schedule import ALL_SCHEDULES, PIPELINE_SCHEDULES
 from autopar.planner.cache import PlanStore, cache_key
 from autopar.planner.dp import plan_dp
@@ -149,18 +149,60 @@ def _predict(ctx: JointContext, stages: tuple[Stage, ...], schedules: Sequence[s
                 break
         if zero is None:
             continue
-        probe = _make_plan(ctx, "auto", name, stages, 1.0, memory, {"tp_replicated_fraction": ctx.rho})
         if durations is None:
             durations = stage_durations(ctx.costs, ctx.cluster, stages, replicated_fraction=ctx.rho,
                                         kinds=ctx.cache.setdefault("group_kinds", {}))
-        timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster, durations=durations)
-        breakdown = {
-            "tp_replicated_fraction": ctx.rho, "bubble_fraction": timeline.bubble_fraction,
-            "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
-            "num_micro": float(len(stages[0].micro_batches[0])), "num_stages": float(len(stages)),
-        }
-        plan = _make_plan(ctx, "auto", name, stages, step, memory, breakdown, zero_stage=zero)
-        out.append(_Scored(step, plan, f"{label} {name} zero-{zero}"))
+        out.append(_scored(ctx, stages, name, zero, memory, durations, label))
+    return out
+
+
+def _scored(ctx: JointContext, stages: tuple[Stage, ...], schedule: str, zero: int, memory: dict, durations,
+            label: str) -> _Scored:
+    """The plan of ``stages`` under ``schedule`` at ZeRO ``zero`` with its simulated step."""
+    probe = _make_plan(ctx, "auto", schedule, stages, 1.0, memory, {"tp_replicated_fraction": ctx.rho},
+                       zero_stage=zero)
+    timeline, step = plan_timeline(probe, ctx.costs, ctx.cluster, durations=durations)
+    breakdown = {
+        "tp_replicated_fraction": ctx.rho, "bubble_fraction": timeline.bubble_fraction,
+        "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
+        "num_micro": float(len(stages[0].micro_batches[0])), "num_stages": float(len(stages)),
+    }
+    plan = _make_plan(ctx, "auto", schedule, stages, step, memory, breakdown, zero_stage=zero)
+    return _Scored(step, plan, f"{label} {schedule} zero-{zero}")
+
+
+def _zero3_block_plans(ctx: JointContext, layouts: Sequence[MemberLayout], groupings, schedule: str,
+                       num_micro: int | None, pp_layers) -> list[_Scored]:
+    """One recomputing stage of every layout's TP members (the same shares in each) at ZeRO-3 block by
+    block (``ir.plan.zero3_by_block``): priced with its own memory (the shards, a few blocks gathered,
+    one block's activations and the blocks' inputs; ``cost.memory.stage_memory_bytes``) and its rounds
+    of collectives (``cost.pipeline``), not as ZeRO-1. At the fewest micro-batches that fit
+    (``num_micro``: those), since every round gathers every block again. ``groupings`` (a pin's):
+    only where they hold the one stage of all the layout's members."""
+    if pp_layers is not None and len(pp_layers) != 1:
+        return []
+    n, B = ctx.costs.num_blocks, ctx.global_batch
+    out = []
+    for lay in layouts:
+        members = list(lay.members)
+        if len(members) < 2 or len({m.shares for m in members}) != 1 or len(members[0].ranks) < 2:
+            continue
+        if groupings is not None and not any(g.num_stages == 1 and len(g.stages[0]) == len(members)
+                                             for g in groupings):
+            continue
+        counts = [num_micro] if num_micro else sorted({min(B, 1 << k) for k in range(B.bit_length() + 1)})
+        for M in counts:
+            built = _build(ctx, [members], (n,), M, (True,))
+            if not zero3_by_block(built, 3):
+                break
+            memory = stage_memory_bytes(ctx.costs, built, schedule, 3, ctx.rho)
+            if not fits_memory(ctx.cluster, memory, ctx.memory_fraction):
+                continue
+            durations = stage_durations(ctx.costs, ctx.cluster, built, replicated_fraction=ctx.rho,
+                                        kinds=ctx.cache.setdefault("group_kinds", {}))
+            label = f"{lay.name} S=1 M={M} layers=[{n}] recompute=[0] zero-3 by block"
+            out.append(_scored(ctx, built, schedule, 3, memory, durations, label))
+            break
     return out
 
 
@@ -263,6 +305,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
             for x in _predict(ctx, built, schedules, label, zero_choices):
                 scored.append(x)
                 best = min(best, x.step_time_s)
+    if zero3 and ctx.recompute and virtual_counts is None:   # one TP stage gathering block by block
+        scored += _zero3_block_plans(ctx, layouts, groupings, split_schedule, num_micro, pp_layers)
     if stats is not None:
         stats["predicted"] = len(scored)
     if virtual_counts is not None:
@@ -285,11 +329,15 @@ def _as_zero3(zero3: bool, scored: list[_Scored]) -> list[_Scored]:
     (``runtime.tp``, ``runtime.pipeline``), as torchtitan's FSDP does under pipelining: its peak and
     its bytes are ZeRO-1's (the full gradient held through the step, one reduce-scatter and one
     all-gather), so it is priced as ZeRO-1. A single stage of single devices is left to the
-    data-parallel planner, whose ZeRO-3 gathers block by block."""
+    data-parallel planner, whose ZeRO-3 gathers block by block, and one recomputing stage of TP members
+    runs block by block too (``ir.plan.zero3_by_block``): such plans come priced from
+    ``_zero3_block_plans``, and their ZeRO-1 pricing is dropped here.""" 
     if not zero3:
         return scored
-    return [_Scored(x.step_time_s, replace(x.plan, zero_stage=3), x.label.replace("zero-1", "zero-3"))
-            for x in scored if len(x.plan.stages) > 1 or any(len(m) > 1 for m in x.plan.stages[0].groups)]
+    return [x if x.plan.zero_stage == 3 else
+            _Scored(x.step_time_s, replace(x.plan, zero_stage=3), x.label.replace("zero-1", "zero-3"))
+            for x in scored if (len(x.plan.stages) > 1 or any(len(m) > 1 for m in x.plan.stages[0].groups))
+            and (x.plan.zero_stage == 3 or not zero3_by_block(x.plan.stages, 3))]
 
 
 def _splits_to_predict(ctx: JointContext, entry: GroupingState, M: int, schedule: str, sizes, flags) -> list:
