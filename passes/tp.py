@@ -51,6 +51,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.passes.meta import BLOCK, COST, TP_LAYOUT
+from autopar.passes.tp_head import GatherFromGroup, find_tp_heads
 from autopar.passes.tp_match import LinearUse, TPPair, attr_value, find_tp_pairs, linear_use
 
 __all__ = ["TPPair", "ParamShard", "TPLayout", "CopyToGroup", "ReduceFromGroup", "find_tp_pairs",
@@ -91,6 +92,7 @@ class TPLayout:
     pairs: tuple[TPPair, ...]
     params: tuple[ParamShard, ...]
     unit_ranges: tuple[tuple[tuple[int, int], ...], ...] = ()   # per pair: (start, stop) units per member
+    heads: tuple[str, ...] = ()   # the heads sharded (``passes.tp_head``): their Linear nodes' names
 
 
 def assemble_full(shard: ParamShard, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -394,9 +396,54 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
             f.meta[BLOCK] = first.meta[BLOCK]
         for cname in pair.column_nodes:
             nodes[cname].replace_input_with(x, f)
+    heads = _shard_heads(new, gm, find_tp_heads(gm, pairs) if len(shares) > 1 else (), shares, rank_index,
+                         granularity, all_reduce, shards)
     graph.lint()
     new.recompile()
     _drop_unread_attrs(new, gm)
     new.meta[TP_META_KEY] = TPLayout(shares=shares, rank_index=rank_index, pairs=tuple(kept),
-                                     params=tuple(shards), unit_ranges=tuple(all_ranges))
+                                     params=tuple(shards), unit_ranges=tuple(all_ranges), heads=heads)
     return new
+
+
+def _shard_heads(new: fx.GraphModule, gm: fx.GraphModule, heads: tuple[str, ...], shares: tuple[int, ...],
+                 rank_index: int, granularity: int, all_reduce: AllReduce | None,
+                 shards: list) -> tuple[str, ...]:
+    """Shard each head of ``new`` (``passes.tp_head``): its rows of the weight and bias, f on its input,
+    the gather after it; appends the ``ParamShard``s to ``shards``; the heads sharded."""
+    graph = new.graph
+    nodes = {n.name: n for n in graph.nodes}
+    orig = {n.name: n for n in gm.graph.nodes}
+    done = []
+    for k, name in enumerate(heads):
+        lin = linear_use(gm, orig[name])
+        ranges = unit_ranges(lin.out_features, shares, granularity)
+        if any(b == a for a, b in ranges):
+            continue   # a member would own nothing: the head stays whole
+        runs = tuple(((a, b),) for a, b in ranges)
+        a, b = ranges[rank_index]
+        w = attr_value(gm, lin.weight)
+        bias = attr_value(gm, lin.bias) if lin.bias else None
+        node = nodes[name]
+        names = _install_linear(new, node, lin, f"_tph{k}", w.detach()[a:b],
+                                bias.detach()[a:b] if bias is not None else None, like=w)
+        shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 0, runs))
+        if bias is not None:
+            shards.append(ParamShard(names[1], lin.bias, tuple(bias.shape), 0, runs))
+        x = node.args[0]
+        new.add_submodule(f"_tph_f{k}", CopyToGroup(all_reduce))
+        with graph.inserting_before(node):
+            f = graph.call_module(f"_tph_f{k}", (x,))
+        f.meta = {key: v for key, v in x.meta.items() if key != COST}
+        if BLOCK in node.meta:
+            f.meta[BLOCK] = node.meta[BLOCK]
+        node.replace_input_with(x, f)
+        users = list(node.users)
+        new.add_submodule(f"_tph_gather{k}", GatherFromGroup(tuple(b - a for a, b in ranges), rank_index))
+        with graph.inserting_after(node):
+            out = graph.call_module(f"_tph_gather{k}", (node,))
+        out.meta = {key: v for key, v in node.meta.items() if key != COST}
+        for u in users:
+            u.replace_input_with(node, out)
+        done.append(name)
+    return tuple(done)

@@ -162,7 +162,8 @@ class TwoRanks(threaded_ranks(2)):
             lower(plan, gm, self.rank, tp_overlap_forward=True))
         rows = [m for m in engine.gm.modules() if isinstance(m, FusedRowScatter)]
         cols = [m for m in engine.gm.modules() if isinstance(m, FusedColumns)]
-        assert len(rows) == len(cols) == 8 and all(m.chunks == FWD_OVERLAP_CHUNKS for m in rows + cols)
+        chunked = [m for m in cols if m.chunks == FWD_OVERLAP_CHUNKS]   # and the LM head's f (passes.tp_head)
+        assert len(rows) == len(chunked) == 8 and len(cols) == 9 and all(m.chunks == FWD_OVERLAP_CHUNKS for m in rows)
         _async_gathers(engine.gm)
         sp = rows[0].g.sp
         log: list = []

@@ -177,14 +177,14 @@ def tp_replicated_per_block(costs: ModelCosts, rho: float,
     """Per block, the (state, activation) fractions tensor parallelism leaves whole on every TP rank:
     the layout's (``ModelCosts.tp_param_replicated`` / ``tp_act_replicated``, from
     ``cost.tp.tp_memory_replicated_per_block``) where the costs carry them, else ``rho`` (the time
-    fraction). A block without a Linear pair (an embedding, a head) runs whole on every TP rank and
-    its parameters stay whole there (``runtime.tp``): 1. The one per-block source of TP memory: a
+    fraction). A block without a Linear pair or a head (``passes.tp_head``; an embedding) runs whole
+    on every TP rank and its parameters stay whole there (``runtime.tp``): 1. The one per-block source of TP memory: a
     stage's fractions (``tp_memory_fractions``) and the joint search's caps (``tp_span_factors``)
     are weighted sums of it. Under ``sequence_parallel`` an SP block's (``tp_cost.sp_blocks``)
     activation fraction is ``ModelCosts.tp_sp_act_replicated`` (the columns' all-gathered inputs: the
     rest is on a sequence shard of the rank's share); its state fraction is unchanged."""
     n = costs.num_blocks
-    pairs = tp_cost.tp_pairs_of(costs)
+    sharded = tp_cost.tp_sharded_blocks(costs)
     act = costs.tp_act_replicated
     sp = tp_cost.sp_blocks(costs) if sequence_parallel else None
     if sp is not None and costs.tp_sp_act_replicated is not None:
@@ -194,12 +194,12 @@ def tp_replicated_per_block(costs: ModelCosts, rho: float,
     for frac in (costs.tp_param_replicated, act):
         if frac is None or len(frac) != n:
             f = np.full(n, float(rho))
-            if pairs is not None:
-                f = np.where(pairs > 0, f, 1.0)
+            if sharded is not None:
+                f = np.where(sharded, f, 1.0)
         else:
             f = np.clip(np.asarray(frac, float), 0.0, 1.0)
-            if pairs is not None:
-                f = np.where(pairs > 0, f, 1.0)
+            if sharded is not None:
+                f = np.where(sharded, f, 1.0)
         out.append(f)
     return out[0], out[1]
 

@@ -40,7 +40,7 @@ from autopar.cost.comm import allreduce_time_s, reduce_scatter_time_s, ring_link
 from autopar.cost import tp_fwd
 from autopar.cost.tp_fwd import (  # re-exported: the collectives' half of the TP cost model
     SP_COLLECTIVES_PER_PAIR, TP_ALLREDUCES_PER_BLOCK, group_wgrad_s, sp_blocks, sp_pad, tp_allreduce_block_s,
-    tp_backward_comm_s, tp_block_comm_s, tp_pairs_of,
+    tp_backward_comm_s, tp_block_comm_s, tp_heads_of, tp_pairs_of, tp_sharded_blocks,
 )
 from autopar.cost.tp_tables import (  # re-exported: the graph's TP tables
     replicated_fraction_of_graph, tp_memory_replicated_per_block, tp_pairs_per_block,
@@ -57,6 +57,7 @@ __all__ = [
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
+    "tp_heads_of", "tp_sharded_blocks",
     "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
     "SP_COLLECTIVES_PER_PAIR", "TP_BACKWARD_OVERLAP", "sp_blocks", "sp_pad", "tp_backward_comm_s", "group_wgrad_s",
     "sp_pays", "stage_sequence_parallel", "with_sequence_parallel", "sp_alpha_beta", "comm_hides",
@@ -284,8 +285,8 @@ def _rank_rows(costs: ModelCosts, types: Sequence[str], shares: Sequence[int], m
     f = (s / s.sum())[rows]
     rb = _block_rho(costs, rho, sequence_parallel)
     factors = np.ones((len(rows), 1)) if r == 1 else rb + (1.0 - rb) * f[:, None] * np.ones((1, n))
-    pairs = tp_pairs_of(costs)
-    sharded = np.ones(n, dtype=bool) if pairs is None else pairs > 0
+    blocks = tp_sharded_blocks(costs)
+    sharded = np.ones(n, dtype=bool) if blocks is None else blocks
     kinds = [types[i] for i in rows]
     fwd = np.stack([np.where(sharded, k, 1.0) * costs.fwd_time(t, micro_batch) for t, k in zip(kinds, factors)])
     bwd = np.stack([np.where(sharded, k, 1.0) * costs.bwd_time(t, micro_batch) for t, k in zip(kinds, factors)])
@@ -297,7 +298,7 @@ def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
     SP and plain alike at every (kind, micro-batch); keyed by the tables' identities too, so a table
     replaced on the costs is not served stale)."""
     key = ("tp_kind", kind, float(micro_batch), rho, sp, overlap, id(costs.fwd_table), id(costs.bwd_table),
-           id(costs.tp_pairs), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share),
+           id(costs.tp_pairs), id(costs.tp_heads), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share),
            tp_fwd.overlap_key(costs))
     hit = costs._cache.get(key)
     if hit is None:

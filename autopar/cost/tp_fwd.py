@@ -36,7 +36,8 @@ from autopar.ir.costs import ModelCosts
 
 __all__ = ["TP_ALLREDUCES_PER_BLOCK", "SP_COLLECTIVES_PER_PAIR", "FWD_OVERLAP_CHUNKS", "TP_FORWARD_OVERLAP",
            "FWD_OVERLAP_PATTERNS", "OVERLAP_PATTERNS", "sp_blocks", "sp_pad", "tp_allreduce_block_s",
-           "tp_backward_comm_s", "group_wgrad_s", "group_gemm_s", "tp_pairs_of", "chunked_exposed_s",
+           "tp_backward_comm_s", "group_wgrad_s", "group_gemm_s", "tp_pairs_of", "tp_heads_of",
+           "tp_sharded_blocks", "tp_head_comm_s", "chunked_exposed_s",
            "sp_call_links", "forward_overlap_patterns", "tp_overlap_hidden_s", "tp_block_comm_s",
            "tp_collective_phase_s", "overlap_key"]
 
@@ -148,6 +149,21 @@ def group_gemm_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int],
     return share * per_rank.min(axis=0)[:, None]
 
 
+def tp_heads_of(costs: ModelCosts) -> np.ndarray:
+    """The per-block head counts a ``ModelCosts`` carries (``tp_heads``; zeros without them)."""
+    heads = getattr(costs, "tp_heads", None)
+    if heads is None or len(heads) != costs.num_blocks:
+        return np.zeros(costs.num_blocks)
+    return np.asarray(heads, dtype=np.float64)
+
+
+def tp_sharded_blocks(costs: ModelCosts) -> np.ndarray | None:
+    """Per block whether tensor parallelism shards some of it (a Linear pair or a head), or None for
+    tables without pair counts (every block then priced as a transformer layer)."""
+    pairs = tp_pairs_of(costs)
+    return None if pairs is None else (pairs > 0) | (tp_heads_of(costs) > 0)
+
+
 def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
     """The per-block pair counts a ``ModelCosts`` carries (``tp_pairs``, from ``tp_pairs_per_block``),
     or None for tables without them: every block is then priced as a transformer layer
@@ -249,7 +265,24 @@ def _block_comm(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, seq
         fwd = np.maximum(fwd - hid["ag_columns"] - hid["row_rs"], 0.0)
     if hid["bwd_ag_row"].any():
         bwd = np.maximum(bwd - hid["bwd_ag_row"], 0.0)
-    return fwd, bwd, hid
+    head_f, head_b = tp_head_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch)
+    return fwd + head_f, bwd + head_b, hid
+
+
+def tp_head_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float,
+                   micro_batch: float) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per block of the heads' collectives (``passes.tp_head``): forward
+    the gather of the head's output (the graph's output, ``ModelCosts.output_bytes`` per sample: an
+    all-gather moves half an all-reduce's bytes), backward f's all-reduce of its input's gradient
+    (the block before's output). Zeros without heads."""
+    heads = tp_heads_of(costs)
+    if not heads.any() or micro_batch <= 0:
+        return np.zeros(costs.num_blocks), np.zeros(costs.num_blocks)
+    x = float(micro_batch)
+    before = np.concatenate([[0.0], np.asarray(costs.out_bytes, float)[:-1]])
+    fwd = heads * (alpha_s + 0.5 * beta_s_per_byte * float(costs.output_bytes) * x)
+    bwd = heads * (alpha_s + beta_s_per_byte * before * x)
+    return fwd, bwd
 
 
 def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
@@ -274,7 +307,9 @@ def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: fl
     gather_b = np.minimum(np.maximum(half - hid["bwd_ag_row"], 0.0), bwd)
     gather = np.where(sp, gather_f + gather_b, 0.0)
     scatter = np.where(sp, np.maximum(fwd - gather_f, 0.0) + np.maximum(bwd - gather_b, 0.0), 0.0)
-    return {"all_reduce": np.where(sp, 0.0, fwd + bwd), "reduce_scatter": scatter, "all_gather": gather}
+    head_f, head_b = tp_head_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch)   # in fwd / bwd above
+    return {"all_reduce": np.where(sp, 0.0, fwd + bwd - head_f) + np.where(sp, head_b, 0.0),
+            "reduce_scatter": np.maximum(scatter - np.where(sp, head_b, 0.0), 0.0), "all_gather": gather + head_f}
 
 
 def overlap_key(costs: ModelCosts) -> tuple:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["replicated_fraction_of_graph", "tp_memory_replicated_per_block", "tp_pairs_per_block", "FLOP_PER_BYTE", "sp_supported_of_graph", "tp_sp_tables", "tp_wgrad_shares", "tp_graph_tables",
+__all__ = ["replicated_fraction_of_graph", "tp_memory_replicated_per_block", "tp_pairs_per_block", "tp_heads_per_block", "FLOP_PER_BYTE", "sp_supported_of_graph", "tp_sp_tables", "tp_wgrad_shares", "tp_graph_tables",
            "tp_graph_tables_of", "tp_gemm_shares"]
 
 FLOP_PER_BYTE = 150.0
@@ -87,8 +87,12 @@ def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.
     from autopar.passes.meta import BLOCK, COST
     from autopar.passes.tp_match import find_tp_pairs
 
+    from autopar.passes.tp_head import find_tp_heads
+    from autopar.passes.tp_nodes import linear_use
+
     pairs = find_tp_pairs(gm)
-    if not pairs:
+    heads = find_tp_heads(gm, pairs)
+    if not pairs and not heads:
         return np.ones(int(num_blocks)), np.ones(int(num_blocks))
     nodes = {n.name: n for n in gm.graph.nodes}
     params = dict(gm.named_parameters())
@@ -104,6 +108,10 @@ def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.
         names = [f"{c}.{k}" for c in pair.columns for k in ("weight", "bias")] + [f"{pair.row}.weight"]
         if b is not None and 0 <= b < num_blocks:
             sharded_p[b] += sum(params[n].numel() for n in names if n in params)
+    for name in heads:     # a head's weight and bias: sharded over its output features
+        lin, b = linear_use(gm, nodes[name]), nodes[name].meta.get(BLOCK)
+        if b is not None and 0 <= b < num_blocks:
+            sharded_p[b] += sum(params[t].numel() for t in (lin.weight, lin.bias) if t in params)
     total_a, sharded_a = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
     for n in gm.graph.nodes:     # the nodes' outputs, which backward keeps (the Linears' inputs among them)
         cost, b = n.meta.get(COST), n.meta.get(BLOCK)
@@ -158,6 +166,22 @@ def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
     return out
 
 
+
+
+def tp_heads_per_block(gm, num_blocks: int) -> np.ndarray:
+    """Per block of an analysed graph, the heads tensor parallelism shards in it (``passes.tp_head``:
+    an LM head's rows, its output gathered)."""
+    from autopar.passes.meta import BLOCK
+    from autopar.passes.tp_head import find_tp_heads
+    from autopar.passes.tp_match import find_tp_pairs
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = np.zeros(int(num_blocks))
+    for name in find_tp_heads(gm, find_tp_pairs(gm)):
+        b = nodes[name].meta.get(BLOCK)
+        if b is not None and 0 <= int(b) < num_blocks:
+            out[int(b)] += 1
+    return out
 
 
 def sp_supported_of_graph(gm, num_blocks: int) -> tuple[np.ndarray, np.ndarray | None]:

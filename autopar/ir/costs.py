@@ -173,6 +173,9 @@ class ModelCosts:
     tp_fwd_col_share: np.ndarray | None = None
     tp_fwd_row_share: np.ndarray | None = None
     tp_bwd_row_share: np.ndarray | None = None
+    # per block, the heads TP shards over their output features with the output gathered (an LM head,
+    # ``passes.tp_head``); None: none priced
+    tp_heads: np.ndarray | None = None
     # parameter tensors per block, and per device type the seconds ``optimizer.step()`` pays per tensor
     # beyond its per-element rate when it steps unflattened tensors (torch's CPU optimizers loop over
     # tensors); ``optimizer_time``. None / {}: no per-tensor term
@@ -186,7 +189,7 @@ class ModelCosts:
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
         for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
                      "tp_sp_act_replicated", "tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share",
-                     "tp_bwd_row_share", "param_tensors", "attn_fwd_flops"):
+                     "tp_bwd_row_share", "param_tensors", "attn_fwd_flops", "tp_heads"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 

@@ -13,7 +13,7 @@ index 0 holds a quarter of every pair, ``passes.tp.tp_rewrite``; f / g unbound, 
 forward and backward on ``batch`` samples tiled from the example inputs, single-threaded as emulated
 ranks run (``autopar.runtime.emulate``), each timed by the thread's CPU time (least of ``repeats``
 after a warm-up, the two taking turns so that both see the same neighbours). With ``r`` the shard's time over the whole model's, ``o`` the part of the whole
-model's time in blocks without a pair (from the cost tables; they run whole on every TP rank) and
+model's time in blocks without a pair or a head (from the cost tables; they run whole on every TP rank) and
 ``f`` the shard's fraction, ``rho = ((r - o) / (1 - o) - f) / (1 - f)``, clipped to ``[0, 0.9]``.
 The shard is timed as the engine lowers it (``autopar.lowering.lower``): the rewrite with the backward
 overlap (``passes.tp_overlap``), and again sequence-parallel (``passes.tp_sp.sp_rewrite``, the engine's
@@ -50,14 +50,14 @@ import torch
 
 from autopar.cluster.heap import heap_held
 from autopar.measure.cache import cache_dir, load_json, machine_id, save_json, tile_batch
-from autopar.cost.tp import tp_pairs_of
+from autopar.cost.tp import tp_sharded_blocks
 
 __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_fraction", "MEASURE_SHARES",
            "MEASURE_BATCH", "cpu_sp_covered", "replicated_fraction_for"]
 
 MEASURE_SHARES = (1, 3)     # TP index 0 holds a quarter of every pair
 MEASURE_BATCH = 32          # samples per timed run: mid-range of the tables' micro-batches
-_VERSION = 4                # in the cache key: bump when the measurement changes
+_VERSION = 5                # in the cache key: bump when the measurement changes
 _MEMO: dict[str, "TpFractionMeasure | None"] = {}
 
 
@@ -198,12 +198,12 @@ def measure_replicated_fraction(gm, example_inputs: tuple, costs, *, batch: int 
 def _fractions(costs, batch: int, f: float, whole: tuple, shard: tuple) -> tuple[list[float], float]:
     """(forward, backward) replicated fractions and their step mean from the whole model's and the
     shard's (forward, backward) seconds (the module docstring's formula)."""
-    pair_blocks = tp_pairs_of(costs)
+    sharded = tp_sharded_blocks(costs)
     t = costs.device_types[0]
     rhos = []
     for s, w, table in ((shard[0], whole[0], costs.fwd_time(t, batch)), (shard[1], whole[1], costs.bwd_time(t, batch))):
         total = float(np.sum(table))
-        o = float(np.sum(table[pair_blocks <= 0])) / total if pair_blocks is not None and total > 0 else 0.0
+        o = float(np.sum(table[~sharded])) / total if sharded is not None and total > 0 else 0.0
         o = min(max(o, 0.0), 0.9)
         rhos.append(float(np.clip(((s / w - o) / (1.0 - o) - f) / (1.0 - f), 0.0, 0.9)))
     step = float(np.clip((rhos[0] * whole[0] + rhos[1] * whole[1]) / (whole[0] + whole[1]), min(rhos), max(rhos)))

@@ -69,6 +69,7 @@ from autopar.lowering.materialize import is_deterministic, tensor_value
 from autopar.lowering.program import RankProgram
 from autopar.passes.meta import TP_LAYOUT
 from autopar.passes.tp import TPLayout, assemble_full, bind_all_reduce, tp_rewrite
+from autopar.passes.tp_head import bind_all_gather
 from autopar.passes.tp_overlap import overlap_tp_backward
 from autopar.passes.tp_sp import SP_META_KEY, bind_sp_collectives
 from autopar.runtime.base import EngineInputs, compute_loss, global_batch_inputs, micro_slices, share_slices
@@ -96,6 +97,7 @@ def bind_tp_group(local_gm: fx.GraphModule, group=None) -> None:
     (None: the default group); without torch.distributed they stay without communication."""
     if pg_is_initialized():
         bind_all_reduce(local_gm, GroupAllReduce(group))   # start(): f's async backward (passes.tp_overlap)
+        bind_all_gather(local_gm, GroupAllGather(group))   # the heads' gathers (passes.tp_head)
         bind_sp_group(local_gm, group)
 
 
