@@ -51,7 +51,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.passes.meta import BLOCK, COST, TP_LAYOUT
-from autopar.passes.tp_head import GatherFromGroup, find_tp_heads
+from autopar.passes.tp_head import GatherFromGroup, ShardedEmbedding, embedding_use, find_tp_embeddings, find_tp_heads
 from autopar.passes.tp_match import LinearUse, TPPair, attr_value, find_tp_pairs, linear_use
 
 __all__ = ["TPPair", "ParamShard", "TPLayout", "CopyToGroup", "ReduceFromGroup", "find_tp_pairs",
@@ -93,6 +93,7 @@ class TPLayout:
     params: tuple[ParamShard, ...]
     unit_ranges: tuple[tuple[tuple[int, int], ...], ...] = ()   # per pair: (start, stop) units per member
     heads: tuple[str, ...] = ()   # the heads sharded (``passes.tp_head``): their Linear nodes' names
+    embeddings: tuple[str, ...] = ()   # the token embeddings sharded (``passes.tp_head``): their nodes' names
 
 
 def assemble_full(shard: ParamShard, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -312,13 +313,14 @@ def _drop_unread_attrs(new: fx.GraphModule, gm: fx.GraphModule) -> None:
 
 def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
                all_reduce: AllReduce | None = None, granularity: int = 8,
-               pairs: list[TPPair] | None = None) -> fx.GraphModule:
+               pairs: list[TPPair] | None = None, keep_whole: frozenset = frozenset()) -> fx.GraphModule:
     """The module that member ``rank_index`` of a tensor-parallel group with ``shares`` runs.
 
     A new GraphModule: sharded Linears are new modules holding slices (copies) of the weights; every
     other module and parameter is shared with ``gm`` (replicated). f / g sum over the group with
     ``all_reduce`` (None: no communication until ``bind_all_reduce`` binds one).
-    ``result.meta["autopar.tp"]`` is the ``TPLayout``. ``gm`` is left unchanged.
+    ``result.meta["autopar.tp"]`` is the ``TPLayout``. ``gm`` is left unchanged. ``keep_whole``: names
+    of parameters no LM head or token embedding may shard (tied to a copy in another stage).
     """
     shares = tuple(int(s) for s in shares)
     if not 0 <= rank_index < len(shares):
@@ -396,14 +398,61 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
             f.meta[BLOCK] = first.meta[BLOCK]
         for cname in pair.column_nodes:
             nodes[cname].replace_input_with(x, f)
-    heads = _shard_heads(new, gm, find_tp_heads(gm, pairs) if len(shares) > 1 else (), shares, rank_index,
-                         granularity, all_reduce, shards)
+    heads = _shard_heads(new, gm, find_tp_heads(gm, pairs, keep_whole) if len(shares) > 1 else (), shares,
+                         rank_index, granularity, all_reduce, shards)
+    embeddings = _shard_embeddings(new, gm, find_tp_embeddings(gm, keep_whole) if len(shares) > 1 else (), shares,
+                                   rank_index, granularity, all_reduce, shards)
     graph.lint()
     new.recompile()
     _drop_unread_attrs(new, gm)
     new.meta[TP_META_KEY] = TPLayout(shares=shares, rank_index=rank_index, pairs=tuple(kept),
-                                     params=tuple(shards), unit_ranges=tuple(all_ranges), heads=heads)
+                                     params=tuple(shards), unit_ranges=tuple(all_ranges), heads=heads,
+                                     embeddings=embeddings)
     return new
+
+
+def _shard_embeddings(new: fx.GraphModule, gm: fx.GraphModule, names: tuple[str, ...], shares: tuple[int, ...],
+                      rank_index: int, granularity: int, all_reduce: AllReduce | None,
+                      shards: list) -> tuple[str, ...]:
+    """Shard each token embedding of ``new`` (``passes.tp_head``): a ``ShardedEmbedding`` of its rows,
+    g after it; appends the ``ParamShard``s to ``shards``; the embeddings sharded."""
+    graph = new.graph
+    nodes = {n.name: n for n in graph.nodes}
+    orig = {n.name: n for n in gm.graph.nodes}
+    done = []
+    for k, name in enumerate(names):
+        use = embedding_use(gm, orig[name])
+        ranges = unit_ranges(use.num_embeddings, shares, granularity)
+        if any(b == a for a, b in ranges):
+            continue
+        a, b = ranges[rank_index]
+        w = gm.get_parameter(use.weight)
+        mod = ShardedEmbedding(w[a:b], a, use.padding_idx)
+        node = nodes[name]
+        if use.module is not None:
+            _set_module(new, use.module, mod)
+            call, local = node, f"{use.module}.weight"
+        else:
+            new.add_submodule(f"_tpe{k}", mod)
+            with graph.inserting_before(node):
+                call = graph.call_module(f"_tpe{k}", (node.args[1],))
+            call.meta = {key: v for key, v in node.meta.items() if key != COST}
+            read = node.args[0]
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            if not read.users:
+                graph.erase_node(read)
+            local = f"_tpe{k}.weight"
+        shards.append(ParamShard(local, use.weight, tuple(w.shape), 0, tuple(((x, y),) for x, y in ranges)))
+        users = list(call.users)
+        new.add_submodule(f"_tpe_g{k}", ReduceFromGroup(all_reduce))
+        with graph.inserting_after(call):
+            out = graph.call_module(f"_tpe_g{k}", (call,))
+        out.meta = {key: v for key, v in call.meta.items() if key != COST}
+        for u in users:
+            u.replace_input_with(call, out)
+        done.append(name)
+    return tuple(done)
 
 
 def _shard_heads(new: fx.GraphModule, gm: fx.GraphModule, heads: tuple[str, ...], shares: tuple[int, ...],

@@ -1,4 +1,5 @@
-"""Tensor-parallel heads: a lone column Linear sharded over its output features, its output gathered.
+"""Tensor-parallel vocabulary ends: an LM head sharded over its output features (its output gathered),
+and a token embedding sharded over its rows (its lookups summed).
 
 An LM head maps the hidden size to the vocabulary (4,096 to 128,256 in Llama 3 8B, 18,432 to 256,000 in
 Nemotron-4): a wide Linear with no row Linear after it, so no pair (``passes.tp_match``) holds it, and it
@@ -17,10 +18,18 @@ Terms
   piece of the gradient in backward (every member computes the same gradient of the whole output).
   Unbound (a member run on its own, as f / g without their sums) it puts the member's piece in place
   and zeros elsewhere: the output keeps its whole shape.
+- embedding: an ``nn.Embedding`` call or ``aten.embedding`` on a parameter whose weight nothing else
+  reads (a tied embedding stays whole), with at least ``HEAD_WIDTH`` times more rows than features
+  (a vocabulary: not a position table), and no ``max_norm`` (it would write the table in forward)
+  (``find_tp_embeddings``). The member keeps its rows ``unit_ranges(rows, shares, granularity)``
+  (``ShardedEmbedding``): a token outside them looks up zeros, so g (``ReduceFromGroup``) after it sums
+  every member's lookups into the whole embedding (Megatron's vocabulary-parallel embedding); each
+  member's rows get the gradients of their tokens only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,7 +39,8 @@ from torch import nn
 
 from autopar.passes.tp_nodes import linear_use
 
-__all__ = ["HEAD_WIDTH", "find_tp_heads", "GatherFromGroup", "bind_all_gather"]
+__all__ = ["HEAD_WIDTH", "find_tp_heads", "find_tp_embeddings", "embedding_use", "EmbeddingUse",
+           "GatherFromGroup", "ShardedEmbedding", "bind_all_gather"]
 
 HEAD_WIDTH = 4      # output features over input features a Linear needs to be sharded as a head
 
@@ -54,12 +64,62 @@ def _reaches_output_alone(node: fx.Node, linears: set[fx.Node]) -> bool:
     return out
 
 
-def find_tp_heads(gm: fx.GraphModule, pairs) -> tuple[str, ...]:
+def find_tp_heads(gm: fx.GraphModule, pairs, keep_whole: frozenset = frozenset()) -> tuple[str, ...]:
     """The node names of ``gm``'s heads (see the module docstring), in graph order; ``pairs``: the
-    graph's ``find_tp_pairs`` (their Linears are never heads)."""
+    graph's ``find_tp_pairs`` (their Linears are never heads); ``keep_whole``: parameter names to leave
+    whole (tied to a copy outside ``gm``: a pipeline stage's)."""
     held = {c for p in pairs for c in p.column_nodes} | {p.row_node for p in pairs}
     uses = {n: lin for n in gm.graph.nodes if (lin := linear_use(gm, n)) is not None}
-    reads: dict[int, int] = {}      # id(parameter) -> nodes reading it (get_attr, or a module call)
+    reads = _param_reads(gm)
+    out = []
+    for n, lin in uses.items():
+        if n.name in held or lin.out_features < HEAD_WIDTH * lin.in_features or lin.weight in keep_whole \
+                or lin.bias in keep_whole:
+            continue
+        params = [gm.get_parameter(t) for t in (lin.weight, lin.bias) if t is not None]
+        if any(reads.get(id(p), 0) != 1 for p in params):
+            continue          # tied (read again elsewhere), or read through another module
+        if _reaches_output_alone(n, set(uses) - {n}):
+            out.append(n.name)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingUse:
+    """A token embedding in the graph: an ``nn.Embedding`` call or ``aten.embedding`` on a parameter."""
+    weight: str              # qualified name of the table
+    num_embeddings: int
+    embedding_dim: int
+    padding_idx: int | None
+    module: str | None       # call_module target, or None for the functional form
+
+
+def embedding_use(gm: fx.GraphModule, node: fx.Node) -> EmbeddingUse | None:
+    """The ``EmbeddingUse`` ``node`` is (a plain ``nn.Embedding`` call without ``max_norm``, or
+    ``aten.embedding`` on a ``get_attr`` table), or None."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) is not nn.Embedding or mod.max_norm is not None or mod.sparse or len(node.args) != 1 \
+                or node.kwargs:
+            return None
+        return EmbeddingUse(f"{node.target}.weight", mod.num_embeddings, mod.embedding_dim, mod.padding_idx,
+                            str(node.target))
+    if node.op == "call_function" and node.target in (torch.ops.aten.embedding.default,) and not node.kwargs:
+        w = node.args[0]
+        if not (isinstance(w, fx.Node) and w.op == "get_attr") or any(bool(a) for a in node.args[3:]):
+            return None             # scale_grad_by_freq / sparse: not sharded
+        try:
+            table = gm.get_parameter(str(w.target))
+        except AttributeError:
+            return None
+        pad = int(node.args[2]) if len(node.args) > 2 and int(node.args[2]) >= 0 else None
+        return EmbeddingUse(str(w.target), table.shape[0], table.shape[1], pad, None)
+    return None
+
+
+def _param_reads(gm: fx.GraphModule) -> dict[int, int]:
+    """id(parameter) -> the nodes reading it (a ``get_attr``, or a call of a module holding it)."""
+    reads: dict[int, int] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             try:
@@ -70,16 +130,44 @@ def find_tp_heads(gm: fx.GraphModule, pairs) -> tuple[str, ...]:
         elif n.op == "call_module":
             for p in gm.get_submodule(str(n.target)).parameters():
                 reads[id(p)] = reads.get(id(p), 0) + 1
+    return reads
+
+
+def find_tp_embeddings(gm: fx.GraphModule, keep_whole: frozenset = frozenset()) -> tuple[str, ...]:
+    """The node names of ``gm``'s token embeddings TP shards (see the module docstring), in graph order;
+    ``keep_whole`` as ``find_tp_heads``'."""
+    reads = _param_reads(gm)
     out = []
-    for n, lin in uses.items():
-        if n.name in held or lin.out_features < HEAD_WIDTH * lin.in_features:
+    for n in gm.graph.nodes:
+        use = embedding_use(gm, n)
+        if use is None or use.num_embeddings < HEAD_WIDTH * use.embedding_dim or use.weight in keep_whole:
             continue
-        params = [gm.get_parameter(t) for t in (lin.weight, lin.bias) if t is not None]
-        if any(reads.get(id(p), 0) != 1 for p in params):
-            continue          # tied (read again elsewhere), or read through another module
-        if _reaches_output_alone(n, set(uses) - {n}):
+        if reads.get(id(gm.get_parameter(use.weight)), 0) == 1:
             out.append(n.name)
     return tuple(out)
+
+
+class ShardedEmbedding(nn.Module):
+    """Rows ``[start, start + weight rows)`` of a token embedding: other tokens look up zeros (see the
+    module docstring); ``padding_idx``: the whole table's, whose row gets no gradient."""
+
+    def __init__(self, weight: torch.Tensor, start: int, padding_idx: int | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        self.start = int(start)
+        rows = weight.shape[0]
+        self.padding_idx = padding_idx - self.start if padding_idx is not None and \
+            self.start <= padding_idx < self.start + rows else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight,
+                          padding_idx=self.padding_idx)
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.start}:{self.start + self.weight.shape[0]}, dim={self.weight.shape[1]}"
 
 
 class _GatherFn(torch.autograd.Function):

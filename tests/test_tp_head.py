@@ -1,9 +1,10 @@
-"""Tensor-parallel LM heads (``passes.tp_head``): which Linears are heads, the rewrite (rows of the
-weight, f before, the gather after), exactness on threaded ranks with uneven shares, and the price
-(``cost.tp_tables.tp_heads_per_block``, the heads' collectives, their sharded state).
+"""Tensor-parallel vocabulary ends (``passes.tp_head``): which Linears are LM heads and which lookups
+token embeddings, the rewrites (a head's rows, f before, the gather after; an embedding's rows, g
+after), exactness on threaded ranks with uneven shares, and the price (``cost.tp_tables``' per-block
+counts, their collectives, their sharded state).
 
-Every llama-tiny TP test runs with its head sharded too (its vocabulary is 4x its hidden size); these
-tests name it."""
+Every llama-tiny TP test runs with its head and embedding sharded too (its vocabulary is 4x its hidden
+size); these tests name them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.testing._internal.common_utils import run_tests
 from autopar.ir.plan import Plan, Predicted, Stage
 from autopar.lowering import lower
 from autopar.passes.tp import tp_rewrite
-from autopar.passes.tp_head import GatherFromGroup, find_tp_heads
+from autopar.passes.tp_head import GatherFromGroup, ShardedEmbedding, find_tp_embeddings, find_tp_heads
 from autopar.passes.tp_match import find_tp_pairs
 from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs
@@ -29,18 +30,34 @@ _LOCK = threading.Lock()
 B, STEPS = 9, 2
 
 
-def test_an_untied_wide_linear_at_the_end_is_a_head():
+def test_an_untied_wide_linear_at_the_end_is_a_head_and_an_untied_vocabulary_an_embedding():
     gm = prepared_case("llama-tiny")[1]
     assert find_tp_heads(gm, find_tp_pairs(gm)) == ("lm_head",)
-    gm = prepared_case("gpt-tiny")[1]                  # tied to the embedding: stays whole
-    assert find_tp_heads(gm, find_tp_pairs(gm)) == ()
+    assert find_tp_embeddings(gm) == ("embed_tokens",)
+    gm = prepared_case("gpt-tiny")[1]                  # tied to the embedding: both stay whole
+    assert find_tp_heads(gm, find_tp_pairs(gm)) == () and find_tp_embeddings(gm) == ()
+
+
+def test_a_sharded_embedding_sums_to_the_whole_one():
+    table = torch.randn(10, 3, requires_grad=True)
+    ids = torch.tensor([[0, 3, 9, 4], [7, 7, 1, 0]])
+    pieces = [ShardedEmbedding(table[a:b], a, padding_idx=7) for a, b in ((0, 4), (4, 7), (7, 10))]
+    total = sum(p(ids) for p in pieces)
+    assert torch.equal(total, torch.nn.functional.embedding(ids, table.detach(), padding_idx=7))
+    total.sum().backward()
+    grads = torch.cat([p.weight.grad for p in pieces])
+    want = torch.zeros(10, 3)
+    for i in ids.flatten().tolist():
+        if i != 7:
+            want[i] += 1
+    assert torch.equal(grads, want)
 
 
 def test_the_rewrite_keeps_rows_and_gathers_them():
     gm = prepared_case("llama-tiny")[1]
     local = tp_rewrite(gm, (3, 1), 1)
     layout = local.meta["autopar.tp"]
-    assert layout.heads == ("lm_head",)
+    assert layout.heads == ("lm_head",) and layout.embeddings == ("embed_tokens",)
     shard = next(s for s in layout.params if s.source == "lm_head.weight")
     assert shard.dim == 0 and shard.ranges == (((0, 192),), ((192, 256),))
     assert tuple(local.get_parameter(shard.local).shape) == (64, 64)
@@ -63,11 +80,12 @@ def test_priced_sharded():
     n = len(analysis.blocks)
     heads = tp_heads_per_block(analysis.captured.gm, n)
     assert heads.tolist() == [0.0] * (n - 1) + [1.0]
+    assert tp_heads_per_block(analysis.captured.gm, n, embeddings=True).tolist() == [1.0] + [0.0] * (n - 1)
     rep_p, _ = tp_memory_replicated_per_block(analysis.captured.gm, n)
-    assert rep_p[-1] < 0.1      # the head's weight sharded; only the final norm's whole
+    assert rep_p[-1] < 0.1 and rep_p[0] == 0.0   # the head's weight sharded (the final norm's whole), the table
 
     class _Costs:       # what tp_head_comm_s reads
-        num_blocks, tp_heads = n, heads
+        num_blocks, tp_heads, tp_embeddings = n, heads, None
         out_bytes = np.full(n, 1000.0)
         output_bytes = 4000.0
     fwd, bwd = tp_head_comm_s(_Costs, 1e-5, 1e-9, 2.0)
@@ -87,7 +105,8 @@ class ThreeRanks(threaded_ranks(3)):
             gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory("adamw"),
             rank=self.rank, world_size=self.world_size, device=torch.device("cpu"), clock=NullClock()),
             lower(plan, gm, self.rank))
-        assert engine.gm.meta["autopar.tp"].heads == ("lm_head",)
+        layout = engine.gm.meta["autopar.tp"]
+        assert layout.heads == ("lm_head",) and layout.embeddings == ("embed_tokens",)
         with _LOCK:
             data = batches("llama-tiny", B, STEPS)
             ref = single_device_run("llama-tiny", B, STEPS, "adamw")

@@ -236,14 +236,14 @@ class ThreeRanksSP(threaded_ranks(3)):
         from member order); RMSNorm weights get summed gradients."""
         engine = make_engine("llama-tiny", ((2, 0, 1),), ((2, 1, 1),), ONE_MEMBER, "adamw", self.rank,
                              self.world_size)
-        assert engine.gm.meta[SP_META_KEY].blocks == (1, 2, 3, 4)
+        assert engine.gm.meta[SP_META_KEY].blocks == (0, 1, 2, 3, 4)   # the embedding: its sum reduce-scattered
         train_and_check(engine, "llama-tiny", "adamw")
 
     def test_export_captured_hf_llama(self):
         """A torch.export graph of HF-style code (ATen RMSNorm with dtype casts and metadata asserts)."""
         engine = make_engine("hf-llama-tiny", ((0, 1, 2),), ((2, 1, 1),), ONE_MEMBER, "adamw", self.rank,
                              self.world_size)
-        assert engine.gm.meta[SP_META_KEY].blocks == (1, 2, 3, 4)
+        assert engine.gm.meta[SP_META_KEY].blocks == (0, 1, 2, 3, 4)   # the embedding: its sum reduce-scattered
         train_and_check(engine, "hf-llama-tiny", "adamw")
 
 

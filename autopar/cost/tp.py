@@ -298,7 +298,7 @@ def _kind_times(costs, kind, micro_batch, rho, sp: bool, overlap: bool):
     SP and plain alike at every (kind, micro-batch); keyed by the tables' identities too, so a table
     replaced on the costs is not served stale)."""
     key = ("tp_kind", kind, float(micro_batch), rho, sp, overlap, id(costs.fwd_table), id(costs.bwd_table),
-           id(costs.tp_pairs), id(costs.tp_heads), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share),
+           id(costs.tp_pairs), id(costs.tp_heads), id(costs.tp_embeddings), id(costs.tp_sp_supported), id(costs.tp_sp_covered), id(costs.tp_wgrad_share),
            tp_fwd.overlap_key(costs))
     hit = costs._cache.get(key)
     if hit is None:

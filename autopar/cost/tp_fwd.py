@@ -149,19 +149,22 @@ def group_gemm_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int],
     return share * per_rank.min(axis=0)[:, None]
 
 
-def tp_heads_of(costs: ModelCosts) -> np.ndarray:
-    """The per-block head counts a ``ModelCosts`` carries (``tp_heads``; zeros without them)."""
-    heads = getattr(costs, "tp_heads", None)
+def tp_heads_of(costs: ModelCosts, field: str = "tp_heads") -> np.ndarray:
+    """The per-block head counts a ``ModelCosts`` carries (``tp_heads``; ``field="tp_embeddings"``: the
+    token embeddings'; zeros without them)."""
+    heads = getattr(costs, field, None)
     if heads is None or len(heads) != costs.num_blocks:
         return np.zeros(costs.num_blocks)
     return np.asarray(heads, dtype=np.float64)
 
 
 def tp_sharded_blocks(costs: ModelCosts) -> np.ndarray | None:
-    """Per block whether tensor parallelism shards some of it (a Linear pair or a head), or None for
-    tables without pair counts (every block then priced as a transformer layer)."""
+    """Per block whether tensor parallelism shards some of it (a Linear pair, a head or a token
+    embedding), or None for tables without pair counts (every block then priced as a transformer layer)."""
     pairs = tp_pairs_of(costs)
-    return None if pairs is None else (pairs > 0) | (tp_heads_of(costs) > 0)
+    if pairs is None:
+        return None
+    return (pairs > 0) | (tp_heads_of(costs) > 0) | (tp_heads_of(costs, "tp_embeddings") > 0)
 
 
 def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
@@ -271,16 +274,19 @@ def _block_comm(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, seq
 
 def tp_head_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float,
                    micro_batch: float) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds per block of the heads' collectives (``passes.tp_head``): forward
-    the gather of the head's output (the graph's output, ``ModelCosts.output_bytes`` per sample: an
-    all-gather moves half an all-reduce's bytes), backward f's all-reduce of its input's gradient
-    (the block before's output). Zeros without heads."""
-    heads = tp_heads_of(costs)
-    if not heads.any() or micro_batch <= 0:
+    """(forward, backward) seconds per block of the vocabulary ends' collectives (``passes.tp_head``):
+    a head's gather of its output forward (the graph's output, ``ModelCosts.output_bytes`` per sample:
+    an all-gather moves half an all-reduce's bytes) and f's all-reduce of its input's gradient
+    backward (the block before's output); a token embedding's g forward, the all-reduce of its lookups
+    (the block's output). Zeros without either."""
+    heads, embeds = tp_heads_of(costs), tp_heads_of(costs, "tp_embeddings")
+    if not (heads.any() or embeds.any()) or micro_batch <= 0:
         return np.zeros(costs.num_blocks), np.zeros(costs.num_blocks)
     x = float(micro_batch)
-    before = np.concatenate([[0.0], np.asarray(costs.out_bytes, float)[:-1]])
-    fwd = heads * (alpha_s + 0.5 * beta_s_per_byte * float(costs.output_bytes) * x)
+    out = np.asarray(costs.out_bytes, float)
+    before = np.concatenate([[0.0], out[:-1]])
+    fwd = heads * (alpha_s + 0.5 * beta_s_per_byte * float(costs.output_bytes) * x) \
+        + embeds * (alpha_s + beta_s_per_byte * out * x)
     bwd = heads * (alpha_s + beta_s_per_byte * before * x)
     return fwd, bwd
 
@@ -308,8 +314,14 @@ def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: fl
     gather = np.where(sp, gather_f + gather_b, 0.0)
     scatter = np.where(sp, np.maximum(fwd - gather_f, 0.0) + np.maximum(bwd - gather_b, 0.0), 0.0)
     head_f, head_b = tp_head_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch)   # in fwd / bwd above
-    return {"all_reduce": np.where(sp, 0.0, fwd + bwd - head_f) + np.where(sp, head_b, 0.0),
-            "reduce_scatter": np.maximum(scatter - np.where(sp, head_b, 0.0), 0.0), "all_gather": gather + head_f}
+    heads, embeds = tp_heads_of(costs), tp_heads_of(costs, "tp_embeddings")
+    out = np.asarray(costs.out_bytes, float) * max(float(micro_batch), 0.0)
+    lookups = embeds * (alpha_s + beta_s_per_byte * out) if micro_batch > 0 else np.zeros(n)
+    gathers = head_f - lookups            # the heads' gathers; the embeddings' sums are all-reduces
+    reduces = head_b + lookups
+    return {"all_reduce": np.where(sp, 0.0, fwd + bwd - gathers) + np.where(sp, reduces, 0.0),
+            "reduce_scatter": np.maximum(scatter - np.where(sp, reduces, 0.0), 0.0),
+            "all_gather": gather + np.where(heads > 0, gathers, 0.0)}
 
 
 def overlap_key(costs: ModelCosts) -> tuple:

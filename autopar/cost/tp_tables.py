@@ -90,9 +90,12 @@ def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.
     from autopar.passes.tp_head import find_tp_heads
     from autopar.passes.tp_nodes import linear_use
 
+    from autopar.passes.tp_head import embedding_use, find_tp_embeddings
+
     pairs = find_tp_pairs(gm)
     heads = find_tp_heads(gm, pairs)
-    if not pairs and not heads:
+    embeddings = find_tp_embeddings(gm)
+    if not pairs and not heads and not embeddings:
         return np.ones(int(num_blocks)), np.ones(int(num_blocks))
     nodes = {n.name: n for n in gm.graph.nodes}
     params = dict(gm.named_parameters())
@@ -112,6 +115,10 @@ def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.
         lin, b = linear_use(gm, nodes[name]), nodes[name].meta.get(BLOCK)
         if b is not None and 0 <= b < num_blocks:
             sharded_p[b] += sum(params[t].numel() for t in (lin.weight, lin.bias) if t in params)
+    for name in embeddings:    # a token embedding's table: sharded over its rows
+        use, b = embedding_use(gm, nodes[name]), nodes[name].meta.get(BLOCK)
+        if b is not None and 0 <= b < num_blocks and use.weight in params:
+            sharded_p[b] += params[use.weight].numel()
     total_a, sharded_a = np.zeros(int(num_blocks)), np.zeros(int(num_blocks))
     for n in gm.graph.nodes:     # the nodes' outputs, which backward keeps (the Linears' inputs among them)
         cost, b = n.meta.get(COST), n.meta.get(BLOCK)
@@ -168,16 +175,16 @@ def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
 
 
 
-def tp_heads_per_block(gm, num_blocks: int) -> np.ndarray:
+def tp_heads_per_block(gm, num_blocks: int, embeddings: bool = False) -> np.ndarray:
     """Per block of an analysed graph, the heads tensor parallelism shards in it (``passes.tp_head``:
-    an LM head's rows, its output gathered)."""
+    an LM head's rows, its output gathered); ``embeddings``: the token embeddings it shards by rows."""
     from autopar.passes.meta import BLOCK
-    from autopar.passes.tp_head import find_tp_heads
+    from autopar.passes.tp_head import find_tp_embeddings, find_tp_heads
     from autopar.passes.tp_match import find_tp_pairs
 
     nodes = {n.name: n for n in gm.graph.nodes}
     out = np.zeros(int(num_blocks))
-    for name in find_tp_heads(gm, find_tp_pairs(gm)):
+    for name in find_tp_embeddings(gm) if embeddings else find_tp_heads(gm, find_tp_pairs(gm)):
         b = nodes[name].meta.get(BLOCK)
         if b is not None and 0 <= int(b) < num_blocks:
             out[int(b)] += 1

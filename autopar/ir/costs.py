@@ -176,6 +176,7 @@ class ModelCosts:
     # per block, the heads TP shards over their output features with the output gathered (an LM head,
     # ``passes.tp_head``); None: none priced
     tp_heads: np.ndarray | None = None
+    tp_embeddings: np.ndarray | None = None   # per block, the token embeddings TP shards by rows (the same)
     # parameter tensors per block, and per device type the seconds ``optimizer.step()`` pays per tensor
     # beyond its per-element rate when it steps unflattened tensors (torch's CPU optimizers loop over
     # tensors); ``optimizer_time``. None / {}: no per-tensor term
@@ -189,7 +190,8 @@ class ModelCosts:
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
         for name in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
                      "tp_sp_act_replicated", "tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share",
-                     "tp_bwd_row_share", "param_tensors", "attn_fwd_flops", "tp_heads"):
+                     "tp_bwd_row_share", "param_tensors", "attn_fwd_flops", "tp_heads",
+                     "tp_embeddings"):
             if getattr(self, name) is not None:
                 setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
 

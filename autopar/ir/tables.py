@@ -131,11 +131,12 @@ class TpTables(_Json):
     tp_fwd_row_share: np.ndarray | None = None
     tp_bwd_row_share: np.ndarray | None = None
     tp_heads: np.ndarray | None = None    # per block, the heads TP shards (``passes.tp_head``)
+    tp_embeddings: np.ndarray | None = None   # per block, the token embeddings TP shards (the same)
 
     _decode = {name: _optional_array for name in (
         "tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported", "tp_sp_covered",
         "tp_sp_act_replicated", "tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share", "tp_bwd_row_share",
-        "tp_heads")}
+        "tp_heads", "tp_embeddings")}
 
 
 FACT_FIELDS = tuple(f.name for f in fields(ModelFacts))

@@ -60,16 +60,25 @@ def tp_shares_of(plan: Plan, stage: int, member: int) -> tuple[int, ...]:
 
 
 def tp_member_module(plan: Plan, stage: int, member: int, tp_index: int, gm: fx.GraphModule,
-                     granularity: int = 8, *, defer_sp_grads: bool = False) -> fx.GraphModule:
+                     granularity: int = 8, *, defer_sp_grads: bool = False,
+                     keep_whole: frozenset = frozenset()) -> fx.GraphModule:
     """The TP rewrite of ``gm`` (the whole graph, or stage ``stage``'s) for TP index ``tp_index`` of
     ``member``, sequence-parallel where ``Stage.sequence_parallel`` asks and the block supports it.
     ``defer_sp_grads``: the engine sums the SP region's parameter gradients once per step
-    (``runtime.tp.sum_deferred_sp_grads``; the TP engine does), else backward sums them per micro-step."""
+    (``runtime.tp.sum_deferred_sp_grads``; the TP engine does), else backward sums them per micro-step. ``keep_whole``:
+    parameters (by name in ``gm``) that other stages hold too, which no vocabulary end may shard."""
     shares = tp_shares_of(plan, stage, member)
-    local = tp_rewrite(gm, shares, tp_index, granularity=granularity)
+    local = tp_rewrite(gm, shares, tp_index, granularity=granularity, keep_whole=keep_whole)
     if not plan.stages[stage].sequence_parallel:
         return local
     return sp_rewrite(local, shares, tp_index, defer_param_grads=defer_sp_grads)
+
+
+def _shared_params(stages, s: int) -> frozenset:
+    """Names of stage ``s``'s parameters that another stage holds too (a GPT's embedding and head tied
+    across stages): they stay whole under TP (``passes.tp_head``)."""
+    others = {id(p) for t, st in enumerate(stages) if t != s for p in st.gm.parameters()}
+    return frozenset(n for n, p in stages[s].gm.named_parameters() if id(p) in others)
 
 
 def _fill_blocks(gm: fx.GraphModule) -> None:
@@ -157,7 +166,8 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
         local = stages[stage] if stage is not None else None
         blocks = ()    # one recomputing TP stage at ZeRO-3: its TP module cut at every block
         if local is not None and len(plan.stages[stage].groups[member]) > 1:
-            local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm))
+            local = dataclasses.replace(local, gm=tp_member_module(plan, stage, member, tp_index, local.gm,
+                                                                   keep_whole=_shared_params(stages, stage)))
             if zero3_by_block(plan.stages, plan.zero_stage):
                 blocks = _block_programs(local)
                 for b in blocks:
@@ -165,8 +175,8 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
             _overlap(local.gm, tp_overlap, forward)
         chunks = ()    # interleaving on a TP member: every later chunk of this rank rewritten alike
         if local is not None and len(plan.stages[stage].groups[member]) > 1:
-            chunks = tuple(_tp_chunk(plan, s, member, tp_index, stages[s], tp_overlap, forward)
-                           for s in plan.chunks_of(rank)[1:])
+            chunks = tuple(_tp_chunk(plan, s, member, tp_index, stages[s], tp_overlap, forward,
+                                     _shared_params(stages, s)) for s in plan.chunks_of(rank)[1:])
         return RankProgram(**common, stages=stages, local_stage=local, local_chunks=chunks, local_blocks=blocks)
     if kind == "tp":
         if gm is None:
@@ -193,11 +203,12 @@ def lower(plan: Plan, gm: fx.GraphModule | None, rank: int, *, use_triton: bool 
     return RankProgram(**common)
 
 
-def _tp_chunk(plan: Plan, stage: int, member: int, tp_index: int, program, tp_overlap: bool, forward: bool):
+def _tp_chunk(plan: Plan, stage: int, member: int, tp_index: int, program, tp_overlap: bool, forward: bool,
+              keep_whole: frozenset = frozenset()):
     """The stage program ``program`` of chunk ``stage`` rewritten for ``tp_index`` of ``member`` (as
     the rank stage's is above: TP, SP where asked, the backward and forward overlaps)."""
     import dataclasses
 
-    gm = tp_member_module(plan, stage, member, tp_index, program.gm)
+    gm = tp_member_module(plan, stage, member, tp_index, program.gm, keep_whole=keep_whole)
     _overlap(gm, tp_overlap, forward)
     return dataclasses.replace(program, gm=gm)

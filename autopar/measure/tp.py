@@ -57,7 +57,7 @@ __all__ = ["TpFractionMeasure", "measure_replicated_fraction", "cpu_replicated_f
 
 MEASURE_SHARES = (1, 3)     # TP index 0 holds a quarter of every pair
 MEASURE_BATCH = 32          # samples per timed run: mid-range of the tables' micro-batches
-_VERSION = 5                # in the cache key: bump when the measurement changes
+_VERSION = 6                # in the cache key: bump when the measurement changes
 _MEMO: dict[str, "TpFractionMeasure | None"] = {}
 
 

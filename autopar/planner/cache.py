@@ -44,7 +44,7 @@ def cache_key(costs: ModelCosts, cluster: "Cluster", args: dict) -> str:
                          [list(g) for g in costs.tied_groups], float(costs.output_bytes),
                          *[None if getattr(costs, k) is None else [float(x) for x in getattr(costs, k)]
                            for k in ("tp_pairs", "tp_param_replicated", "tp_act_replicated", "tp_sp_supported",
-                                     "tp_sp_covered", "tp_sp_act_replicated", "tp_heads")],
+                                     "tp_sp_covered", "tp_sp_act_replicated", "tp_heads", "tp_embeddings")],
                          *[None if getattr(costs, k, None) is None else [list(np.shape(getattr(costs, k))),
                                                                          [float(x) for x in np.ravel(getattr(costs, k))]]
                            for k in ("tp_wgrad_share", "tp_fwd_col_share", "tp_fwd_row_share", "tp_bwd_row_share")],
