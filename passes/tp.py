@@ -390,12 +390,7 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
         # f on the columns' input
         x = nodes[pair.input_node]
         first = nodes[pair.column_nodes[0]]
-        new.add_submodule(f"_tp_f{k}", CopyToGroup(all_reduce))
-        with graph.inserting_before(first):
-            f = graph.call_module(f"_tp_f{k}", (x,))
-        f.meta = {key: v for key, v in x.meta.items() if key != COST}
-        if BLOCK in first.meta:
-            f.meta[BLOCK] = first.meta[BLOCK]
+        f = _f_before(new, x, first, f"_tp_f{k}", all_reduce)
         for cname in pair.column_nodes:
             nodes[cname].replace_input_with(x, f)
     heads = _shard_heads(new, gm, find_tp_heads(gm, pairs, keep_whole) if len(shares) > 1 else (), shares,
@@ -411,24 +406,56 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
     return new
 
 
+def _rows_of(new: fx.GraphModule, gm: fx.GraphModule, names: tuple[str, ...], rows, shares: tuple[int, ...],
+             granularity: int):
+    """``(k, node of new, node of gm, row ranges per member)`` of each named vocabulary end whose
+    ``rows(node of gm)`` every member gets some of (else it stays whole)."""
+    nodes = {n.name: n for n in new.graph.nodes}
+    orig = {n.name: n for n in gm.graph.nodes}
+    for k, name in enumerate(names):
+        ranges = unit_ranges(rows(orig[name]), shares, granularity)
+        if all(b > a for a, b in ranges):
+            yield k, nodes[name], orig[name], ranges
+
+
+def _f_before(new: fx.GraphModule, x: fx.Node, first: fx.Node, target: str, all_reduce: AllReduce | None) -> fx.Node:
+    """f (``CopyToGroup`` at ``target``) on ``x``, put right before ``first`` and in its block; the
+    caller points the Linears that read ``x`` at it."""
+    new.add_submodule(target, CopyToGroup(all_reduce))
+    with new.graph.inserting_before(first):
+        f = new.graph.call_module(target, (x,))
+    f.meta = {key: v for key, v in x.meta.items() if key != COST}
+    if BLOCK in first.meta:
+        f.meta[BLOCK] = first.meta[BLOCK]
+    return f
+
+
+def _call_after(new: fx.GraphModule, node: fx.Node, target: str, module: nn.Module) -> fx.Node:
+    """``module`` (added to ``new`` at ``target``) called on ``node``'s output right after it, in place
+    of that output for every user of ``node``; the call keeps ``node``'s annotations but its cost."""
+    users = list(node.users)
+    new.add_submodule(target, module)
+    with new.graph.inserting_after(node):
+        out = new.graph.call_module(target, (node,))
+    out.meta = {key: v for key, v in node.meta.items() if key != COST}
+    for u in users:
+        u.replace_input_with(node, out)
+    return out
+
+
 def _shard_embeddings(new: fx.GraphModule, gm: fx.GraphModule, names: tuple[str, ...], shares: tuple[int, ...],
                       rank_index: int, granularity: int, all_reduce: AllReduce | None,
                       shards: list) -> tuple[str, ...]:
     """Shard each token embedding of ``new`` (``passes.tp_head``): a ``ShardedEmbedding`` of its rows,
     g after it; appends the ``ParamShard``s to ``shards``; the embeddings sharded."""
     graph = new.graph
-    nodes = {n.name: n for n in graph.nodes}
-    orig = {n.name: n for n in gm.graph.nodes}
     done = []
-    for k, name in enumerate(names):
-        use = embedding_use(gm, orig[name])
-        ranges = unit_ranges(use.num_embeddings, shares, granularity)
-        if any(b == a for a, b in ranges):
-            continue
+    for k, node, source, ranges in _rows_of(new, gm, names, lambda n: embedding_use(gm, n).num_embeddings,
+                                            shares, granularity):
+        use = embedding_use(gm, source)
         a, b = ranges[rank_index]
         w = gm.get_parameter(use.weight)
         mod = ShardedEmbedding(w[a:b], a, use.padding_idx)
-        node = nodes[name]
         if use.module is not None:
             _set_module(new, use.module, mod)
             call, local = node, f"{use.module}.weight"
@@ -444,14 +471,8 @@ def _shard_embeddings(new: fx.GraphModule, gm: fx.GraphModule, names: tuple[str,
                 graph.erase_node(read)
             local = f"_tpe{k}.weight"
         shards.append(ParamShard(local, use.weight, tuple(w.shape), 0, tuple(((x, y),) for x, y in ranges)))
-        users = list(call.users)
-        new.add_submodule(f"_tpe_g{k}", ReduceFromGroup(all_reduce))
-        with graph.inserting_after(call):
-            out = graph.call_module(f"_tpe_g{k}", (call,))
-        out.meta = {key: v for key, v in call.meta.items() if key != COST}
-        for u in users:
-            u.replace_input_with(call, out)
-        done.append(name)
+        _call_after(new, call, f"_tpe_g{k}", ReduceFromGroup(all_reduce))
+        done.append(source.name)
     return tuple(done)
 
 
@@ -461,38 +482,21 @@ def _shard_heads(new: fx.GraphModule, gm: fx.GraphModule, heads: tuple[str, ...]
     """Shard each head of ``new`` (``passes.tp_head``): its rows of the weight and bias, f on its input,
     the gather after it; appends the ``ParamShard``s to ``shards``; the heads sharded."""
     graph = new.graph
-    nodes = {n.name: n for n in graph.nodes}
-    orig = {n.name: n for n in gm.graph.nodes}
     done = []
-    for k, name in enumerate(heads):
-        lin = linear_use(gm, orig[name])
-        ranges = unit_ranges(lin.out_features, shares, granularity)
-        if any(b == a for a, b in ranges):
-            continue   # a member would own nothing: the head stays whole
+    for k, node, source, ranges in _rows_of(new, gm, heads, lambda n: linear_use(gm, n).out_features,
+                                            shares, granularity):
+        lin = linear_use(gm, source)
         runs = tuple(((a, b),) for a, b in ranges)
         a, b = ranges[rank_index]
         w = attr_value(gm, lin.weight)
         bias = attr_value(gm, lin.bias) if lin.bias else None
-        node = nodes[name]
         names = _install_linear(new, node, lin, f"_tph{k}", w.detach()[a:b],
                                 bias.detach()[a:b] if bias is not None else None, like=w)
         shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 0, runs))
         if bias is not None:
             shards.append(ParamShard(names[1], lin.bias, tuple(bias.shape), 0, runs))
         x = node.args[0]
-        new.add_submodule(f"_tph_f{k}", CopyToGroup(all_reduce))
-        with graph.inserting_before(node):
-            f = graph.call_module(f"_tph_f{k}", (x,))
-        f.meta = {key: v for key, v in x.meta.items() if key != COST}
-        if BLOCK in node.meta:
-            f.meta[BLOCK] = node.meta[BLOCK]
-        node.replace_input_with(x, f)
-        users = list(node.users)
-        new.add_submodule(f"_tph_gather{k}", GatherFromGroup(tuple(b - a for a, b in ranges), rank_index))
-        with graph.inserting_after(node):
-            out = graph.call_module(f"_tph_gather{k}", (node,))
-        out.meta = {key: v for key, v in node.meta.items() if key != COST}
-        for u in users:
-            u.replace_input_with(node, out)
-        done.append(name)
+        node.replace_input_with(x, _f_before(new, x, node, f"_tph_f{k}", all_reduce))
+        _call_after(new, node, f"_tph_gather{k}", GatherFromGroup(tuple(b - a for a, b in ranges), rank_index))
+        done.append(source.name)
     return tuple(done)
