@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.passes.tp_nodes import linear_use
+from autopar.passes.tp_nodes import linear_use, param_read_counts
 
 __all__ = ["HEAD_WIDTH", "find_tp_heads", "find_tp_embeddings", "embedding_use", "EmbeddingUse",
            "GatherFromGroup", "ShardedEmbedding", "bind_all_gather"]
@@ -70,7 +70,7 @@ def find_tp_heads(gm: fx.GraphModule, pairs, keep_whole: frozenset = frozenset()
     whole (tied to a copy outside ``gm``: a pipeline stage's)."""
     held = {c for p in pairs for c in p.column_nodes} | {p.row_node for p in pairs}
     uses = {n: lin for n in gm.graph.nodes if (lin := linear_use(gm, n)) is not None}
-    reads = _param_reads(gm)
+    reads = param_read_counts(gm)
     out = []
     for n, lin in uses.items():
         if n.name in held or lin.out_features < HEAD_WIDTH * lin.in_features or lin.weight in keep_whole \
@@ -117,26 +117,10 @@ def embedding_use(gm: fx.GraphModule, node: fx.Node) -> EmbeddingUse | None:
     return None
 
 
-def _param_reads(gm: fx.GraphModule) -> dict[int, int]:
-    """id(parameter) -> the nodes reading it (a ``get_attr``, or a call of a module holding it)."""
-    reads: dict[int, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            try:
-                obj = gm.get_parameter(str(n.target))
-            except AttributeError:
-                continue
-            reads[id(obj)] = reads.get(id(obj), 0) + 1
-        elif n.op == "call_module":
-            for p in gm.get_submodule(str(n.target)).parameters():
-                reads[id(p)] = reads.get(id(p), 0) + 1
-    return reads
-
-
 def find_tp_embeddings(gm: fx.GraphModule, keep_whole: frozenset = frozenset()) -> tuple[str, ...]:
     """The node names of ``gm``'s token embeddings TP shards (see the module docstring), in graph order;
     ``keep_whole`` as ``find_tp_heads``'."""
-    reads = _param_reads(gm)
+    reads = param_read_counts(gm)
     out = []
     for n in gm.graph.nodes:
         use = embedding_use(gm, n)

@@ -14,7 +14,9 @@ import torch
 import torch.fx as fx
 
 from autopar.passes.meta import TENSOR
-from autopar.passes.tp_nodes import LinearUse, attr_value, node_kind as _kind, node_shape, linear_use
+from autopar.passes.tp_nodes import (
+    LinearUse, attr_value, linear_use, node_kind as _kind, node_shape, param_read_counts,
+)
 
 __all__ = ["TPPair", "LinearUse", "find_tp_pairs", "linear_use", "attr_value", "node_shape"]
 
@@ -444,14 +446,7 @@ def _lin_name(lin: LinearUse) -> str:
 
 def _params_used_once(gm: fx.GraphModule, linears: dict[fx.Node, LinearUse]) -> set[fx.Node]:
     """Linear nodes whose parameters no other node reads (a module called once, a weight read once)."""
-    count: dict[int, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            for p in gm.get_submodule(node.target).parameters():
-                count[id(p)] = count.get(id(p), 0) + 1
-        elif node.op == "get_attr":
-            t = attr_value(gm, node.target)
-            count[id(t)] = count.get(id(t), 0) + len(node.users)
+    count = param_read_counts(gm)
     out = set()
     for n, lin in linears.items():
         names = [lin.weight] + ([lin.bias] if lin.bias else [])

@@ -18,7 +18,7 @@ from torch import nn
 from autopar.passes.attention_recompute import checkpointed_aten_attention, checkpointed_attention
 from autopar.passes.meta import TENSOR
 
-__all__ = ["LinearUse", "node_kind", "node_shape", "linear_use", "attr_value"]
+__all__ = ["LinearUse", "node_kind", "node_shape", "linear_use", "attr_value", "param_read_counts"]
 
 
 _UNARY_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.Mish,
@@ -137,3 +137,18 @@ def attr_value(gm: fx.GraphModule, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def param_read_counts(gm: fx.GraphModule) -> dict[int, int]:
+    """``id(tensor) -> reads`` of ``gm``'s attributes: each call of a module holding a parameter reads
+    it once, each user of a ``get_attr`` once (a weight shared by two ops, a tied embedding and head,
+    counts twice however the graph reads it)."""
+    count: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            for p in gm.get_submodule(node.target).parameters():
+                count[id(p)] = count.get(id(p), 0) + 1
+        elif node.op == "get_attr":
+            t = attr_value(gm, node.target)
+            count[id(t)] = count.get(id(t), 0) + len(node.users)
+    return count

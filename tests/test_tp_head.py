@@ -71,7 +71,7 @@ def test_the_rewrite_keeps_rows_and_gathers_them():
 
 def test_priced_sharded():
     from autopar.cost.tp_fwd import tp_head_comm_s
-    from autopar.cost.tp_tables import tp_heads_per_block, tp_memory_replicated_per_block
+    from autopar.cost.tp_tables import tp_embeddings_per_block, tp_heads_per_block, tp_memory_replicated_per_block
     from autopar.models import build
     from autopar.passes.analyze import analyze
 
@@ -80,7 +80,7 @@ def test_priced_sharded():
     n = len(analysis.blocks)
     heads = tp_heads_per_block(analysis.captured.gm, n)
     assert heads.tolist() == [0.0] * (n - 1) + [1.0]
-    assert tp_heads_per_block(analysis.captured.gm, n, embeddings=True).tolist() == [1.0] + [0.0] * (n - 1)
+    assert tp_embeddings_per_block(analysis.captured.gm, n).tolist() == [1.0] + [0.0] * (n - 1)
     rep_p, _ = tp_memory_replicated_per_block(analysis.captured.gm, n)
     assert rep_p[-1] < 0.1 and rep_p[0] == 0.0   # the head's weight sharded (the final norm's whole), the table
 

@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "tp_replicated_per_block", "tp_memory_fractions", "tp_span_factors",
     "DEFAULT_WORKSPACE_BYTES", "usable_bytes", "device_workspace_bytes",
-    "stage_input_bytes", "stage_memory_bytes", "zero3_block_memory_bytes",
+    "stage_input_bytes", "stage_memory_bytes", "zero3_block_memory_bytes", "tp_local_block_params",
     "stage_zero_stage", "stage_state_bytes", "stage_reduce_bytes", "sync_reduce_bytes", "transient_grad_bytes", "fits_memory",
     "LOSS_OUTPUT_COPIES", "loss_bytes_per_sample", "zero_staging_bytes", "zero3_gathered_bytes",
     "RankMemory", "activation_bytes_per_sample", "rank_memory", "max_micro_batch", "check_zero_stage",
@@ -280,6 +280,16 @@ def stage_memory_bytes(costs: ModelCosts, stages: Sequence[Stage], schedule: str
     return dict(sorted(out.items()))
 
 
+def tp_local_block_params(costs: ModelCosts, stage: Stage, rho: float, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(parameters, weight bytes) per block of ``stage`` that a TP rank holding ``fraction`` of its
+    member's units keeps: each block's state work factor (``tp_replicated_per_block``: a layer's weights
+    sharded, a block without a pair or vocabulary end whole)."""
+    blocks = slice(stage.block_start, stage.block_stop)
+    rep_p = tp_replicated_per_block(costs, rho, bool(stage.sequence_parallel))[0][blocks]
+    k = rep_p + (1.0 - rep_p) * float(fraction)
+    return costs.params[blocks] * k, costs.param_bytes[blocks] * k
+
+
 def zero3_block_memory_bytes(costs: ModelCosts, stage: Stage, rho: float) -> dict[int, int]:
     """Peak bytes of every rank of one recomputing stage of TP members at ZeRO-3 by block
     (``ir.plan.zero3_by_block``, ``runtime.pipeline``): per TP rank, with each block's state work factor
@@ -290,19 +300,17 @@ def zero3_block_memory_bytes(costs: ModelCosts, stage: Stage, rho: float) -> dic
     activation work factor), every block's input (whole on every TP rank: what the checkpoints keep)
     and the loss."""
     blocks = slice(stage.block_start, stage.block_stop)
-    rep_p, rep_a = tp_replicated_per_block(costs, rho, bool(stage.sequence_parallel))
-    rep_p, rep_a = rep_p[blocks], rep_a[blocks]
-    params, wbytes, act = costs.params[blocks], costs.param_bytes[blocks], costs.act_bytes[blocks]
+    rep_a = tp_replicated_per_block(costs, rho, bool(stage.sequence_parallel))[1][blocks]
+    act = costs.act_bytes[blocks]
     held = float(costs.out_bytes[blocks][:-1].sum()) + (float(costs.out_bytes[stage.block_start - 1])
                                                         if stage.block_start > 0 else 0.0)
     d, g = len(stage.groups), costs.grad_bytes_per_param
     out: dict[int, int] = {}
-    for members, shares, rows in zip(stage.groups, stage.tp_shares or [(1,) * len(m) for m in stage.groups],
-                                     stage.micro_batches):
+    for members, shares, rows in zip(stage.groups, tp_cost.stage_tp_shares(stage), stage.micro_batches):
         x = max(rows)
         for r, f in zip(members, np.asarray(shares, float) / sum(shares)):
-            kp, ka = rep_p + (1.0 - rep_p) * f, rep_a + (1.0 - rep_a) * f
-            local_p, local_w = params * kp, wbytes * kp
+            local_p, local_w = tp_local_block_params(costs, stage, rho, f)
+            ka = rep_a + (1.0 - rep_a) * f
             state = sharded_state_bytes(float(local_w.sum()), float(local_p.sum()), g,
                                         costs.optimizer_bytes_per_param, 3, 1.0 / d)
             top = np.sort(local_p)[-2:]

@@ -53,7 +53,7 @@ from autopar.cost.comm import (
     allgather_time_s, allreduce_time_s, dp_comm_hides, loss_allreduce_s, p2p_time_s, zero_gather_s,
     zero_reduce_scatter_s,
 )
-from autopar.cost.memory import stage_input_bytes, tp_replicated_per_block, usable_bytes
+from autopar.cost.memory import stage_input_bytes, tp_local_block_params, usable_bytes
 from autopar.cost.stage import MemberLoad, RowParts, StageLink, micro_sizes, p2p_alpha_beta, span_sums, \
     stage_cost_tensor, stage_row_parts, stage_split_feasible
 from autopar.ir.costs import ModelCosts, sharded_state_bytes
@@ -66,8 +66,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PipelineContext", "pipeline_cost_tensor", "pipeline_split_feasible", "stage_durations",
            "stage_input_bytes", "plan_timeline", "stage_optimizer_s", "pipeline_memory_bytes",
-           "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "zero3_block_round_s", "ZB_INPUT_SHARE",
-           "ZB_WEIGHT_SHARE"]
+           "pipeline_loss_allreduce_s", "tied_allreduces_s", "split_durations", "zero3_block_round_s", "stage_sync_s",
+           "ZB_INPUT_SHARE", "ZB_WEIGHT_SHARE"]
 
 ZB_INPUT_SHARE = 0.95    # BI / whole backward, as the runtime's split measures (see the module docstring)
 ZB_WEIGHT_SHARE = 0.85   # BW / whole backward
@@ -423,10 +423,9 @@ def zero3_block_round_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, rho
     from autopar.cost import tp as tp_cost
 
     blocks = slice(stage.block_start, stage.block_stop)
-    rep_p, _ = tp_replicated_per_block(costs, tp_cost.DEFAULT_REPLICATED_FRACTION if rho is None else rho,
-                                       bool(stage.sequence_parallel))
-    f = max(max(sh) / sum(sh) for sh in (stage.tp_shares or [(1,) * len(m) for m in stage.groups]))
-    local = [int(round(u)) for u in costs.params[blocks] * (rep_p[blocks] + (1.0 - rep_p[blocks]) * f) if u > 0]
+    f = max(max(sh) / sum(sh) for sh in tp_cost.stage_tp_shares(stage))
+    local_p, _ = tp_local_block_params(costs, stage, tp_cost.DEFAULT_REPLICATED_FRACTION if rho is None else rho, f)
+    local = [int(round(u)) for u in local_p if u > 0]
     if not local:
         return 0.0
     ranks = [m[0] for m in stage.groups]
@@ -435,6 +434,15 @@ def zero3_block_round_s(costs: ModelCosts, cluster: "Cluster", stage: Stage, rho
     rs = sum(zero_reduce_scatter_s(cluster, ranks, u, int(costs.grad_bytes_per_param)) for u in local)
     exposed = gathers[0] + gathers[-1] if dp_comm_hides(cluster, ranks) else 2 * sum(gathers)
     return exposed + rs
+
+
+def stage_sync_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", stage: Stage, rho: float | None) -> float:
+    """Seconds of ``stage``'s gradient reduction in ``plan``: under ZeRO-3 by block every micro-batch's
+    round of per-block collectives (``zero3_block_round_s``), else the reduction over its members after
+    the schedule (``cost.tp.stage_sync_time_s``)."""
+    if zero3_by_block(plan.stages, plan.zero_stage):
+        return plan.num_micro_batches * zero3_block_round_s(costs, cluster, stage, rho)
+    return _allreduce_s(costs, cluster, stage, rho, plan.zero_stage)
 
 
 def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[float],
@@ -446,10 +454,7 @@ def _finish_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", ends: Sequence[
     stages = plan.stages
     R = plan.rank_stages
     chunks = [range(p, len(stages), R) for p in range(R)]   # a rank stage's chunks (one without interleaving)
-    if zero3_by_block(stages, plan.zero_stage):   # every micro-batch a round of per-block collectives
-        ar = [plan.num_micro_batches * zero3_block_round_s(costs, cluster, stages[0], rho)]
-    else:
-        ar = [_allreduce_s(costs, cluster, st, rho, plan.zero_stage) for st in stages]
+    ar = [stage_sync_s(plan, costs, cluster, st, rho) for st in stages]
     ready = [0.0] * len(stages)
     for cs in chunks:   # a rank reduces its chunks' gradients one after another
         for c in cs:

@@ -140,13 +140,15 @@ def _tp_pairs(analysis, num_blocks: int) -> np.ndarray | None:
     return None if gm is None else tp_pairs_per_block(gm, num_blocks)
 
 
-def _tp_heads(analysis, num_blocks: int, embeddings: bool = False) -> np.ndarray | None:
-    """The heads (``embeddings``: token embeddings) tensor parallelism shards per block
-    (``cost.tp_tables.tp_heads_per_block``), or None where the analysis has no graph."""
-    from autopar.cost.tp_tables import tp_heads_per_block
+def _vocab_ends(analysis, num_blocks: int) -> dict:
+    """The LM heads and token embeddings tensor parallelism shards per block (``cost.tp_tables``;
+    ``TpTables`` fields), none where the analysis has no graph."""
+    from autopar.cost.tp_tables import tp_embeddings_per_block, tp_heads_per_block
 
     gm = getattr(getattr(analysis, "captured", None), "gm", None)
-    return None if gm is None else tp_heads_per_block(gm, num_blocks, embeddings)
+    if gm is None:
+        return {}
+    return dict(tp_heads=tp_heads_per_block(gm, num_blocks), tp_embeddings=tp_embeddings_per_block(gm, num_blocks))
 
 
 def param_tensors_per_block(analysis, num_blocks: int) -> np.ndarray | None:
@@ -272,8 +274,7 @@ def tp_tables(analysis) -> TpTables:
     """What tensor parallelism shards and overlaps per block of ``analysis``' graph
     (``autopar.ir.tables.TpTables``; empty without a graph)."""
     n = len(analysis.stats)
-    return TpTables(tp_pairs=_tp_pairs(analysis, n), tp_heads=_tp_heads(analysis, n),
-                    tp_embeddings=_tp_heads(analysis, n, embeddings=True), **_tp_memory(analysis, n),
+    return TpTables(tp_pairs=_tp_pairs(analysis, n), **_vocab_ends(analysis, n), **_tp_memory(analysis, n),
                     **tp_graph_tables_of(analysis, n))   # SP and backward-overlap tables (cost.tp_tables)
 
 

@@ -40,7 +40,7 @@ from autopar.cost.comm import allreduce_time_s, reduce_scatter_time_s, ring_link
 from autopar.cost import tp_fwd
 from autopar.cost.tp_fwd import (  # re-exported: the collectives' half of the TP cost model
     SP_COLLECTIVES_PER_PAIR, TP_ALLREDUCES_PER_BLOCK, group_wgrad_s, sp_blocks, sp_pad, tp_allreduce_block_s,
-    tp_backward_comm_s, tp_block_comm_s, tp_heads_of, tp_pairs_of, tp_sharded_blocks,
+    tp_backward_comm_s, tp_block_comm_s, tp_embeddings_of, tp_heads_of, tp_pairs_of, tp_sharded_blocks,
 )
 from autopar.cost.tp_tables import (  # re-exported: the graph's TP tables
     replicated_fraction_of_graph, tp_memory_replicated_per_block, tp_pairs_per_block,
@@ -57,7 +57,7 @@ __all__ = [
     "GroupKind", "group_kind", "kind_block_times", "kind_times", "group_block_times", "group_step_time_s",
     "group_memory_factor", "group_speed", "dp_allreduce_time_s", "stage_allreduce_time_s", "Member",
     "tp_zero_stage", "tp_zero_saving_bytes", "tp_optimizer_params", "tp_pairs_per_block", "tp_pairs_of",
-    "tp_heads_of", "tp_sharded_blocks",
+    "tp_heads_of", "tp_embeddings_of", "tp_sharded_blocks", "stage_tp_shares",
     "replicated_fraction_of_graph", "tp_rank_params", "rank_block_times", "tp_allreduce_block_s",
     "SP_COLLECTIVES_PER_PAIR", "TP_BACKWARD_OVERLAP", "sp_blocks", "sp_pad", "tp_backward_comm_s", "group_wgrad_s",
     "sp_pays", "stage_sequence_parallel", "with_sequence_parallel", "sp_alpha_beta", "comm_hides",
@@ -476,7 +476,7 @@ def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
 
 # -- ZeRO inside tensor-parallel stages (the data-parallel sync, ``runtime.dp_sync``, over TP peers) --
 
-def _member_shares(stage) -> list[tuple[int, ...]]:
+def stage_tp_shares(stage) -> list[tuple[int, ...]]:
     """Each member's head shares (even when the stage gives none)."""
     if stage.tp_shares:
         return [tuple(map(int, s)) for s in stage.tp_shares]
@@ -490,7 +490,7 @@ def tp_zero_stage(stage, zero_stage: int) -> int:
     runtime's side of this rule), else 0 (different shardings reduce full-model buffers)."""
     if zero_stage < 1 or len(stage.groups) < 2:
         return 0
-    shares = _member_shares(stage)
+    shares = stage_tp_shares(stage)
     return 1 if len(set(shares)) == 1 else 0
 
 
@@ -504,7 +504,7 @@ def tp_zero_saving_bytes(costs: ModelCosts, stage, zero_stage: int,
     params = float(costs.params[stage.block_start:stage.block_stop].sum())
     d = len(stage.groups)
     out = {}
-    for ranks, shares in zip(stage.groups, _member_shares(stage)):
+    for ranks, shares in zip(stage.groups, stage_tp_shares(stage)):
         factors = work_factors(np.asarray(shares, float) / sum(shares), _check_rho(replicated_fraction))
         for r, k in zip(ranks, factors):
             out[r] = params * costs.optimizer_bytes_per_param * k * (1.0 - 1.0 / d) if z >= 1 else 0.0
@@ -535,7 +535,7 @@ def tp_optimizer_params(stage, params: float, replicated_fraction: float = DEFAU
     shard (``work_factors``), and under ZeRO-1 (``tp_zero_stage``) 1/D of it over D members."""
     d = len(stage.groups) if tp_zero_stage(stage, zero_stage) else 1
     out = {}
-    for ranks, shares in zip(stage.groups, _member_shares(stage)):
+    for ranks, shares in zip(stage.groups, stage_tp_shares(stage)):
         factors = work_factors(np.asarray(shares, float) / sum(shares), _check_rho(replicated_fraction))
         for r, k in zip(ranks, factors):
             out[r] = params * float(k) / d

@@ -37,7 +37,7 @@ from autopar.ir.costs import ModelCosts
 __all__ = ["TP_ALLREDUCES_PER_BLOCK", "SP_COLLECTIVES_PER_PAIR", "FWD_OVERLAP_CHUNKS", "TP_FORWARD_OVERLAP",
            "FWD_OVERLAP_PATTERNS", "OVERLAP_PATTERNS", "sp_blocks", "sp_pad", "tp_allreduce_block_s",
            "tp_backward_comm_s", "group_wgrad_s", "group_gemm_s", "tp_pairs_of", "tp_heads_of",
-           "tp_sharded_blocks", "tp_head_comm_s", "chunked_exposed_s",
+           "tp_embeddings_of", "tp_sharded_blocks", "tp_head_comm_s", "chunked_exposed_s",
            "sp_call_links", "forward_overlap_patterns", "tp_overlap_hidden_s", "tp_block_comm_s",
            "tp_collective_phase_s", "overlap_key"]
 
@@ -149,13 +149,21 @@ def group_gemm_s(costs: ModelCosts, types: Sequence[str], shares: Sequence[int],
     return share * per_rank.min(axis=0)[:, None]
 
 
-def tp_heads_of(costs: ModelCosts, field: str = "tp_heads") -> np.ndarray:
-    """The per-block head counts a ``ModelCosts`` carries (``tp_heads``; ``field="tp_embeddings"``: the
-    token embeddings'; zeros without them)."""
-    heads = getattr(costs, field, None)
-    if heads is None or len(heads) != costs.num_blocks:
+def _counts(costs: ModelCosts, field: str) -> np.ndarray:
+    got = getattr(costs, field, None)
+    if got is None or len(got) != costs.num_blocks:
         return np.zeros(costs.num_blocks)
-    return np.asarray(heads, dtype=np.float64)
+    return np.asarray(got, dtype=np.float64)
+
+
+def tp_heads_of(costs: ModelCosts) -> np.ndarray:
+    """The per-block LM head counts a ``ModelCosts`` carries (``tp_heads``; zeros without them)."""
+    return _counts(costs, "tp_heads")
+
+
+def tp_embeddings_of(costs: ModelCosts) -> np.ndarray:
+    """The per-block token embedding counts a ``ModelCosts`` carries (``tp_embeddings``; zeros without)."""
+    return _counts(costs, "tp_embeddings")
 
 
 def tp_sharded_blocks(costs: ModelCosts) -> np.ndarray | None:
@@ -164,7 +172,7 @@ def tp_sharded_blocks(costs: ModelCosts) -> np.ndarray | None:
     pairs = tp_pairs_of(costs)
     if pairs is None:
         return None
-    return (pairs > 0) | (tp_heads_of(costs) > 0) | (tp_heads_of(costs, "tp_embeddings") > 0)
+    return (pairs > 0) | (tp_heads_of(costs) > 0) | (tp_embeddings_of(costs) > 0)
 
 
 def tp_pairs_of(costs: ModelCosts) -> np.ndarray | None:
@@ -268,27 +276,35 @@ def _block_comm(costs, alpha_s, beta_s_per_byte, micro_batch, types, shares, seq
         fwd = np.maximum(fwd - hid["ag_columns"] - hid["row_rs"], 0.0)
     if hid["bwd_ag_row"].any():
         bwd = np.maximum(bwd - hid["bwd_ag_row"], 0.0)
-    head_f, head_b = tp_head_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch)
-    return fwd + head_f, bwd + head_b, hid
+    gather, lookups, grads = _vocab_comm(costs, alpha_s, beta_s_per_byte, micro_batch)
+    return fwd + gather + lookups, bwd + grads, hid
+
+
+def _vocab_comm(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float,
+                micro_batch: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seconds per block of the vocabulary ends' collectives (``passes.tp_head``), by kind: a head's
+    gather of its output forward (the graph's output, ``ModelCosts.output_bytes`` per sample: an
+    all-gather moves half an all-reduce's bytes), a token embedding's g forward (the all-reduce of its
+    lookups, the block's output), and a head's f backward (the all-reduce of its input's gradient, the
+    block before's output). Zeros without either."""
+    heads, embeds = tp_heads_of(costs), tp_embeddings_of(costs)
+    if not (heads.any() or embeds.any()) or micro_batch <= 0:
+        zero = np.zeros(costs.num_blocks)
+        return zero, zero, zero
+    x = float(micro_batch)
+    out = np.asarray(costs.out_bytes, float)
+    before = np.concatenate([[0.0], out[:-1]])
+    return (heads * (alpha_s + 0.5 * beta_s_per_byte * float(costs.output_bytes) * x),
+            embeds * (alpha_s + beta_s_per_byte * out * x),
+            heads * (alpha_s + beta_s_per_byte * before * x))
 
 
 def tp_head_comm_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float,
                    micro_batch: float) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds per block of the vocabulary ends' collectives (``passes.tp_head``):
-    a head's gather of its output forward (the graph's output, ``ModelCosts.output_bytes`` per sample:
-    an all-gather moves half an all-reduce's bytes) and f's all-reduce of its input's gradient
-    backward (the block before's output); a token embedding's g forward, the all-reduce of its lookups
-    (the block's output). Zeros without either."""
-    heads, embeds = tp_heads_of(costs), tp_heads_of(costs, "tp_embeddings")
-    if not (heads.any() or embeds.any()) or micro_batch <= 0:
-        return np.zeros(costs.num_blocks), np.zeros(costs.num_blocks)
-    x = float(micro_batch)
-    out = np.asarray(costs.out_bytes, float)
-    before = np.concatenate([[0.0], out[:-1]])
-    fwd = heads * (alpha_s + 0.5 * beta_s_per_byte * float(costs.output_bytes) * x) \
-        + embeds * (alpha_s + beta_s_per_byte * out * x)
-    bwd = heads * (alpha_s + beta_s_per_byte * before * x)
-    return fwd, bwd
+    """(forward, backward) seconds per block of the vocabulary ends' collectives (``_vocab_comm``):
+    forward a head's gather and an embedding's sum, backward a head's f."""
+    gather, lookups, grads = _vocab_comm(costs, alpha_s, beta_s_per_byte, micro_batch)
+    return gather + lookups, grads
 
 
 def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: float, micro_batch: float,
@@ -313,15 +329,11 @@ def tp_collective_phase_s(costs: ModelCosts, alpha_s: float, beta_s_per_byte: fl
     gather_b = np.minimum(np.maximum(half - hid["bwd_ag_row"], 0.0), bwd)
     gather = np.where(sp, gather_f + gather_b, 0.0)
     scatter = np.where(sp, np.maximum(fwd - gather_f, 0.0) + np.maximum(bwd - gather_b, 0.0), 0.0)
-    head_f, head_b = tp_head_comm_s(costs, alpha_s, beta_s_per_byte, micro_batch)   # in fwd / bwd above
-    heads, embeds = tp_heads_of(costs), tp_heads_of(costs, "tp_embeddings")
-    out = np.asarray(costs.out_bytes, float) * max(float(micro_batch), 0.0)
-    lookups = embeds * (alpha_s + beta_s_per_byte * out) if micro_batch > 0 else np.zeros(n)
-    gathers = head_f - lookups            # the heads' gathers; the embeddings' sums are all-reduces
-    reduces = head_b + lookups
+    gathers, lookups, grads = _vocab_comm(costs, alpha_s, beta_s_per_byte, micro_batch)   # in fwd / bwd above
+    reduces = lookups + grads             # the heads' gathers are all-gathers; the rest all-reduces
     return {"all_reduce": np.where(sp, 0.0, fwd + bwd - gathers) + np.where(sp, reduces, 0.0),
             "reduce_scatter": np.maximum(scatter - np.where(sp, reduces, 0.0), 0.0),
-            "all_gather": gather + np.where(heads > 0, gathers, 0.0)}
+            "all_gather": gather + gathers}
 
 
 def overlap_key(costs: ModelCosts) -> tuple:

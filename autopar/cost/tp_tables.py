@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["replicated_fraction_of_graph", "tp_memory_replicated_per_block", "tp_pairs_per_block", "tp_heads_per_block", "FLOP_PER_BYTE", "sp_supported_of_graph", "tp_sp_tables", "tp_wgrad_shares", "tp_graph_tables",
+__all__ = ["replicated_fraction_of_graph", "tp_memory_replicated_per_block", "tp_pairs_per_block", "tp_heads_per_block",
+           "tp_embeddings_per_block", "FLOP_PER_BYTE", "sp_supported_of_graph", "tp_sp_tables", "tp_wgrad_shares", "tp_graph_tables",
            "tp_graph_tables_of", "tp_gemm_shares"]
 
 FLOP_PER_BYTE = 150.0
@@ -85,12 +86,9 @@ def tp_memory_replicated_per_block(gm, num_blocks: int) -> tuple[np.ndarray, np.
     every block: tensor parallelism shards none of it (torchtitan's fused-QKV attention with grouped
     experts: every TP rank held the whole model, which the time fraction had priced as halved)."""
     from autopar.passes.meta import BLOCK, COST
+    from autopar.passes.tp_head import embedding_use, find_tp_embeddings, find_tp_heads
     from autopar.passes.tp_match import find_tp_pairs
-
-    from autopar.passes.tp_head import find_tp_heads
     from autopar.passes.tp_nodes import linear_use
-
-    from autopar.passes.tp_head import embedding_use, find_tp_embeddings
 
     pairs = find_tp_pairs(gm)
     heads = find_tp_heads(gm, pairs)
@@ -175,16 +173,30 @@ def tp_pairs_per_block(gm, num_blocks: int) -> np.ndarray:
 
 
 
-def tp_heads_per_block(gm, num_blocks: int, embeddings: bool = False) -> np.ndarray:
-    """Per block of an analysed graph, the heads tensor parallelism shards in it (``passes.tp_head``:
-    an LM head's rows, its output gathered); ``embeddings``: the token embeddings it shards by rows."""
-    from autopar.passes.meta import BLOCK
-    from autopar.passes.tp_head import find_tp_embeddings, find_tp_heads
+def tp_heads_per_block(gm, num_blocks: int) -> np.ndarray:
+    """Per block of an analysed graph, the LM heads tensor parallelism shards in it (``passes.tp_head``:
+    a head's rows, its output gathered)."""
+    from autopar.passes.tp_head import find_tp_heads
     from autopar.passes.tp_match import find_tp_pairs
+
+    return _per_block(gm, find_tp_heads(gm, find_tp_pairs(gm)), num_blocks)
+
+
+def tp_embeddings_per_block(gm, num_blocks: int) -> np.ndarray:
+    """Per block of an analysed graph, the token embeddings tensor parallelism shards by rows in it
+    (``passes.tp_head``)."""
+    from autopar.passes.tp_head import find_tp_embeddings
+
+    return _per_block(gm, find_tp_embeddings(gm), num_blocks)
+
+
+def _per_block(gm, names, num_blocks: int) -> np.ndarray:
+    """How many of the nodes ``names`` each block holds."""
+    from autopar.passes.meta import BLOCK
 
     nodes = {n.name: n for n in gm.graph.nodes}
     out = np.zeros(int(num_blocks))
-    for name in find_tp_embeddings(gm) if embeddings else find_tp_heads(gm, find_tp_pairs(gm)):
+    for name in names:
         b = nodes[name].meta.get(BLOCK)
         if b is not None and 0 <= int(b) < num_blocks:
             out[int(b)] += 1

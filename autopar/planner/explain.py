@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.config import MEMORY_FRACTION
-from autopar.cost import tp as tp_cost
 from autopar.cost.memory import usable_bytes
-from autopar.cost.pipeline import plan_timeline, stage_durations, stage_optimizer_s, zero3_block_round_s
+from autopar.cost.pipeline import plan_timeline, stage_durations, stage_optimizer_s, stage_sync_s
 from autopar.ir.costs import ModelCosts
-from autopar.ir.plan import Plan, zero3_by_block
+from autopar.ir.plan import Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster.model import Cluster
@@ -80,14 +79,6 @@ def _slowest_rank(plan: Plan, costs: ModelCosts, cluster: "Cluster") -> tuple[fl
     return best
 
 
-def _sync_s(plan: Plan, costs: ModelCosts, cluster: "Cluster", stage, rho) -> float:
-    """A stage's gradient reduction: its rounds of per-block collectives under ZeRO-3 by block
-    (``cost.pipeline.zero3_block_round_s``), else ``cost.tp.stage_sync_time_s``."""
-    if zero3_by_block(plan.stages, plan.zero_stage):
-        return plan.num_micro_batches * zero3_block_round_s(costs, cluster, stage, rho)
-    return tp_cost.stage_sync_time_s(costs, cluster, stage, rho, zero_stage=plan.zero_stage)
-
-
 def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
                    memory_fraction: float = MEMORY_FRACTION) -> list[StageCost]:
     """Per stage, where the predicted step goes (see the module docstring)."""
@@ -109,7 +100,7 @@ def explain_stages(plan: Plan, costs: ModelCosts, cluster: "Cluster",
         out.append(StageCost(
             s, (st.block_start, st.block_stop), _devices(plan, cluster, s), busy,
             float(comm[s].sum()) if s < len(comm) else 0.0, max(0.0, timeline.step_time_s - busy),
-            _sync_s(plan, costs, cluster, st, rho),
+            stage_sync_s(plan, costs, cluster, st, rho),
             stage_optimizer_s(costs, cluster, st, plan.zero_stage, rho),
             _memory(plan, cluster, s, memory_fraction)))
     return out

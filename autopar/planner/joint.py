@@ -331,7 +331,7 @@ def _as_zero3(zero3: bool, scored: list[_Scored]) -> list[_Scored]:
     all-gather), so it is priced as ZeRO-1. A single stage of single devices is left to the
     data-parallel planner, whose ZeRO-3 gathers block by block, and one recomputing stage of TP members
     runs block by block too (``ir.plan.zero3_by_block``): such plans come priced from
-    ``_zero3_block_plans``, and their ZeRO-1 pricing is dropped here.""" 
+    ``_zero3_block_plans``, and their ZeRO-1 pricing is dropped here."""
     if not zero3:
         return scored
     return [x if x.plan.zero_stage == 3 else

@@ -125,7 +125,7 @@ def _run_unit_block(sync: Any, unit: int, prog: Any, num_flat: int, *values: Any
     forward and again when backward re-runs it (``DataParallelSync.enter_block`` / ``leave_block``)."""
     sync.enter_block(unit)
     try:
-        return prog(values[:num_flat], values[num_flat:])
+        return _run_block(prog, num_flat, *values)
     finally:
         sync.leave_block(unit)
 

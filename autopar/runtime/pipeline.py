@@ -314,16 +314,16 @@ class PipelineEngine(PipelineMessages):
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t_step = time.perf_counter()
         trace: list[tuple[str, int, float, float]] = []
-        worker = self.stage if self.stage is not None else None
         self._kept.begin_step()
         if self.sync is not None:         # ZeRO 0/1: backward accumulates into the flat gradient buffer
             self.sync.begin_step()
             if self.sync.zero_stage == 3 and not self._unit_of_block:
                 self.sync.gather_all()
-        if self._unit_of_block:
+        actions = self.schedule.actions[self.stage] if self.stage is not None else ()
+        if self._unit_of_block:     # one stage, block by block: its rounds replace the schedule
             loss_sum += self._step_by_block(flat, in_rows, tgt_rows, targets)
-            worker = None
-        for action in self.schedule.actions[worker] if worker is not None else ():
+            actions = ()
+        for action in actions:
             m, s = action.micro, action.stage
             a, b = self.layout[s][self.member][m]
             if a == b:
