@@ -36,7 +36,13 @@ Terms
 - steady (``clock_for``'s clocks; ``AUTOPAR_EMULATION_STEADY=0`` turns it off): a block is charged
   the least CPU time any block at the same position of a step has taken (positions count from 0 at
   every ``begin_step``, which ``recorded_step`` calls), not its own. A step runs the same blocks in
-  the same order, so this is the block's uncontended work: the CPU time of the same block varies by
+  the same order, so this is the block's uncontended work. Positions are compared only between steps
+  of one layout: the minima hold once two steps in a row have cut the same number of blocks, and a
+  step whose number differs from its predecessor's starts them afresh (until then a block is charged
+  its own CPU time). A first step that runs extra collectives (a vocabulary-parallel head learns its
+  gather order once) cuts more blocks, and position by position its small segments were taken as the
+  minima of later steps' large ones: the quarter-speed rank of a tensor-parallel Llama was charged half
+  its work. Otherwise: the CPU time of the same block varies by
   15-40% from step to step when neighbours share the core (caches, preemption), and that inflation is
   the host's, not the emulated device's. The cost model times blocks the same way (the least of its
   repeats, ``autopar.measure.blocks.measure_blocks``). The first steps (warm-up) charge what they take.
@@ -118,11 +124,25 @@ class EmulatedClock:
         self.recorder = None      # an autopar.runtime.recorder.PhaseRecorder while profiling
         self.steady = bool(steady)
         self._segment: tuple[float, float] | None = None     # (cpu, wall) where the open segment began
-        self._least_cpu: list[float] = []     # steady: per block position, the least CPU time seen
+        self._least_cpu: list[float] | None = None   # steady: per block position, the least CPU time seen
+        self._step_cpu: list[float] = []    # steady: this step's CPU time per block position
+        self._last_count: int | None = None   # steady: blocks the previous step cut
         self._position = 0
+        self._trusted = False     # steady: the minima come from two steps of one layout
 
     def begin_step(self) -> None:
-        """A step starts: block positions count from 0 again (``steady``)."""
+        """A step starts: block positions count from 0 again (``steady``). The minima are kept when the
+        step that ended cut as many blocks as the one before it (one layout), else they start afresh."""
+        if self._step_cpu:
+            ended = self._step_cpu
+            if self._last_count == len(ended):
+                base = self._least_cpu if self._least_cpu is not None and len(self._least_cpu) == len(ended) else ended
+                self._least_cpu = [min(a, b) for a, b in zip(base, ended)]
+                self._trusted = True
+            else:
+                self._least_cpu, self._trusted = list(ended), False
+            self._last_count = len(ended)
+        self._step_cpu = []
         self._position = 0
 
     @contextmanager
@@ -157,10 +177,10 @@ class EmulatedClock:
         if self.steady:
             i = self._position
             self._position += 1
-            if i < len(self._least_cpu):
-                self._least_cpu[i] = charged_s = min(self._least_cpu[i], cpu_s)
-            else:
-                self._least_cpu.append(cpu_s)
+            self._step_cpu.append(cpu_s)
+            least = self._least_cpu if self._trusted else None
+            if least is not None and i < len(least):
+                charged_s = min(least[i], cpu_s)
         target_s = charged_s / self.speed * self.time_scale
         wall_s = self._wall_time() - wall0
         t_work = time.perf_counter() if rec is not None else 0.0
