@@ -72,3 +72,11 @@ def test_tp_takes_the_fastest_shares_that_fit_where_the_fastest_do_not():
                                          units, rho, caps)
     with pytest.raises(PlanError, match="no head shares fit"):   # none fits: refused, saying so
         jp.plan_tp(costs, _cluster(0.1), 8, num_heads=units, replicated_fraction=rho)
+
+
+def test_tp_over_more_ranks_than_heads_shares_finer_units():
+    # two key/value groups over four ranks (Mixtral's 2 groups on the 3-rank demo alike): the plan shares
+    # out 4 units, a pair that a member would own none of stays whole (passes.tp), the rest is shared
+    plan = jp.plan_tp(_costs(), _cluster(4.0), 8, num_heads=2, replicated_fraction=0.1)
+    shares = plan.stages[0].tp_shares[0]
+    assert len(shares) == 4 and sum(shares) == 4 and min(shares) >= 1
