@@ -13,9 +13,9 @@ from autopar.cli.main import main
 from oracle import state_rel_errors as oracle_rel_errors
 
 
-def _result(control: float, ours: float) -> CheckResult:
+def _result(control: float, ours: float, reordered: float = 0.0) -> CheckResult:
     return CheckResult(model="m", strategy="auto", optimizer="adamw", steps=3, pieces=(4, 4), bound=BOUNDS["adamw"],
-                       control=control, autopar=ours, worst_tensor="w", plan="dp")
+                       control=control, autopar=ours, worst_tensor="w", plan="dp", reordered=reordered)
 
 
 def test_verdicts():
@@ -24,6 +24,9 @@ def test_verdicts():
     assert _result(6e-4, 2e-2).verdict == "differs"
     assert _result(1e-7, 2e-3).verdict == "differs"                        # the model is exact itself
     assert "worth an issue" in "\n".join(_result(1e-7, 2e-3).lines())
+    # one piece (a tensor-parallel plan): the rows reordered show the model's own rounding
+    assert _result(0.0, 2e-2, reordered=2e-2).verdict == "the model's own rounding"
+    assert _result(0.0, 2e-2, reordered=1e-6).verdict == "differs"
 
 
 def test_the_measure_is_the_tests_one():
@@ -46,5 +49,6 @@ def test_check_on_the_demo_cluster(tmp_path, capsys):
                  "--strategy", "uniform-pp", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["verdict"] == "exact" and got["autopar"] <= 1e-3 and 0 <= got["control"] <= 1e-3
+    assert 0 < got["reordered"] <= 1e-3      # the same sums in another order: not bitwise, within the bound
     assert sum(got["pieces"]) == 48 and len(got["pieces"]) > 1
     assert "verdict: exact" in capsys.readouterr().out
