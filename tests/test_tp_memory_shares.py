@@ -80,3 +80,10 @@ def test_tp_over_more_ranks_than_heads_shares_finer_units():
     plan = jp.plan_tp(_costs(), _cluster(4.0), 8, num_heads=2, replicated_fraction=0.1)
     shares = plan.stages[0].tp_shares[0]
     assert len(shares) == 4 and sum(shares) == 4 and min(shares) >= 1
+
+
+def test_tp_over_thousands_of_ranks_is_refused_at_once():
+    # plan_auto asks every single strategy: one TP group of 128 ranks is refused, not searched
+    devs = [{"device": {"name": "fast", "emulate": "cpu", "speed": 1.0, "memory_GB": 4.0}, "count": 128}]
+    with pytest.raises(PlanError, match="cannot share 8 heads"):
+        jp.plan_tp(_costs(), Cluster.from_dict({"nodes": [{"devices": devs}]}), 256, num_heads=8)

@@ -446,11 +446,14 @@ def plan_tp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_hea
     B = _check_batch(global_batch)
     ranks = tuple(range(len(cluster))) if ranks is None else tuple(ranks)
     units = num_heads if num_heads is not None else tp_cost.DEFAULT_NUM_UNITS
-    if len(ranks) > units:
+    if units < len(ranks) <= tp_cost.DEFAULT_NUM_UNITS:
         # More ranks than heads (under grouped-query attention, than key/value groups): shares in finer
         # units. A pair that some member would own none of stays whole on every rank
         # (``passes.tp.tp_rewrite``); the others (the MLP's, the vocabulary's) are shared out.
         units *= -(-len(ranks) // units)
+    if len(ranks) > units:     # one group of thousands (``plan_auto`` asks on every cluster): refused at once
+        raise PlanError(f"tp: {len(ranks)} ranks cannot share {units} heads (num_heads); a single TP group "
+                        f"needs at least one head per rank")
     whole = [costs.step_time(cluster.devices[r].spec.name, 1.0) for r in ranks]
     caps = tp_share_caps(costs, cluster, ranks, units, memory_fraction, replicated_fraction, recompute)
     shares = tp_cost.best_shares(whole, units, replicated_fraction, caps) if len(ranks) > 1 else (units,)
