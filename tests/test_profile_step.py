@@ -192,10 +192,10 @@ def _fake_timed_clock(**options):
     return ft, EmulatedClock(0.5, cpu_time=lambda: ft.cpu, wall_time=lambda: ft.wall, sleep=ft.sleep, **options)
 
 
-def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
-    ft, clock = _fake_timed_clock(steady=True)
+def _step_walls(ft, clock, steps) -> list[float]:
+    """Run ``steps`` (per step, each block's CPU seconds) on ``clock``; each step's wall time."""
     walls = []
-    for work in ((0.010, 0.005), (0.020, 0.004), (0.012, 0.006)):   # step 2's first block was inflated
+    for work in steps:
         clock.begin_step()
         w0 = ft.wall
         for cpu in work:
@@ -203,6 +203,12 @@ def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
                 ft.cpu += cpu
                 ft.wall += cpu
         walls.append(ft.wall - w0)
+    return walls
+
+
+def test_a_steady_clock_charges_each_block_position_its_least_cpu_time():
+    ft, clock = _fake_timed_clock(steady=True)
+    walls = _step_walls(ft, clock, ((0.010, 0.005), (0.020, 0.004), (0.012, 0.006)))   # step 2's first block was inflated
     # targets: 2 x the CPU time; from step 3 (two steps of one layout seen) the least at each position
     assert walls[0] == pytest.approx(2 * 0.015)
     assert walls[1] == pytest.approx(2 * 0.024)
@@ -213,15 +219,7 @@ def test_a_steady_clock_compares_positions_only_between_steps_of_one_layout():
     # the first step cuts an extra small block early (a collective run once): its positions do not
     # line up with later steps', so its small blocks must not become their minima
     ft, clock = _fake_timed_clock(steady=True)
-    walls = []
-    for work in ((0.010, 0.001, 0.020), (0.010, 0.020), (0.011, 0.021), (0.012, 0.022)):
-        clock.begin_step()
-        w0 = ft.wall
-        for cpu in work:
-            with clock.compute():
-                ft.cpu += cpu
-                ft.wall += cpu
-        walls.append(ft.wall - w0)
+    walls = _step_walls(ft, clock, ((0.010, 0.001, 0.020), (0.010, 0.020), (0.011, 0.021), (0.012, 0.022)))
     assert walls[1] == pytest.approx(2 * 0.030)     # its own: the previous step's layout differs
     assert walls[2] == pytest.approx(2 * 0.032)     # its own: one step of this layout seen so far
     assert walls[3] == pytest.approx(2 * 0.030)     # the least of steps 2 to 4, position by position
