@@ -296,6 +296,26 @@ def test_init_context_double_init_and_shutdown_in_process():
         context()
 
 
+def test_sub_groups_wait_the_step_timeout_not_torchs_thirty_minutes():
+    from datetime import timedelta
+
+    from autopar.runtime.communicator import pg_new_group
+
+    def waits(pg):
+        return pg._get_backend(torch.device("cpu")).options._timeout
+
+    init(_slow_cluster(1, speed=0.25), rank=0, world_size=1, store=dist.HashStore(), step_timeout_s=5.0)
+    try:
+        assert waits(pg_new_group([0])) == timedelta(seconds=5)    # Communicator.new_group passes the same
+    finally:
+        shutdown()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5))
+    try:                                 # after shutdown, a group autopar did not start keeps torch's default
+        assert waits(pg_new_group([0])) == timedelta(minutes=30)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_backends_for_gpu_cpu_and_mixed_clusters():
     gpus = Cluster.homogeneous("A100-80GB", count=2)
     mixed = Cluster.from_dict({"nodes": [

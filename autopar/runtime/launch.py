@@ -65,6 +65,7 @@ import torch.multiprocessing as mp
 
 from autopar.errors import LaunchError
 from autopar.cluster.emulation import allowed_cores
+from autopar.runtime.communicator import set_subgroup_timeout
 from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 
 __all__ = [
@@ -213,6 +214,7 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timeout)
+    set_subgroup_timeout(timeout)        # sub-groups wait as long as the world, not torch's 30 minutes
     _context = RankContext(rank, world_size, cluster, device, speed, backend, local_rank, full_cluster)
     if world_size > 1:   # every rank runs init, so every rank creates it, in the same order
         _planning = dist.new_group(timeout=timedelta(seconds=max(PLANNING_TIMEOUT_S, step_timeout_s)))
@@ -259,6 +261,7 @@ def shutdown() -> None:
     global _context, _planning
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    set_subgroup_timeout(None)
     _context = _planning = None
 
 
