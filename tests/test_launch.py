@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -77,7 +78,8 @@ def _happy(rank: int, scale: float):
             "backend": ctx.backend, "threads": torch.get_num_threads(), "env_rank": os.environ["RANK"],
             "interop_threads": torch.get_num_interop_threads(), "affinity": sorted(os.sched_getaffinity(0)),
             "oversubscription": emulate.oversubscription(ctx.world_size),
-            "pair": (rank, [t.clone()])}
+            "pair": (rank, [t.clone()]),
+            "ifnames": (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME"))}
 
 
 def _raise_at_step_2(rank: int):
@@ -131,6 +133,8 @@ def test_launch_returns_values_by_rank_and_all_reduce_works_two_launches_at_once
             # the time scale counts the cores the launch shared out, not the one this rank is pinned to
             assert r["oversubscription"] == emulate.oversubscription(n, len(os.sched_getaffinity(0)))
             assert r["pair"][0] == rank and torch.equal(r["pair"][1][0], r["sum"])
+            if sys.platform.startswith("linux"):     # one machine: gloo's and NCCL's sockets on loopback
+                assert r["ifnames"] == ("lo", "lo")
 
 
 @pytest.mark.launch

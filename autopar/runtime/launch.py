@@ -512,8 +512,9 @@ def _worker(fn, cluster, rank, args, port, workdir, step_timeout_s, env, parent_
     _die_with_parent(parent_pid)
     faulthandler.enable()          # a rank killed by a fatal signal prints its Python stack to stderr
     os.environ.update(env)
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # every rank is on this machine
+    if sys.platform.startswith("linux"):   # every rank is on this machine: gloo's and NCCL's sockets on loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     try:
         # Cores and torch threads of this rank: autopar.cluster.emulation.cpu_shares (the rule).
         world_size = int(env["WORLD_SIZE"])
