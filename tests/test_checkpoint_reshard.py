@@ -316,6 +316,9 @@ def test_compile_save_async_then_load_continues_the_data_rng_and_steps(tmp_path)
     rng = torch.get_rng_state()
     handle = a.save(tmp_path / "ckpt", async_save=True)
     steps(a, loader, 1)                       # trains while the checkpoint is written
+    second = a.save(tmp_path / "ckpt-next", async_save=True)    # starts once the first has finished
+    assert handle.done()
+    assert second.wait().step == N + 1
     manifest = handle.wait()
     assert handle.done() and manifest.step == N and manifest.meta["data"] == {"epoch": 0, "batch": N}
     assert _Plan.from_json(manifest.meta["plan"]) == a.plan

@@ -151,6 +151,7 @@ def save(compiled, directory, *, async_save: bool = False) -> Manifest | SaveHan
     # files of at most the largest piece (at least one piece each): a save holds at most that much
     # beyond the rank's own state, and a piece is at most one tensor, so at most one block
     bucket = max((p.tensor.numel() * p.tensor.element_size() for p in pieces), default=0)
+    _wait_in_flight()     # one save at a time: a second writer's collectives would interleave with the first's
     if not async_save:
         return store.save(directory, pieces, step=step, meta=meta, rank_objects=objects, bucket_bytes=bucket)
     group = _async_group()
@@ -166,7 +167,20 @@ def save(compiled, directory, *, async_save: bool = False) -> Manifest | SaveHan
 
     handle._thread = threading.Thread(target=write, name=f"autopar-save-{step}", daemon=True)
     handle._thread.start()
+    _IN_FLIGHT.append(handle)
     return handle
+
+
+_IN_FLIGHT: list[SaveHandle] = []     # this process's asynchronous saves not yet known to be finished
+
+
+def _wait_in_flight() -> None:
+    """Join every asynchronous save still writing (every rank calls ``save`` in the same order, so all
+    wait alike); each one's error stays for its own ``SaveHandle.wait``."""
+    while _IN_FLIGHT:
+        h = _IN_FLIGHT.pop()
+        if h._thread is not None:
+            h._thread.join()
 
 
 def _check_model(manifest: Manifest, engine, pieces) -> None:
