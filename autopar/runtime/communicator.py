@@ -53,7 +53,7 @@ from autopar.runtime.recorder import active_clock, active_recorder
 
 __all__ = ["CommGroup", "CommStats", "Communicator", "CommunicatorError", "PendingRecv",
            "pg_all_reduce", "pg_broadcast", "pg_all_gather", "pg_all_gather_into", "pg_reduce_scatter_into",
-           "pg_broadcast_objects", "pg_all_gather_objects", "record_issue", "record_issued", "record_wait", "pg_barrier", "pg_new_group", "set_subgroup_timeout", "pg_ranks", "pg_group_size", "pg_is_initialized",
+           "pg_broadcast_objects", "pg_all_gather_objects", "record_issue", "record_issued", "record_wait", "pg_barrier", "pg_new_group", "pg_ranks", "pg_group_size", "pg_is_initialized",
            "ReduceOp", "pg_all_reduce_async", "pg_all_gather_into_async", "PendingCollective",
            "emulation_paused"]
 
@@ -182,7 +182,7 @@ class Communicator:
         if len(ranks) > 1:
             impl = self._impl(backend)
             pg = dist.new_group(list(ranks), backend=None if impl == self._default_backend() else impl,
-                                timeout=_SUBGROUP_TIMEOUT[0])
+                                timeout=_subgroup_timeout())
             if self.rank not in ranks:
                 pg = None
         return CommGroup(ranks, backend, bridged, pg)
@@ -396,23 +396,20 @@ def pg_is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-_SUBGROUP_TIMEOUT: list = [None]     # the timedelta every sub-group waits (None: torch's default)
+def _subgroup_timeout():
+    """The step timeout ``autopar.runtime.launch.init`` set (None: torch's default). torch's ``new_group``
+    otherwise waits its own 30 minutes whatever the default group's timeout, so a rank hung in a TP,
+    pipeline, pair, precision or async-save group stalled its peers that long."""
+    from autopar.runtime.launch import subgroup_timeout
 
-
-def set_subgroup_timeout(timeout) -> None:
-    """Every process group made after this (``pg_new_group``, ``Communicator.new_group``) waits at most
-    ``timeout`` (a ``datetime.timedelta``; None: torch's default). ``autopar.runtime.launch.init`` sets
-    the world's step timeout: torch's ``new_group`` otherwise waits its own default of 30 minutes
-    whatever the default group's, so a rank hung in a TP, pipeline, pair, precision or async-save
-    group stalled its peers that long."""
-    _SUBGROUP_TIMEOUT[0] = timeout
+    return subgroup_timeout()
 
 
 def pg_new_group(ranks: Sequence[int]) -> Any:
     """A new process group over ``ranks`` on the default backend (collective: every rank of the default
     group calls it, in the same order, as ``torch.distributed.new_group`` requires), waiting at most the
-    step timeout (``set_subgroup_timeout``)."""
-    return dist.new_group(list(ranks), timeout=_SUBGROUP_TIMEOUT[0])
+    step timeout (``_subgroup_timeout``)."""
+    return dist.new_group(list(ranks), timeout=_subgroup_timeout())
 
 
 def pg_ranks(group: Any = None) -> list[int]:

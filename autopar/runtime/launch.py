@@ -65,13 +65,12 @@ import torch.multiprocessing as mp
 
 from autopar.errors import LaunchError
 from autopar.cluster.emulation import allowed_cores
-from autopar.runtime.communicator import set_subgroup_timeout
 from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 
 __all__ = [
     "RankContext", "launch", "init", "shutdown", "context", "is_initialized",
     "default_backend", "subgroup_backend", "present_cluster", "failed_devices",
-    "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV", "planning_group", "PLANNING_TIMEOUT_S",
+    "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV", "planning_group", "PLANNING_TIMEOUT_S", "subgroup_timeout",
 ]
 
 FAILED_ENV = "AUTOPAR_FAILED_DEVICES"     # ranks of the full cluster that failed, comma-separated
@@ -116,6 +115,7 @@ class RankContext:
 
 _context: RankContext | None = None   # set by init() in the rank's process, cleared by shutdown()
 _planning: Any = None                 # init()'s planning group (world of several ranks), cleared by shutdown()
+_group_timeout: timedelta | None = None   # init()'s step timeout, for every sub-group; cleared by shutdown()
 
 # How long ranks wait for rank 0's plan (``planning_group``): a cold plan analyses the model, times its
 # blocks and searches, minutes on a loaded machine, longer than a step's collective may wait. A rank that
@@ -165,7 +165,7 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     With ``rank=None`` (torchrun), RANK and WORLD_SIZE come from the environment and the rendezvous
     from MASTER_ADDR/MASTER_PORT. ``store``: rendezvous through this store instead (``launch``).
     """
-    global _context, _planning
+    global _context, _planning, _group_timeout
     if _context is not None:
         raise LaunchError(f"init: already initialised as rank {_context.rank}; call "
                           f"autopar.runtime.shutdown() before initialising again")
@@ -214,11 +214,18 @@ def init(cluster, rank: int | None = None, world_size: int | None = None, *,
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timeout)
-    set_subgroup_timeout(timeout)        # sub-groups wait as long as the world, not torch's 30 minutes
+    _group_timeout = timeout             # sub-groups wait as long as the world, not torch's 30 minutes
     _context = RankContext(rank, world_size, cluster, device, speed, backend, local_rank, full_cluster)
     if world_size > 1:   # every rank runs init, so every rank creates it, in the same order
         _planning = dist.new_group(timeout=timedelta(seconds=max(PLANNING_TIMEOUT_S, step_timeout_s)))
     return _context
+
+
+def subgroup_timeout() -> timedelta | None:
+    """How long every process group autopar makes after ``init`` waits (``runtime.communicator``'s
+    ``pg_new_group`` and ``Communicator.new_group``): the step timeout; None before ``init`` or after
+    ``shutdown`` (torch's default)."""
+    return _group_timeout
 
 
 def planning_group() -> Any:
@@ -258,11 +265,10 @@ def present_cluster(cluster, world_size: int):
 
 def shutdown() -> None:
     """Destroy the default process group and forget this rank's context (no-op when not initialised)."""
-    global _context, _planning
+    global _context, _planning, _group_timeout
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    set_subgroup_timeout(None)
-    _context = _planning = None
+    _context = _planning = _group_timeout = None
 
 
 # ---------------------------------------------------------------------------------------------------
