@@ -151,3 +151,23 @@ def test_ranks_planning_at_once_measure_the_link_once(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
+
+
+def test_the_link_lock_is_waited_for_with_a_deadline(tmp_path, monkeypatch):
+    import fcntl
+
+    from autopar.errors import LaunchError
+    from autopar.measure.cache import links_path
+    from autopar.measure.links import _link_lock
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    path = links_path().with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as holder:       # another process measuring, hung
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(LaunchError, match="stayed locked for 0.2 s"):
+            with _link_lock(wait_s=0.2):
+                pass
+        fcntl.flock(holder, fcntl.LOCK_UN)
+    with _link_lock(wait_s=0.2):          # free again: taken at once
+        pass

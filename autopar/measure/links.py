@@ -30,6 +30,7 @@ Terms (``autopar.cluster.links.EmulatedLink``; the rule: ``docs/emulation.md``)
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -78,10 +79,15 @@ def emulated_link_for(cluster):
     return EmulatedLink.from_json(found, nodes)
 
 
+LOCK_WAIT_S = 300.0      # the longest a process waits for another's link measurement (``_link_lock``)
+
+
 @contextmanager
-def _link_lock():
-    """An exclusive lock on this cache's links (a lock file next to ``links.json``); none where the
-    platform has no ``fcntl``."""
+def _link_lock(wait_s: float = LOCK_WAIT_S):
+    """An exclusive lock on this cache's links (a lock file next to ``links.json``), waited for at most
+    ``wait_s`` (a holder that hangs does not hang every later run: ``LaunchError`` naming the file);
+    none where the platform has no ``fcntl``."""
+    from autopar.errors import LaunchError
     from autopar.measure.cache import links_path
 
     try:
@@ -92,7 +98,16 @@ def _link_lock():
     path = links_path().with_suffix(".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LaunchError(f"links: {path} stayed locked for {wait_s:g} s by another process "
+                                      "measuring the emulated link; stop it or remove the file") from None
+                time.sleep(0.05)
         try:
             yield
         finally:
