@@ -178,9 +178,7 @@ def _wait_in_flight() -> None:
     """Join every asynchronous save still writing (every rank calls ``save`` in the same order, so all
     wait alike); each one's error stays for its own ``SaveHandle.wait``."""
     while _IN_FLIGHT:
-        h = _IN_FLIGHT.pop()
-        if h._thread is not None:
-            h._thread.join()
+        _IN_FLIGHT.pop()._thread.join()
 
 
 def _check_model(manifest: Manifest, engine, pieces) -> None:

@@ -126,22 +126,17 @@ class EmulatedClock:
         self._segment: tuple[float, float] | None = None     # (cpu, wall) where the open segment began
         self._least_cpu: list[float] | None = None   # steady: per block position, the least CPU time seen
         self._step_cpu: list[float] = []    # steady: this step's CPU time per block position
-        self._last_count: int | None = None   # steady: blocks the previous step cut
         self._position = 0
         self._trusted = False     # steady: the minima come from two steps of one layout
 
     def begin_step(self) -> None:
         """A step starts: block positions count from 0 again (``steady``). The minima are kept when the
         step that ended cut as many blocks as the one before it (one layout), else they start afresh."""
-        if self._step_cpu:
-            ended = self._step_cpu
-            if self._last_count == len(ended):
-                base = self._least_cpu if self._least_cpu is not None and len(self._least_cpu) == len(ended) else ended
-                self._least_cpu = [min(a, b) for a, b in zip(base, ended)]
-                self._trusted = True
-            else:
-                self._least_cpu, self._trusted = list(ended), False
-            self._last_count = len(ended)
+        ended = self._step_cpu
+        if ended:     # the minima (or the previous step's times) have the previous step's count
+            same = self._least_cpu is not None and len(self._least_cpu) == len(ended)
+            self._least_cpu = [min(a, b) for a, b in zip(self._least_cpu, ended)] if same else ended
+            self._trusted = same
         self._step_cpu = []
         self._position = 0
 
