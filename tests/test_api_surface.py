@@ -99,7 +99,7 @@ def test_plan_twice_and_the_plan_data(shared_cache):
     assert plan.predicted.samples_per_s <= plan.predicted.compute_bound_samples_per_s * (1 + 1e-9)
     assert all(s.ranks and s.num_layers >= 1 for s in plan.stages)
     assert autopar.Plan.from_json(plan.to_json()) == plan
-    with pytest.raises(autopar.PlanError, match="plan: not a plan's JSON"):
+    with pytest.raises(autopar.PlanError, match="plan.global_batch_size: missing"):
         autopar.Plan.from_json('{"strategy": "dp"}')
     text = plan.summary()
     assert f"summed: {plan.predicted.upper_bound_samples_per_s:.4g} samples/s" in text   # the upper bound

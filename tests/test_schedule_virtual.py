@@ -155,7 +155,13 @@ def test_plan_with_virtual_stages_round_trips_and_is_checked():
     assert plan.rank_stages == 2 and plan.chunks_of(0) == (0, 2) and plan.chunks_of(1) == (1, 3)
     old = json.loads(plan.to_json())
     del old["virtual_stages"]
-    assert Plan.from_dict(old).virtual_stages == 1     # plans saved before the field
+    with pytest.raises(PlanError, match=r"plan.stages\[2\].groups\[0\]\[0\]: 0 is a rank of stage 0 too"):
+        Plan.from_dict(old)                            # chunks of one rank without the field: not a flat plan
+    flat = json.loads(Plan(strategy="pp", global_batch_size=4, zero_stage=0, schedule="1f1b",
+                           stages=stages_of([(2, {0: (2, 2)}), (3, {1: (2, 2)})]),
+                           predicted=Predicted(step_time_s=1.0, samples_per_s=4.0, memory_bytes={})).to_json())
+    del flat["virtual_stages"]
+    assert Plan.from_dict(flat).virtual_stages == 1    # plans saved before the field
     with pytest.raises(PlanError, match="virtual_stages"):
         _vplan(V=3)
     with pytest.raises(PlanError, match="virtual_stages: stage 2"):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,66 +106,95 @@ def parse(d: Any, source: str = "") -> ClusterLayout:
 def _check_keys(d: Mapping, allowed: tuple[str, ...], path: str) -> None:
     for key in d:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.5)
+            plain = (key if isinstance(key, str) and 0 < len(key) <= 40 and key.isprintable() and " " not in key
+                     else _show(key))
+            close = difflib.get_close_matches(plain, allowed, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
-            where = f"{path}.{key}" if path else str(key)
-            raise ClusterError(f"{where}: unknown key {key!r}; {hint}")
+            where = f"{path}.{plain}" if path else plain
+            raise ClusterError(f"{where}: unknown key {_show(key)}; {hint}")
 
 
 def _mapping(value: Any, path: str, what: str) -> Mapping:
     if not isinstance(value, Mapping):
-        raise ClusterError(f"{path or 'cluster'}: {value!r} is not a mapping; expected {what}")
+        raise ClusterError(f"{path or 'cluster'}: {_show(value)} is not a mapping; expected {what}")
     return value
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict = 2, 4, 4, 4
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 40, 40, 24
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` cut short: an error quotes what it was given, never all of it (a YAML alias
+    bomb's value is billions of elements long; an integer of 400 digits prints as its head)."""
+    return _SHOW.repr(value)
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:   # an int beyond any float: 10**400
+        return False
+
+
+def _scaled(value: float, scale: float, path: str, unit: str) -> float:
+    """``value * scale`` (a unit conversion), or ``ClusterError`` at ``path`` where that leaves the
+    finite floats (``bandwidth_GBps: 1e300`` is 1e309 B/s: infinite, not fast)."""
+    out = value * scale
+    if not math.isfinite(out) or out <= 0:
+        raise ClusterError(f"{path}: {_show(value)} is out of range ({unit}); give a finite figure of the "
+                           "device or link")
+    return out
 
 
 def positive_int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterError(f"{path}: {value!r} is not a positive integer")
+        raise ClusterError(f"{path}: {_show(value)} is not a positive integer")
     return value
 
 
-def _positive_number(value: Any, path: str, unit: str = "") -> float:
+def _positive_number(value: Any, path: str, unit: str = "", scale: float = 1.0) -> float:
+    """``value`` x ``scale`` (its unit's conversion), checked positive and finite before and after."""
     if not _is_number(value) or value <= 0:
-        raise ClusterError(f"{path}: {value!r} is not a positive number{unit and ' (' + unit + ')'}")
-    return float(value)
+        raise ClusterError(f"{path}: {_show(value)} is not a positive number{unit and ' (' + unit + ')'}")
+    return _scaled(float(value), scale, path, unit)
 
 
 def _nonneg_number(value: Any, path: str, unit: str = "") -> float:
     if not _is_number(value) or value < 0:
-        raise ClusterError(f"{path}: {value!r} is not a number >= 0{unit and ' (' + unit + ')'}")
+        raise ClusterError(f"{path}: {_show(value)} is not a number >= 0{unit and ' (' + unit + ')'}")
     return float(value)
 
 
 def _name(value: Any, path: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ClusterError(f"{path}: {value!r} is not a non-empty name")
+        raise ClusterError(f"{path}: {_show(value)} is not a non-empty name")
     return value.strip()
 
 
 def parse_preset(name: Any, path: str) -> DeviceSpec:
     """The preset ``name`` (case-insensitive), or ``ClusterError`` at ``path`` with the closest name."""
     if not isinstance(name, str):
-        raise ClusterError(f"{path}: {name!r} is not a preset name or a device mapping")
+        raise ClusterError(f"{path}: {_show(name)} is not a preset name or a device mapping")
     try:
         return preset(name)
     except KeyError:
         lower = {k.lower(): k for k in PRESETS}
         close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.4)
         hint = f"did you mean {lower[close[0]]!r}? " if close else ""
-        raise ClusterError(f"{path}: unknown device preset {name!r}; {hint}"
+        raise ClusterError(f"{path}: unknown device preset {_show(name)}; {hint}"
                            f"presets: {', '.join(PRESETS)}; or give a custom mapping "
                            "{name, tflops, memory_GB, mem_bandwidth_GBps}") from None
 
 
 def _memory_bytes(value: Any, path: str) -> int:
     gb = _positive_number(value, path, "GB of device memory")
-    mem = int(round(gb * GiB))
+    mem = int(round(_scaled(gb, GiB, path, "GB of device memory")))
     if mem <= 0:
-        raise ClusterError(f"{path}: {value!r} is too small")
+        raise ClusterError(f"{path}: {_show(value)} is too small")
     return mem
 
 
@@ -178,17 +208,17 @@ def _parse_device(value: Any, path: str) -> DeviceSpec:
                 raise ClusterError(f"{path}.{key}: missing; an emulated device needs "
                                    f"{', '.join(_EMULATED_REQUIRED)}")
         if value["emulate"] != "cpu":
-            raise ClusterError(f"{path}.emulate: {value['emulate']!r} is not supported; use 'cpu'")
+            raise ClusterError(f"{path}.emulate: {_show(value['emulate'])} is not supported; use 'cpu'")
         speed = value["speed"]
         if not _is_number(speed) or not 0 < speed <= 1:
-            raise ClusterError(f"{path}.speed: {speed!r} must be a number in (0, 1] "
+            raise ClusterError(f"{path}.speed: {_show(speed)} must be a number in (0, 1] "
                                "(the fraction of this CPU's speed)")
         spec = emulated_spec(_name(value["name"], f"{path}.name"), float(speed),
                              _memory_bytes(value["memory_GB"], f"{path}.memory_GB"))
         if "actual_speed" in value:
             actual = value["actual_speed"]
             if not _is_number(actual) or not 0 < actual <= 1:
-                raise ClusterError(f"{path}.actual_speed: {actual!r} must be a number in (0, 1] (the speed "
+                raise ClusterError(f"{path}.actual_speed: {_show(actual)} must be a number in (0, 1] (the speed "
                                    "the device really runs at; the planner sees speed)")
             spec = replace(spec, actual_speed=float(actual))
         return spec
@@ -199,19 +229,19 @@ def _parse_device(value: Any, path: str) -> DeviceSpec:
                                f"{', '.join(_CUSTOM_REQUIRED)} (or use a preset name, or "
                                "'emulate: cpu' for an emulated device)")
     name = _name(value["name"], f"{path}.name")
-    tflops = _positive_number(value["tflops"], f"{path}.tflops", "dense bf16/fp16 TFLOP/s")
-    fp32 = (_positive_number(value["fp32_tflops"], f"{path}.fp32_tflops", "TFLOP/s")
-            if "fp32_tflops" in value else tflops / 16)
+    flops = _positive_number(value["tflops"], f"{path}.tflops", "dense bf16/fp16 TFLOP/s", 1e12)
+    fp32 = (_positive_number(value["fp32_tflops"], f"{path}.fp32_tflops", "TFLOP/s", 1e12)
+            if "fp32_tflops" in value else flops / 16)
     vendor = value.get("vendor", "other")
     if vendor not in VENDORS:
-        raise ClusterError(f"{path}.vendor: {vendor!r} is not one of {', '.join(VENDORS)}")
-    intra = (_positive_number(value["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s") * 1e9
+        raise ClusterError(f"{path}.vendor: {_show(vendor)} is not one of {', '.join(VENDORS)}")
+    intra = (_positive_number(value["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s", 1e9)
              if "intra_bandwidth_GBps" in value else PCIE4_X16_Bps)
     return DeviceSpec(
-        name=name, vendor=vendor, peak_flops_bf16=tflops * 1e12, peak_flops_fp32=fp32 * 1e12,
+        name=name, vendor=vendor, peak_flops_bf16=flops, peak_flops_fp32=fp32,
         memory_bytes=_memory_bytes(value["memory_GB"], f"{path}.memory_GB"),
         mem_bandwidth_Bps=_positive_number(value["mem_bandwidth_GBps"], f"{path}.mem_bandwidth_GBps",
-                                           "GB/s") * 1e9,
+                                           "GB/s", 1e9),
         intra_bandwidth_Bps=intra,
     )
 
@@ -235,12 +265,12 @@ def _parse(d: Any) -> ClusterLayout:
                            "e.g. nodes: [{device: A100-80GB, count: 8}]")
     nodes = d["nodes"]
     if not isinstance(nodes, list):
-        raise ClusterError(f"nodes: {nodes!r} is not a list of nodes")
+        raise ClusterError(f"nodes: {_show(nodes)} is not a list of nodes")
     if not nodes:
         raise ClusterError("nodes: [] is empty; a cluster needs at least one node")
     network = _mapping(d.get("network", {}) or {}, "network", "{bandwidth_GBps, latency_us}")
     _check_keys(network, _NETWORK_KEYS, "network")
-    net_bw = (_positive_number(network["bandwidth_GBps"], "network.bandwidth_GBps", "GB/s") * 1e9
+    net_bw = (_positive_number(network["bandwidth_GBps"], "network.bandwidth_GBps", "GB/s", 1e9)
               if "bandwidth_GBps" in network else DEFAULT_NETWORK_BANDWIDTH_Bps)
     net_lat = (_nonneg_number(network["latency_us"], "network.latency_us", "microseconds") / 1e6
                if "latency_us" in network else DEFAULT_NETWORK_LATENCY_s)
@@ -259,7 +289,7 @@ def _parse(d: Any) -> ClusterLayout:
                     raise ClusterError(f"{path}.{key}: not allowed together with {path}.devices")
             items = node["devices"]
             if not isinstance(items, list) or not items:
-                raise ClusterError(f"{path}.devices: {items!r} is not a non-empty list of "
+                raise ClusterError(f"{path}.devices: {_show(items)} is not a non-empty list of "
                                    "{device, count} mappings")
             groups = []
             for j, item in enumerate(items):
@@ -272,14 +302,14 @@ def _parse(d: Any) -> ClusterLayout:
         for spec, _, spath in groups:
             other = names.setdefault(spec.name, (spec, spath))
             if other[0] != spec:
-                raise ClusterError(f"{spath}: device name {spec.name!r} is already used by {other[1]} "
+                raise ClusterError(f"{spath}: device name {_show(spec.name)} is already used by {other[1]} "
                                    "for a different spec; give each distinct device its own name")
         repeat = positive_int(node["repeat"], f"{path}.repeat") if "repeat" in node else 1
-        intra = (_positive_number(node["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s") * 1e9
+        intra = (_positive_number(node["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s", 1e9)
                  if "intra_bandwidth_GBps" in node else None)
         total += repeat * sum(n for _, n, _ in groups)
         if total > MAX_DEVICES:
-            raise ClusterError(f"{path}: the cluster reaches {total} devices here, more than "
+            raise ClusterError(f"{path}: the cluster reaches {_show(total)} devices here, more than "
                                f"{MAX_DEVICES}; check count and repeat")
         for _ in range(repeat):
             node_groups.append([(s, n) for s, n, _ in groups])
@@ -301,7 +331,7 @@ def unscale(value: float, scale: float, divide: bool = False) -> float | int:
     for c in candidates:
         if (c / scale if divide else c * scale) == value:
             return int(c) if c == int(c) and abs(c) < 2**53 else c
-    raise ClusterError(f"cannot express {value!r} in units of {scale:g} exactly")
+    raise ClusterError(f"cannot express {_show(value)} in units of {scale:g} exactly")
 
 
 def spec_to_schema(spec: DeviceSpec) -> str | dict:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from autopar.errors import PlanError
+from autopar.ir.plan_check import check_plan_dict
 
 __all__ = ["Stage", "Predicted", "Plan", "Schedule", "zero3_by_block"]
 
@@ -196,6 +197,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        """The plan of ``to_dict``'s data, checked field by field first (``autopar.ir.plan_check``)."""
+        check_plan_dict(d)
+
         def tup(x):
             return tuple(tup(i) for i in x) if isinstance(x, list) else x
 
@@ -223,7 +227,7 @@ class Plan:
         """The plan of ``to_json``'s text; ``PlanError`` when the text is not one."""
         try:
             d = json.loads(text)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise PlanError(f"plan: not a plan's JSON text ({exc})") from None
         try:
             return cls.from_dict(d)

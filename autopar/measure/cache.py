@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from autopar.ir.cache_files import read_json_object, write_private
+
 __all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
            "graph_signature", "calibration_path", "load_calibration", "save_calibration", "CALIBRATION_ENV",
            "links_path", "load_link", "save_link", "cpu_regime"]
@@ -61,21 +63,17 @@ def measure_cache_path() -> Path:
 
 
 def load_json(path: Path) -> dict:
-    """The JSON object in ``path``; ``{}`` when it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    """The JSON object in ``path``; ``{}`` when it is missing, and ``{}`` with a warning when it is
+    unreadable or not an object (``autopar.ir.cache_files``: what it held is measured again)."""
+    data = read_json_object(path)
+    return {} if data is None else data
 
 
 def save_json(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file, then a rename); skipped on a read-only
-    home."""
+    """Write ``data`` to ``path`` atomically through a private temporary (``autopar.ir.cache_files``);
+    skipped on a read-only home."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
+        write_private(path, json.dumps(data))
     except OSError:
         pass  # a read-only home: measurements are just not cached
 

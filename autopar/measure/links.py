@@ -30,10 +30,13 @@ Terms (``autopar.cluster.links.EmulatedLink``; the rule: ``docs/emulation.md``)
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
 import numpy as np
+
+from autopar.ir.cache_files import private_dir
 
 __all__ = ["measure_emulated_link", "emulated_link_for", "EMULATED_LINK_ENV", "LINK_SIZES", "LINK_VERSION",
            "link_shape", "fit_alpha_beta"]
@@ -96,8 +99,9 @@ def _link_lock(wait_s: float = LOCK_WAIT_S):
         yield
         return
     path = links_path().with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    private_dir(path.parent)
+    # never through a link planted at the lock's name: created 0600, not followed
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600), "a") as f:
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -323,6 +323,13 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     return _as_zero3(zero3, scored)
 
 
+def _fits_request(plan: Plan, num_ranks: int, global_batch: int, num_blocks: int) -> bool:
+    """Whether a cached plan is one for this request (a file edited or planted under the key's name is
+    not: it is planned again): its ranks in the cluster, its batch and every block."""
+    return (plan.global_batch_size == global_batch and plan.stages[-1].block_stop == num_blocks
+            and all(0 <= r < num_ranks for r in plan.ranks))
+
+
 def _as_zero3(zero3: bool, scored: list[_Scored]) -> list[_Scored]:
     """The ZeRO-1 plans of a ZeRO-3 search, as ZeRO-3 (``zero3``; else ``scored`` as is). The stages of
     a hybrid plan run ZeRO-3 with one unit per member, its whole stage, gathered for the whole step
@@ -540,7 +547,7 @@ def plan_auto(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num_h
     key = cache_key(costs, cluster, args) if cache is not None else None
     if key is not None:
         hit = cache.get(key)
-        if hit is not None:
+        if hit is not None and _fits_request(hit, len(cluster), B, costs.num_blocks):
             return hit
 
     scored: list[_Scored] = []

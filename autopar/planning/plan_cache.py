@@ -3,18 +3,25 @@
 planner's key (``autopar.planner.cache.cache_key``: cost tables, cluster, arguments) together with
 the planner's own source (every module of the ``autopar`` package, so that a changed planner or cost
 model never returns a plan the old one made). A cache that cannot be read is a miss; one that cannot
-be written is skipped."""
+be written is skipped. Files are kept as ``autopar.ir.cache_files`` keeps them: private, written
+without following links, checked when read (a file that is not a valid plan is a miss, with a warning,
+and is planned again), and the ``MAX_PLANS`` most recently used kept."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
+from autopar.errors import PlanError
+from autopar.ir.cache_files import CacheFileWarning, evict_oldest, read_json_object, write_private
 from autopar.ir.plan import Plan
 
-__all__ = ["DiskPlanCache", "plan_cache_dir"]
+__all__ = ["DiskPlanCache", "plan_cache_dir", "MAX_PLANS"]
+
+MAX_PLANS = 256   # plan files kept; the least recently used beyond this are removed when one is written
 
 
 def plan_cache_dir() -> Path:
@@ -46,17 +53,26 @@ class DiskPlanCache:
         return (self._root or plan_cache_dir()) / f"{name}.json"
 
     def get(self, key: str) -> Plan | None:
-        try:
-            return Plan.from_json(self._path(key).read_text(encoding="utf-8"))
-        except (OSError, ValueError, KeyError, TypeError):
+        path = self._path(key)
+        data = read_json_object(path)
+        if data is None:
             return None
+        try:
+            plan = Plan.from_dict(data)
+        except PlanError as exc:
+            warnings.warn(f"cache file {path} is not a valid plan ({exc}); planning again", CacheFileWarning,
+                          stacklevel=2)
+            return None
+        try:
+            os.utime(path)   # its last use, for ``evict_oldest``
+        except OSError:
+            pass
+        return plan
 
     def put(self, key: str, plan: Plan) -> None:
         path = self._path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
-            tmp.write_text(plan.to_json(), encoding="utf-8")
-            os.replace(tmp, path)
+            write_private(path, plan.to_json())
         except OSError:
-            pass   # a read-only home is no reason to fail planning
+            return   # a read-only home is no reason to fail planning
+        evict_oldest(path.parent, MAX_PLANS)
