@@ -62,6 +62,29 @@ def _new_children(before: dict[int, str]) -> dict[int, str]:
             if pid not in before and "resource_tracker" not in what}
 
 
+def _listening(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) of every listening TCP socket
+    that process ``pid`` holds: its socket inodes from /proc/PID/fd matched to the LISTEN rows."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:   # state 0A: LISTEN
+                out.append(f[1])
+    return out
+
+
+_LOOPBACK_HEX = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
 # --- functions run by the ranks (module level: spawn pickles them by reference) ---------------------
 
 def _happy(rank: int, scale: float):
@@ -73,7 +96,9 @@ def _happy(rank: int, scale: float):
     big = torch.arange(1000.0, requires_grad=True)
     with clock_for(ctx.cluster.devices[rank]).compute():
         sum(i * i for i in range(2000))
-    return {"rank": ctx.rank, "world_size": ctx.world_size, "sum": t, "state": model.state_dict(),
+    listening = _listening(os.getpid()) + (_listening(os.getppid()) if rank == 0 else [])   # the launcher's too
+    dist.barrier()      # every rank's sockets are open while each looks
+    return {"listening": listening,"rank": ctx.rank, "world_size": ctx.world_size, "sum": t, "state": model.state_dict(),
             "view": big[:2] * 1, "speed": ctx.speed, "device": str(ctx.device),
             "backend": ctx.backend, "threads": torch.get_num_threads(), "env_rank": os.environ["RANK"],
             "interop_threads": torch.get_num_interop_threads(), "affinity": sorted(os.sched_getaffinity(0)),
@@ -135,6 +160,10 @@ def test_launch_returns_values_by_rank_and_all_reduce_works_two_launches_at_once
             assert r["pair"][0] == rank and torch.equal(r["pair"][1][0], r["sum"])
             if sys.platform.startswith("linux"):     # one machine: gloo's and NCCL's sockets on loopback
                 assert r["ifnames"] == ("lo", "lo")
+                # every socket the job listens on (the rendezvous store, gloo's) is on loopback
+                assert r["listening"] and all(a.split(":")[0] in _LOOPBACK_HEX for a in r["listening"]), r["listening"]
+        if sys.platform.startswith("linux"):
+            assert len(res[0]["listening"]) > len(res[1]["listening"])   # the launcher's store was seen
 
 
 @pytest.mark.launch

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from autopar.cluster.rendezvous import loopback_store
 from autopar.ir.cache_files import private_dir
 
 __all__ = ["measure_emulated_link", "emulated_link_for", "EMULATED_LINK_ENV", "LINK_SIZES", "LINK_VERSION",
@@ -231,7 +232,8 @@ def _time_ops_processes(cores: list[int], sizes, reps: dict) -> list | None:
         return None
     n = len(cores)
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, n + 1, True, timedelta(seconds=30), wait_for_workers=False)
+    master = loopback_store(timedelta(seconds=30), n + 1)
+    store = master.store
     pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
     procs = [ctx.Process(target=_child, args=(r, n, cores[r], store.port, sizes, reps, pipes[r][1]), daemon=True)
              for r in range(n)]
@@ -253,6 +255,7 @@ def _time_ops_processes(cores: list[int], sizes, reps: dict) -> list | None:
         if p.is_alive():
             p.kill()
     del store
+    master.close()
     return out if ok else None
 
 

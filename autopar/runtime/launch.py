@@ -9,7 +9,8 @@ Terms
   subgroups over ranks that share a backend (``subgroup_backend`` says which backend a set of ranks
   can use).
 - rendezvous: ``launch`` hosts a ``TCPStore`` in the parent on a port the OS picks (port 0), so two
-  launches never collide; ranks connect to it as clients. Under torchrun, ``init`` uses
+  launches never collide, listening on loopback only (``autopar.cluster.rendezvous``); ranks connect
+  to it as clients. Under torchrun, ``init`` uses
   MASTER_ADDR/MASTER_PORT (``env://``).
 - step timeout (``step_timeout_s``): the process-group timeout. A collective that waits longer than
   this on a peer fails, so a hung rank makes its peers fail instead of waiting forever.
@@ -65,6 +66,7 @@ import torch.multiprocessing as mp
 
 from autopar.errors import LaunchError
 from autopar.cluster.emulation import allowed_cores
+from autopar.cluster.rendezvous import LOOPBACK, loopback_store
 from autopar.runtime.emulate import apply_cpu_share, cpu_shares
 
 __all__ = [
@@ -77,7 +79,7 @@ FAILED_ENV = "AUTOPAR_FAILED_DEVICES"     # ranks of the full cluster that faile
 RESTART_ENV = "AUTOPAR_RESTART_COUNT"     # this attempt's number, 0 for the first
 STOPPED_AT_ENV = "AUTOPAR_STOPPED_AT"     # time.time() when launch stopped the failed attempt
 
-_HOST = "127.0.0.1"
+_HOST = LOOPBACK
 _GRACE_S = 3.0            # how long to wait for peers to report once only secondary errors are seen
 _KILL_WAIT_S = 5.0
 _RENDEZVOUS_TIMEOUT_S = 300.0
@@ -328,8 +330,7 @@ def _launch_once(fn, cluster, survivors, args, elastic_env, deadline, timeout_s,
     """One attempt: the ranks of ``cluster``'s ``survivors`` (renumbered 0..), each in a process."""
     nprocs = len(survivors)
     in_force = cluster.subset(survivors) if nprocs < len(cluster) else cluster
-    store = dist.TCPStore(_HOST, 0, None, True, timedelta(seconds=_RENDEZVOUS_TIMEOUT_S),
-                          wait_for_workers=False)
+    master = loopback_store(timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))
     spawn = mp.get_context("spawn")
     procs: list = []
     with tempfile.TemporaryDirectory(prefix="autopar-launch-") as workdir:
@@ -340,10 +341,10 @@ def _launch_once(fn, cluster, survivors, args, elastic_env, deadline, timeout_s,
             for rank, full_rank in enumerate(survivors):
                 local_rank = gpu_ranks.index(full_rank) if full_rank in gpu_ranks else rank
                 env = {"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(local_rank),
-                       "MASTER_ADDR": _HOST, "MASTER_PORT": str(store.port), **elastic_env}
+                       "MASTER_ADDR": _HOST, "MASTER_PORT": str(master.port), **elastic_env}
                 proc = spawn.Process(
                     target=_worker, name=f"autopar-rank-{rank}", daemon=False,
-                    args=(fn, cluster, rank, args, store.port, workdir, step_timeout_s, env,
+                    args=(fn, cluster, rank, args, master.port, workdir, step_timeout_s, env,
                           os.getpid()))
                 try:
                     proc.start()
@@ -354,7 +355,8 @@ def _launch_once(fn, cluster, survivors, args, elastic_env, deadline, timeout_s,
             return _monitor(procs, Path(workdir), deadline, timeout_s, step_timeout_s, in_force)
         finally:
             _kill_all(procs)
-            del store
+            master.close()
+            del master
 
 
 def _check_picklable(fn) -> None:
