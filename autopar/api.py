@@ -352,7 +352,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
             init="reset_parameters", weights=None, precision: str = "fp32", pin=None,
             checkpoint_dir=None, checkpoint_every: int | None = None, replan: str = "off",
-            example_targets=None) -> Compiled:
+            example_targets=None, checkpoint_keep: int | None = None) -> Compiled:
     """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
     ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
 
@@ -377,8 +377,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     broadcast to make them equal (``autopar.lowering.materialize``). ``weights`` needs a meta model.
 
     ``checkpoint_dir`` / ``checkpoint_every`` (api.md, "Elastic runs"): save into ``checkpoint_dir/step-N``
-    every ``checkpoint_every`` steps, and resume from the newest complete checkpoint there, resharded onto
-    this plan (``autopar.runtime.elastic``). Under a restarted ``launch``, a ``cluster`` that is the one
+    every ``checkpoint_every`` steps, and resume from the newest valid checkpoint there, resharded onto
+    this plan (``autopar.runtime.elastic``); ``checkpoint_keep=N`` keeps the newest N of them. Under a restarted ``launch``, a ``cluster`` that is the one
     the job was started on means the cluster in force (``autopar.current_cluster()``).
 
     ``replan="auto"`` (api.md): after a few steps, re-plan on costs calibrated from the measured profile
@@ -411,7 +411,8 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     elif (optimizer, use_triton, measure, zero3_granularity) != (None, False, None, "block"):
         raise PlanError("run: given together with optimizer/use_triton/measure/zero3_granularity keywords; "
                         "set those fields in the RunConfig")
-    checkpoints = import_module("autopar.runtime.elastic").checkpoint_policy(checkpoint_dir, checkpoint_every)
+    checkpoints = import_module("autopar.runtime.elastic").checkpoint_policy(
+        checkpoint_dir, checkpoint_every, checkpoint_keep)
     if replan not in ("off", "auto"):
         raise PlanError(f"replan: {replan!r} is not one of 'off', 'auto'")
     plan_options = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule,

@@ -112,6 +112,12 @@ def test_launch_and_checkpoint_options_are_checked_before_anything_starts(tmp_pa
         elastic.checkpoint_policy(3, 2)
     policy = elastic.checkpoint_policy(str(tmp_path / "ck"), 3)
     assert policy == elastic.CheckpointPolicy(tmp_path / "ck", 3)
+    assert elastic.checkpoint_policy(tmp_path, 3, 2) == elastic.CheckpointPolicy(tmp_path, 3, 2)
+    with pytest.raises(PlanError, match="checkpoint_keep: 2 given without checkpoint_dir"):
+        elastic.checkpoint_policy(None, None, 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(PlanError, match="checkpoint_keep: .* must be a positive integer"):
+            elastic.checkpoint_policy(tmp_path, 2, bad)
     assert elastic.step_path(policy.directory, 6) == tmp_path / "ck" / "step-6"
 
 
@@ -153,10 +159,22 @@ def _one_device() -> Cluster:
                                          "count": 1}]})
 
 
-def _compile_mlp(cluster, directory, every=2):
+def _compile_mlp(cluster, directory, every=2, keep=None):
     case = autopar.models.build("mlp-tiny", device="cpu", seed=0)
     return autopar.compile(case.model, cluster, case.example_inputs, 12, case.loss_fn, optimizer=_sgd,
-                           strategy="dp", measure=False, checkpoint_dir=directory, checkpoint_every=every)
+                           strategy="dp", measure=False, checkpoint_dir=directory, checkpoint_every=every,
+                           checkpoint_keep=keep)
+
+
+def test_checkpoint_keep_holds_the_newest_and_clears_interrupted_saves(tmp_path):
+    ck = tmp_path / "ck"
+    data = batches("mlp-tiny", 12, 5, seed=0)
+    compiled = _compile_mlp(_one_device(), ck, every=1, keep=2)
+    (ck / "step-1.partial-1-x").mkdir(parents=True)      # what a crashed save left
+    for s in range(5):
+        compiled.step(*data[s])
+        assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) == min(s + 1, 2)
+    assert sorted(p.name for p in ck.iterdir()) == ["step-4", "step-5"] and latest(ck) == ck / "step-5"
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from autopar.checkpoint.pieces import whole_piece
+from autopar.checkpoint.safe_read import read_state_metadata
 from autopar.checkpoint.store import CheckpointError, Manifest, load, read_manifest
 
 __all__ = ["MODEL_PREFIX", "TensorEntry", "describe", "consolidate"]
@@ -36,11 +37,10 @@ class TensorEntry:
 
 def describe(directory) -> tuple[Manifest, list[TensorEntry]]:
     """The manifest (step, plan, files) and every tensor saved: full shape, dtype, how many pieces."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     manifest = read_manifest(directory)
-    md = FileSystemReader(str(manifest.path)).read_metadata().state_dict_metadata
+    md = read_state_metadata(manifest.path)
     entries = [TensorEntry(fqn, tuple(m.size), str(m.properties.dtype).removeprefix("torch."), len(m.chunks))
                for fqn, m in sorted(md.items()) if isinstance(m, TensorStorageMetadata)]
     return manifest, entries

@@ -11,11 +11,14 @@ On disk a checkpoint is one directory:
   step, the model's signature ``{fqn: shape}``, each file's size, and the caller's ``meta``). A directory
   without it is not a checkpoint (an interrupted save), so ``latest`` skips it.
 
-A save writes into a sibling ``<DIR>.partial-<step>`` directory and renames it to ``DIR`` when complete:
-an interrupted save leaves the previous checkpoint at ``DIR`` valid. ``load`` checks the manifest, the
+A save writes into a private sibling ``<DIR>.partial-<step>-<random>`` (0700, made by ``mkdtemp``),
+fsyncs every file and the directory, and renames it to ``DIR`` when complete: an interrupted save leaves
+the previous checkpoint at ``DIR`` valid. ``latest`` checks each ``step-<n>`` newest first and falls
+back past a damaged one, recovers a ``DIR.old`` that a crash in a re-save's swap left alone, and
+``retain`` keeps the newest K and removes interrupted saves' leftovers. ``load`` checks the manifest, the
 signature and every file's size before reading anything, reads into fresh buffers, and copies into the
 caller's pieces only when every read succeeded: a damaged checkpoint raises ``CheckpointError`` naming the
-file and loads nothing half-way.
+file and loads nothing half-way. Reading runs no code from the files (``autopar.checkpoint.safe_read``).
 
 Objects (the data position, RNG states, the step) travel in the manifest's ``meta`` (JSON) or, per rank,
 as DCP byte items (``rank_objects``), so a checkpoint needs nothing but DCP and JSON to read.
@@ -27,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,18 +39,17 @@ from typing import Any
 
 import torch
 
+from autopar.checkpoint.error import CheckpointError
 from autopar.checkpoint.pieces import Piece
-from autopar.errors import AutoparError
+from autopar.checkpoint.safe_read import check_owner, load_bytes, safe_reader
 
-__all__ = ["CheckpointError", "Manifest", "save", "load", "read_manifest", "latest", "agreed", "MANIFEST", "FORMAT",
-           "BUCKET_BYTES"]
+__all__ = ["CheckpointError", "Manifest", "save", "load", "read_manifest", "latest", "retain", "remove_partials",
+           "agreed", "MANIFEST", "FORMAT", "BUCKET_BYTES"]
 
 MANIFEST = "autopar.json"
 FORMAT = 1
-
-
-class CheckpointError(AutoparError):
-    """A checkpoint that is missing, incomplete, damaged or of another model: names the file."""
+PARTIAL = ".partial-"    # <DIR>.partial-<step>-<random>: a save in progress, renamed to DIR when complete
+OLD = ".old"             # <DIR>.old: the checkpoint a re-save replaces, during the swap
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,10 @@ def _planners():
                 return piece.tensor
             return super().lookup_tensor(index)
 
+        def load_bytes(self, read_item, value):   # tensors and plain data only, never code
+            fqn = read_item.dest_index.fqn
+            self.state_dict[fqn] = load_bytes(value, fqn)
+
     return PieceSavePlanner, PieceLoadPlanner
 
 
@@ -221,11 +228,12 @@ def save(directory, pieces: Sequence[Piece], *, step: int, meta: Mapping[str, An
 
     directory = Path(directory)
     rank, world = _rank_world(process_group)
-    partial = directory.with_name(f"{directory.name}.partial-{step}")
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier(process_group)
+    made = None
+    if rank == 0:   # a private temporary (0700, a name no one can guess or pre-create), beside its target
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        remove_partials(directory.parent, directory.name)
+        made = tempfile.mkdtemp(dir=directory.parent, prefix=f"{directory.name}{PARTIAL}{int(step)}-")
+    partial = Path(_all_gather_objects(made, process_group)[0])
     signature = _gather_signature(pieces, process_group)
     objects = {f"rank{rank}/{k}": [v] for k, v in (rank_objects or {}).items()}   # a list: a byte item
     save_planner, _ = _planners()
@@ -248,26 +256,51 @@ def save(directory, pieces: Sequence[Piece], *, step: int, meta: Mapping[str, An
                     "signature": {k: list(v) for k, v in signature.items()}, "files": files,
                     "meta": dict(meta or {})}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        for f in (partial / ".metadata", partial / MANIFEST, partial):
+            _fsync(f)
+        # the swap: a crash between the two renames leaves only DIR.old, which ``latest`` recovers
         if directory.exists():
-            old = directory.with_name(f"{directory.name}.old")
+            old = directory.with_name(f"{directory.name}{OLD}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(directory, old)
             os.replace(partial, directory)
+            _fsync(directory.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(partial, directory)
+            _fsync(directory.parent)
     _barrier(process_group)
     return read_manifest(directory)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk (skipped where it is missing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_partials(root: Path, name: str | None = None) -> list[Path]:
+    """Remove what interrupted saves left in ``root``: the ``<name>.partial-*`` directories (every
+    name's when None). Only one save of a job runs at a time (``autopar.runtime.checkpointing``), so
+    none of them is in use when the job's rank 0 starts a save or prunes. Returns what was removed."""
+    gone = []
+    for d in sorted(Path(root).glob(f"{name if name is not None else '*'}{PARTIAL}*")):
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 def _fsync_own(directory: Path, rank: int) -> None:
     """Flush this rank's data files (DCP names them ``__<rank>_<n>.distcp``) to disk."""
     for f in directory.glob(f"__{rank}_*.distcp"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(f)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -286,6 +319,7 @@ def read_manifest(directory) -> Manifest:
     if not path.is_file():
         raise CheckpointError(f"checkpoint: {path} is missing: {directory} is not a complete autopar checkpoint "
                               "(an interrupted save?)")
+    check_owner(directory)
     try:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT:
@@ -308,19 +342,71 @@ def read_manifest(directory) -> Manifest:
     return manifest
 
 
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step-<n>`` directory under ``root``, newest first; a ``step-<n>.old`` left alone by a save
+    interrupted in its swap (no ``step-<n>`` beside it) is renamed back first, and one left beside its
+    replacement is removed."""
+    found = []
+    for d in root.iterdir():
+        name = d.name
+        if not (name.startswith("step-") and d.is_dir()) or d.is_symlink():
+            continue
+        if name.endswith(OLD):
+            target = d.with_name(name[:-len(OLD)])
+            try:
+                if target.exists():
+                    shutil.rmtree(d, ignore_errors=True)
+                    continue
+                os.replace(d, target)
+            except OSError:
+                continue
+            d, name = target, target.name
+        try:
+            found.append((int(name[len("step-"):]), d))
+        except ValueError:
+            continue
+    return sorted(found, reverse=True)
+
+
 def latest(root) -> Path | None:
-    """The newest complete checkpoint under ``root`` (directories ``step-<n>`` with a manifest), or None."""
+    """The newest valid checkpoint under ``root`` (directories ``step-<n>``), or None: each is checked
+    as ``read_manifest`` checks it (manifest, files and sizes, owner), newest first, and one that fails
+    is passed over with a warning naming why, so an interrupted or damaged save falls back to the one
+    before it."""
     root = Path(root)
     if not root.is_dir():
         return None
-    found = []
-    for d in root.iterdir():
-        if d.is_dir() and d.name.startswith("step-") and (d / MANIFEST).is_file():
-            try:
-                found.append((int(d.name[len("step-"):]), d))
-            except ValueError:
-                continue
-    return max(found)[1] if found else None
+    for _, d in _steps(root):
+        if not (d / MANIFEST).is_file():
+            continue   # an interrupted save: no manifest, not a checkpoint
+        try:
+            read_manifest(d)
+        except CheckpointError as exc:
+            warnings.warn(f"{exc}; resuming from an older checkpoint", stacklevel=2)
+            continue
+        return d
+    return None
+
+
+def retain(root, keep_last: int) -> list[Path]:
+    """Keep the newest ``keep_last`` valid checkpoints under ``root`` (as ``latest`` finds them) and remove
+    every ``step-<n>`` older than the last of them, and every interrupted save's partial directory.
+    Rank 0 calls it after a save completed; returns what was removed."""
+    root = Path(root)
+    gone = remove_partials(root)
+    kept = 0
+    for _, d in _steps(root):
+        if kept < keep_last:
+            if (d / MANIFEST).is_file():
+                try:
+                    read_manifest(d)
+                    kept += 1
+                except CheckpointError:
+                    pass
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
 
 
 def _check_signature(manifest: Manifest, pieces: Sequence[Piece]) -> None:
@@ -402,10 +488,10 @@ def load(directory, pieces: Sequence[Piece], *, rank_objects: Sequence[str] = ()
         manifest = read_manifest(directory)
         _check_signature(manifest, pieces)
         try:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            reader = FileSystemReader(str(manifest.path))
+            reader = safe_reader(manifest.path)
             state_metadata = reader.read_metadata().state_dict_metadata
+        except CheckpointError:
+            raise
         except BaseException as exc:  # noqa: BLE001 - an unreadable .metadata: name it
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

@@ -336,6 +336,7 @@ def cmd_train(args) -> int:
                    recompute=getattr(args, "recompute", True), replan=getattr(args, "replan", "off"),
                    max_restarts=getattr(args, "max_restarts", 0), checkpoint_dir=getattr(args, "checkpoint_dir", None),
                    checkpoint_every=getattr(args, "checkpoint_every", None),
+                   checkpoint_keep=getattr(args, "checkpoint_keep", None),
                    consecutive=getattr(args, "consecutive", 1))
     print(f"training {args.model} on {cluster.name or args.cluster} ({len(cluster)} devices"
           f"{', emulated' if cluster.is_emulated else ''}), global batch {args.global_batch}, {args.warmup} warm-up "
@@ -500,8 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "in place when that pays (compile(replan=); a device's actual_speed shows it)")
     t.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save every --checkpoint-every steps under DIR/STRATEGY/step-N and resume from the newest "
-                        "complete checkpoint there (compile(checkpoint_dir=); docs/elastic.md)")
+                        "valid checkpoint there (compile(checkpoint_dir=); docs/elastic.md)")
     t.add_argument("--checkpoint-every", type=int, metavar="K", help="steps between checkpoints (with --checkpoint-dir)")
+    t.add_argument("--checkpoint-keep", type=int, metavar="N",
+                   help="keep the newest N checkpoints of each strategy, removing older ones after each save "
+                        "(compile(checkpoint_keep=); default: keep all)")
     t.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="when a device fails, restart on the others, re-planned, at most N times, resuming from "
                         "--checkpoint-dir (launch(max_restarts=))")

@@ -67,6 +67,7 @@ class RunSpec:
     max_restarts: int = 0               # launch's max_restarts= (autopar.runtime.elastic, docs/elastic.md)
     checkpoint_dir: str | None = None   # compile's checkpoint_dir= (one sub-directory per strategy)
     checkpoint_every: int | None = None
+    checkpoint_keep: int | None = None  # compile's checkpoint_keep=
     consecutive: int = 1                # steps a strategy runs before the next takes its turn (0: all)
 
     def __post_init__(self):
@@ -193,7 +194,8 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
                                    zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute,
                                    **({"replan": spec.replan} if spec.replan != "off" else {}),
                                    **({"checkpoint_dir": f"{spec.checkpoint_dir}/{strategy}",
-                                       "checkpoint_every": spec.checkpoint_every} if spec.checkpoint_dir else {}))
+                                       "checkpoint_every": spec.checkpoint_every,
+                                       "checkpoint_keep": spec.checkpoint_keep} if spec.checkpoint_dir else {}))
         runs.append(dict(strategy=strategy, case=case, compiled=compiled, losses=[], times=[], warmup=[],
                          clock0=None))
     start = min(run["compiled"].step_count for run in runs)   # > 0 after resuming from a checkpoint

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from autopar.checkpoint.pieces import Piece, whole_piece
+from autopar.checkpoint.safe_read import read_state_metadata
 from autopar.checkpoint.store import MANIFEST, CheckpointError, Manifest, read_manifest
 from autopar.checkpoint import store
 from autopar.lowering.weights import WeightSource, open_weights
@@ -248,9 +249,7 @@ class CheckpointWeights(WeightSource):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self._shapes = {k[len(MODEL):]: tuple(v) for k, v in self.manifest.signature.items() if k.startswith(MODEL)}
-        from torch.distributed.checkpoint import FileSystemReader
-
-        self._metadata = FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        self._metadata = read_state_metadata(self.path)
         self.reads: list[str] = []
 
     @property

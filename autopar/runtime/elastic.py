@@ -5,8 +5,10 @@ Terms (docs/elastic.md has the whole story)
   (``checkpoint_policy``). After every step whose count ``compiled.step_count`` is a multiple of K,
   every rank saves into ``DIR/step-<count>`` (``step_path``: the naming ``autopar.checkpoint.store.latest``
   reads). Without ``checkpoint_every`` nothing is saved periodically, but compile still resumes.
-- resume: at the end of ``compile``, rank 0 looks for the newest complete checkpoint in DIR
-  (``store.latest``: a save that was interrupted has no manifest and does not count) and broadcasts its
+  ``checkpoint_keep=N``: after each save rank 0 keeps the newest N and removes older ones and what
+  interrupted saves left (``store.retain``).
+- resume: at the end of ``compile``, rank 0 looks for the newest valid checkpoint in DIR
+  (``store.latest``: a save that was interrupted or damaged does not count) and broadcasts its
   choice, so every rank loads the same one; ``compiled.load`` then reshards it onto the new plan and
   restores the step count, so a training loop written as ``for s in range(compiled.step_count, steps)``
   re-does exactly the steps lost since that checkpoint.
@@ -40,9 +42,10 @@ def _launch():
 
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
-    """Where and how often a compiled model saves itself."""
+    """Where and how often a compiled model saves itself, and how many of its checkpoints it keeps."""
     directory: Path
     every: int | None         # save after each step whose count is a multiple of this; None: never
+    keep: int | None = None   # after each save, keep the newest this many (``store.retain``); None: all
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +55,17 @@ class Resume:
     load_s: float             # wall seconds of compiled.load
 
 
-def checkpoint_policy(checkpoint_dir, checkpoint_every) -> CheckpointPolicy | None:
-    """The validated policy of compile's ``checkpoint_dir`` / ``checkpoint_every`` (None: neither)."""
+def checkpoint_policy(checkpoint_dir, checkpoint_every, checkpoint_keep=None) -> CheckpointPolicy | None:
+    """The validated policy of compile's ``checkpoint_dir`` / ``checkpoint_every`` / ``checkpoint_keep``
+    (None: none of them)."""
     if checkpoint_dir is None:
-        if checkpoint_every is not None:
-            raise PlanError(f"checkpoint_every: {checkpoint_every!r} given without checkpoint_dir; say where "
-                            "the checkpoints go")
+        for name, value in (("checkpoint_every", checkpoint_every), ("checkpoint_keep", checkpoint_keep)):
+            if value is not None:
+                raise PlanError(f"{name}: {value!r} given without checkpoint_dir; say where the checkpoints go")
         return None
+    if checkpoint_keep is not None and (isinstance(checkpoint_keep, bool) or not isinstance(checkpoint_keep, int)
+                                        or checkpoint_keep < 1):
+        raise PlanError(f"checkpoint_keep: {checkpoint_keep!r} must be a positive integer (checkpoints kept) or None")
     try:
         directory = Path(os.fspath(checkpoint_dir))
     except TypeError:
@@ -68,7 +75,7 @@ def checkpoint_policy(checkpoint_dir, checkpoint_every) -> CheckpointPolicy | No
     if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                          or checkpoint_every < 1):
         raise PlanError(f"checkpoint_every: {checkpoint_every!r} must be a positive integer (steps) or None")
-    return CheckpointPolicy(directory, checkpoint_every)
+    return CheckpointPolicy(directory, checkpoint_every, checkpoint_keep)
 
 
 def step_path(directory, step: int) -> Path:
@@ -130,9 +137,14 @@ class Elastic:
             path = step_path(self.policy.directory, compiled.step_count)
             compiled.save(path)
             self.saved.append(path)
+            if self.policy.keep is not None and compiled.rank == 0:   # the save ended with a barrier
+                from autopar.checkpoint.store import retain
+
+                retain(self.policy.directory, self.policy.keep)
 
     def __repr__(self) -> str:
-        return f"Elastic(directory={str(self.policy.directory)!r}, every={self.policy.every}, resumed={self.resumed})"
+        return (f"Elastic(directory={str(self.policy.directory)!r}, every={self.policy.every}, "
+                f"keep={self.policy.keep}, resumed={self.resumed})")
 
 
 def _newest(directory: Path) -> Path | None:

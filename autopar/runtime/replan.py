@@ -32,6 +32,7 @@ run slower than the speed the planner sees, which is how this is shown and teste
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -187,12 +188,15 @@ class Replanner:
         """Move ``compiled`` onto the plan ``plan_json`` in place (see the module docstring)."""
         from autopar.runtime.communicator import pg_barrier, pg_broadcast_objects
 
+        # inside a private directory (mkdtemp: 0700, a name no one can guess), so the save's own
+        # temporaries beside its target are private too
         where = [tempfile.mkdtemp(prefix="autopar-replan-") if compiled.rank == 0 else None]
         pg_broadcast_objects(where)
+        state = os.path.join(where[0], "state")
         try:
-            compiled.save(where[0])
+            compiled.save(state)
             fresh = self.rebuild(plan_json)
-            fresh.load(where[0])
+            fresh.load(state)
             adopt(compiled, fresh)
             pg_barrier()
         finally:
