@@ -125,6 +125,19 @@ def _hang_rank_0(rank: int):
     return float(t[0])
 
 
+def _hang_rank_0_in_a_sub_group(rank: int):
+    """As a TP or pipeline group does: ranks 0 and 1 in a sub-group, rank 0 never reaching its collective."""
+    from autopar.runtime.communicator import pg_new_group
+
+    group = pg_new_group([0, 1])
+    t = torch.ones(2)
+    if rank == 0:
+        time.sleep(600)
+    if rank in (0, 1):
+        dist.all_reduce(t, group=group)
+    return float(t[0])
+
+
 # --- real launches ---------------------------------------------------------------------------------
 
 @pytest.mark.launch
@@ -182,10 +195,13 @@ def test_a_rank_raising_mid_loop_stops_every_rank_and_names_it():
 
 @pytest.mark.launch
 @pytest.mark.timeout(60)
-def test_a_hung_rank_makes_peers_time_out_and_is_named():
+@pytest.mark.parametrize("fn", [_hang_rank_0, _hang_rank_0_in_a_sub_group])
+def test_a_hung_rank_makes_peers_time_out_and_is_named(fn):
     before = _children()
+    t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        launch(_hang_rank_0, _slow_cluster(3), step_timeout_s=2.0)
+        launch(fn, _slow_cluster(3), step_timeout_s=2.0)
+    assert time.monotonic() - t0 < 2.0 + 30     # the step timeout and a margin, in any group
     assert info.value.rank == 0
     assert "rank 0 (slow) hung" in str(info.value)
     assert "step_timeout_s=2.0" in str(info.value)
