@@ -1,5 +1,5 @@
-"""Checkpoints survive a crash: a process saving checkpoints is SIGKILLed at a random point of a save,
-over and over; every time, the next start finds the newest complete checkpoint, whose tensors are the
+"""Checkpoints survive a crash: a rank of a 2-rank job saving checkpoints is SIGKILLed at a random point
+of a save, and then the other, over and over; every time, the next start finds the newest complete checkpoint, whose tensors are the
 state that step saved, never a half-written one; retention keeps the count; what the crashed saves
 left is removed. Also: a damaged newest checkpoint falls back to the one before, and a re-save cut in
 its swap is recovered."""
@@ -30,13 +30,34 @@ def _pieces(step: int) -> list:
     return [whole_piece(k, torch.full(s, float(step))) for k, s in SHAPES.items()]
 
 
-def _saver(root: str, first: int) -> None:
-    """Save steps first, first + 1, ... until killed, each followed by retention (as ``Elastic`` does)."""
+WORLD = 2
+
+
+def _saver(rank: int, root: str, first: int, rendezvous: str) -> None:
+    """Rank ``rank`` of a 2-rank gloo job saving steps first, first + 1, ... until killed, each rank
+    holding half of every tensor's rows; rank 0 prunes after each save (as ``Elastic`` does)."""
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(rendezvous, WORLD), rank=rank, world_size=WORLD)
     for step in range(first, first + 1000):
-        store.save(Path(root) / f"step-{step}", _pieces(step), step=step, meta={"step": step},
+        store.save(Path(root) / f"step-{step}", _half(step, rank), step=step, meta={"step": step},
                    bucket_bytes=1 << 20)   # several files per save: more places to be cut
-        store.retain(root, KEEP)
+        if rank == 0:
+            store.retain(root, KEEP)
+        dist.barrier()
+
+
+def _half(step: int, rank: int) -> list:
+    """This rank's half of the rows of every tensor of ``_pieces(step)``."""
+    from autopar.checkpoint.pieces import Box, Piece
+
+    out = []
+    for k, shape in SHAPES.items():
+        rows = shape[0] // WORLD
+        box = Box((rank * rows,) + (0,) * (len(shape) - 1), (rows,) + tuple(shape[1:]))
+        out.append(Piece(k, shape, box, torch.full(box.sizes, float(step))))
+    return out
 
 
 def _check_newest(root: Path) -> int:
@@ -68,11 +89,18 @@ def test_a_save_killed_at_random_points_always_resumes_from_a_complete_checkpoin
     one_save = time.perf_counter() - t0
     newest, cut = 0, 0
     for trial in range(TRIALS):
-        proc = ctx.Process(target=_saver, args=(str(root), newest + 1))
-        proc.start()
-        time.sleep(rng.uniform(0.2, 2.5) * one_save)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        rendezvous = str(tmp_path / f"rendezvous-{trial}")
+        procs = [ctx.Process(target=_saver, args=(r, str(root), newest + 1, rendezvous)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        time.sleep(rng.uniform(0.5, 3.0) * one_save)
+        victim = rng.randrange(WORLD)            # one rank dies at a random point ...
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        time.sleep(rng.uniform(0.0, 0.2))
+        for p in procs:                          # ... and the launcher stops the others
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
         cut += any(store.PARTIAL in d.name for d in root.iterdir())
         step = _check_newest(root)
         assert step >= newest, f"trial {trial}: resumed from step {step}, older than step {newest} saved before"
