@@ -102,6 +102,20 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
 
 
+def test_compare_entries_pin_a_strategys_zero_stage(capsys):
+    from autopar.cli.trainer import strategy_variant
+
+    assert strategy_variant("dp", "auto") == ("dp", "auto")
+    assert strategy_variant("dp:zero=3", 1) == ("dp", 3) and strategy_variant("pp:zero=auto", 1) == ("pp", "auto")
+    for bad in ("dp:zero=4", "dp:zer=1", "dp:zero"):
+        with pytest.raises(ValueError, match="NAME:zero=K"):
+            strategy_variant(bad, "auto")
+    assert main(["train", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "12",
+                 "--compare", "dp:zero=5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--compare: 'dp:zero=5'" in err
+
+
 def test_bad_cluster_field_names_the_field(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes:\n  - device: A100-80GB\n    count: -2\n")
@@ -115,17 +129,18 @@ def test_bad_cluster_field_names_the_field(capsys, tmp_path):
 def test_train_compare_reports_measured_steps_after_warmup_with_spread(capsys, tmp_path):
     out = tmp_path / "run.json"
     assert main(["train", "--model", "gpt-tiny", "--cluster", "demo", "--global-batch", "12", "--steps", "2",
-                 "--warmup", "1", "--compare", "uniform-dp", "--json", str(out)]) == 0
+                 "--warmup", "1", "--compare", "uniform-dp:zero=0", "--json", str(out)]) == 0
     text = capsys.readouterr().out
+    assert "== strategy uniform-dp:zero=0: uniform-dp, ZeRO-0," in text
     assert "1 warm-up + 2 measured steps, strategies interleaved" in text
     assert text.count("warm-up steps, excluded:") == 2 and "median (IQR" in text
     assert "median over 2 paired steps" in text and "emulated clocks: rank 0 x1" in text
     summary = json.loads(out.read_text())
-    for s in ("auto", "uniform-dp"):
+    for s in ("auto", "uniform-dp:zero=0"):
         r = summary[s]
         assert len(r["step_times_s"]) == 2 and len(r["warmup_times_s"]) == 1 and len(r["losses"]) == 2
         assert r["step_time_s"]["num"] == 2 and r["step_time_s"]["min"] <= r["step_time_s"]["median"]
         assert [c["speed"] for c in r["clocks"]] == [1.0, 0.5, 0.25]
         assert all(c["num_blocks"] > 0 for c in r["clocks"])          # only the measured steps' blocks
-    assert summary["auto"]["losses"] == pytest.approx(summary["uniform-dp"]["losses"], rel=1e-4)
+    assert summary["auto"]["losses"] == pytest.approx(summary["uniform-dp:zero=0"]["losses"], rel=1e-4)
     assert set(summary["speedup"]["spread"]) == {"median", "q1", "q3", "min", "max", "num"}

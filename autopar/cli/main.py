@@ -313,7 +313,7 @@ def _calibrate(results, cluster) -> None:
 
 
 def cmd_train(args) -> int:
-    from autopar.cli.trainer import RunSpec, order_text, run_comparison
+    from autopar.cli.trainer import RunSpec, order_text, run_comparison, strategy_variant
     from autopar.config import STRATEGIES
     from autopar.errors import PlanError
 
@@ -326,8 +326,12 @@ def cmd_train(args) -> int:
     check_request(cluster, args.global_batch)   # before any process starts
     strategies = (args.strategy,) + tuple(s for s in (args.compare or "").split(",") if s)
     for s in strategies[1:]:   # before any process starts
-        if s not in STRATEGIES:
-            raise PlanError(f"--compare: {s!r} is not one of {', '.join(STRATEGIES)}")
+        try:
+            name, _ = strategy_variant(s, "auto")
+        except ValueError as exc:
+            raise PlanError(f"--compare: {exc}") from None
+        if name not in STRATEGIES:
+            raise PlanError(f"--compare: {name!r} is not one of {', '.join(STRATEGIES)}")
     if getattr(args, "consecutive", 1) < 0:     # before any process starts
         raise PlanError(f"--consecutive: must be 0 (one strategy after the other) or more, got {args.consecutive}")
     spec = RunSpec(model=args.model, cluster_dict=cluster.to_dict(), global_batch=args.global_batch,
@@ -489,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan_args(t)
     t.add_argument("--steps", type=int, default=5, help="measured steps per strategy, after the warm-up")
     t.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=warmup_help)
-    t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp")
+    t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp; "
+                                     "STRATEGY:zero=K pins that one's ZeRO stage, e.g. dp:zero=0,dp:zero=3")
     t.add_argument("--consecutive", type=int, default=1, metavar="K",
                    help="with --compare: steps a strategy runs before the next takes its turn (default 1: "
                         "interleaved step by step; 0: each strategy's steps in one run, one after the other, as a "

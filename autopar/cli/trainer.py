@@ -41,11 +41,24 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["turns", "order_text", "RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
+__all__ = ["strategy_variant", "turns", "order_text", "RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
            "measured_timeline", "WARMUP_STEPS", "gap_lines", "plot_profiles", "PHASE_COLORS"]
 
 
 WARMUP_STEPS = 8     # the default warm-up (module docstring: the steady clock's minima settle)
+
+
+def strategy_variant(token: str, default_zero) -> tuple[str, object]:
+    """(strategy, ZeRO stage) of a ``--compare`` entry: ``dp`` (the run's ``--zero``) or ``dp:zero=K``
+    (K one of 0-3 or auto), so one run can measure a strategy's ZeRO stages side by side. ``ValueError``
+    naming the entry when it is neither."""
+    name, _, opt = token.partition(":")
+    if not opt:
+        return name, default_zero
+    key, _, value = opt.partition("=")
+    if key != "zero" or value not in ("0", "1", "2", "3", "auto"):
+        raise ValueError(f"{token!r}: a strategy is NAME or NAME:zero=K with K one of 0, 1, 2, 3, auto")
+    return name, value if value == "auto" else int(value)
 
 
 @dataclass(frozen=True)
@@ -181,7 +194,8 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
 
     cluster = Cluster.from_dict(spec.cluster_dict)
     runs = []
-    for strategy in spec.strategies:
+    for token in spec.strategies:
+        strategy, zero_stage = strategy_variant(token, spec.zero_stage)
         case = build(spec.model, device="cpu", seed=spec.seed, **dict(spec.model_overrides)) \
             if spec.model_overrides else load(spec.model, device="cpu", seed=spec.seed)
         run = autopar.RunConfig(optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr),
@@ -191,12 +205,12 @@ def train_worker(rank: int, spec: RunSpec) -> list[dict]:
                                    # the targets' shape and dtype let the cost model time the loss
                                    example_targets=case.batch(int(case.example_inputs[0].shape[0]),
                                                               seed=spec.seed)[1] if case.loss_fn else None,
-                                   zero_stage=spec.zero_stage, schedule=spec.schedule, recompute=spec.recompute,
+                                   zero_stage=zero_stage, schedule=spec.schedule, recompute=spec.recompute,
                                    **({"replan": spec.replan} if spec.replan != "off" else {}),
-                                   **({"checkpoint_dir": f"{spec.checkpoint_dir}/{strategy}",
+                                   **({"checkpoint_dir": f"{spec.checkpoint_dir}/{token.replace(':', '-')}",
                                        "checkpoint_every": spec.checkpoint_every,
                                        "checkpoint_keep": spec.checkpoint_keep} if spec.checkpoint_dir else {}))
-        runs.append(dict(strategy=strategy, case=case, compiled=compiled, losses=[], times=[], warmup=[],
+        runs.append(dict(strategy=token, case=case, compiled=compiled, losses=[], times=[], warmup=[],
                          clock0=None))
     start = min(run["compiled"].step_count for run in runs)   # > 0 after resuming from a checkpoint
     for step, run in turns(runs, start, spec.warmup_steps + spec.steps, spec.consecutive):
