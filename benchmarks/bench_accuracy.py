@@ -81,7 +81,7 @@ class ResMLP(nn.Module):
         return self.head(self.norm(x))
 
 
-class _GluBlock(nn.Module):
+class GluBlock(nn.Module):
     def __init__(self, width: int, hidden: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
@@ -101,7 +101,7 @@ class GluMLP(nn.Module):
     def __init__(self, vocab: int = 1000, width: int = 256, depth: int = 6, classes: int = 10):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(_GluBlock(width, 4 * width) for _ in range(depth))
+        self.layers = nn.ModuleList(GluBlock(width, 4 * width) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, classes)
 
