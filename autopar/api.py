@@ -457,7 +457,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
             p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
                      optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
                      **({"strategy": strategy} if plan_options is None else {"config": plan_options}))
-            payload = [p.to_json()]
+            payload = [p.to_json(indent=None)]   # compact: the indented form is encoded in Python, 7x slower
         except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
             payload = [exc]
     if ctx.world_size > 1:   # the others wait while rank 0 plans: longer than a step's timeout allows

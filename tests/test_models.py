@@ -266,3 +266,17 @@ def test_third_party_config_driven_paths():
     gpt_case = zoo.build("hf-gpt-tiny")
     padded = gpt_case.model(ids, torch.cat([mask[:, :-4], torch.zeros_like(mask[:, -4:])], dim=1))["logits"]
     torch.testing.assert_close(padded[:, :-4], gpt_case.model(ids)["logits"][:, :-4])  # causal: pads at the end
+
+
+def test_a_factory_case_makes_batches_after_compile_freed_its_weights():
+    """Targets are shaped like the model's output, found once: ``compile`` may free or shard the
+    weights of the model it was given, and the CLI's trainer asks for every step's batch after it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    case = ModelCase("factory", model, (torch.randn(2, 4),), torch.nn.functional.mse_loss)
+    inputs, targets = case.batch(5, seed=1)
+    for p in model.parameters():
+        p.data = torch.empty(0)          # as a freed or sharded weight
+    again = case.batch(5, seed=1)
+    assert torch.equal(again[1], targets) and again[0][0].shape == inputs[0].shape == (5, 4)
+    assert targets.shape == (5, 3)

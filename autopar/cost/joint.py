@@ -61,7 +61,6 @@ __all__ = ["JointContext", "StagePrep", "prepare_stages", "joint_cost_tensor", "
 _ROW_CACHE = 512   # stage row parts kept per search (~0.2 MB each at 82 blocks)
 _TENSOR_CACHE = 32  # cost tensors kept per search (S x 0.06 MB each at 82 blocks)
 _RANKS = operator.attrgetter("ranks")
-_FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))
 
 
 # -- the cost tensor of one grouping -----------------------------------------------------------------
@@ -297,28 +296,38 @@ def _stage_load(ctx: JointContext, members: Sequence[Member], key: tuple | None 
     hit = done.get(key)
     if hit is not None:
         return hit[1]
-    facts = ctx.cache.setdefault("member_facts", {})   # member id -> (member, sig, tp, shares), kept alive
-    try:   # C-level passes over the members: a stage holds up to hundreds of them
-        got = list(map(facts.__getitem__, key))
+    # member id -> its fact: (member, sig, tp, shares) interned, one object per distinct
+    # (sig, tp, shares), so that a stage of hundreds of members is one C-level count of fact ids
+    facts = ctx.cache.setdefault("member_facts", {})
+    try:
+        counts = Counter(map(id, map(facts.__getitem__, key)))
     except KeyError:
         interned = ctx.cache.setdefault("member_sigs", {})  # (kind id, speed, room, rank caps), one object each
+        distinct = ctx.cache.setdefault("fact_objects", {})
+        keep = ctx.cache.setdefault("fact_members", [])     # the members, so that no id is reused
         for m in members:
             if id(m) not in facts:
                 sig = (ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
-                facts[id(m)] = (m, interned.setdefault(sig, sig), len(m.ranks) > 1, tuple(m.shares))
-        got = list(map(facts.__getitem__, key))
-    sigs = list(map(_SECOND, got))
-    total = sum(map(_SECOND, sigs))
-    of = dict(zip(map(id, sigs), sigs))
+                sig = interned.setdefault(sig, sig)
+                fact = (sig, len(m.ranks) > 1, tuple(m.shares))
+                facts[id(m)] = distinct.setdefault(fact, fact)
+                ctx.cache.setdefault("member_speed", {})[id(m)] = sig[1]
+                keep.append(m)
+        counts = Counter(map(id, map(facts.__getitem__, key)))
+    by_id = ctx.cache.setdefault("fact_by_id", {})
+    if len(by_id) != len(ctx.cache["fact_objects"]):
+        by_id.update((id(f), f) for f in ctx.cache["fact_objects"].values())
+    present = [(by_id[i], n) for i, n in counts.items()]
+    total = sum(map(ctx.cache["member_speed"].__getitem__, key))   # member by member, as ever: the same float
     tally: dict = {}   # (kind id, speed fraction, room, caps) -> members: equal members counted at once
-    for sid, num in Counter(map(id, sigs)).items():
-        i, x, room, caps = of[sid]
+    for (sig, _, _), num in present:
+        i, x, room, caps = sig
         k = (i, x / total, room, caps)
         tally[k] = tally.get(k, 0) + num
     kinds = tuple(sorted(tally))
     counts = tuple(tally[k] for k in kinds)
-    tp = any(map(_THIRD, got))
-    shares = set(map(_FOURTH, got))
+    tp = any(f[1] for f, _ in present)
+    shares = {f[2] for f, _ in present}
     ids = ctx.cache.setdefault("load_ids", {})
     load_id = ids.setdefault((len(members), kinds, counts, tp), len(ids))
     tp_even = tp and len(members) > 1 and len(shares) == 1

@@ -201,10 +201,16 @@ def _batch_like_examples(case: ModelCase, n: int, seed: int, device: torch.devic
             inputs.append(torch.randint(0, max(high, 1), shape, generator=g).to(device=device, dtype=t.dtype))
     if case.loss_fn is None:
         return tuple(inputs), torch.zeros(n, device=device)
-    with torch.no_grad():
-        out = case.model(*case.example_inputs)
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-        raise ModelZooError(f"{case.name}: cannot infer targets from a {type(out).__name__} output; "
-                            "return a ModelCase with make_batch from the factory")
-    targets = torch.randn((n, *out.shape[1:]), generator=g, dtype=out.dtype).to(device)
+    # the output's shape and dtype, found once: ``compile`` may free or shard the model's weights in
+    # place, so a batch asked for after it cannot run the model again
+    like = case.__dict__.get("_target_like")
+    if like is None:
+        with torch.no_grad():
+            out = case.model(*case.example_inputs)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise ModelZooError(f"{case.name}: cannot infer targets from a {type(out).__name__} output; "
+                                "return a ModelCase with make_batch from the factory")
+        like = (tuple(out.shape[1:]), out.dtype)
+        object.__setattr__(case, "_target_like", like)
+    targets = torch.randn((n, *like[0]), generator=g, dtype=like[1]).to(device)
     return tuple(inputs), targets
