@@ -37,6 +37,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _blocks import GluBlock  # noqa: E402
 from _common import RESULTS, md_table, write_results  # noqa: E402
 
 import torch  # noqa: E402
@@ -79,19 +80,6 @@ class ResMLP(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
-
-
-class GluBlock(nn.Module):
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.gate = nn.Linear(width, hidden, bias=False)
-        self.up = nn.Linear(width, hidden, bias=False)
-        self.down = nn.Linear(hidden, width, bias=False)
-
-    def forward(self, x):
-        h = self.norm(x)
-        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 
 
 class GluMLP(nn.Module):

@@ -56,6 +56,21 @@ def _row(summary: dict, chosen: str, others: list[str]) -> dict:
                 predicted_ms={k: 1e3 * summary[k]["predicted_step_s"] for k in [chosen, *others]})
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p")
+
+
+def _collectives(summary: dict, strategy: str) -> dict[str, tuple[float, float]]:
+    """Per collective phase of ``strategy``'s plan: (measured, predicted) ms per step, summed over ranks."""
+    out: dict[str, list[float]] = {}
+    for rank in summary[strategy]["phases"]:
+        for name, ph in rank["phases"].items():
+            if any(name.startswith(c) for c in COLLECTIVES):
+                acc = out.setdefault(name, [0.0, 0.0])
+                acc[0] += 1e3 * ph["measured_s"]
+                acc[1] += 1e3 * ph["predicted_s"]
+    return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+
 def _plan_of(out: Path, kind: str, model: str, strategy: str) -> str:
     """The chosen plan's strategy and ZeRO stage, from the run's printed header."""
     for line in (out / f"{kind}_{model}.txt").read_text().splitlines():
@@ -86,7 +101,9 @@ def main() -> None:
         rows[model] = dict(params=num_params(model), batch=MODELS[model],
                            pick=dict(_row(pick, "auto", ["dp", "pp", "tp"]), plan=_plan_of(out, "pick", model, "auto")),
                            zero=dict(_row(zero, "dp", [f"dp:zero={z}" for z in range(4)]),
-                                     plan=_plan_of(out, "zero", model, "dp")))
+                                     plan=_plan_of(out, "zero", model, "dp")),
+                           collectives={s: _collectives(zero, s) for s in ("dp", *[f"dp:zero={z}" for z in range(4)])}
+                           | {f"pick {s}": _collectives(pick, s) for s in ("auto", "pp", "tp")})
     lines = ["# The pick on held-out models (emulated demo cluster)", "",
              "`python benchmarks/bench_pick.py` (see its docstring): per model, one `autopar train` run with auto, dp, "
              "pp and tp, and one with dp and its four ZeRO stages pinned, steps interleaved. Emulated CPU devices "
@@ -106,6 +123,15 @@ def main() -> None:
         cells = [f"{z['ms'][f'dp:zero={k}']:.0f} ({z['predicted_ms'][f'dp:zero={k}']:.0f})" for k in range(4)]
         lines.append(f"| {model} | {z['plan']} | {z['chosen_ms']:.0f} ({z['predicted_ms']['dp']:.0f}) | " +
                      " | ".join(cells) + f" | {z['over_fastest']:.2f} | {z['chosen_over_predicted']:.2f} |")
+    lines += ["", "Collective phases of every plan measured (ms per step, all ranks summed; measured / predicted). "
+              "What a phase measures is its exposed time: a collective overlapped with compute shows as the part "
+              "that was not hidden.", "",
+              "| model | plan | phase | measured | predicted | measured / predicted |", "|---|---|---|---|---|---|"]
+    for model, r in rows.items():
+        for plan, phases in r["collectives"].items():
+            for name, (m, p) in phases.items():
+                ratio = f"{m / p:.2f}" if p > 0 else "-"
+                lines.append(f"| {model} | {plan} | {name} | {m:.1f} | {p:.1f} | {ratio} |")
     write_results("pick", dict(rows=rows), "\n".join(lines) + "\n")
     print("\n".join(lines))
 

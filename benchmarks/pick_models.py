@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 import transformers as tf
 
-from bench_accuracy import GluBlock   # pre-norm residual SwiGLU block (this folder is on the path)
+from _blocks import GluBlock   # pre-norm residual SwiGLU block (this folder is on the path)
 
 
 def gpt2s():
