@@ -217,13 +217,19 @@ def _entries(ctx: JointContext, cluster, layouts, groupings, best_s: float) -> l
             continue   # not even perfect balance on this layout beats what is known
         grs = groupings if groupings is not None else member_groupings(cluster, lay, n, speed)
         member = ctx.members.__getitem__
+        # ``member_groupings`` puts the members' own rank tuples in its stages: found by identity,
+        # not by hashing each tuple (2M lookups for 16k devices)
+        same = {id(m.ranks): m for m in lay.members}.__getitem__
         for gr in grs:
             if gr.num_stages > n:
                 continue
             try:
-                stages = [list(map(member, st)) for st in gr.stages]
+                stages = [list(map(same, map(id, st))) for st in gr.stages]
             except KeyError:
-                continue   # a grouping of members that are not the layout's
+                try:
+                    stages = [list(map(member, st)) for st in gr.stages]
+                except KeyError:
+                    continue   # a grouping of members that are not the layout's
             entries.append(GroupingState(lay, gr, prepare_stages(ctx, stages)))
     return entries
 
