@@ -19,7 +19,9 @@ Terms
 - entry: ``<cache dir>/<key>.json``: the node names in graph order and, per node, the values the
   analysis writes (``meta.TENSOR``, ``meta.COST``, ``meta.ATTR_BYTES``), as JSON (floats and ints
   round-trip exactly; dtypes by name). An entry whose names do not match the graph node for node, or
-  that cannot be read, is a miss; one that cannot be written is skipped.
+  that cannot be read, is a miss; one that cannot be written is skipped. Entries are kept as
+  ``autopar.ir.cache_files`` keeps cache files (private, no links followed, a bad file a miss with a
+  warning) and the ``MAX_ENTRIES`` most recently used are kept.
 
 ``annotate_cached(gm, example_inputs, cache_dir)`` is ``annotate_pass`` with the cache in front: the
 same annotations, value for value (``tests/test_analysis_speed_front.py``).
@@ -37,12 +39,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.ir.cache_files import evict_oldest, read_json_object, write_private
 from autopar.passes.capture import align_inputs
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
 
 __all__ = ["annotation_key", "load_annotations", "save_annotations", "annotate_cached"]
 
 _FORMAT = "autopar-annotations-1"
+MAX_ENTRIES = 256   # annotation files kept; the least recently used beyond this are removed when one is written
 _SOURCES = ("analysis.py", "meta_values.py", "repeats.py", "meta.py", "analysis_cache.py")
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _EXACT = frozenset(_SCALARS) | {type(None), type(Ellipsis)}
@@ -165,12 +169,10 @@ def save_annotations(path: str | os.PathLike, gm: fx.GraphModule, key: str) -> N
         nodes = [[n.name, _dump(n.meta.get(TENSOR)), _dump(n.meta.get(COST)), _dump(n.meta.get(ATTR_BYTES))]
                  for n in gm.graph.nodes]
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"format": _FORMAT, "key": key, "nodes": nodes}))
-        tmp.replace(path)
+        write_private(path, json.dumps({"format": _FORMAT, "key": key, "nodes": nodes}))
     except (OSError, TypeError):
-        pass
+        return
+    evict_oldest(path.parent, MAX_ENTRIES)
 
 
 def load_annotations(path: str | os.PathLike, gm: fx.GraphModule, key: str) -> bool:
@@ -178,8 +180,10 @@ def load_annotations(path: str | os.PathLike, gm: fx.GraphModule, key: str) -> b
     False (``gm`` unchanged) otherwise."""
     from autopar.passes.analysis import NodeCost, TensorInfo
 
+    data = read_json_object(Path(path))   # None (a miss) when absent, a link, not JSON or not an object
+    if data is None:
+        return False
     try:
-        data = json.loads(Path(path).read_text())
         if data.get("format") != _FORMAT or data.get("key") != key:
             return False
         rows = data["nodes"]
@@ -188,14 +192,21 @@ def load_annotations(path: str | os.PathLike, gm: fx.GraphModule, key: str) -> b
             return False
         values = []
         for _, ti, cost, attr in rows:
-            ti = None if ti is None else TensorInfo(tuple(ti[0]), getattr(torch, ti[1]))
+            dtype = None if ti is None else getattr(torch, ti[1])
+            if ti is not None and not isinstance(dtype, torch.dtype):
+                return False                                   # not a dtype's name: not an entry this wrote
+            ti = None if ti is None else TensorInfo(tuple(ti[0]), dtype)
             if cost is not None:
                 fields = dict(zip(_COST_FIELDS, cost))
                 fields["saved_input_nodes"] = tuple(fields["saved_input_nodes"])
                 cost = NodeCost(**fields)
             values.append((ti, cost, attr))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return False
+    try:
+        os.utime(path)   # its last use, for ``evict_oldest``
+    except OSError:
+        pass
     for n, (ti, cost, attr) in zip(graph_nodes, values):
         for k, v in ((TENSOR, ti), (COST, cost), (ATTR_BYTES, attr)):
             if v is None:

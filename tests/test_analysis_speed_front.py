@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import autopar.models as zoo
+from autopar.ir.cache_files import CacheFileWarning
 from autopar.passes import analysis_cache
 from autopar.passes.analyze import analyze
 from autopar.passes.capture import capture
@@ -126,8 +127,23 @@ def test_a_stale_or_broken_entry_is_a_miss(tmp_path):
     entry.write_text(json.dumps(data))
     _same_analysis(ref, analyze(case.model, case.example_inputs, cache_dir=tmp_path))
     entry.write_text("{not json")
-    _same_analysis(ref, analyze(case.model, case.example_inputs, cache_dir=tmp_path))
+    with pytest.warns(CacheFileWarning, match="not JSON"):
+        _same_analysis(ref, analyze(case.model, case.example_inputs, cache_dir=tmp_path))
     assert json.loads(entry.read_text())["key"] == data["key"]   # rewritten whole
+    good = json.loads(entry.read_text())
+    bad = json.loads(entry.read_text())
+    row = next(r for r in bad["nodes"] if r[1] is not None)
+    row[1][1] = "manual_seed"                            # a torch attribute that is no dtype
+    entry.write_text(json.dumps(bad))
+    _same_analysis(ref, analyze(case.model, case.example_inputs, cache_dir=tmp_path))
+    assert json.loads(entry.read_text()) == good
+    victim = tmp_path.parent / "victim.txt"              # a link planted at the entry's name: replaced
+    victim.write_text("keep")
+    entry.unlink()
+    entry.symlink_to(victim)
+    with pytest.warns(CacheFileWarning, match="cannot be opened"):
+        _same_analysis(ref, analyze(case.model, case.example_inputs, cache_dir=tmp_path))
+    assert victim.read_text() == "keep" and not entry.is_symlink()
 
 
 def test_a_lazy_module_runs_as_the_eager_one():
