@@ -71,8 +71,12 @@ def _collectives(summary: dict, strategy: str) -> dict[str, tuple[float, float]]
     return {k: (v[0], v[1]) for k, v in sorted(out.items())}
 
 
-def _plan_of(out: Path, kind: str, model: str, strategy: str) -> str:
-    """The chosen plan's strategy and ZeRO stage, from the run's printed header."""
+def _plan_of(out: Path, kind: str, model: str, strategy: str, row: dict) -> str:
+    """What ``strategy`` chose: the compared plan it equals (the same predicted step), else its printed
+    strategy and ZeRO stage."""
+    same = [k for k, v in row["predicted_ms"].items() if k != strategy and v == row["predicted_ms"][strategy]]
+    if same:
+        return f"= {same[-1]}"
     for line in (out / f"{kind}_{model}.txt").read_text().splitlines():
         if line.startswith(f"== strategy {strategy}:"):
             return line.split(":", 1)[1].split(", rank batch")[0].strip()
@@ -98,10 +102,11 @@ def main() -> None:
     for model in models:
         pick = json.loads((out / f"pick_{model}.json").read_text())
         zero = json.loads((out / f"zero_{model}.json").read_text())
+        p = _row(pick, "auto", ["dp", "pp", "tp"])
+        z = _row(zero, "dp", [f"dp:zero={z}" for z in range(4)])
         rows[model] = dict(params=num_params(model), batch=MODELS[model],
-                           pick=dict(_row(pick, "auto", ["dp", "pp", "tp"]), plan=_plan_of(out, "pick", model, "auto")),
-                           zero=dict(_row(zero, "dp", [f"dp:zero={z}" for z in range(4)]),
-                                     plan=_plan_of(out, "zero", model, "dp")),
+                           pick=dict(p, plan=_plan_of(out, "pick", model, "auto", p)),
+                           zero=dict(z, plan=_plan_of(out, "zero", model, "dp", z)),
                            collectives={s: _collectives(zero, s) for s in ("dp", *[f"dp:zero={z}" for z in range(4)])}
                            | {f"pick {s}": _collectives(pick, s) for s in ("auto", "pp", "tp")})
     lines = ["# The pick on held-out models (emulated demo cluster)", "",
