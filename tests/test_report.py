@@ -68,3 +68,15 @@ def test_engine_selection_by_plan_shape():
     # checked by a launch of gpt-tiny, heads 2/1/1, against the oracle).
     assert select_engine(plan(Stage(0, 4, **tp, recompute=True))) is PipelineEngine
     assert select_engine(plan(Stage(0, 2, ((0,),), ((4,),)), Stage(2, 4, ((1,),), ((4,),)))) is PipelineEngine
+
+
+def test_train_prints_each_ranks_peak_memory_beside_its_prediction():
+    from autopar.cli.trainer import gap_lines
+    from autopar.ir.profile import RankInfo, StepProfile
+
+    mib = 1 << 20
+    ranks = (RankInfo(0, "cpu-full", predicted_memory_bytes=200 * mib, measured_memory_bytes=220 * mib),
+             RankInfo(1, "cpu-half", predicted_memory_bytes=100 * mib))
+    prof = StepProfile("dp", 1.0, ranks, ())
+    (line,) = [x for x in gap_lines(prof) if "peak memory" in x]
+    assert line.endswith("rank 0 cpu-full 220 / 200 (1.10)")     # a rank nothing measured is left out

@@ -287,7 +287,7 @@ def measured_timeline(result: StrategyResult, cluster):
 def gap_lines(profile, top: int = 4) -> list[str]:
     """The largest gaps between measured and predicted seconds per step, by phase and by device type
     (summed over ranks; medians over the measured steps; emulated sleep folded into the compute it
-    stretches)."""
+    stretches), and each rank's peak memory, measured beside predicted, where a meter measured it."""
     if profile is None:
         return []
     out = []
@@ -297,6 +297,13 @@ def gap_lines(profile, top: int = 4) -> list[str]:
             out.append(f"  largest gaps by {by.replace('_', ' ')} (measured - predicted, per step, all ranks): " +
                        "; ".join(f"{g.key} {g.gap_s * 1e3:+.1f} ms ({g.measured_s * 1e3:.1f} vs "
                                  f"{g.predicted_s * 1e3:.1f})" for g in rows))
+    peaks = [(i.rank, i.device_type, i.measured_memory_bytes, i.predicted_memory_bytes) for i in profile.ranks
+             if i.measured_memory_bytes is not None]
+    if peaks:
+        mib = 1 << 20
+        out.append("  peak memory per rank (measured / predicted, MiB): " + "; ".join(
+            f"rank {r} {t} {m / mib:.0f} / {p / mib:.0f}" + (f" ({m / p:.2f})" if p > 0 else "")
+            for r, t, m, p in peaks))
     return out
 
 
