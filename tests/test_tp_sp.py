@@ -38,6 +38,7 @@ import unittest
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.testing._internal.common_utils import run_tests
@@ -68,10 +69,19 @@ def make_engine(name, groups, tp_shares, micro, optimizer, rank, world_size):
         model, gm = copy.deepcopy((model, gm))
     plan = sp_plan(groups, tp_shares, micro, num_blocks)
     assert select_engine(plan) is TensorParallelEngine
-    return TensorParallelEngine(EngineInputs(
+    engine = TensorParallelEngine(EngineInputs(
         gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory(optimizer),
         rank=rank, world_size=world_size, device=torch.device("cpu"), clock=NullClock()),
         lower(plan, gm, rank))
+    traced_everywhere()
+    return engine
+
+
+def traced_everywhere() -> None:
+    """Wait until every thread has traced: fx's symbolic tracer patches ``nn.Module.__call__`` for the
+    whole process while it traces, so a forward run in one thread while another traces goes through
+    that tracer ("module is not installed as a submodule")."""
+    dist.barrier()
 
 
 
@@ -169,6 +179,7 @@ class TwoRanksSP(threaded_ranks(2)):
         local = sp_rewrite(tp_rewrite(gm, (2, 1), self.rank), (2, 1), self.rank)
         assert local.meta[SP_META_KEY].blocks == (1, 3)
         bind_tp_group(local, None)
+        traced_everywhere()
         out = local(tokens)
         out.backward()
         ref = copy.deepcopy(model)
@@ -201,6 +212,7 @@ class TwoRanksSP(threaded_ranks(2)):
         local = sp_rewrite(tp_rewrite(gm, (3, 1), self.rank), (3, 1), self.rank)
         assert local.meta[SP_META_KEY].blocks == (1, 2)
         bind_tp_group(local, None)
+        traced_everywhere()
         out = local(ids)["logits"]
         ref = copy.deepcopy(model)
         want = ref(ids).logits
@@ -266,6 +278,7 @@ class FourRanksSP(threaded_ranks(4)):
         engine = PipelineEngine(EngineInputs(
             gm=gm, model=model, plan=plan, loss_fn=loss_fn, optimizer_factory=optimizer_factory("adamw"),
             rank=self.rank, world_size=self.world_size, device=torch.device("cpu"), clock=NullClock()), program)
+        traced_everywhere()
         train_and_check(engine, "gpt-tiny", "adamw")
 
 
