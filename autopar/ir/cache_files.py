@@ -30,11 +30,12 @@ class CacheFileWarning(UserWarning):
 
 def private_dir(path: Path) -> Path:
     """``path`` as a directory only this user can read: made 0700, or narrowed to 0700 when it is
-    this user's already. ``OSError`` when it is a link or belongs to someone else."""
+    this user's already (a link the user made to a folder of theirs, a cache on another disk, is
+    followed). ``OSError`` when the folder belongs to someone else."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if os.path.islink(path) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
-        raise OSError(f"{path} is a link or another user's directory; not used as a cache")
+    st = os.stat(path)
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise OSError(f"{path} is another user's directory; not used as a cache")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
