@@ -33,18 +33,23 @@ def _pieces(step: int) -> list:
 WORLD = 2
 
 
-def _saver(rank: int, root: str, first: int, rendezvous: str) -> None:
+def _saver(rank: int, root: str, first: int, rendezvous: str, saved, save_s) -> None:
     """Rank ``rank`` of a 2-rank gloo job saving steps first, first + 1, ... until killed, each rank
-    holding half of every tensor's rows; rank 0 prunes after each save (as ``Elastic`` does)."""
+    holding half of every tensor's rows; rank 0 prunes after each save (as ``Elastic`` does). Once the
+    first save is complete, rank 0 sets ``saved`` and ``save_s`` (how long that save took)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(rendezvous, WORLD), rank=rank, world_size=WORLD)
     for step in range(first, first + 1000):
+        t0 = time.perf_counter()
         store.save(Path(root) / f"step-{step}", _half(step, rank), step=step, meta={"step": step},
                    bucket_bytes=1 << 20)   # several files per save: more places to be cut
         if rank == 0:
             store.retain(root, KEEP)
+            if not saved.is_set():
+                save_s.value = time.perf_counter() - t0
+                saved.set()
         dist.barrier()
 
 
@@ -83,17 +88,18 @@ def test_a_save_killed_at_random_points_always_resumes_from_a_complete_checkpoin
     rng = random.Random(0)
     root = tmp_path / "ck"
     root.mkdir()
-    # how long one save takes here, to spread the kills over it
-    t0 = time.perf_counter()
-    store.save(tmp_path / "probe", _pieces(0), step=0, bucket_bytes=1 << 20)
-    one_save = time.perf_counter() - t0
     newest, cut = 0, 0
     for trial in range(TRIALS):
         rendezvous = str(tmp_path / f"rendezvous-{trial}")
-        procs = [ctx.Process(target=_saver, args=(r, str(root), newest + 1, rendezvous)) for r in range(WORLD)]
+        saved, save_s = ctx.Event(), ctx.Value("d", 0.0)
+        procs = [ctx.Process(target=_saver, args=(r, str(root), newest + 1, rendezvous, saved, save_s))
+                 for r in range(WORLD)]
         for p in procs:
             p.start()
-        time.sleep(rng.uniform(0.5, 3.0) * one_save)
+        # after the job's first save (its start-up takes longer on a loaded machine), a random point of
+        # the next one or two, spread over the time a save takes now
+        assert saved.wait(120), "the job saved nothing in 120 s"
+        time.sleep(rng.uniform(0.0, 1.5) * save_s.value)
         victim = rng.randrange(WORLD)            # one rank dies at a random point ...
         os.kill(procs[victim].pid, signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.2))
