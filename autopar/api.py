@@ -378,8 +378,9 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
 
     ``checkpoint_dir`` / ``checkpoint_every`` (api.md, "Elastic runs"): save into ``checkpoint_dir/step-N``
     every ``checkpoint_every`` steps, and resume from the newest valid checkpoint there, resharded onto
-    this plan (``autopar.runtime.elastic``); ``checkpoint_keep=N`` keeps the newest N of them. Under a restarted ``launch``, a ``cluster`` that is the one
-    the job was started on means the cluster in force (``autopar.current_cluster()``).
+    this plan (``autopar.runtime.elastic``); ``checkpoint_keep=N`` keeps the newest N of them. Under a
+    restarted ``launch``, a ``cluster`` that is the one the job was started on means the cluster in force
+    (``autopar.current_cluster()``).
 
     ``replan="auto"`` (api.md): after a few steps, re-plan on costs calibrated from the measured profile
     and switch in place when that pays (``autopar.runtime.replan``; reports in ``compiled.replans``).

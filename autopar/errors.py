@@ -10,7 +10,19 @@ gives its value and says what to change.
 The model zoo's ``ModelZooError`` (``autopar.models``) is an ``AutoparError`` too. ``kernels/`` imports
 nothing of autopar, so its ``KernelInputError`` is a plain ``ValueError``."""
 
-__all__ = ["AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError"]
+import reprlib
+
+__all__ = ["AutoparError", "ClusterError", "PlanError", "RuntimeInputError", "LaunchError", "quoted"]
+
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict = 2, 4, 4, 4
+_QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlong = 40, 40, 24
+
+
+def quoted(value) -> str:
+    """``repr(value)`` cut short, as an error message quotes what it was given: never all of it (a YAML
+    alias bomb's value is billions of elements long; an integer of 400 digits prints as its head)."""
+    return _QUOTE.repr(value)
 
 
 class AutoparError(ValueError):

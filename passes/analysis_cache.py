@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.ir.cache_files import evict_oldest, read_json_object, write_private
+from autopar.ir.cache_files import evict_oldest, mark_used, read_json_object, write_private
 from autopar.passes.capture import align_inputs
 from autopar.passes.meta import ATTR_BYTES, COST, TENSOR
 
@@ -203,10 +203,7 @@ def load_annotations(path: str | os.PathLike, gm: fx.GraphModule, key: str) -> b
             values.append((ti, cost, attr))
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return False
-    try:
-        os.utime(path)   # its last use, for ``evict_oldest``
-    except OSError:
-        pass
+    mark_used(Path(path))
     for n, (ti, cost, attr) in zip(graph_nodes, values):
         for k, v in ((TENSOR, ti), (COST, cost), (ATTR_BYTES, attr)):
             if v is None:

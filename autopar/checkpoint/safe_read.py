@@ -24,7 +24,7 @@ from typing import Any
 
 from autopar.checkpoint.error import CheckpointError
 
-__all__ = ["ALLOWED", "safe_reader", "read_metadata_file", "read_state_metadata", "load_bytes", "check_owner"]
+__all__ = ["ALLOWED", "safe_reader", "read_metadata_file", "read_state_metadata", "read_byte_item", "check_owner"]
 
 ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -50,8 +50,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"checkpoint: {self._path} names {module}.{name}, which DCP's metadata never holds; "
-                     "refused without running it (a planted or foreign file)")
+        raise CheckpointError(f"checkpoint: {self._path} names {module}.{name}, which DCP's metadata never "
+                              "holds; refused without running it (a planted or foreign file)")
 
 
 def read_metadata_file(path: Path):
@@ -63,7 +63,8 @@ def read_metadata_file(path: Path):
         raise
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError,
             KeyError, MemoryError) as exc:
-        raise CheckpointError(f"checkpoint: {path} cannot be read ({type(exc).__name__}: {exc}); nothing was loaded") from None
+        raise CheckpointError(f"checkpoint: {path} cannot be read ({type(exc).__name__}: {exc}); "
+                              "nothing was loaded") from None
 
 
 def safe_reader(directory):
@@ -87,7 +88,7 @@ def read_state_metadata(directory) -> dict:
     return safe_reader(directory).read_metadata().state_dict_metadata
 
 
-def load_bytes(value: io.BytesIO, what: str) -> Any:
+def read_byte_item(value: io.BytesIO, what: str) -> Any:
     """A byte item (``what`` names it in errors) as ``torch.load(weights_only=True)`` reads it."""
     import torch
 
@@ -95,7 +96,7 @@ def load_bytes(value: io.BytesIO, what: str) -> Any:
         return torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
         raise CheckpointError(f"checkpoint: the item {what} holds more than tensors and plain data "
-                     f"({str(exc).splitlines()[0][:200]}); refused without running it") from None
+                              f"({str(exc).splitlines()[0][:200]}); refused without running it") from None
 
 
 def check_owner(directory: Path) -> None:
@@ -108,5 +109,5 @@ def check_owner(directory: Path) -> None:
         st = os.lstat(p)
         if st.st_uid != me or st.st_mode & 0o022:
             who = "another user owns" if st.st_uid != me else "other users can write"
-            raise CheckpointError(f"checkpoint: {p}: {who} it (mode {st.st_mode & 0o777:o}); a checkpoint is read only "
-                         "from this user's own directories (chmod go-w, or copy it)")
+            raise CheckpointError(f"checkpoint: {p}: {who} it (mode {st.st_mode & 0o777:o}); a checkpoint is "
+                                  "read only from this user's own directories (chmod go-w, or copy it)")

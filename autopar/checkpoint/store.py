@@ -41,7 +41,7 @@ import torch
 
 from autopar.checkpoint.error import CheckpointError
 from autopar.checkpoint.pieces import Piece
-from autopar.checkpoint.safe_read import check_owner, load_bytes, safe_reader
+from autopar.checkpoint.safe_read import check_owner, read_byte_item, safe_reader
 
 __all__ = ["CheckpointError", "Manifest", "save", "load", "read_manifest", "latest", "retain", "remove_partials",
            "agreed", "MANIFEST", "FORMAT", "BUCKET_BYTES"]
@@ -150,7 +150,7 @@ def _planners():
 
         def load_bytes(self, read_item, value):   # tensors and plain data only, never code
             fqn = read_item.dest_index.fqn
-            self.state_dict[fqn] = load_bytes(value, fqn)
+            self.state_dict[fqn] = read_byte_item(value, fqn)
 
     return PieceSavePlanner, PieceLoadPlanner
 
@@ -377,15 +377,23 @@ def latest(root) -> Path | None:
     if not root.is_dir():
         return None
     for _, d in _steps(root):
-        if not (d / MANIFEST).is_file():
-            continue   # an interrupted save: no manifest, not a checkpoint
-        try:
-            read_manifest(d)
-        except CheckpointError as exc:
-            warnings.warn(f"{exc}; resuming from an older checkpoint", stacklevel=2)
-            continue
-        return d
+        if _valid(d, warn=True):
+            return d
     return None
+
+
+def _valid(d: Path, warn: bool = False) -> bool:
+    """Whether ``d`` is a complete checkpoint as ``read_manifest`` checks it; an interrupted save (no
+    manifest) is not one, silently, and a damaged one is not, with a warning naming why (``warn``)."""
+    if not (d / MANIFEST).is_file():
+        return False
+    try:
+        read_manifest(d)
+    except CheckpointError as exc:
+        if warn:
+            warnings.warn(f"{exc}; resuming from an older checkpoint", stacklevel=3)
+        return False
+    return True
 
 
 def retain(root, keep_last: int) -> list[Path]:
@@ -397,12 +405,7 @@ def retain(root, keep_last: int) -> list[Path]:
     kept = 0
     for _, d in _steps(root):
         if kept < keep_last:
-            if (d / MANIFEST).is_file():
-                try:
-                    read_manifest(d)
-                    kept += 1
-                except CheckpointError:
-                    pass
+            kept += _valid(d)
             continue
         shutil.rmtree(d, ignore_errors=True)
         gone.append(d)

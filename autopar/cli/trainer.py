@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["strategy_variant", "turns", "order_text", "RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup", "train_worker", "run_comparison",
-           "measured_timeline", "WARMUP_STEPS", "gap_lines", "plot_profiles", "PHASE_COLORS"]
+__all__ = ["strategy_variant", "turns", "order_text", "RunSpec", "StrategyResult", "Spread", "spread", "paired_speedup",
+           "train_worker", "run_comparison", "measured_timeline", "WARMUP_STEPS", "gap_lines", "plot_profiles", "PHASE_COLORS"]
 
 
 WARMUP_STEPS = 8     # the default warm-up (module docstring: the steady clock's minima settle)

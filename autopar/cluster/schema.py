@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import difflib
 import math
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.cluster.devices import GiB, PCIE4_X16_Bps, PRESETS, VENDORS, DeviceSpec, emulated_spec, preset
-from autopar.errors import ClusterError
+from autopar.errors import ClusterError, quoted
 
 __all__ = [
     "ClusterLayout", "parse", "parse_text", "parse_preset", "positive_int", "spec_to_schema", "unscale",
@@ -107,28 +106,17 @@ def _check_keys(d: Mapping, allowed: tuple[str, ...], path: str) -> None:
     for key in d:
         if key not in allowed:
             plain = (key if isinstance(key, str) and 0 < len(key) <= 40 and key.isprintable() and " " not in key
-                     else _show(key))
+                     else quoted(key))
             close = difflib.get_close_matches(plain, allowed, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
             where = f"{path}.{plain}" if path else plain
-            raise ClusterError(f"{where}: unknown key {_show(key)}; {hint}")
+            raise ClusterError(f"{where}: unknown key {quoted(key)}; {hint}")
 
 
 def _mapping(value: Any, path: str, what: str) -> Mapping:
     if not isinstance(value, Mapping):
-        raise ClusterError(f"{path or 'cluster'}: {_show(value)} is not a mapping; expected {what}")
+        raise ClusterError(f"{path or 'cluster'}: {quoted(value)} is not a mapping; expected {what}")
     return value
-
-
-_SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict = 2, 4, 4, 4
-_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 40, 40, 24
-
-
-def _show(value: Any) -> str:
-    """``repr(value)`` cut short: an error quotes what it was given, never all of it (a YAML alias
-    bomb's value is billions of elements long; an integer of 400 digits prints as its head)."""
-    return _SHOW.repr(value)
 
 
 def _is_number(value: Any) -> bool:
@@ -145,47 +133,47 @@ def _scaled(value: float, scale: float, path: str, unit: str) -> float:
     finite floats (``bandwidth_GBps: 1e300`` is 1e309 B/s: infinite, not fast)."""
     out = value * scale
     if not math.isfinite(out) or out <= 0:
-        raise ClusterError(f"{path}: {_show(value)} is out of range ({unit}); give a finite figure of the "
+        raise ClusterError(f"{path}: {quoted(value)} is out of range ({unit}); give a finite figure of the "
                            "device or link")
     return out
 
 
 def positive_int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterError(f"{path}: {_show(value)} is not a positive integer")
+        raise ClusterError(f"{path}: {quoted(value)} is not a positive integer")
     return value
 
 
 def _positive_number(value: Any, path: str, unit: str = "", scale: float = 1.0) -> float:
     """``value`` x ``scale`` (its unit's conversion), checked positive and finite before and after."""
     if not _is_number(value) or value <= 0:
-        raise ClusterError(f"{path}: {_show(value)} is not a positive number{unit and ' (' + unit + ')'}")
+        raise ClusterError(f"{path}: {quoted(value)} is not a positive number{unit and ' (' + unit + ')'}")
     return _scaled(float(value), scale, path, unit)
 
 
 def _nonneg_number(value: Any, path: str, unit: str = "") -> float:
     if not _is_number(value) or value < 0:
-        raise ClusterError(f"{path}: {_show(value)} is not a number >= 0{unit and ' (' + unit + ')'}")
+        raise ClusterError(f"{path}: {quoted(value)} is not a number >= 0{unit and ' (' + unit + ')'}")
     return float(value)
 
 
 def _name(value: Any, path: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ClusterError(f"{path}: {_show(value)} is not a non-empty name")
+        raise ClusterError(f"{path}: {quoted(value)} is not a non-empty name")
     return value.strip()
 
 
 def parse_preset(name: Any, path: str) -> DeviceSpec:
     """The preset ``name`` (case-insensitive), or ``ClusterError`` at ``path`` with the closest name."""
     if not isinstance(name, str):
-        raise ClusterError(f"{path}: {_show(name)} is not a preset name or a device mapping")
+        raise ClusterError(f"{path}: {quoted(name)} is not a preset name or a device mapping")
     try:
         return preset(name)
     except KeyError:
         lower = {k.lower(): k for k in PRESETS}
         close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.4)
         hint = f"did you mean {lower[close[0]]!r}? " if close else ""
-        raise ClusterError(f"{path}: unknown device preset {_show(name)}; {hint}"
+        raise ClusterError(f"{path}: unknown device preset {quoted(name)}; {hint}"
                            f"presets: {', '.join(PRESETS)}; or give a custom mapping "
                            "{name, tflops, memory_GB, mem_bandwidth_GBps}") from None
 
@@ -194,7 +182,7 @@ def _memory_bytes(value: Any, path: str) -> int:
     gb = _positive_number(value, path, "GB of device memory")
     mem = int(round(_scaled(gb, GiB, path, "GB of device memory")))
     if mem <= 0:
-        raise ClusterError(f"{path}: {_show(value)} is too small")
+        raise ClusterError(f"{path}: {quoted(value)} is too small")
     return mem
 
 
@@ -208,17 +196,17 @@ def _parse_device(value: Any, path: str) -> DeviceSpec:
                 raise ClusterError(f"{path}.{key}: missing; an emulated device needs "
                                    f"{', '.join(_EMULATED_REQUIRED)}")
         if value["emulate"] != "cpu":
-            raise ClusterError(f"{path}.emulate: {_show(value['emulate'])} is not supported; use 'cpu'")
+            raise ClusterError(f"{path}.emulate: {quoted(value['emulate'])} is not supported; use 'cpu'")
         speed = value["speed"]
         if not _is_number(speed) or not 0 < speed <= 1:
-            raise ClusterError(f"{path}.speed: {_show(speed)} must be a number in (0, 1] "
+            raise ClusterError(f"{path}.speed: {quoted(speed)} must be a number in (0, 1] "
                                "(the fraction of this CPU's speed)")
         spec = emulated_spec(_name(value["name"], f"{path}.name"), float(speed),
                              _memory_bytes(value["memory_GB"], f"{path}.memory_GB"))
         if "actual_speed" in value:
             actual = value["actual_speed"]
             if not _is_number(actual) or not 0 < actual <= 1:
-                raise ClusterError(f"{path}.actual_speed: {_show(actual)} must be a number in (0, 1] (the speed "
+                raise ClusterError(f"{path}.actual_speed: {quoted(actual)} must be a number in (0, 1] (the speed "
                                    "the device really runs at; the planner sees speed)")
             spec = replace(spec, actual_speed=float(actual))
         return spec
@@ -234,7 +222,7 @@ def _parse_device(value: Any, path: str) -> DeviceSpec:
             if "fp32_tflops" in value else flops / 16)
     vendor = value.get("vendor", "other")
     if vendor not in VENDORS:
-        raise ClusterError(f"{path}.vendor: {_show(vendor)} is not one of {', '.join(VENDORS)}")
+        raise ClusterError(f"{path}.vendor: {quoted(vendor)} is not one of {', '.join(VENDORS)}")
     intra = (_positive_number(value["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s", 1e9)
              if "intra_bandwidth_GBps" in value else PCIE4_X16_Bps)
     return DeviceSpec(
@@ -265,7 +253,7 @@ def _parse(d: Any) -> ClusterLayout:
                            "e.g. nodes: [{device: A100-80GB, count: 8}]")
     nodes = d["nodes"]
     if not isinstance(nodes, list):
-        raise ClusterError(f"nodes: {_show(nodes)} is not a list of nodes")
+        raise ClusterError(f"nodes: {quoted(nodes)} is not a list of nodes")
     if not nodes:
         raise ClusterError("nodes: [] is empty; a cluster needs at least one node")
     network = _mapping(d.get("network", {}) or {}, "network", "{bandwidth_GBps, latency_us}")
@@ -289,7 +277,7 @@ def _parse(d: Any) -> ClusterLayout:
                     raise ClusterError(f"{path}.{key}: not allowed together with {path}.devices")
             items = node["devices"]
             if not isinstance(items, list) or not items:
-                raise ClusterError(f"{path}.devices: {_show(items)} is not a non-empty list of "
+                raise ClusterError(f"{path}.devices: {quoted(items)} is not a non-empty list of "
                                    "{device, count} mappings")
             groups = []
             for j, item in enumerate(items):
@@ -302,14 +290,14 @@ def _parse(d: Any) -> ClusterLayout:
         for spec, _, spath in groups:
             other = names.setdefault(spec.name, (spec, spath))
             if other[0] != spec:
-                raise ClusterError(f"{spath}: device name {_show(spec.name)} is already used by {other[1]} "
+                raise ClusterError(f"{spath}: device name {quoted(spec.name)} is already used by {other[1]} "
                                    "for a different spec; give each distinct device its own name")
         repeat = positive_int(node["repeat"], f"{path}.repeat") if "repeat" in node else 1
         intra = (_positive_number(node["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s", 1e9)
                  if "intra_bandwidth_GBps" in node else None)
         total += repeat * sum(n for _, n, _ in groups)
         if total > MAX_DEVICES:
-            raise ClusterError(f"{path}: the cluster reaches {_show(total)} devices here, more than "
+            raise ClusterError(f"{path}: the cluster reaches {quoted(total)} devices here, more than "
                                f"{MAX_DEVICES}; check count and repeat")
         for _ in range(repeat):
             node_groups.append([(s, n) for s, n, _ in groups])
@@ -331,7 +319,7 @@ def unscale(value: float, scale: float, divide: bool = False) -> float | int:
     for c in candidates:
         if (c / scale if divide else c * scale) == value:
             return int(c) if c == int(c) and abs(c) < 2**53 else c
-    raise ClusterError(f"cannot express {_show(value)} in units of {scale:g} exactly")
+    raise ClusterError(f"cannot express {quoted(value)} in units of {scale:g} exactly")
 
 
 def spec_to_schema(spec: DeviceSpec) -> str | dict:

@@ -296,11 +296,13 @@ def _stage_load(ctx: JointContext, members: Sequence[Member], key: tuple | None 
     hit = done.get(key)
     if hit is not None:
         return hit[1]
-    # member id -> its fact: (member, sig, tp, shares) interned, one object per distinct
-    # (sig, tp, shares), so that a stage of hundreds of members is one C-level count of fact ids
+    # member id -> its fact (sig, tp, shares), interned: one object per distinct fact, so that a stage of
+    # hundreds of members is one C-level count of fact ids
     facts = ctx.cache.setdefault("member_facts", {})
+    by_id = ctx.cache.setdefault("fact_by_id", {})      # id(fact) -> fact, for the distinct facts
+    speed = ctx.cache.setdefault("member_speed", {})    # member id -> its speed
     try:
-        counts = Counter(map(id, map(facts.__getitem__, key)))
+        per_fact = Counter(map(id, map(facts.__getitem__, key)))
     except KeyError:
         interned = ctx.cache.setdefault("member_sigs", {})  # (kind id, speed, room, rank caps), one object each
         distinct = ctx.cache.setdefault("fact_objects", {})
@@ -310,15 +312,14 @@ def _stage_load(ctx: JointContext, members: Sequence[Member], key: tuple | None 
                 sig = (ctx.member_kind_id(m), ctx.kind_speed(m.kind), ctx.room(m), ctx.rank_caps(m))
                 sig = interned.setdefault(sig, sig)
                 fact = (sig, len(m.ranks) > 1, tuple(m.shares))
-                facts[id(m)] = distinct.setdefault(fact, fact)
-                ctx.cache.setdefault("member_speed", {})[id(m)] = sig[1]
+                if fact not in distinct:
+                    distinct[fact] = by_id[id(fact)] = fact
+                facts[id(m)] = distinct[fact]
+                speed[id(m)] = sig[1]
                 keep.append(m)
-        counts = Counter(map(id, map(facts.__getitem__, key)))
-    by_id = ctx.cache.setdefault("fact_by_id", {})
-    if len(by_id) != len(ctx.cache["fact_objects"]):
-        by_id.update((id(f), f) for f in ctx.cache["fact_objects"].values())
-    present = [(by_id[i], n) for i, n in counts.items()]
-    total = sum(map(ctx.cache["member_speed"].__getitem__, key))   # member by member, as ever: the same float
+        per_fact = Counter(map(id, map(facts.__getitem__, key)))
+    present = [(by_id[i], n) for i, n in per_fact.items()]
+    total = sum(map(speed.__getitem__, key))   # member by member, as ever: the same float
     tally: dict = {}   # (kind id, speed fraction, room, caps) -> members: equal members counted at once
     for (sig, _, _), num in present:
         i, x, room, caps = sig

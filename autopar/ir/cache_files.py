@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["CacheFileWarning", "private_dir", "read_json_object", "write_private", "evict_oldest"]
+__all__ = ["CacheFileWarning", "private_dir", "read_json_object", "write_private", "mark_used", "evict_oldest"]
 
 
 class CacheFileWarning(UserWarning):
@@ -81,9 +81,17 @@ def read_json_object(path: Path) -> dict | None:
     return data
 
 
+def mark_used(path: Path) -> None:
+    """Record a read of ``path`` as its last use, for ``evict_oldest`` (its modification time)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def evict_oldest(folder: Path, keep: int, pattern: str = "*.json") -> int:
     """Remove all but the ``keep`` most recently used files of ``pattern`` in ``folder`` (by
-    modification time, which a read marks with ``os.utime``); returns how many were removed."""
+    modification time, which a read marks with ``mark_used``); returns how many were removed."""
     try:
         files = [(p.stat().st_mtime, p) for p in folder.glob(pattern) if p.is_file() and not p.is_symlink()]
     except OSError:

@@ -14,10 +14,9 @@ A plan file is input like a cluster file: a user may edit one, a cache may hold 
 from __future__ import annotations
 
 import math
-import reprlib
 from typing import Any
 
-from autopar.errors import PlanError
+from autopar.errors import PlanError, quoted
 
 __all__ = ["check_plan_dict", "SCHEDULES"]
 
@@ -36,12 +35,9 @@ _PREDICTED = {"step_time_s", "samples_per_s", "memory_bytes", "upper_bound_sampl
 _PREDICTED_REQUIRED = ("step_time_s", "samples_per_s", "memory_bytes")
 _MAX_INT = 1 << 62   # beyond any rank, block or batch; keeps sums exact and JSON's own ints bounded
 
-_SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 2, 4, 4, 40, 40, 24
-
 
 def _fail(path: str, value: Any, what: str) -> PlanError:
-    return PlanError(f"{path}: {_SHOW.repr(value)} {what}")
+    return PlanError(f"{path}: {quoted(value)} {what}")
 
 
 def _int(value: Any, path: str, lo: int = 0, what: str = "") -> int:
@@ -79,7 +75,7 @@ def _mapping(value: Any, path: str, allowed: set, required: tuple) -> dict:
         raise _fail(path, value, "is not a mapping")
     for key in value:
         if key not in allowed:
-            name = key if isinstance(key, str) and key.isidentifier() and len(key) <= 40 else f"[{_SHOW.repr(key)}]"
+            name = key if isinstance(key, str) and key.isidentifier() and len(key) <= 40 else f"[{quoted(key)}]"
             raise PlanError(f"{path}.{name}: unknown field; "
                             f"a plan's fields here are {', '.join(sorted(allowed))}")
     for key in required:
@@ -184,5 +180,5 @@ def _check_predicted(p: Any) -> None:
         if not isinstance(k, str):
             raise _fail("plan.predicted.breakdown", k, "is not a phase name")
         if not math.isfinite(_finite(v)):
-            raise _fail(f"plan.predicted.breakdown[{_SHOW.repr(k)}]", v, "is not a finite number of seconds")
+            raise _fail(f"plan.predicted.breakdown[{quoted(k)}]", v, "is not a finite number of seconds")
 

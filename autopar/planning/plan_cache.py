@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from autopar.errors import PlanError
-from autopar.ir.cache_files import CacheFileWarning, evict_oldest, read_json_object, write_private
+from autopar.ir.cache_files import CacheFileWarning, evict_oldest, mark_used, read_json_object, write_private
 from autopar.ir.plan import Plan
 
 __all__ = ["DiskPlanCache", "plan_cache_dir", "MAX_PLANS"]
@@ -63,10 +63,7 @@ class DiskPlanCache:
             warnings.warn(f"cache file {path} is not a valid plan ({exc}); planning again", CacheFileWarning,
                           stacklevel=2)
             return None
-        try:
-            os.utime(path)   # its last use, for ``evict_oldest``
-        except OSError:
-            pass
+        mark_used(path)
         return plan
 
     def put(self, key: str, plan: Plan) -> None:
