@@ -15,7 +15,7 @@ from autopar.config import MEMORY_FRACTION
 from autopar.cost.memory import fits_memory, stage_memory_bytes
 from autopar.cost.pipeline import pipeline_memory_bytes, plan_timeline
 from autopar.ir.costs import ModelCosts
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, Stage
 from autopar.planner import joint as jp
 from autopar.planner.pp import StageGrouping
 from autopar.planner.pp_virtual import chunk_sizes, chunked_stages, interleave_hybrid, interleaved_memory_bytes
@@ -117,3 +117,41 @@ def test_recompute_fits_an_over_memory_variant_and_the_bound_is_below_the_simula
     assert any(st.recompute for st in fitted.stages) and fits_memory(tight, fitted.predicted.memory_bytes, MEMORY_FRACTION)
     assert fitted.predicted.memory_bytes == interleaved_memory_bytes(costs, fitted.stages, 0, 2)
     assert step == pytest.approx(plan_timeline(fitted, costs, cluster)[1], rel=1e-12)
+
+
+def _stages(sizes, ranks):
+    out, start = [], 0
+    for k, r in zip(sizes, ranks):
+        out.append(Stage(start, start + k, groups=((r,),), micro_batches=((0, 1),)))
+        start += k
+    return tuple(out)
+
+
+def test_chunk_splits_add_the_flat_split_evened_within_each_kind_of_rank_stage():
+    from autopar.planner.pp_virtual import _chunk_splits
+
+    one = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0, "memory_GB": 1}, "count": 4}]})
+    # a flat split shaped by 1F1B's memory (fewer blocks where more micro-batches are in flight)
+    got = _chunk_splits(one, _stages([3, 4, 4, 5], range(4)), 2)
+    assert got == [chunk_sizes([3, 4, 4, 5], 2), chunk_sizes([4, 4, 4, 4], 2)]
+    assert _chunk_splits(one, _stages([4, 4, 4, 4], range(4)), 2) == [chunk_sizes([4, 4, 4, 4], 2)]
+    # two kinds (ranks 0, 1 of type a; 2, 3 of type b): each keeps its blocks, the extra one on its later stage
+    two = Cluster.from_dict({"nodes": [{"device": {"name": n, "emulate": "cpu", "speed": s, "memory_GB": 1}, "count": 2}
+                                       for n, s in (("a", 1.0), ("b", 0.5))]})
+    got = _chunk_splits(two, _stages([6, 2, 5, 3], (0, 2, 1, 3)), 2)
+    assert got[1] == chunk_sizes([5, 2, 6, 3], 2)
+
+
+def test_the_flat_bound_is_below_every_interleaving_and_prunes_flat_plans_that_cannot_win():
+    from autopar.planner.pp_virtual import _flat_bound
+
+    costs, cluster = _case()
+    flat = _hybrid(costs, cluster)
+    got = interleave_hybrid(costs, cluster, flat, MEMORY_FRACTION)
+    assert got
+    for step, plan, _ in got:
+        assert _flat_bound(costs, cluster, flat[0][1], {}) <= step * (1 + 1e-9)
+    # a plan already known to be faster than any interleaving's bound: nothing is tried, nothing kept
+    bound = min(_flat_bound(costs, cluster, p, {}) for _, p, _ in flat)
+    faster = (bound * 0.5, flat[0][1], "elsewhere")
+    assert interleave_hybrid(costs, cluster, [*flat, faster], MEMORY_FRACTION) == []

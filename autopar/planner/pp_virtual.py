@@ -14,15 +14,21 @@ Terms
   transfers are cheap next to compute, since every micro-batch crosses V times as many boundaries.
   Searched for V in ``VIRTUAL_COUNTS`` while every rank stage has at least V blocks and the pipeline
   has at most ``MAX_VIRTUAL_STAGES`` stages (each prediction simulates V times as many actions).
-- hybrid interleaving (``interleave_hybrid``): the joint (TP + PP + DP) search's best few 1F1B plans,
-  whose members may be tensor-parallel groups, interleaved at each V by the chunk split above (no
-  climb: a few simulations per plan, ``HYBRID_TOP`` plans), priced by the same simulator and checked by
-  ``interleaved_memory_bytes``; a variant is kept only where it fits and is predicted faster. Its
+- hybrid interleaving (``interleave_hybrid``): the joint (TP + PP + DP) search's fastest 1F1B plans,
+  whose members may be tensor-parallel groups, interleaved at each V (no climb: a few simulations per
+  plan, at most ``HYBRID_TOP`` plans), priced by the same simulator and checked by
+  ``interleaved_memory_bytes``; a variant is kept only where it fits and is predicted faster than
+  every plan known. A flat plan whose busiest rank stage's compute alone (``_flat_bound``, no bubble)
+  is not below the fastest step known is skipped. Two chunk splits are tried: the flat split's, and,
+  where that does not fit or pay, the flat split evened over rank stages of one kind
+  (``_chunk_splits``): a 1F1B split shaped by memory (fewer blocks on the early stages, which hold
+  more micro-batches in flight) need not fit once interleaved, where the even one does (a
+  405B-class model on 512 H100: PP 16, V = 4 at 34.2 s against 36.9 s flat, PREDICTED). Its
   chunks keep their rank stage's members, shares and SP / recompute flags, as the engine requires.
   A variant over memory turns on recompute chunk by chunk on the over-memory rank stages only
   (``_recompute_until_fits``: earliest chunk first, by the cheap bound, then the exact memory); a
   schedule-free step bound (``busiest_rank_stage_s``) drops it before any simulation where its
-  busiest rank stage alone is not faster than the flat plan. On llama-140b / hethub-768 / 1024
+  busiest rank stage alone is not faster than the fastest plan. On llama-140b / hethub-768 / 1024
   (PREDICTED) every variant then fits but none pays: recomputing the first chunks costs more than
   interleaving saves (V = 2: 56.33 s against 48.62 s flat).
 - interleaved memory (``interleaved_memory_bytes``): per rank, at the moment of its action list when
@@ -56,7 +62,7 @@ VIRTUAL_COUNTS: tuple[int, ...] = (2, 3, 4)
 MAX_VIRTUAL_STAGES = 64
 _CLIMB_ROUNDS = 2
 _CLIMB_MAX_STAGES = 16   # larger interleaved pipelines keep the chunk split (each move is a simulation)
-HYBRID_TOP = 2           # the joint search's best plans interleave_hybrid tries
+HYBRID_TOP = 4           # at most this many flat plans interleave_hybrid tries (by their bound)
 
 
 def check_virtual_stages(virtual_stages, schedule: str) -> None:
@@ -217,27 +223,40 @@ def interleaved_memory_bytes(costs, stages: Sequence[Stage], zero_stage: int, vi
 def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], memory_fraction: float,
                       virtual_counts: Sequence[int] = VIRTUAL_COUNTS, top: int = HYBRID_TOP, *,
                       kinds: dict | None = None, require_faster: bool = True) -> list[tuple[float, Plan, str]]:
-    """The interleaved variants (step seconds, plan, label) of the ``top`` fastest of ``best`` (the
-    joint search's (step seconds, plan, label), 1F1B plans of at least two stages) that fit in
-    ``memory_fraction`` of every rank's memory and are predicted faster than their flat plan (see the
-    module docstring; ``require_faster=False``: faster or not, for a pinned interleaving). ``kinds``:
-    ``stage_durations``' memo of TP groups' kinds on ``cluster``."""
+    """The interleaved variants (step seconds, plan, label) of flat plans among ``best`` (the joint
+    search's (step seconds, plan, label), 1F1B plans of at least two stages) that fit in
+    ``memory_fraction`` of every rank's memory and are predicted faster than every plan of ``best``
+    (see the module docstring; ``require_faster=False``: the ``top`` fastest flat plans' variants,
+    faster or not, for a pinned interleaving). The ``top`` fastest flat plans whose bubble-free bound
+    (``_flat_bound``) is below the fastest step known are tried; the others cannot win.
+    ``kinds``: ``stage_durations``' memo of TP groups' kinds on ``cluster``."""
     kinds = {} if kinds is None else kinds
     out = []
     flat_plans = [x for x in sorted(best, key=lambda x: x[0])
                   if x[1].schedule in ("1f1b", "interleaved-1f1b") and x[1].virtual_stages == 1
                   and x[1].num_stages >= 2]
-    for step0, plan, label in flat_plans[:top]:
+    fastest = min((x[0] for x in best), default=math.inf)
+    tried = 0
+    for step0, plan, label in flat_plans:
+        if tried == top:
+            break
+        if require_faster and _flat_bound(costs, cluster, plan, kinds) >= fastest * (1 - 1e-9):
+            continue   # no interleaving of this flat plan can be the fastest
+        tried += 1
         R = plan.num_stages
         for V in virtual_counts:
-            sizes = chunk_sizes([st.num_layers for st in plan.stages], V)
-            if sizes is None or R * V > MAX_VIRTUAL_STAGES:
+            if R * V > MAX_VIRTUAL_STAGES:
                 continue
-            got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction,
-                                 step0 if require_faster else math.inf, kinds=kinds)
+            got = None
+            for sizes in _chunk_splits(cluster, plan.stages, V):
+                got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction,
+                                     fastest if require_faster else math.inf, kinds=kinds)
+                if got is not None:
+                    break
             if got is None:
                 continue
             probe, timeline, step = got
+            fastest = min(fastest, step)
             stages, mem = probe.stages, probe.predicted.memory_bytes
             breakdown = {**plan.predicted.breakdown, "bubble_fraction": timeline.bubble_fraction,
                          "pipeline_s": timeline.step_time_s, "allreduce_s": step - timeline.step_time_s,
@@ -247,6 +266,41 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
             out.append((step, dataclasses.replace(probe, predicted=predicted),
                         f"{label.rsplit(' ', 2)[0]} interleaved-1f1b V={V} chunks={list(sizes)}{_recompute_label(stages)} "
                         f"zero-{plan.zero_stage}"))
+    return out
+
+
+def _flat_bound(costs, cluster, plan: Plan, kinds: dict) -> float:
+    """A lower bound of any interleaving of a flat ``plan``: its busiest rank stage's forward and backward
+    seconds over all its micro-batches (``stage_durations``, its recompute flags; interleaving keeps
+    every block on its rank stage and only turns more recompute on)."""
+    fwd, bwd = stage_durations(costs, cluster, plan.stages,
+                               replicated_fraction=plan.predicted.breakdown.get("tp_replicated_fraction"),
+                               kinds=kinds)[:2]
+    return float((fwd + bwd).sum(axis=1).max())
+
+
+def _chunk_splits(cluster, rank_stages: Sequence[Stage], V: int) -> list[tuple[int, ...]]:
+    """The chunk splits tried at V chunks per rank stage: the flat split's (``chunk_sizes``), then, where
+    it differs, that of the flat split evened over rank stages of one kind (the same device types,
+    member shapes and shares: each kind keeps its blocks, spread as evenly as whole blocks allow, the
+    extra ones on its later stages, which hold fewer micro-batches in flight). A flat split shaped by
+    1F1B's memory (fewer blocks where more micro-batches are in flight) may not fit once interleaved,
+    where every rank stage holds more of them, while the even split does."""
+    flat = [st.num_layers for st in rank_stages]
+    kinds: dict = {}
+    for p, st in enumerate(rank_stages):
+        key = (tuple(tuple(cluster.devices[r].spec.name for r in g) for g in st.groups),
+               tuple(len(mb) for mb in st.micro_batches), st.tp_shares, st.sequence_parallel)
+        kinds.setdefault(key, []).append(p)
+    even = list(flat)
+    for members in kinds.values():
+        q, r = divmod(sum(flat[p] for p in members), len(members))
+        for i, p in enumerate(members):
+            even[p] = q + (1 if i >= len(members) - r else 0)
+    out = []
+    for sizes in (chunk_sizes(flat, V), chunk_sizes(even, V)):
+        if sizes is not None and sizes not in out:
+            out.append(sizes)
     return out
 
 
