@@ -323,7 +323,15 @@ def zero3_block_memory_bytes(costs: ModelCosts, stage: Stage, rho: float) -> dic
 
 def fits_memory(cluster: "Cluster", memory: dict[int, int], memory_fraction: float = MEMORY_FRACTION) -> bool:
     """Whether every rank's bytes fit in its usable bytes."""
-    return all(v <= usable_bytes(cluster.devices[r].spec, memory_fraction) for r, v in memory.items())
+    usable: dict[int, float] = {}   # by device spec (a 16k-rank plan has a handful)
+    for r, v in memory.items():
+        spec = cluster.devices[r].spec
+        u = usable.get(id(spec))
+        if u is None:
+            u = usable[id(spec)] = usable_bytes(spec, memory_fraction)
+        if v > u:
+            return False
+    return True
 
 
 # -- data-parallel ranks ----------------------------------------------------------------------------

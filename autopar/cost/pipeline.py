@@ -178,14 +178,17 @@ def _grouping_rows(ctx: PipelineContext, stages: Sequence[Sequence[tuple[int, ..
 
 def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stage], *,
                     replicated_fraction: float | None = None,
-                    kinds: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    kinds: dict | None = None, rows: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-micro-batch forward and backward seconds [stage][micro] (slowest member, each with its
     type's ``ModelCosts.call_overhead``) and transfer seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
     first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
     ``autopar.cost.tp`` with ``replicated_fraction`` (None: its default). ``kinds``: a memo of TP
     groups' kinds ((ranks, head shares) -> ``tp_cost.group_kind`` on ``cluster``) the caller keeps
-    across calls on the same cluster (the joint planner prices the same members in every candidate)."""
+    across calls on the same cluster (the joint planner prices the same members in every candidate).
+    ``rows``: a memo of each stage's forward and backward rows by the stage (and its transfer row by
+    the stage and the next), for a caller that prices variants sharing most stages (interleaving's
+    recompute rounds); kept with the stages, so their ids are not reused."""
     S = len(stages)
     M = max(len(mb) for st in stages for mb in st.micro_batches)
     fwd, bwd, comm = np.zeros((S, M)), np.zeros((S, M)), np.zeros((max(S - 1, 0), M))
@@ -194,72 +197,97 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     kinds = {} if kinds is None else kinds   # (ranks, head shares) -> the group's kind
     calls: dict = {}   # device types of a member -> its call overhead (the slowest type's)
     for s, st in enumerate(stages):
-        blocks = slice(st.block_start, st.block_stop)
-        seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
-        alike: dict = {}   # (member kind, call, micro-batch count) -> its members: priced as one matrix
-        for g, members in enumerate(st.groups):
-            t = cluster.devices[members[0]].spec.name
-            kind = None
-            types = (t,)
-            if len(members) > 1:
-                if st.tp_shares:
-                    from autopar.cost import tp as tp_cost  # local: the TP cost model imports nothing from here
-
-                    at_key = (tuple(members), tuple(st.tp_shares[g]))   # chunks of one rank stage: the same groups
-                    kind = kinds.get(at_key)
-                    if kind is None:
-                        kind = kinds[at_key] = tp_cost.group_kind(cluster, members, st.tp_shares[g])
-                    t = tp_ids.setdefault(kind, len(tp_ids))
-                    types = kind.types
-                else:
-                    types = tuple(cluster.devices[r].spec.name for r in members)
-            call = calls.get(types)
-            if call is None:
-                call = calls[types] = (max(costs.call_overhead(x, "forward") for x in types),
-                                       max(costs.call_overhead(x, "backward") for x in types))
-            xs = st.micro_batches[g]
-            alike.setdefault((t, call, len(xs)), (kind, []))[1].append(xs)
-        for (t, call, n), (kind, rows) in alike.items():
-            if not n:
-                continue
-            arr = np.array(rows) if len(rows) > 1 else np.asarray(rows[0])[None, :]
-            vals = np.unique(arr)
-            fv, bv = np.empty(len(vals)), np.empty(len(vals))
-            for i, x in enumerate(vals.tolist()):
-                if (t, x) not in seen:
-                    if kind is None:
-                        seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
-                                        float(costs.bwd_time(t, x)[blocks].sum()))
-                    else:
-                        seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
-                                                          tp_seen)
-                f, b = seen[(t, x)]
-                if x > 0:        # a forward call and a backward call (autopar.cost.step)
-                    f, b = f + call[0], b + call[1]
-                    if st.recompute:   # the backward reruns the forward (another call)
-                        b = b + f
-                fv[i], bv[i] = f, b
-            at = np.searchsorted(vals, arr)   # each member's micro-batches' entries in ``vals``
-            fwd[s, :n] = np.maximum(fwd[s, :n], fv[at].max(axis=0))
-            bwd[s, :n] = np.maximum(bwd[s, :n], bv[at].max(axis=0))
+        key = (id(st), M, replicated_fraction)
+        hit = rows.get(key) if rows is not None else None
+        if hit is not None and hit[0] is st:
+            fwd[s], bwd[s] = hit[1], hit[2]
+        else:
+            _stage_rows(costs, cluster, st, fwd[s], bwd[s], replicated_fraction, kinds, tp_seen, tp_ids, calls)
+            if rows is not None:
+                rows[key] = (st, fwd[s].copy(), bwd[s].copy())
         if s < S - 1:
             nxt = stages[s + 1]
-            links = min(len(st.groups), len(nxt.groups))
-            per_sample = float(costs.out_bytes[st.block_stop - 1])
-            sent: dict[float, float] = {}   # bytes -> seconds over this boundary
-            if len({len(mb) for mb in st.micro_batches}) == 1:
-                sizes = np.array(st.micro_batches).sum(axis=0).tolist()
+            key = (id(st), id(nxt), M)
+            hit = rows.get(key) if rows is not None else None
+            if hit is not None and hit[0] is st and hit[1] is nxt:
+                comm[s] = hit[2]
             else:
-                sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
-            sizes += [0] * (M - len(sizes))
-            of_size: dict = {}   # samples of a micro-batch -> seconds over this boundary
-            for size in dict.fromkeys(sizes):
-                nbytes = per_sample * math.ceil(size / links)
-                if nbytes not in sent:
-                    sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes)
-                of_size[size] = sent[nbytes]
-            comm[s, :] = [of_size[x] for x in sizes]
+                comm[s] = _transfer_row(costs, cluster, st, nxt, M)
+                if rows is not None:
+                    rows[key] = (st, nxt, comm[s].copy())
     return fwd, bwd, comm
+
+
+def _stage_rows(costs, cluster, st: Stage, fwd: np.ndarray, bwd: np.ndarray, replicated_fraction, kinds: dict,
+                tp_seen: dict, tp_ids: dict, calls: dict) -> None:
+    """Fill one stage's forward and backward seconds per micro-batch (``stage_durations``' rows)."""
+    blocks = slice(st.block_start, st.block_stop)
+    seen: dict[tuple, tuple[float, float]] = {}   # (member kind, samples) -> (fwd, bwd) seconds
+    alike: dict = {}   # (member kind, call, micro-batch count) -> its members: priced as one matrix
+    for g, members in enumerate(st.groups):
+        t = cluster.devices[members[0]].spec.name
+        kind = None
+        types = (t,)
+        if len(members) > 1:
+            if st.tp_shares:
+                from autopar.cost import tp as tp_cost  # local: the TP cost model imports nothing from here
+
+                at_key = (tuple(members), tuple(st.tp_shares[g]))   # chunks of one rank stage: the same groups
+                kind = kinds.get(at_key)
+                if kind is None:
+                    kind = kinds[at_key] = tp_cost.group_kind(cluster, members, st.tp_shares[g])
+                t = tp_ids.setdefault(kind, len(tp_ids))
+                types = kind.types
+            else:
+                types = tuple(cluster.devices[r].spec.name for r in members)
+        call = calls.get(types)
+        if call is None:
+            call = calls[types] = (max(costs.call_overhead(x, "forward") for x in types),
+                                   max(costs.call_overhead(x, "backward") for x in types))
+        xs = st.micro_batches[g]
+        alike.setdefault((t, call, len(xs)), (kind, []))[1].append(xs)
+    for (t, call, n), (kind, rows) in alike.items():
+        if not n:
+            continue
+        arr = np.array(rows) if len(rows) > 1 else np.asarray(rows[0])[None, :]
+        vals = np.unique(arr)
+        fv, bv = np.empty(len(vals)), np.empty(len(vals))
+        for i, x in enumerate(vals.tolist()):
+            if (t, x) not in seen:
+                if kind is None:
+                    seen[(t, x)] = (float(costs.fwd_time(t, x)[blocks].sum()),
+                                    float(costs.bwd_time(t, x)[blocks].sum()))
+                else:
+                    seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
+                                                      tp_seen)
+            f, b = seen[(t, x)]
+            if x > 0:        # a forward call and a backward call (autopar.cost.step)
+                f, b = f + call[0], b + call[1]
+                if st.recompute:   # the backward reruns the forward (another call)
+                    b = b + f
+            fv[i], bv[i] = f, b
+        at = np.searchsorted(vals, arr)   # each member's micro-batches' entries in ``vals``
+        fwd[:n] = np.maximum(fwd[:n], fv[at].max(axis=0))
+        bwd[:n] = np.maximum(bwd[:n], bv[at].max(axis=0))
+
+
+def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
+    """Seconds of each micro-batch's transfer from ``st`` to ``nxt`` (``stage_durations``' comm row)."""
+    links = min(len(st.groups), len(nxt.groups))
+    per_sample = float(costs.out_bytes[st.block_stop - 1])
+    sent: dict[float, float] = {}   # bytes -> seconds over this boundary
+    if len({len(mb) for mb in st.micro_batches}) == 1:
+        sizes = np.array(st.micro_batches).sum(axis=0).tolist()
+    else:
+        sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
+    sizes += [0] * (M - len(sizes))
+    of_size: dict = {}   # samples of a micro-batch -> seconds over this boundary
+    for size in dict.fromkeys(sizes):
+        nbytes = per_sample * math.ceil(size / links)
+        if nbytes not in sent:
+            sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes)
+        of_size[size] = sent[nbytes]
+    return [of_size[x] for x in sizes]
 
 
 def _allreduce_s(costs, cluster, stage: Stage, replicated_fraction: float | None = None, zero_stage: int = 0) -> float:

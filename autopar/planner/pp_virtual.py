@@ -45,6 +45,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+import numpy as np
+
 from autopar.cost.memory import (fits_memory, loss_bytes_per_sample, stage_input_bytes, stage_memory_bytes,
                                  usable_bytes)
 from autopar.cost.pipeline import PipelineContext, pipeline_memory_bytes, plan_timeline, stage_durations
@@ -194,30 +196,51 @@ class _Fwd:
 
 
 def interleaved_memory_bytes(costs, stages: Sequence[Stage], zero_stage: int, virtual_stages: int,
-                             replicated_fraction: float | None = None, *, exact: bool = True) -> dict[int, int]:
+                             replicated_fraction: float | None = None, *, exact: bool = True,
+                             memo: dict | None = None) -> dict[int, int]:
     """Peak bytes of every rank of an interleaved plan whose members may be tensor-parallel (see the
     module docstring): per rank stage, the moment of its action list (``make_schedule``) when its
     chunks' live activations (forwards not yet backwarded, each weighted by its chunk's activation
     bytes) peak; then per chunk ``stage_memory_bytes`` of the chunk alone holding as many micro-batches
     as were live in it then (its largest ones; at least one), less the loss's bytes on every chunk
-    but the last; summed over a rank's chunks. ``exact=False``: a cheap lower bound (``_live_at_peak``)."""
+    but the last; summed over a rank's chunks. ``exact=False``: a cheap lower bound (``_live_at_peak``).
+    ``memo``: a dict the caller keeps while it prices variants of the same chunks (each chunk's bytes
+    by the chunk and its live count: a round of recompute changes a few chunks, not the others')."""
     S, V = len(stages), virtual_stages
     # a recomputing chunk holds only its input per live micro-batch
     weight = [(stage_input_bytes(costs, st) if st.recompute else float(costs.act_bytes[st.block_start:st.block_stop].sum()))
               * max(max(mb) for mb in st.micro_batches) for st in stages]
     live_at_peak = _live_at_peak(stages, V, weight, exact)
+    memo = {} if memo is None else memo
+    loss = loss_bytes_per_sample(costs)
     out: dict[int, int] = {}
-    for s, st in enumerate(stages):
-        n = max(1, live_at_peak[s])   # a recomputing chunk: its inputs per live micro-batch, one rerun
-        kept = tuple(tuple(sorted(mb, reverse=True)[:n]) for mb in st.micro_batches)
-        # "gpipe" holds every listed micro-batch: the chunk's live count at its rank's peak
-        mem = stage_memory_bytes(costs, [dataclasses.replace(st, micro_batches=kept)], "gpipe", zero_stage,
-                                 replicated_fraction)
-        loss = 0.0 if s == S - 1 else loss_bytes_per_sample(costs)
-        for g, ranks in enumerate(st.groups):
-            for r in ranks:
-                out[r] = out.get(r, 0) + max(0, mem[r] - int(loss * max(kept[g])))
+    R = S // V
+    for p in range(R):      # a rank stage's chunks have its members: one vector over its ranks
+        total = None
+        for s in range(p, S, R):
+            got = _chunk_bytes(costs, stages[s], max(1, live_at_peak[s]), zero_stage, replicated_fraction,
+                               0.0 if s == S - 1 else loss, memo)
+            total = got if total is None else total + got
+        out.update(zip((r for g in stages[p].groups for r in g), total.tolist()))
     return dict(sorted(out.items()))
+
+
+def _chunk_bytes(costs, st: Stage, n: int, zero_stage: int, rho, loss: float, memo: dict) -> np.ndarray:
+    """Bytes of each rank of chunk ``st`` (in ``st.groups`` order) holding its ``n`` largest
+    micro-batches per member, less ``loss`` bytes per sample of the largest (see
+    ``interleaved_memory_bytes``); kept in ``memo`` with the chunk, so its id is not reused."""
+    key = (id(st), n, zero_stage, rho, loss)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is st:
+        return hit[1]
+    kept = tuple(tuple(sorted(mb, reverse=True)[:n]) for mb in st.micro_batches)
+    # "gpipe" holds every listed micro-batch: the chunk's live count at its rank's peak
+    mem = stage_memory_bytes(costs, [dataclasses.replace(st, micro_batches=kept)], "gpipe", zero_stage, rho)
+    ranks = [r for g in st.groups for r in g]
+    less = np.repeat([int(loss * max(k, default=0)) for k in kept], [len(g) for g in st.groups])
+    got = np.maximum(np.array([mem[r] for r in ranks], dtype=np.int64) - less, 0)
+    memo[key] = (st, got)
+    return got
 
 
 def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], memory_fraction: float,
@@ -323,10 +346,12 @@ def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int
     of recompute the fitting turns on (``_recompute_until_fits(too_slow=)``: later rounds only add)."""
     rho = plan.predicted.breakdown.get("tp_replicated_fraction")
     timed: list = [None, None]   # the last chunks timed and their stage_durations
+    rows: dict = {}              # each chunk's rows (``stage_durations(rows=)``): rounds change a few chunks
 
     def durations_of(chunks):
         if timed[0] is None or timed[0] != chunks:
-            timed[:] = [chunks, stage_durations(costs, cluster, chunks, replicated_fraction=rho, kinds=kinds)]
+            timed[:] = [chunks, stage_durations(costs, cluster, chunks, replicated_fraction=rho, kinds=kinds,
+                                                rows=rows)]
         return timed[1]
 
     def too_slow(chunks) -> bool:   # its busiest rank stage alone is no faster than the flat plan
@@ -336,9 +361,10 @@ def _fit_and_price(costs, cluster, plan: Plan, stages: tuple[Stage, ...], V: int
     if too_slow(stages):
         return None   # too slow before any recompute, which only adds forwards: no fitting variant is faster
     priced = None
+    memo: dict = {}    # each chunk's bytes by its live count, across the rounds of both passes
     for exact in (False, True):
         fitted = _recompute_until_fits(costs, cluster, stages, plan.zero_stage, V, rho, memory_fraction, exact,
-                                       too_slow)
+                                       too_slow, memo)
         if fitted is None:
             return None
         stages, mem = fitted
@@ -370,7 +396,7 @@ def busiest_rank_stage_s(costs, cluster, stages: Sequence[Stage], V: int, rho=No
 
 def _recompute_until_fits(costs, cluster, stages: tuple[Stage, ...], zero_stage: int, V: int, rho,
                           memory_fraction: float, exact: bool,
-                          too_slow=None) -> tuple[tuple[Stage, ...], dict[int, int]] | None:
+                          too_slow=None, memo: dict | None = None) -> tuple[tuple[Stage, ...], dict[int, int]] | None:
     """(chunks, memory) of an interleaved variant that fits by ``interleaved_memory_bytes(exact=exact)``,
     or None: as given, else recompute turned on one chunk at a time on every rank stage holding a rank
     over its usable memory (its earliest chunk not yet recomputing: the one with the most
@@ -384,7 +410,7 @@ def _recompute_until_fits(costs, cluster, stages: tuple[Stage, ...], zero_stage:
         if not first and too_slow is not None and too_slow(stages):
             return None
         first = False
-        mem = interleaved_memory_bytes(costs, stages, zero_stage, V, rho, exact=exact)
+        mem = interleaved_memory_bytes(costs, stages, zero_stage, V, rho, exact=exact, memo=memo)
         if fits_memory(cluster, mem, memory_fraction):
             return stages, mem
         over = {r for r, v in mem.items() if v > usable_bytes(cluster.devices[r].spec, memory_fraction)}
