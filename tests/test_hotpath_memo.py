@@ -181,3 +181,44 @@ def test_in_flight_cap_equals_the_three_step_rounding():
         seen_round |= bool(np.any((per > 0) & np.isfinite(q0) & (want != q0)))
         assert np.array_equal(got, want)
     assert seen_round   # the cases exercise the rounding steps
+
+
+def _mixed_cluster():
+    return Cluster.from_dict({"nodes": [{"device": {"name": n, "emulate": "cpu", "speed": s, "memory_GB": m},
+                                         "count": 4, "repeat": 2}
+                                        for n, s, m in (("a", 1.0, 1.0), ("b", 0.5, 2.0))]})
+
+
+@pytest.mark.parametrize("groups", [
+    [(0, 1), (2, 3), (4, 5), (6, 7)],          # pairs on the a nodes
+    [(0, 8), (1, 9), (4, 12), (5, 13)],        # a with b: positions differ in type
+    [(0, 1, 2, 3), (8, 9, 10, 11)],            # across types: every position alike
+    [(3, 4), (11, 12), (2, 5)],                # members across node boundaries
+])
+def test_distinct_rings_equal_their_definition(groups):
+    cluster = _mixed_cluster()
+
+    def brute():
+        of: dict = {}
+        for j in range(len(groups[0])):
+            ring = [g[j] for g in groups]
+            key = tuple((cluster.devices[r].spec.name, cluster.devices[r].node - cluster.devices[ring[0]].node)
+                        for r in ring)
+            of.setdefault(key, ring)
+        return list(of.values())
+
+    assert comm.distinct_rings(cluster, groups) == brute()
+
+
+def test_fits_memory_over_arrays_equals_the_rank_by_rank_check():
+    from autopar.cost.memory import fits_memory, usable_bytes
+
+    cluster = _mixed_cluster()
+    big = Cluster.from_dict({"nodes": [{"device": {"name": "a", "emulate": "cpu", "speed": 1.0, "memory_GB": 1.0},
+                                        "count": 8, "repeat": 10}]})
+    rng = np.random.default_rng(0)
+    for c in (cluster, big):
+        for _ in range(50):
+            mem = {r: int(x) for r, x in zip(range(len(c)), rng.uniform(0.5, 1.05, len(c)) * 0.9e9)}
+            want = all(v <= usable_bytes(c.devices[r].spec, 0.9) for r, v in mem.items())
+            assert fits_memory(c, mem, 0.9) == want

@@ -323,15 +323,25 @@ def zero3_block_memory_bytes(costs: ModelCosts, stage: Stage, rho: float) -> dic
 
 def fits_memory(cluster: "Cluster", memory: dict[int, int], memory_fraction: float = MEMORY_FRACTION) -> bool:
     """Whether every rank's bytes fit in its usable bytes."""
-    usable: dict[int, float] = {}   # by device spec (a 16k-rank plan has a handful)
-    for r, v in memory.items():
-        spec = cluster.devices[r].spec
-        u = usable.get(id(spec))
-        if u is None:
-            u = usable[id(spec)] = usable_bytes(spec, memory_fraction)
-        if v > u:
-            return False
-    return True
+    if len(memory) < 64:
+        return all(v <= usable_bytes(cluster.devices[r].spec, memory_fraction) for r, v in memory.items())
+    ranks = np.fromiter(memory.keys(), dtype=np.int64, count=len(memory))
+    need = np.fromiter(memory.values(), dtype=np.float64, count=len(memory))
+    return bool((need <= _device_bytes(cluster)[ranks] * memory_fraction).all())
+
+
+_DEVICE_BYTES: dict = {}   # id(cluster) -> (cluster, each rank's memory bytes): a few clusters kept alive
+
+
+def _device_bytes(cluster: "Cluster") -> np.ndarray:
+    """Each rank's ``spec.memory_bytes`` (``usable_bytes`` is that x the fraction), as an array."""
+    hit = _DEVICE_BYTES.get(id(cluster))
+    if hit is None or hit[0] is not cluster:
+        if len(_DEVICE_BYTES) >= 8:
+            _DEVICE_BYTES.pop(next(iter(_DEVICE_BYTES)))
+        hit = _DEVICE_BYTES[id(cluster)] = (cluster, np.array([d.spec.memory_bytes for d in cluster.devices],
+                                                              dtype=np.float64))
+    return hit[1]
 
 
 # -- data-parallel ranks ----------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost.comm import allreduce_time_s, reduce_scatter_time_s, ring_link
+from autopar.cost.comm import (RINGS_MAX, allreduce_time_s, cluster_rings, distinct_rings, reduce_scatter_time_s,
+                               ring_link)
 from autopar.cost import tp_fwd
 from autopar.cost.tp_fwd import (  # re-exported: the collectives' half of the TP cost model
     SP_COLLECTIVES_PER_PAIR, TP_ALLREDUCES_PER_BLOCK, group_wgrad_s, sp_blocks, sp_pad, tp_allreduce_block_s,
@@ -423,20 +424,15 @@ def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[
                   for f in {id(f): f for f in fractions}.values())
     nbytes = grad * biggest
     if len(sizes) == 1:
-        t = sizes.pop()
+        if rings is None:
+            rings = cluster_rings(cluster)
         at = tuple(groups)
-        distinct = None if rings is None else rings.get(at)
+        distinct = rings.get(at)
         if distinct is None:
-            # Positions whose ranks have the same device types and nodes across members cost the same.
-            of: dict = {}
-            for j in range(t):
-                ring = [g[j] for g in groups]
-                key = tuple((cluster.devices[r].spec.name, cluster.devices[r].node - cluster.devices[ring[0]].node)
-                            for r in ring)
-                of.setdefault(key, ring)
-            distinct = list(of.values())
-            if rings is not None:
-                rings[at] = distinct
+            distinct = distinct_rings(cluster, groups)
+            if len(rings) >= RINGS_MAX:
+                rings.pop(next(iter(rings)))
+            rings[at] = distinct
         return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto") for ring in distinct)
     return allreduce_time_s(cluster, [g[0] for g in groups], nbytes, algorithm="auto")
 
