@@ -208,6 +208,7 @@ def test_distinct_rings_equal_their_definition(groups):
         return list(of.values())
 
     assert comm.distinct_rings(cluster, groups) == brute()
+    assert comm.distinct_rings(cluster, groups) == brute()   # remembered
 
 
 def test_fits_memory_over_arrays_equals_the_rank_by_rank_check():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from autopar.cluster.model import Cluster
+from autopar.cost import comm
 from autopar.cost import tp as tp_cost
 from autopar.cost.comm import p2p_time_s
 from autopar.cost.joint import StagePrep, joint_cost_tensor, joint_split_feasible, prepare_stages
@@ -196,7 +197,7 @@ def test_stage_durations_equal_the_member_by_member_prices(tp):
 def test_stage_optimizer_and_sync_memos_equal_the_rank_by_rank_prices():
     cluster = _cluster()
     rng = np.random.default_rng(11)
-    types, rings = {}, {}
+    types = {}
     for case in range(60):
         costs = _costs(case % 3)
         for st in _random_stages(rng, costs, cluster, tp=bool(case % 2)):
@@ -205,8 +206,14 @@ def test_stage_optimizer_and_sync_memos_equal_the_rank_by_rank_prices():
                 assert stage_optimizer_s(costs, cluster, st, zero, 0.1) == want
                 assert stage_optimizer_s(costs, cluster, st, zero, 0.1, types=types) == want
             plain = tp_cost.stage_sync_time_s(costs, cluster, st, 0.1)
-            assert tp_cost.stage_sync_time_s(costs, cluster, st, 0.1, rings=rings) == plain
-            assert tp_cost.stage_sync_time_s(costs, cluster, st, 0.1, rings=rings) == plain
+            assert tp_cost.stage_sync_time_s(costs, cluster, st, 0.1) == plain   # its rings remembered
+            if len(st.groups) > 1 and len({len(g) for g in st.groups}) == 1:
+                # the distinct rings price as every position's ring does
+                every = [list(r) for r in zip(*st.groups)]
+                distinct = comm.distinct_rings(cluster, st.groups)
+                assert {tuple(r) for r in distinct} <= {tuple(r) for r in every}
+                assert max(comm.allreduce_time_s(cluster, r, 1e6, algorithm="auto") for r in distinct) == \
+                    max(comm.allreduce_time_s(cluster, r, 1e6, algorithm="auto") for r in every)
 
 
 def test_one_kind_shares_are_the_general_rule():

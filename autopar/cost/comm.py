@@ -75,7 +75,7 @@ __all__ = [
     "allgather_time_s", "broadcast_time_s", "zero_shard_sizes", "zero_shards_even", "zero_gather_s",
     "zero_reduce_scatter_rounds", "zero_reduce_scatter_s", "zero_units", "ZeroCollectives", "zero_collectives",
     "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces", "dp_bucket_restarts_s", "dp_comm_hides",
-    "grad_bucket_bytes", "cluster_rings", "distinct_rings", "RINGS_MAX",
+    "grad_bucket_bytes", "distinct_rings",
 ]
 
 Algorithm = Literal["ring", "hierarchical", "auto"]
@@ -489,43 +489,25 @@ def dp_bucket_restarts_s(costs: ModelCosts, device_types, buckets: int | None = 
 
 # -- data-parallel rings over tensor-parallel members ----------------------------------------------
 
-_RINGS: dict = {}     # id(cluster) -> [cluster, members -> distinct rings, rank places]: the cluster kept alive
-_RINGS_CLUSTERS = 8   # clusters whose memo is kept
-RINGS_MAX = 1024      # members' rings kept per memo
-
-
-def _cluster_memo(cluster) -> list:
-    hit = _RINGS.get(id(cluster))
-    if hit is None or hit[0] is not cluster:
-        if len(_RINGS) >= _RINGS_CLUSTERS:
-            _RINGS.pop(next(iter(_RINGS)))
-        hit = _RINGS[id(cluster)] = [cluster, {}, None]
+def distinct_rings(cluster, groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The j-th ranks of every member (members of equal size), for each position j whose ring differs
+    from the earlier ones in its ranks' device types and nodes (counted from the ring's first rank's
+    node): those cost alike. Remembered per cluster object with ``ring_link``'s results, by the members."""
+    memo = _ring_memo(cluster)
+    key = ("distinct", tuple(map(tuple, groups)))
+    hit = memo.get(key)
+    if hit is None:
+        places = memo.get("places")
+        if places is None:
+            codes: dict = {}
+            places = memo["places"] = (
+                np.array([codes.setdefault(d.spec.name, len(codes)) for d in cluster.devices]),
+                np.array([d.node for d in cluster.devices]))
+        code, node = places
+        at = np.array(key[1])                                        # [member, position]
+        kinds = np.stack([code[at], node[at] - node[at[0]][None, :]], axis=-1)   # [member, position, 2]
+        of: dict = {}
+        for j in range(at.shape[1]):
+            of.setdefault(kinds[:, j].tobytes(), at[:, j].tolist())
+        hit = memo[key] = list(of.values())
     return hit
-
-
-def cluster_rings(cluster) -> dict:
-    """A memo (members -> ``distinct_rings``) for ``cluster``, kept here for callers that keep none
-    (``autopar.cost.tp.dp_allreduce_time_s``); at most ``RINGS_MAX`` entries are wanted in it."""
-    return _cluster_memo(cluster)[1]
-
-
-def _rank_places(cluster) -> tuple[np.ndarray, np.ndarray]:
-    """(device type code, node) of every rank of ``cluster``, as arrays (kept with its rings memo)."""
-    memo = _cluster_memo(cluster)
-    if memo[2] is None:
-        codes: dict = {}
-        memo[2] = (np.array([codes.setdefault(d.spec.name, len(codes)) for d in cluster.devices]),
-                   np.array([d.node for d in cluster.devices]))
-    return memo[2]
-
-
-def distinct_rings(cluster, groups: list[tuple[int, ...]]) -> list[list[int]]:
-    """The j-th ranks of every member, for each position j whose ring differs from the earlier ones in
-    its ranks' device types and nodes (counted from the ring's first rank's node): those cost alike."""
-    code, node = _rank_places(cluster)
-    at = np.array(groups)                                    # [member, position]
-    key = np.stack([code[at], node[at] - node[at[0]][None, :]], axis=-1)   # [member, position, 2]
-    of: dict = {}
-    for j in range(at.shape[1]):
-        of.setdefault(key[:, j].tobytes(), at[:, j].tolist())
-    return list(of.values())

@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.cost.comm import (RINGS_MAX, allreduce_time_s, cluster_rings, distinct_rings, reduce_scatter_time_s,
-                               ring_link)
+from autopar.cost.comm import allreduce_time_s, distinct_rings, reduce_scatter_time_s, ring_link
 from autopar.cost import tp_fwd
 from autopar.cost.tp_fwd import (  # re-exported: the collectives' half of the TP cost model
     SP_COLLECTIVES_PER_PAIR, TP_ALLREDUCES_PER_BLOCK, group_wgrad_s, sp_blocks, sp_pad, tp_allreduce_block_s,
@@ -404,14 +403,13 @@ def group_speed(costs: ModelCosts, cluster: "Cluster", group: TpGroup, micro_bat
 
 def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[Sequence[int]],
                         blocks: slice, fractions: Sequence[Sequence[float]] | None = None,
-                        replicated_fraction: float = DEFAULT_REPLICATED_FRACTION, *,
-                        rings: dict | None = None) -> float:
+                        replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
     """The data-parallel gradient all-reduce of a block range among a stage's members (TP groups).
 
     Members of equal size t run t all-reduces at once, the j-th over the j-th rank of every member, of
     the largest shard (``fractions``: per member its ranks' share fractions; even when None); members
-    of unequal sizes are priced as one all-reduce of the largest shard over their first ranks.
-    ``rings``: a memo (members -> their distinct rings) the caller keeps across calls on ``cluster``."""
+    of unequal sizes are priced as one all-reduce of the largest shard over their first ranks (the
+    distinct rings of a stage's members: ``comm.distinct_rings``, remembered per cluster)."""
     groups = [tuple(g) for g in groups]
     if len(groups) < 2:
         return 0.0
@@ -424,23 +422,14 @@ def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[
                   for f in {id(f): f for f in fractions}.values())
     nbytes = grad * biggest
     if len(sizes) == 1:
-        if rings is None:
-            rings = cluster_rings(cluster)
-        at = tuple(groups)
-        distinct = rings.get(at)
-        if distinct is None:
-            distinct = distinct_rings(cluster, groups)
-            if len(rings) >= RINGS_MAX:
-                rings.pop(next(iter(rings)))
-            rings[at] = distinct
+        distinct = distinct_rings(cluster, groups)
         return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto") for ring in distinct)
     return allreduce_time_s(cluster, [g[0] for g in groups], nbytes, algorithm="auto")
 
 
 def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
-                           replicated_fraction: float | None = None, *, rings: dict | None = None) -> float:
-    """``dp_allreduce_time_s`` of a ``Stage`` whose members are TP groups (``stage.tp_shares``;
-    ``rings``: its memo)."""
+                           replicated_fraction: float | None = None) -> float:
+    """``dp_allreduce_time_s`` of a ``Stage`` whose members are TP groups (``stage.tp_shares``)."""
     rho = DEFAULT_REPLICATED_FRACTION if replicated_fraction is None else replicated_fraction
     fractions = None
     if stage.tp_shares:
@@ -448,21 +437,20 @@ def stage_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", stage,
         fractions = [of[s] if s in of else of.setdefault(s, np.asarray(s, float) / sum(s))
                      for s in map(tuple, stage.tp_shares)]
     return dp_allreduce_time_s(costs, cluster, stage.groups, slice(stage.block_start, stage.block_stop),
-                               fractions, rho, rings=rings)
+                               fractions, rho)
 
 
 def stage_sync_time_s(costs: ModelCosts, cluster: "Cluster", stage,
-                      replicated_fraction: float | None = None, *, rings: dict | None = None,
-                      zero_stage: int = 0) -> float:
+                      replicated_fraction: float | None = None, *, zero_stage: int = 0) -> float:
     """Seconds of a ``Stage``'s gradient reduction over its members (0 with one member): over TP
-    members ``stage_allreduce_time_s`` (``rings``: its memo; under ZeRO-1 its reduce-scatter and the
+    members ``stage_allreduce_time_s`` (under ZeRO-1 its reduce-scatter and the
     parameters' all-gather move the same bytes), else one ring of the members' ranks on the stage's
     gradient: an all-reduce, or under ZeRO >= 1 the data-parallel sync's reduce-scatter
     (``runtime.dp_sync``; the all-gather of the parameters after the optimizer is priced apart)."""
     if len(stage.groups) < 2:
         return 0.0
     if stage.tp_shares and any(len(g) > 1 for g in stage.groups):
-        return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction, rings=rings)
+        return stage_allreduce_time_s(costs, cluster, stage, replicated_fraction)
     grad_bytes = float(costs.params[stage.block_start:stage.block_stop].sum()) * costs.grad_bytes_per_param
     ranks = [g[0] for g in stage.groups]
     if zero_stage >= 1:

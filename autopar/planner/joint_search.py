@@ -111,8 +111,7 @@ def stage_tail_uncached(ctx: JointContext, groups, start: int, stop: int, zero: 
     tp = any(len(m.ranks) > 1 for m in members)
     stage = Stage(block_start=start, block_stop=stop, groups=tuple(groups), micro_batches=((1,),) * len(groups),
                   tp_shares=tuple(m.shares for m in members) if tp else ())
-    out = tp_cost.stage_sync_time_s(ctx.costs, ctx.cluster, stage, ctx.rho, rings=ctx.cache.setdefault("dp_rings", {}),
-                                    zero_stage=zero)
+    out = tp_cost.stage_sync_time_s(ctx.costs, ctx.cluster, stage, ctx.rho, zero_stage=zero)
     out += stage_optimizer_s(ctx.costs, ctx.cluster, stage, zero, ctx.rho,
                              types=ctx.cache.setdefault("rank_types", {}))
     if zero >= 1 and len(groups) > 1 and not tp:
