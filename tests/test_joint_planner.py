@@ -269,6 +269,11 @@ def test_auto_is_never_slower_than_a_single_strategy(nodes):
     c, unfit, pruned, solved = map(int, re.search(r"(\d+) \(grouping, micro-batch count\) candidates; (\d+) do not "
                                                   r"fit, (\d+) pruned.*?, (\d+) split exactly", searched).groups())
     assert c == unfit + pruned + solved, searched
+    got = re.search(r"interleaving: (\d+) flat plans tried .*?\((\d+) chunk splits priced, (\d+) faster\), "
+                    r"(\d+) skipped", searched)
+    if got is not None:   # the flat plans interleaving considered: tried or skipped by their bound
+        tried, priced, kept, skipped = map(int, got.groups())
+        assert kept <= priced and (priced == 0 or tried >= 1), searched
 
 
 def test_nothing_fits_is_a_plan_error():

@@ -323,7 +323,8 @@ def plan_hybrid(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, num
     if schedule in ("auto", "interleaved-1f1b"):   # the best few interleaved where that fits and pays
         scored += [_Scored(*x) for x in interleave_hybrid(costs, cluster, [(x.step_time_s, x.plan, x.label)
                                                                           for x in scored], memory_fraction,
-                                                          kinds=ctx.cache.setdefault("group_kinds", {}))]
+                                                          kinds=ctx.cache.setdefault("group_kinds", {}),
+                                                          stats=stats)]
     fastest = min((x.step_time_s for x in scored), default=math.inf)
     scored.sort(key=lambda x: (x.step_time_s > fastest * (1 + _TIE), x.plan.schedule != "1f1b", x.step_time_s))
     return _as_zero3(zero3, scored)
@@ -393,7 +394,10 @@ def searched_note(stats: dict, predictions: int) -> str:
             f"is no faster than the best single strategy), {stats['groupings']} stage groupings: {c} (grouping, "
             f"micro-batch count) candidates; {unfit} do not fit, {c - unfit - solved} pruned by their lower "
             f"bound (no better than the best estimate x {ESTIMATE_SLACK}), {solved} split exactly, "
-            f"{stats.get('predicted', 0)} simulated, {predictions} hybrid predictions")
+            f"{stats.get('predicted', 0)} simulated, {predictions} hybrid predictions"
+            + (f"; interleaving: {stats['interleave_flat']} flat plans tried at 2-4 chunks per stage "
+               f"({stats['interleave_priced']} chunk splits priced, {stats['interleave_kept']} faster), "
+               f"{stats['interleave_bound']} skipped by their bubble-free bound" if "interleave_flat" in stats else ""))
 
 
 def _zero_choices(zero_stage) -> tuple[tuple[int, ...], int | None]:

@@ -245,25 +245,29 @@ def _chunk_bytes(costs, st: Stage, n: int, zero_stage: int, rho, loss: float, me
 
 def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], memory_fraction: float,
                       virtual_counts: Sequence[int] = VIRTUAL_COUNTS, top: int = HYBRID_TOP, *,
-                      kinds: dict | None = None, require_faster: bool = True) -> list[tuple[float, Plan, str]]:
+                      kinds: dict | None = None, require_faster: bool = True,
+                      stats: dict | None = None) -> list[tuple[float, Plan, str]]:
     """The interleaved variants (step seconds, plan, label) of flat plans among ``best`` (the joint
     search's (step seconds, plan, label), 1F1B plans of at least two stages) that fit in
     ``memory_fraction`` of every rank's memory and are predicted faster than every plan of ``best``
     (see the module docstring; ``require_faster=False``: the ``top`` fastest flat plans' variants,
     faster or not, for a pinned interleaving). The ``top`` fastest flat plans whose bubble-free bound
     (``_flat_bound``) is below the fastest step known are tried; the others cannot win.
-    ``kinds``: ``stage_durations``' memo of TP groups' kinds on ``cluster``."""
+    ``kinds``: ``stage_durations``' memo of TP groups' kinds on ``cluster``. ``stats``, when given,
+    receives ``interleave_flat`` (flat plans interleaved), ``interleave_bound`` (flat plans skipped by
+    their bound), ``interleave_priced`` (variants priced) and ``interleave_kept``.""" 
     kinds = {} if kinds is None else kinds
     out = []
     flat_plans = [x for x in sorted(best, key=lambda x: x[0])
                   if x[1].schedule in ("1f1b", "interleaved-1f1b") and x[1].virtual_stages == 1
                   and x[1].num_stages >= 2]
     fastest = min((x[0] for x in best), default=math.inf)
-    tried = 0
+    tried = skipped = priced = 0
     for step0, plan, label in flat_plans:
         if tried == top:
             break
         if require_faster and _flat_bound(costs, cluster, plan, kinds) >= fastest * (1 - 1e-9):
+            skipped += 1
             continue   # no interleaving of this flat plan can be the fastest
         tried += 1
         R = plan.num_stages
@@ -272,6 +276,7 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
                 continue
             got = None
             for sizes in _chunk_splits(cluster, plan.stages, V):
+                priced += 1
                 got = _fit_and_price(costs, cluster, plan, chunked_stages(plan.stages, sizes), V, memory_fraction,
                                      fastest if require_faster else math.inf, kinds=kinds)
                 if got is not None:
@@ -289,6 +294,9 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
             out.append((step, dataclasses.replace(probe, predicted=predicted),
                         f"{label.rsplit(' ', 2)[0]} interleaved-1f1b V={V} chunks={list(sizes)}{_recompute_label(stages)} "
                         f"zero-{plan.zero_stage}"))
+    if stats is not None:
+        stats.update(interleave_flat=tried, interleave_bound=skipped, interleave_priced=priced,
+                     interleave_kept=len(out))
     return out
 
 
