@@ -375,15 +375,20 @@ def zero_collectives(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int]
     params = float(np.asarray(costs.params[blocks]).sum())
     size = int(round(float(np.asarray(costs.param_bytes[blocks]).sum()) / params)) if params > 0 else 4
     units = zero_units(costs, zero_stage, blocks)
-    gather = sum(k * zero_gather_s(cluster, ranks, u, size, shares, link, algorithm) for u, k in units)
-    uneven = any(not zero_shards_even(u, n, shares) for u, _ in units)
+    # Units of equal size (a model's identical blocks) cost alike: each size priced once, summed in order.
+    sizes = dict.fromkeys(u for u, _ in units)
+    gathers = {u: zero_gather_s(cluster, ranks, u, size, shares, link, algorithm) for u in sizes}
+    gather = sum(k * gathers[u] for u, k in units)
+    uneven = any(not zero_shards_even(u, n, shares) for u in sizes)
     op = "broadcast" if uneven else "all_gather"
     if zero_stage == 1:
         return ZeroCollectives(step_gather_s=gather, gather_op=op)
-    rs = sum(zero_reduce_scatter_s(cluster, ranks, u, size, shares, link, algorithm) for u, _ in units)
+    scatters = {u: zero_reduce_scatter_s(cluster, ranks, u, size, shares, link, algorithm) for u in sizes}
+    rs = sum(scatters[u] for u, _ in units)
+    rounds_of = {u: zero_reduce_scatter_rounds(u, n, size, shares) for u in sizes}
     staged = 0.0
     for u, _ in units:
-        rounds, c = zero_reduce_scatter_rounds(u, n, size, shares)
+        rounds, c = rounds_of[u]
         staged += rounds * n * c * size
     if zero_stage == 2:
         return ZeroCollectives(gather, 0.0, rs, op, staged)
