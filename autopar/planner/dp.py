@@ -49,6 +49,7 @@ Upper bound, compute bound and efficiency are ``autopar.planner.bounds``'; ``pla
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -361,19 +362,6 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
     )
 
 
-def _remembered(curve):
-    """``float(curve(b))``, each batch size evaluated once (the ranks of one type ask for the same ones)."""
-    seen: dict = {}
-
-    def at(b) -> float:
-        v = seen.get(b)
-        if v is None:
-            v = seen[b] = float(curve(b))
-        return v
-
-    return at
-
-
 def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
                 workspace_bytes, link, algorithm, recompute: bool = False,
                 fractions: tuple[float, ...] | None = None, overlap: bool = True) -> _Candidate:
@@ -401,7 +389,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         if key not in by_type:
             curve = micro_step_curve(costs, spec.name, zero_stage, zc, max_batch=min(cap, global_batch),
                                      recompute=recompute)
-            by_type[key] = _remembered(curve)
+            by_type[key] = functools.lru_cache(maxsize=None)(lambda b, c=curve: float(c(b)))   # once per size
         fns.append(by_type[key])
     bwds = restarts = None
     if overlap and zc.allreduce_s > 0 and comm.dp_comm_hides(cluster, ranks):
