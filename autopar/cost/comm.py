@@ -75,7 +75,7 @@ __all__ = [
     "allgather_time_s", "broadcast_time_s", "zero_shard_sizes", "zero_shards_even", "zero_gather_s",
     "zero_reduce_scatter_rounds", "zero_reduce_scatter_s", "zero_units", "ZeroCollectives", "zero_collectives",
     "LOSS_BYTES", "loss_allreduce_s", "grad_buckets", "DpAllReduces", "dp_allreduces", "dp_bucket_restarts_s", "dp_comm_hides",
-    "grad_bucket_bytes", "distinct_rings",
+    "grad_bucket_bytes", "distinct_rings", "cluster_memo",
 ]
 
 Algorithm = Literal["ring", "hierarchical", "auto"]
@@ -124,7 +124,7 @@ def ring_link(cluster: "Cluster", ranks: Sequence[int],
     """(bandwidth_Bps of the slowest link, largest latency_s) of the ring over ``ranks`` in order; over
     a measured emulated link, ``op``'s bandwidth and latency (one of ``autopar.cluster.links.LINK_OPS``).
     Remembered per cluster object (the planner prices the same rings hundreds of thousands of times)."""
-    memo = _ring_memo(cluster)
+    memo = cluster_memo(cluster)
     mkey = (tuple(ranks), link, op)
     hit = memo.get(mkey)
     if hit is None:
@@ -138,8 +138,9 @@ _RING_CHECKED_MAX = 1 << 16   # checked rings kept per cluster; beyond, the set 
 _INT_TYPE = {int}
 
 
-def _ring_memo(cluster) -> dict:
-    """The ``ring_link`` results of one cluster object (clusters are frozen; a few are kept, by identity)."""
+def cluster_memo(cluster) -> dict:
+    """What the cost model derives from one cluster object alone, kept for it (clusters are frozen; a
+    few are kept, by identity): ``ring_link``'s results, ``distinct_rings``', per-rank arrays."""
     return _ring_memo_entry(cluster)[1]
 
 
@@ -376,16 +377,16 @@ def zero_collectives(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int]
     size = int(round(float(np.asarray(costs.param_bytes[blocks]).sum()) / params)) if params > 0 else 4
     units = zero_units(costs, zero_stage, blocks)
     # Units of equal size (a model's identical blocks) cost alike: each size priced once, summed in order.
-    sizes = dict.fromkeys(u for u, _ in units)
-    gathers = {u: zero_gather_s(cluster, ranks, u, size, shares, link, algorithm) for u in sizes}
+    distinct = dict.fromkeys(u for u, _ in units)
+    gathers = {u: zero_gather_s(cluster, ranks, u, size, shares, link, algorithm) for u in distinct}
     gather = sum(k * gathers[u] for u, k in units)
-    uneven = any(not zero_shards_even(u, n, shares) for u in sizes)
+    uneven = any(not zero_shards_even(u, n, shares) for u in distinct)
     op = "broadcast" if uneven else "all_gather"
     if zero_stage == 1:
         return ZeroCollectives(step_gather_s=gather, gather_op=op)
-    scatters = {u: zero_reduce_scatter_s(cluster, ranks, u, size, shares, link, algorithm) for u in sizes}
+    scatters = {u: zero_reduce_scatter_s(cluster, ranks, u, size, shares, link, algorithm) for u in distinct}
     rs = sum(scatters[u] for u, _ in units)
-    rounds_of = {u: zero_reduce_scatter_rounds(u, n, size, shares) for u in sizes}
+    rounds_of = {u: zero_reduce_scatter_rounds(u, n, size, shares) for u in distinct}
     staged = 0.0
     for u, _ in units:
         rounds, c = rounds_of[u]
@@ -498,7 +499,7 @@ def distinct_rings(cluster, groups: Sequence[Sequence[int]]) -> list[list[int]]:
     """The j-th ranks of every member (members of equal size), for each position j whose ring differs
     from the earlier ones in its ranks' device types and nodes (counted from the ring's first rank's
     node): those cost alike. Remembered per cluster object with ``ring_link``'s results, by the members."""
-    memo = _ring_memo(cluster)
+    memo = cluster_memo(cluster)
     key = ("distinct", tuple(map(tuple, groups)))
     hit = memo.get(key)
     if hit is None:

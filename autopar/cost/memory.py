@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.config import MEMORY_FRACTION, ZERO_STAGES
+from autopar.cost import comm
 from autopar.cost import tp as tp_cost
 from autopar.errors import PlanError
 from autopar.config import GRAD_BUCKET_BYTES
@@ -330,18 +331,13 @@ def fits_memory(cluster: "Cluster", memory: dict[int, int], memory_fraction: flo
     return bool((need <= _device_bytes(cluster)[ranks] * memory_fraction).all())
 
 
-_DEVICE_BYTES: dict = {}   # id(cluster) -> (cluster, each rank's memory bytes): a few clusters kept alive
-
-
 def _device_bytes(cluster: "Cluster") -> np.ndarray:
     """Each rank's ``spec.memory_bytes`` (``usable_bytes`` is that x the fraction), as an array."""
-    hit = _DEVICE_BYTES.get(id(cluster))
-    if hit is None or hit[0] is not cluster:
-        if len(_DEVICE_BYTES) >= 8:
-            _DEVICE_BYTES.pop(next(iter(_DEVICE_BYTES)))
-        hit = _DEVICE_BYTES[id(cluster)] = (cluster, np.array([d.spec.memory_bytes for d in cluster.devices],
-                                                              dtype=np.float64))
-    return hit[1]
+    memo = comm.cluster_memo(cluster)
+    got = memo.get("memory_bytes")
+    if got is None:
+        got = memo["memory_bytes"] = np.array([d.spec.memory_bytes for d in cluster.devices], dtype=np.float64)
+    return got
 
 
 # -- data-parallel ranks ----------------------------------------------------------------------------

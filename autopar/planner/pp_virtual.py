@@ -255,7 +255,7 @@ def interleave_hybrid(costs, cluster, best: Sequence[tuple[float, Plan, str]], m
     (``_flat_bound``) is below the fastest step known are tried; the others cannot win.
     ``kinds``: ``stage_durations``' memo of TP groups' kinds on ``cluster``. ``stats``, when given,
     receives ``interleave_flat`` (flat plans interleaved), ``interleave_bound`` (flat plans skipped by
-    their bound), ``interleave_priced`` (variants priced) and ``interleave_kept``.""" 
+    their bound), ``interleave_priced`` (variants priced) and ``interleave_kept``."""
     kinds = {} if kinds is None else kinds
     out = []
     flat_plans = [x for x in sorted(best, key=lambda x: x[0])
