@@ -381,7 +381,7 @@ def cmd_demo(args) -> int:
     return cmd_train(args)
 
 
-BENCHES = ("published",)   # benchmarks/NAME.py scripts ``autopar bench NAME`` runs
+BENCHES = ("published", "published_layouts")   # benchmarks/NAME.py scripts ``autopar bench NAME`` runs
 
 
 def cmd_bench(rest: list[str]) -> int:
@@ -529,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("tune", help="Triton kernel tuning runs on the local GPU (autopar tune --help)", add_help=False)
     sub.add_parser("bench", help="run a benchmark of the source tree: 'autopar bench published' pins published GPU "
-                                 "runs as published and predicts them (autopar bench published --help)",
+                                 "runs as published and predicts them, 'autopar bench published_layouts' prices "
+                                 "published measured layouts as they ran (autopar bench NAME --help)",
                    add_help=False)
     from autopar.cli.checkpoint import add_parser as add_checkpoint_parser
 

@@ -1,0 +1,187 @@
+"""Measured GPU training runs published with their full layouts, many layouts on one cluster: the data
+that says whether the cost model ranks layouts as they measure.
+
+AMP (Li et al., AMP: Automatically Finding Model Parallel Strategies with Heterogeneity Awareness,
+NeurIPS 2022, arXiv:2210.07297) trained GPT-2 medium (24 layers, hidden 1,024, 16 heads, sequence 1,024,
+vocabulary 52,256, tied embedding) at a global batch of 32 with Megatron-LM 1.1.5 on DeepSpeed's pipeline
+engine (fp16, fp32 gradient all-reduce, no activation recomputation), every layout for 20 iterations
+after 20 of warm-up, and published each layout with its measured seconds per iteration in its
+repository (DachengLi1/AMP, ``src/results/*_results.txt``). Each row below is one of those layouts as
+published: micro-batch size, TP ("mp_deg"), DP, PP, the pipeline's layer boundaries over DeepSpeed's 30
+layers (embedding, a transpose, 24 transformer layers, a transpose, the final norm, the tied head, a
+cast), AMP's own prediction and the measured step (None: the run did not finish, out of memory).
+
+Ranks follow DeepSpeed's ``PipeModelDataParallelTopology`` (pipe outermost, then data, then model) over
+the hostfile's nodes in order, 4 GPUs to a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["AMP", "GPT2_MEDIUM", "LayoutCluster", "LayoutRun", "CLUSTERS", "transformer_layers"]
+
+AMP = ("Li et al., AMP, NeurIPS 2022 (arXiv:2210.07297); measured layouts in github.com/DachengLi1/AMP "
+       "src/results/{name}_results.txt")
+
+# GPT-2 medium as AMP trained it, in the zoo's GPT family's fields.
+GPT2_MEDIUM = dict(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=52256, seq_len=1024,
+                   tie_embeddings=True)
+
+
+@dataclass(frozen=True)
+class LayoutRun:
+    micro_batch: int
+    tp: int
+    dp: int
+    pp: int
+    boundaries: tuple[int, ...]       # DeepSpeed layer index where each stage starts, then 30
+    source_predicted_s: float         # the source's own cost model
+    measured_s: float | None          # None: did not run (out of memory)
+
+
+@dataclass(frozen=True)
+class LayoutCluster:
+    name: str
+    source: str
+    cluster: dict                     # autopar cluster schema
+    global_batch: int
+    shape: dict                       # the zoo GPT family's fields
+    runs: tuple[LayoutRun, ...]
+    notes: tuple[str, ...] = field(default=())
+    precision: str = "fp16"
+
+
+def transformer_layers(boundaries: tuple[int, ...]) -> tuple[int, ...]:
+    """Transformer layers of each stage of DeepSpeed layer ``boundaries`` (layers 2..25 are the 24
+    transformer layers)."""
+    return tuple(len([i for i in range(a, b) if 2 <= i <= 25]) for a, b in zip(boundaries, boundaries[1:]))
+
+
+_V100_T4 = (   # micro-batch, TP, DP, PP, layer boundaries, AMP's prediction s, measured s (None: did not run)
+    (1, 1, 4, 4, (0, 7, 14, 20, 30), 1.0859, 1.47),
+    (1, 1, 2, 8, (0, 5, 9, 12, 15, 18, 21, 24, 30), 1.1402, 1.28),
+    (1, 1, 1, 16, (0, 3, 5, 7, 9, 11, 13, 15, 16, 17, 19, 20, 21, 22, 23, 25, 30), 1.1465, 1.52),
+    (2, 1, 4, 4, (0, 7, 14, 20, 30), 1.3291, 1.53),
+    (2, 1, 2, 8, (0, 5, 9, 12, 14, 17, 20, 23, 30), 1.4332, 1.54),
+    (2, 1, 1, 16, (0, 3, 5, 7, 9, 11, 13, 14, 16, 18, 19, 20, 21, 23, 24, 25, 30), 1.4591, 1.58),
+    (4, 1, 4, 4, (0, 6, 13, 20, 30), 1.8221, 1.71),
+    (1, 1, 8, 2, (0, 14, 30), 1.9761, 2.23),
+    (1, 2, 2, 4, (0, 8, 14, 20, 30), 2.0038, 2.8),
+    (4, 1, 2, 8, (0, 3, 7, 11, 14, 17, 20, 23, 30), 2.0041, 1.71),
+    (4, 1, 1, 16, (0, 1, 2, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 30), 2.0818, None),
+    (1, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 2.1061, 3.81),
+    (2, 1, 8, 2, (0, 14, 30), 2.1342, 2.26),
+    (1, 2, 4, 2, (0, 14, 30), 2.3042, 2.89),
+    (2, 2, 2, 4, (0, 8, 14, 20, 30), 2.3112, 2.37),
+    (4, 1, 8, 2, (0, 14, 30), 2.4505, 2.34),
+    (2, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 2.4635, 3.36),
+    (2, 2, 4, 2, (0, 14, 30), 2.507, 2.5),
+    (1, 2, 8, 1, (0, 30), 2.5985, 3.13),
+    (2, 2, 8, 1, (0, 30), 2.5985, 3.06),
+    (4, 2, 8, 1, (0, 30), 2.5985, 3.03),
+    (1, 1, 16, 1, (0, 30), 2.7789, 2.9),
+    (2, 1, 16, 1, (0, 30), 2.7789, None),
+    (8, 1, 4, 4, (0, 8, 14, 20, 30), 2.7881, 2.07),
+    (4, 2, 4, 2, (0, 14, 30), 2.9126, 2.41),
+    (4, 2, 2, 4, (0, 8, 14, 20, 30), 2.926, 1.65),
+    (8, 1, 2, 8, (0, 1, 3, 7, 11, 15, 19, 23, 30), 3.1521, None),
+    (1, 4, 2, 2, (0, 14, 30), 3.1678, None),
+    (4, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 3.1784, 1.79),
+    (1, 4, 1, 4, (0, 8, 14, 20, 30), 3.1853, None),
+    (1, 4, 4, 1, (0, 30), 3.2456, 3.8),
+    (2, 4, 4, 1, (0, 30), 3.2456, 3.56),
+    (4, 4, 4, 1, (0, 30), 3.2456, 3.29),
+    (8, 4, 4, 1, (0, 30), 3.2456, 3.27),
+    (8, 1, 1, 16, (0, 1, 2, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 30), 3.3242, None),
+    (2, 4, 2, 2, (0, 14, 30), 3.347, 3.29),
+    (2, 4, 1, 4, (0, 8, 14, 20, 30), 3.4567, 3.92),
+    (4, 4, 2, 2, (0, 14, 30), 3.7053, 2.66),
+    (8, 2, 4, 2, (0, 14, 30), 3.7238, 2.45),
+    (4, 4, 1, 4, (0, 8, 14, 20, 30), 3.9994, 2.05),
+    (8, 2, 2, 4, (0, 8, 14, 20, 30), 4.1555, 1.91),
+    (8, 4, 2, 2, (0, 14, 30), 4.422, 2.71),
+    (8, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 4.6082, 2.12),
+    (8, 4, 1, 4, (0, 8, 14, 20, 30), 5.085, 2.13),
+    (16, 1, 2, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 5.407, None),
+    (16, 1, 1, 16, (0, 1, 2, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 30), 5.8088, None),
+    (16, 4, 2, 2, (0, 14, 30), 5.8554, 2.66),
+    (16, 2, 2, 4, (0, 8, 14, 20, 30), 6.6146, 2.33),
+    (16, 4, 1, 4, (0, 8, 14, 20, 30), 7.2561, 2.49),
+    (16, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 7.4678, 2.69),
+    (32, 1, 1, 16, (0, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20, 21, 22, 23, 24, 25, 30), 10.7781, None),
+    (32, 4, 1, 4, (0, 8, 14, 20, 30), 11.5983, 3.13),
+    (32, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 13.187, None),
+)
+_T4_16 = (   # micro-batch, TP, DP, PP, layer boundaries, AMP's prediction s, measured s (None: did not run)
+    (1, 1, 16, 1, (0, 30), 1.2443, 1.32),
+    (2, 1, 16, 1, (0, 30), 1.2443, None),
+    (1, 1, 8, 2, (0, 15, 30), 1.2665, 1.28),
+    (1, 1, 4, 4, (0, 9, 15, 21, 30), 1.2841, 1.2),
+    (1, 1, 2, 8, (0, 6, 9, 12, 15, 18, 21, 24, 30), 1.3804, 1.23),
+    (2, 1, 8, 2, (0, 15, 30), 1.4714, 1.38),
+    (1, 1, 1, 16, (0, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 20, 21, 22, 23, 25, 30), 1.4857, 1.55),
+    (2, 1, 4, 4, (0, 9, 15, 21, 30), 1.5896, 1.41),
+    (2, 1, 2, 8, (0, 5, 9, 12, 15, 18, 21, 24, 30), 1.7268, 1.43),
+    (4, 1, 8, 2, (0, 14, 30), 1.8671, 1.72),
+    (2, 1, 1, 16, (0, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 20, 21, 22, 23, 25, 30), 1.8702, 1.76),
+    (1, 2, 8, 1, (0, 30), 1.9607, 1.76),
+    (2, 2, 8, 1, (0, 30), 1.9607, 1.64),
+    (4, 2, 8, 1, (0, 30), 1.9607, 1.55),
+    (1, 2, 4, 2, (0, 14, 30), 2.0835, 1.68),
+    (1, 2, 2, 4, (0, 8, 14, 20, 30), 2.1796, 1.74),
+    (4, 1, 4, 4, (0, 9, 15, 21, 30), 2.2007, 1.85),
+    (1, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 2.2933, 1.95),
+    (2, 2, 4, 2, (0, 14, 30), 2.304, 1.61),
+    (4, 1, 2, 8, (0, 5, 9, 12, 15, 18, 21, 24, 30), 2.4337, 1.88),
+    (2, 2, 2, 4, (0, 8, 14, 20, 30), 2.509, 1.66),
+    (4, 1, 1, 16, (0, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 20, 21, 22, 23, 25, 30), 2.6392, 2.19),
+    (2, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 2.6788, 1.85),
+    (4, 2, 4, 2, (0, 14, 30), 2.7449, 1.79),
+    (4, 2, 2, 4, (0, 8, 14, 20, 30), 3.1677, 1.89),
+    (1, 4, 4, 1, (0, 30), 3.37, 2.48),
+    (2, 4, 4, 1, (0, 30), 3.37, 2.13),
+    (4, 4, 4, 1, (0, 30), 3.37, 1.98),
+    (8, 4, 4, 1, (0, 30), 3.37, 1.94),
+    (8, 1, 4, 4, (0, 8, 14, 20, 30), 3.4107, 2.7),
+    (4, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 3.4498, 2.09),
+    (1, 4, 2, 2, (0, 14, 30), 3.5421, 2.61),
+    (8, 2, 4, 2, (0, 14, 30), 3.6268, 2.13),
+    (1, 4, 1, 4, (0, 8, 14, 20, 30), 3.7026, 2.67),
+    (2, 4, 2, 2, (0, 14, 30), 3.7468, 2.12),
+    (8, 1, 2, 8, (0, 5, 9, 12, 15, 18, 21, 24, 30), 3.8475, 2.92),
+    (2, 4, 1, 4, (0, 8, 14, 20, 30), 4.0091, 2.22),
+    (4, 4, 2, 2, (0, 14, 30), 4.1563, 2.1),
+    (8, 1, 1, 16, (0, 4, 6, 8, 10, 12, 14, 16, 17, 18, 19, 20, 21, 22, 23, 25, 30), 4.1772, 3.25),
+    (8, 2, 2, 4, (0, 8, 14, 20, 30), 4.4852, 2.5),
+    (4, 4, 1, 4, (0, 8, 14, 20, 30), 4.622, 2.24),
+    (8, 4, 2, 2, (0, 14, 30), 4.9751, 2.4),
+    (8, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 4.9918, 2.81),
+    (8, 4, 1, 4, (0, 8, 14, 20, 30), 5.8479, 2.69),
+    (16, 4, 2, 2, (0, 14, 30), 6.6128, 3.03),
+    (16, 1, 2, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 6.675, None),
+    (16, 2, 2, 4, (0, 8, 14, 20, 30), 7.1201, 3.74),
+    (16, 1, 1, 16, (0, 1, 2, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 30), 7.2602, None),
+    (16, 2, 1, 8, (0, 5, 8, 11, 14, 17, 20, 23, 30), 8.0757, 4.29),
+    (16, 4, 1, 4, (0, 8, 14, 20, 30), 8.2996, 3.7),
+    (32, 4, 1, 4, (0, 8, 14, 20, 30), 13.2031, None),
+    (32, 1, 1, 16, (0, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20, 21, 22, 23, 24, 25, 30), 13.405, None),
+)
+
+# Hostfile order: AMP's cluster description (src/het_cluster.py) puts the T4 node last.
+_AWS = ("p3.8xlarge: 4 x V100-SXM2-16GB on NVLink, up to 10 Gbit/s network; g4dn.12xlarge: 4 x T4 on PCIe "
+        "Gen3, 50 Gbit/s network (AWS instance pages); one cluster placement group, TCP sockets (no EFA)",)
+CLUSTERS: tuple[LayoutCluster, ...] = (
+    LayoutCluster(
+        name="amp-3xv100-1xt4", source=AMP.format(name="het_cluster"), global_batch=32, shape=GPT2_MEDIUM,
+        cluster={"name": "amp-3xv100-1xt4",
+                 "nodes": [{"device": "V100-16GB", "count": 4, "repeat": 3}, {"device": "T4-16GB", "count": 4}],
+                 "network": {"bandwidth_GBps": 1.25, "latency_us": 30}},
+        runs=tuple(LayoutRun(*r) for r in _V100_T4),
+        notes=(*_AWS, "Every link between nodes touches a p3.8xlarge: 10 Gbit/s")),
+    LayoutCluster(
+        name="amp-4xt4", source=AMP.format(name="homogeneous"), global_batch=32, shape=GPT2_MEDIUM,
+        cluster={"name": "amp-4xt4", "nodes": [{"device": "T4-16GB", "count": 4, "repeat": 4}],
+                 "network": {"bandwidth_GBps": 6.25, "latency_us": 30}},
+        runs=tuple(LayoutRun(*r) for r in _T4_16), notes=_AWS[:1]),
+)
