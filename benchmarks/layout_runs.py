@@ -171,17 +171,18 @@ _T4_16 = (   # micro-batch, TP, DP, PP, layer boundaries, AMP's prediction s, me
 # Hostfile order: AMP's cluster description (src/het_cluster.py) puts the T4 node last.
 _AWS = ("p3.8xlarge: 4 x V100-SXM2-16GB on NVLink, up to 10 Gbit/s network; g4dn.12xlarge: 4 x T4 on PCIe "
         "Gen3, 50 Gbit/s network (AWS instance pages); one cluster placement group, TCP sockets (no EFA)",)
+# Each instance's one network interface, shared by its 4 GPUs' flows to other nodes.
+_P3_8XLARGE = {"device": "V100-16GB", "count": 4, "network_bandwidth_GBps": 1.25}
+_G4DN_12XLARGE = {"device": "T4-16GB", "count": 4, "network_bandwidth_GBps": 6.25}
 CLUSTERS: tuple[LayoutCluster, ...] = (
     LayoutCluster(
         name="amp-3xv100-1xt4", source=AMP.format(name="het_cluster"), global_batch=32, shape=GPT2_MEDIUM,
         cluster={"name": "amp-3xv100-1xt4",
-                 "nodes": [{"device": "V100-16GB", "count": 4, "repeat": 3}, {"device": "T4-16GB", "count": 4}],
-                 "network": {"bandwidth_GBps": 1.25, "latency_us": 30}},
+                 "nodes": [_P3_8XLARGE | {"repeat": 3}, _G4DN_12XLARGE], "network": {"latency_us": 30}},
         runs=tuple(LayoutRun(*r) for r in _V100_T4),
-        notes=(*_AWS, "Every link between nodes touches a p3.8xlarge: 10 Gbit/s")),
+        notes=_AWS),
     LayoutCluster(
         name="amp-4xt4", source=AMP.format(name="homogeneous"), global_batch=32, shape=GPT2_MEDIUM,
-        cluster={"name": "amp-4xt4", "nodes": [{"device": "T4-16GB", "count": 4, "repeat": 4}],
-                 "network": {"bandwidth_GBps": 6.25, "latency_us": 30}},
+        cluster={"name": "amp-4xt4", "nodes": [_G4DN_12XLARGE | {"repeat": 4}], "network": {"latency_us": 30}},
         runs=tuple(LayoutRun(*r) for r in _T4_16), notes=_AWS[:1]),
 )

@@ -342,6 +342,8 @@ BAD = [
     ({"nodes": [{"device": "T4-16GB", "count": 1}], "network": {"bandwith_GBps": 1}},
      ["network.bandwith_GBps", "did you mean 'bandwidth_GBps'"]),
     ({"nodes": [{"device": "T4-16GB", "count": 1}], "network": 5}, ["network", "5"]),
+    ({"nodes": [{"device": "T4-16GB", "count": 4, "network_bandwidth_GBps": 0}]},
+     ["nodes[0].network_bandwidth_GBps", "0"]),
     ({"nodes": [{"device": {"name": "T4-16GB", "tflops": 1, "memory_GB": 1, "mem_bandwidth_GBps": 1},
                  "count": 1}, {"device": "T4-16GB", "count": 1}]},
      ["nodes[1].device", "'T4-16GB'", "nodes[0].device"]),
@@ -416,6 +418,41 @@ def test_ring_across_nodes_is_bounded_by_the_network():
     assert comm.allreduce_time_s(c, range(8), 1e9) == pytest.approx(expected, rel=1e-12)
     assert comm.allreduce_time_s(c, range(4), 1e9) < comm.allreduce_time_s(c, range(4, 8), 1e9) * 1.0001
     assert comm.ring_link(c, [0, 1, 2, 3]) == (300e9, c.latency_s(0, 1))
+
+
+def _shared(nic_a=1.25, nic_b=6.25):
+    """Two nodes of 4 GPUs, each with one NIC for the node (10 and 50 Gbit/s), as cloud instances."""
+    return Cluster.from_dict({"nodes": [{"device": "V100-16GB", "count": 4, "network_bandwidth_GBps": nic_a},
+                                        {"device": "T4-16GB", "count": 4, "network_bandwidth_GBps": nic_b}],
+                              "network": {"bandwidth_GBps": 12.5, "latency_us": 30}})
+
+
+def test_a_node_declared_network_is_shared_by_its_flows_and_round_trips():
+    c = _shared()
+    assert Cluster.from_dict(c.to_dict()) == c and c.to_dict()["nodes"][0]["network_bandwidth_GBps"] == 1.25
+    assert c.subset([0, 4]).node_network_Bps == (1.25e9, 6.25e9)
+    # one flow alone: the slower node's figure, not the network's per-device 12.5 GB/s
+    assert c.bandwidth_Bps(0, 4) == 1.25e9 and c.bandwidth_Bps(4, 0) == 1.25e9
+    # a flat ring over both nodes leaves each node once: one flow each way
+    assert comm.ring_link(c, range(8))[0] == 1.25e9
+    # four such rings at once (the TP positions' data-parallel rings) share each node's NIC
+    assert comm.ring_link(c, [0, 4], concurrent=4)[0] == 1.25e9 / 4
+    n, s = 2, 1e9
+    one = comm.allreduce_time_s(c, [0, 4], s)
+    four = comm.allreduce_time_s(c, [0, 4], s, concurrent=4)
+    assert four - 2 * (n - 1) * 30e-6 == pytest.approx(4 * (one - 2 * (n - 1) * 30e-6), rel=1e-12)
+    # a ring that zigzags between the nodes crosses them 4 times each way: 4 flows per NIC
+    assert comm.ring_link(c, [0, 4, 1, 5, 2, 6, 3, 7])[0] == 1.25e9 / 4
+    assert comm.p2p_time_s(c, 0, 4, s, concurrent=2) == pytest.approx(30e-6 + s / (1.25e9 / 2))
+    # inside a node nothing changes, nor on a cluster whose nodes declare none
+    assert comm.ring_link(c, range(4), concurrent=4) == comm.ring_link(c, range(4))
+    plain = load("poplar-a100")
+    assert comm.ring_link(plain, [0, 4], concurrent=4) == comm.ring_link(plain, [0, 4])
+    # the hierarchical algorithm's m = 4 rings across nodes run at once and share the NICs: its inter
+    # step moves s / 4 per ring at 1.25 / 4 GB/s (per-device NICs would give each ring 1.25 GB/s)
+    intra = max(comm.reduce_scatter_time_s(c, g, s) for g in (range(4), range(4, 8)))
+    inter = 2 * 1 / 2 * (s / 4) / (1.25e9 / 4) + 2 * 30e-6
+    assert comm.allreduce_time_s(c, range(8), s, algorithm="hierarchical") == pytest.approx(2 * intra + inter)
 
 
 @pytest.mark.parametrize("name", ["poplar-a100", "mixed-3", "demo"])

@@ -4,7 +4,11 @@ Terms
 - link: the path between two ranks. Its kind is
   "intra"   both in one node and of one device family: NVLink / Infinity Fabric / PCIe peer-to-peer,
             or shared memory between two CPU processes;
-  "network" in different nodes, same device family: the inter-node network (one NIC per device);
+  "network" in different nodes, same device family: the inter-node network: one NIC per device at
+            the network's bandwidth, or where a node declares its own ``network_bandwidth_GBps``,
+            that node's NICs together, shared by the flows its devices send (or receive) at once
+            (``node_flow_Bps``: ``autopar.cost.comm`` counts the flows of a ring, and of the rings a
+            caller says run at once);
   "bridge"  different device families (CPU vs GPU, NVIDIA vs AMD vs another vendor): no common
             collective library, so the data is staged through host memory on both sides. Bandwidth is
             the slower side's host link (PCIe, or shared memory for a CPU), also bounded by the network
@@ -43,8 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "LinkModel", "DEFAULT_LINK", "EmulatedLink", "LINK_OPS", "emulated_link_of", "LinkKind", "family", "check_rank",
-    "link_kind", "pair_bandwidth_Bps",
-    "pair_latency_s",
+    "link_kind", "pair_bandwidth_Bps", "pair_latency_s", "node_flow_Bps",
 ]
 
 LinkKind = Literal["intra", "network", "bridge"]
@@ -200,8 +203,17 @@ def _network(cluster: "Cluster", link: LinkModel) -> tuple[float, float]:
     return bw, lat
 
 
+def node_flow_Bps(cluster: "Cluster", node: int, flows: int = 1, link: LinkModel = DEFAULT_LINK) -> float:
+    """Per-direction network bandwidth of one of ``flows`` flows that leave (or enter) ``node`` at once:
+    its declared network bandwidth over the flows, or the network's per-device bandwidth where the node
+    declares none (each device its own NIC, so a device's one flow has it whole)."""
+    nic = cluster.node_network_Bps[node]
+    return _network(cluster, link)[0] if nic is None else nic / max(flows, 1)
+
+
 def pair_bandwidth_Bps(cluster: "Cluster", a: int, b: int, link: LinkModel = DEFAULT_LINK) -> float:
-    """Per-direction bandwidth between two ranks (infinite from a rank to itself)."""
+    """Per-direction bandwidth between two ranks (infinite from a rank to itself); across nodes, of one
+    flow alone (``node_flow_Bps``)."""
     kind = link_kind(cluster, a, b)
     if a == b:
         return math.inf
@@ -209,11 +221,11 @@ def pair_bandwidth_Bps(cluster: "Cluster", a: int, b: int, link: LinkModel = DEF
     if kind == "intra":
         bw = cluster.node_intra_bandwidth_Bps(da.node, (da.spec, db.spec))
     elif kind == "network":
-        bw = _network(cluster, link)[0]
+        bw = min(node_flow_Bps(cluster, da.node, 1, link), node_flow_Bps(cluster, db.node, 1, link))
     else:
         bw = min(_host_side_Bps(da.spec, link), _host_side_Bps(db.spec, link))
         if da.node != db.node:
-            bw = min(bw, _network(cluster, link)[0])
+            bw = min(bw, node_flow_Bps(cluster, da.node, 1, link), node_flow_Bps(cluster, db.node, 1, link))
     return bw * link.bandwidth_efficiency
 
 

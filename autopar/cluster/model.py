@@ -64,6 +64,9 @@ class Cluster:
     network_latency_s: float = DEFAULT_NETWORK_LATENCY_s
     # Per node: the intra-node link given in the file (B/s), or None for the devices' default.
     node_intra_Bps: tuple[float | None, ...] = ()
+    # Per node: its network bandwidth given in the file (its NICs together, shared by its devices' flows
+    # to other nodes), or None: every device has its own NIC at ``network_bandwidth_Bps``.
+    node_network_Bps: tuple[float | None, ...] = ()
 
     def __post_init__(self):
         devices = tuple(self.devices)
@@ -72,9 +75,13 @@ class Cluster:
             raise ClusterError("devices: empty; a cluster needs at least one device")
         if not self.node_intra_Bps:
             object.__setattr__(self, "node_intra_Bps", (None,) * self.num_nodes)
-        if len(self.node_intra_Bps) != self.num_nodes:
-            raise ClusterError(f"node_intra_Bps: {len(self.node_intra_Bps)} entries for "
-                               f"{self.num_nodes} nodes")
+        if not self.node_network_Bps:
+            object.__setattr__(self, "node_network_Bps", (None,) * self.num_nodes)
+        for field in ("node_intra_Bps", "node_network_Bps"):
+            if len(getattr(self, field)) != self.num_nodes:
+                raise ClusterError(f"{field}: {len(getattr(self, field))} entries for {self.num_nodes} nodes")
+        if any(x is not None and not x > 0 for x in self.node_network_Bps):
+            raise ClusterError(f"node_network_Bps: {self.node_network_Bps!r} must be > 0 where given")
         local = [0] * self.num_nodes
         last_node = 0
         seen: dict[str, DeviceSpec] = {}
@@ -151,12 +158,14 @@ class Cluster:
             links.check_rank(self, r, "ranks")
         node_groups: list[list[tuple[DeviceSpec, int]]] = []
         node_intra: list[float | None] = []
+        node_net: list[float | None] = []
         last = None
         for r in chosen:
             d = self.devices[r]
             if d.node != last:
                 node_groups.append([])
                 node_intra.append(self.node_intra_Bps[d.node])
+                node_net.append(self.node_network_Bps[d.node])
                 last = d.node
             groups = node_groups[-1]
             if groups and groups[-1][0] == d.spec:
@@ -165,7 +174,7 @@ class Cluster:
                 groups.append((d.spec, 1))
         return _assemble(ClusterLayout(name or f"{self.name}[{len(chosen)}]",
                                        tuple(tuple(g) for g in node_groups), tuple(node_intra),
-                                       self.network_bandwidth_Bps, self.network_latency_s))
+                                       self.network_bandwidth_Bps, self.network_latency_s, tuple(node_net)))
 
     # -- queries ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -241,7 +250,7 @@ class Cluster:
                     groups[-1][1] += 1
                 else:
                     groups.append([spec, 1])
-            key = (tuple((s, n) for s, n in groups), self.node_intra_Bps[node])
+            key = (tuple((s, n) for s, n in groups), self.node_intra_Bps[node], self.node_network_Bps[node])
             if key == prev:
                 nodes[-1]["repeat"] = nodes[-1].get("repeat", 1) + 1
                 continue
@@ -252,6 +261,8 @@ class Cluster:
                 entry = {"devices": [{"device": spec_to_schema(s), "count": n} for s, n in groups]}
             if self.node_intra_Bps[node] is not None:
                 entry["intra_bandwidth_GBps"] = unscale(self.node_intra_Bps[node], 1e9)
+            if self.node_network_Bps[node] is not None:
+                entry["network_bandwidth_GBps"] = unscale(self.node_network_Bps[node], 1e9)
             nodes.append(entry)
         return {
             "name": self.name,
@@ -322,4 +333,5 @@ def _assemble(layout: ClusterLayout) -> Cluster:
                 local += 1
     return Cluster(name=layout.name, devices=tuple(devices), num_nodes=len(layout.node_groups),
                    network_bandwidth_Bps=layout.network_bandwidth_Bps,
-                   network_latency_s=layout.network_latency_s, node_intra_Bps=layout.node_intra_Bps)
+                   network_latency_s=layout.network_latency_s, node_intra_Bps=layout.node_intra_Bps,
+                   node_network_Bps=layout.node_network_Bps)

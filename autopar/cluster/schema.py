@@ -12,6 +12,8 @@ Schema (YAML or dict; see shared/spec/api.md)::
         count: 8                    # devices in this node
         repeat: 2                   # optional: this many identical nodes (default 1)
         intra_bandwidth_GBps: 300   # optional: device-to-device inside the node (default: preset)
+        network_bandwidth_GBps: 50  # optional: the node's NICs together, shared by its devices' flows to
+                                    # other nodes (default: every device has its own NIC at the network's)
       - device: {name: accel-a, tflops: 280, memory_GB: 64, mem_bandwidth_GBps: 1600}
         count: 8                    # custom; optional fp32_tflops, vendor, intra_bandwidth_GBps
       - device: {name: slow, emulate: cpu, speed: 0.5, memory_GB: 2}
@@ -52,7 +54,7 @@ DEFAULT_NETWORK_LATENCY_s = 10e-6
 MAX_DEVICES = 1 << 16  # a typo guard (count: 80000), far above any cluster we plan for
 
 _TOP_KEYS = ("name", "nodes", "network")
-_NODE_KEYS = ("device", "count", "repeat", "intra_bandwidth_GBps", "devices")
+_NODE_KEYS = ("device", "count", "repeat", "intra_bandwidth_GBps", "network_bandwidth_GBps", "devices")
 _GROUP_KEYS = ("device", "count")
 _NETWORK_KEYS = ("bandwidth_GBps", "latency_us")
 _CUSTOM_KEYS = ("name", "tflops", "memory_GB", "mem_bandwidth_GBps", "fp32_tflops", "vendor",
@@ -70,6 +72,7 @@ class ClusterLayout:
     node_intra_Bps: tuple[float | None, ...]   # per node: the file's intra-node link, or None
     network_bandwidth_Bps: float
     network_latency_s: float
+    node_network_Bps: tuple[float | None, ...] = ()   # per node: the file's node network figure, or None
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -265,6 +268,7 @@ def _parse(d: Any) -> ClusterLayout:
 
     node_groups: list[list[tuple[DeviceSpec, int]]] = []
     node_intra: list[float | None] = []
+    node_net: list[float | None] = []
     names: dict[str, tuple[DeviceSpec, str]] = {}
     total = 0
     for i, node in enumerate(nodes):
@@ -295,6 +299,8 @@ def _parse(d: Any) -> ClusterLayout:
         repeat = positive_int(node["repeat"], f"{path}.repeat") if "repeat" in node else 1
         intra = (_positive_number(node["intra_bandwidth_GBps"], f"{path}.intra_bandwidth_GBps", "GB/s", 1e9)
                  if "intra_bandwidth_GBps" in node else None)
+        nic = (_positive_number(node["network_bandwidth_GBps"], f"{path}.network_bandwidth_GBps", "GB/s", 1e9)
+               if "network_bandwidth_GBps" in node else None)
         total += repeat * sum(n for _, n, _ in groups)
         if total > MAX_DEVICES:
             raise ClusterError(f"{path}: the cluster reaches {quoted(total)} devices here, more than "
@@ -302,7 +308,9 @@ def _parse(d: Any) -> ClusterLayout:
         for _ in range(repeat):
             node_groups.append([(s, n) for s, n, _ in groups])
             node_intra.append(intra)
-    return ClusterLayout(name, tuple(tuple(g) for g in node_groups), tuple(node_intra), net_bw, net_lat)
+            node_net.append(nic)
+    return ClusterLayout(name, tuple(tuple(g) for g in node_groups), tuple(node_intra), net_bw, net_lat,
+                         tuple(node_net))
 
 
 # -- serialisation helpers -----------------------------------------------------------------------

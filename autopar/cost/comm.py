@@ -22,6 +22,11 @@ Algorithms (keyword ``algorithm``)
   the j-th rank of every node, each on a 1/m shard (m = the smallest group; every device has its own
   NIC, as in GPU clusters), then the intra-node ring again where the collective needs it. This is
   how NCCL's many channels reach m x the per-NIC bandwidth across nodes.
+- shared node networks: where a node declares its network (``network_bandwidth_GBps``: its NICs
+  together), the flows that leave it at once share it, and those that enter it: a ring's cross-node
+  edges out of (into) each node, times the rings a caller runs at once (``concurrent``: a stage's TP
+  positions' data-parallel rings, the hierarchical algorithm's m rings, a pipeline boundary's member
+  links). A node that declares none keeps one NIC per device.
 - "auto": the faster of the two (NCCL chooses its algorithm per size too).
 
 ZeRO collectives as the data-parallel engine runs them (``autopar.runtime.dp_flat``), on one *unit*
@@ -60,8 +65,8 @@ import numpy as np
 
 from autopar.config import GRAD_BUCKET_BYTES, UNHIDDEN_BUCKET_BYTES
 from autopar.cluster.links import (
-    DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, pair_bandwidth_Bps,
-    pair_latency_s,
+    DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, node_flow_Bps,
+    pair_bandwidth_Bps, pair_latency_s,
 )
 from autopar.errors import ClusterError
 from autopar.ir.costs import ModelCosts, bucket_ranges, zero_shard_numels, zero_staging_numel
@@ -82,7 +87,9 @@ Algorithm = Literal["ring", "hierarchical", "auto"]
 
 
 def p2p_time_s(cluster: "Cluster", src: int, dst: int, nbytes: float,
-               link: LinkModel = DEFAULT_LINK) -> float:
+               link: LinkModel = DEFAULT_LINK, *, concurrent: int = 1) -> float:
+    """One transfer of ``nbytes`` from ``src`` to ``dst``, ``concurrent`` such transfers leaving the
+    source's node and entering the destination's at once (they share a node's declared network)."""
     _check_nbytes(nbytes)
     if src == dst:
         check_rank(cluster, src, "src")
@@ -92,7 +99,12 @@ def p2p_time_s(cluster: "Cluster", src: int, dst: int, nbytes: float,
     measured = emulated_link_of(cluster, (src, dst))
     if measured is not None:
         return measured.latency("p2p") + nbytes / measured.bandwidth("p2p")
-    return pair_latency_s(cluster, src, dst, link) + nbytes / pair_bandwidth_Bps(cluster, src, dst, link)
+    bw = pair_bandwidth_Bps(cluster, src, dst, link)
+    a, b = cluster.devices[src].node, cluster.devices[dst].node
+    if concurrent > 1 and a != b:
+        bw = min(bw, link.bandwidth_efficiency * min(node_flow_Bps(cluster, a, concurrent, link),
+                                                     node_flow_Bps(cluster, b, concurrent, link)))
+    return pair_latency_s(cluster, src, dst, link) + nbytes / bw
 
 
 def _check_nbytes(nbytes: float) -> None:
@@ -120,15 +132,17 @@ def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
 
 
 def ring_link(cluster: "Cluster", ranks: Sequence[int],
-              link: LinkModel = DEFAULT_LINK, op: str = "all_reduce") -> tuple[float, float]:
+              link: LinkModel = DEFAULT_LINK, op: str = "all_reduce", concurrent: int = 1) -> tuple[float, float]:
     """(bandwidth_Bps of the slowest link, largest latency_s) of the ring over ``ranks`` in order; over
     a measured emulated link, ``op``'s bandwidth and latency (one of ``autopar.cluster.links.LINK_OPS``).
+    ``concurrent``: rings of the same nodes running at once (a stage's TP positions' data-parallel
+    rings): where a node declares its network, the flows that leave it (and enter it) share it.
     Remembered per cluster object (the planner prices the same rings hundreds of thousands of times)."""
     memo = cluster_memo(cluster)
-    mkey = (tuple(ranks), link, op)
+    mkey = (tuple(ranks), link, op) if concurrent == 1 else (tuple(ranks), link, op, concurrent)
     hit = memo.get(mkey)
     if hit is None:
-        hit = memo[mkey] = _ring_link(cluster, ranks, link, op)
+        hit = memo[mkey] = _ring_link(cluster, ranks, link, op, concurrent)
     return hit
 
 
@@ -154,7 +168,7 @@ def _ring_memo_entry(cluster) -> tuple:
     return entry
 
 
-def _ring_link(cluster, ranks, link, op) -> tuple[float, float]:
+def _ring_link(cluster, ranks, link, op, concurrent=1) -> tuple[float, float]:
     ranks = _ring(cluster, ranks)
     if len(ranks) == 1:
         return math.inf, 0.0
@@ -172,15 +186,37 @@ def _ring_link(cluster, ranks, link, op) -> tuple[float, float]:
             distinct[key] = (a, b)
     bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in distinct.values())
     lat = max(pair_latency_s(cluster, a, b, link) for a, b in distinct.values())
+    if any(x is not None for x in cluster.node_network_Bps):
+        bw = min(bw, _shared_network_Bps(cluster, ranks, link, concurrent))
     return bw, lat
 
 
+def _shared_network_Bps(cluster, ranks: tuple[int, ...], link: LinkModel, concurrent: int) -> float:
+    """The slowest cross-node edge of a ring where its nodes' declared networks are shared: each node's
+    by the ring's edges that leave it (sending) or enter it (receiving), times ``concurrent`` rings."""
+    devices = cluster.devices
+    out: dict[int, int] = {}
+    into: dict[int, int] = {}
+    edges = []
+    for i, a in enumerate(ranks):
+        na, nb = devices[a].node, devices[ranks[(i + 1) % len(ranks)]].node
+        if na != nb:
+            out[na] = out.get(na, 0) + 1
+            into[nb] = into.get(nb, 0) + 1
+            edges.append((na, nb))
+    if not edges:
+        return math.inf
+    return link.bandwidth_efficiency * min(
+        min(node_flow_Bps(cluster, na, concurrent * out[na], link),
+            node_flow_Bps(cluster, nb, concurrent * into[nb], link)) for na, nb in set(edges))
+
+
 def _ring_steps_time_s(cluster, ranks: tuple[int, ...], nbytes: float, steps_per_rank: int,
-                       link: LinkModel, op: str = "all_reduce") -> float:
+                       link: LinkModel, op: str = "all_reduce", concurrent: int = 1) -> float:
     n = len(ranks)
     if n == 1:
         return 0.0
-    bw, lat = ring_link(cluster, ranks, link, op)
+    bw, lat = ring_link(cluster, ranks, link, op, concurrent)
     return steps_per_rank * (n - 1) * (lat + nbytes / n / bw)
 
 
@@ -192,50 +228,54 @@ def _node_groups(cluster, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def _hierarchical_time_s(cluster, groups: list[tuple[int, ...]], nbytes: float, intra_steps: int,
-                         inter_steps: int, link: LinkModel) -> float:
-    """``intra_steps`` intra-node ring passes (1 or 2) around ``inter_steps`` passes across nodes."""
+                         inter_steps: int, link: LinkModel, concurrent: int = 1) -> float:
+    """``intra_steps`` intra-node ring passes (1 or 2) around ``inter_steps`` passes across nodes (its
+    m rings at once: they share a node's declared network)."""
     m = min(len(g) for g in groups)
     intra = max(_ring_steps_time_s(cluster, g, nbytes, 1, link) for g in groups)
-    inter = max(_ring_steps_time_s(cluster, tuple(g[j] for g in groups), nbytes / m, inter_steps, link)
-                for j in range(m))
+    inter = max(_ring_steps_time_s(cluster, tuple(g[j] for g in groups), nbytes / m, inter_steps, link,
+                                   concurrent=m * concurrent) for j in range(m))
     return intra_steps * intra + inter
 
 
 def _collective_time_s(cluster, ranks, nbytes, ring_steps: int, intra_steps: int, inter_steps: int,
-                       link: LinkModel, algorithm: str, op: str) -> float:
+                       link: LinkModel, algorithm: str, op: str, concurrent: int = 1) -> float:
     _check_nbytes(nbytes)
     ranks = _ring(cluster, ranks)
     if algorithm not in ("ring", "hierarchical", "auto"):
         raise ValueError(f"algorithm: {algorithm!r} is not one of 'ring', 'hierarchical', 'auto'")
     if len(ranks) == 1:
         return 0.0
-    ring = _ring_steps_time_s(cluster, ranks, nbytes, ring_steps, link, op)
+    ring = _ring_steps_time_s(cluster, ranks, nbytes, ring_steps, link, op, concurrent)
     if algorithm == "ring":
         return ring
     groups = _node_groups(cluster, ranks)
     if len(groups) == 1 or len(groups) == len(ranks):
         return ring  # one node, or one rank per node: the hierarchy is the ring itself
-    hier = _hierarchical_time_s(cluster, groups, nbytes, intra_steps, inter_steps, link)
+    hier = _hierarchical_time_s(cluster, groups, nbytes, intra_steps, inter_steps, link, concurrent)
     return hier if algorithm == "hierarchical" else min(ring, hier)
 
 
 def allreduce_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
-                     link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
+                     link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring",
+                     *, concurrent: int = 1) -> float:
     """Allreduce of an ``nbytes`` buffer. Ring: 2 (n-1) / n * nbytes / bw + 2 (n-1) latencies;
     hierarchical: intra reduce-scatter, inter allreduce of 1/m shards, intra all-gather."""
-    return _collective_time_s(cluster, ranks, nbytes, 2, 2, 2, link, algorithm, "all_reduce")
+    return _collective_time_s(cluster, ranks, nbytes, 2, 2, 2, link, algorithm, "all_reduce", concurrent)
 
 
 def reduce_scatter_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
-                          link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
+                          link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring",
+                          *, concurrent: int = 1) -> float:
     """Reduce-scatter of an ``nbytes`` buffer into n shards. Ring: (n-1)/n * nbytes/bw + (n-1) latencies."""
-    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm, "reduce_scatter")
+    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm, "reduce_scatter", concurrent)
 
 
 def allgather_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,
-                     link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring") -> float:
+                     link: LinkModel = DEFAULT_LINK, algorithm: Algorithm = "ring",
+                     *, concurrent: int = 1) -> float:
     """All-gather of n shards into an ``nbytes`` buffer. Ring: (n-1)/n * nbytes/bw + (n-1) latencies."""
-    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm, "all_gather")
+    return _collective_time_s(cluster, ranks, nbytes, 1, 1, 1, link, algorithm, "all_gather", concurrent)
 
 
 def broadcast_time_s(cluster: "Cluster", ranks: Sequence[int], nbytes: float,

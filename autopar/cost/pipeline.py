@@ -182,7 +182,8 @@ def stage_durations(costs: ModelCosts, cluster: "Cluster", stages: Sequence[Stag
     """Per-micro-batch forward and backward seconds [stage][micro] (slowest member, each with its
     type's ``ModelCosts.call_overhead``) and transfer seconds [boundary][micro] of a plan. A transfer between stages of k and l members runs over
     min(k, l) member-to-member links in parallel, each priced as the link between the two stages'
-    first ranks. A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
+    first ranks, shared with the other links that leave its node where the node declares its network.
+    A member that is a tensor-parallel group (``Stage.tp_shares``) is priced by
     ``autopar.cost.tp`` with ``replicated_fraction`` (None: its default). ``kinds``: a memo of TP
     groups' kinds ((ranks, head shares) -> ``tp_cost.group_kind`` on ``cluster``) the caller keeps
     across calls on the same cluster (the joint planner prices the same members in every candidate).
@@ -275,6 +276,11 @@ def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
     """Seconds of each micro-batch's transfer from ``st`` to ``nxt`` (``stage_durations``' comm row)."""
     links = min(len(st.groups), len(nxt.groups))
     per_sample = float(costs.out_bytes[st.block_stop - 1])
+    devices = cluster.devices
+    src, dst = devices[st.groups[0][0]].node, devices[nxt.groups[0][0]].node
+    # the member links that leave the first link's node at once (they share its declared network)
+    flows = sum(1 for i in range(links) if devices[st.groups[i][0]].node == src
+                and devices[nxt.groups[i][0]].node != src) if src != dst else 1
     sent: dict[float, float] = {}   # bytes -> seconds over this boundary
     if len({len(mb) for mb in st.micro_batches}) == 1:
         sizes = np.array(st.micro_batches).sum(axis=0).tolist()
@@ -285,7 +291,7 @@ def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
     for size in dict.fromkeys(sizes):
         nbytes = per_sample * math.ceil(size / links)
         if nbytes not in sent:
-            sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes)
+            sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes, concurrent=max(flows, 1))
         of_size[size] = sent[nbytes]
     return [of_size[x] for x in sizes]
 

@@ -406,8 +406,8 @@ def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[
                         replicated_fraction: float = DEFAULT_REPLICATED_FRACTION) -> float:
     """The data-parallel gradient all-reduce of a block range among a stage's members (TP groups).
 
-    Members of equal size t run t all-reduces at once, the j-th over the j-th rank of every member, of
-    the largest shard (``fractions``: per member its ranks' share fractions; even when None); members
+    Members of equal size t run t all-reduces at once, the j-th over the j-th rank of every member (t
+    rings sharing a node's declared network: ``comm.ring_link``'s ``concurrent``), of the largest shard (``fractions``: per member its ranks' share fractions; even when None); members
     of unequal sizes are priced as one all-reduce of the largest shard over their first ranks (the
     distinct rings of a stage's members: ``comm.distinct_rings``, remembered per cluster)."""
     groups = [tuple(g) for g in groups]
@@ -423,7 +423,8 @@ def dp_allreduce_time_s(costs: ModelCosts, cluster: "Cluster", groups: Sequence[
     nbytes = grad * biggest
     if len(sizes) == 1:
         distinct = distinct_rings(cluster, groups)
-        return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto") for ring in distinct)
+        return max(allreduce_time_s(cluster, ring, nbytes, algorithm="auto", concurrent=len(groups[0]))
+                   for ring in distinct)
     return allreduce_time_s(cluster, [g[0] for g in groups], nbytes, algorithm="auto")
 
 
