@@ -167,6 +167,7 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 5), squeeze=False)
     for ax, (name, res) in zip(axes[0], results.items()):
@@ -178,6 +179,9 @@ def plot(results: dict, path: Path) -> None:
         ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="measured step (s)", ylabel="predicted step (s)",
                title=f"{name}: Spearman {res['stats']['autopar']['spearman']:.2f}")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

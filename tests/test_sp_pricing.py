@@ -132,6 +132,25 @@ def test_planner_sets_sequence_parallel_where_priced_no_slower_and_supported():
     assert not any(st.sequence_parallel for st in plan.stages)
 
 
+def test_a_stage_is_priced_as_its_flag_runs_it():
+    # a pinned SP that is priced slower still runs SP, and a stage without SP runs none where SP would pay
+    from autopar.cost.pipeline import stage_durations
+
+    tables, pairs, n = _gpt_tables()
+    costs = _costs(tables, pairs, n, types=("a",))
+    cluster = _tp_cluster()
+    kind = tp_cost.group_kind(cluster, (0, 1), (1, 1))
+    assert tp_cost.sp_pays(costs, kind, 2.0, tp_cost.DEFAULT_REPLICATED_FRACTION)
+    for sp in (False, True):
+        st = Stage(block_start=0, block_stop=n, groups=((0, 1),), micro_batches=((2,),), tp_shares=((1, 1),),
+                   sequence_parallel=sp)
+        f, b, _ = stage_durations(costs, cluster, (st,))
+        want_f, want_b = tp_cost.kind_block_times(costs, kind, 2.0, None, sp)
+        assert f[0, 0] == pytest.approx(want_f.sum()) and b[0, 0] == pytest.approx(want_b.sum())
+    assert tp_cost.kind_block_times(costs, kind, 2.0, None, False)[0].sum() > \
+        tp_cost.kind_block_times(costs, kind, 2.0, None, True)[0].sum()
+
+
 def test_sequence_parallel_pin_is_honoured_or_named():
     if "sequence_parallel" not in Pin.__dataclass_fields__:      # a config.py without the field
         pytest.skip("Pin.sequence_parallel is not in autopar/config.py yet")

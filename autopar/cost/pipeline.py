@@ -260,7 +260,7 @@ def _stage_rows(costs, cluster, st: Stage, fwd: np.ndarray, bwd: np.ndarray, rep
                                     float(costs.bwd_time(t, x)[blocks].sum()))
                 else:
                     seen[(t, x)] = tp_cost.kind_times(costs, cluster, kind, x, blocks, replicated_fraction,
-                                                      tp_seen)
+                                                      tp_seen, st.sequence_parallel)
             f, b = seen[(t, x)]
             if x > 0:        # a forward call and a backward call (autopar.cost.step)
                 f, b = f + call[0], b + call[1]
