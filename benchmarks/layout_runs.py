@@ -13,16 +13,33 @@ cast), AMP's own prediction and the measured step (None: the run did not finish,
 
 Ranks follow DeepSpeed's ``PipeModelDataParallelTopology`` (pipe outermost, then data, then model) over
 the hostfile's nodes in order, 4 GPUs to a node.
+
+Sailor (Strati et al., Sailor: Automating Distributed Training over Dynamic, Heterogeneous, and
+Geo-distributed Clusters, SOSP 2025, arXiv:2504.17096) trained OPT-350M (24 layers, hidden 1,024, 16
+heads, sequence 2,048, vocabulary 50,272) at micro-batch 2 on nodes of 8 RTX 3090, 8 TITAN RTX or 8 RTX
+2080 Ti (11 GB) over about 1 Gbit/s, each data-parallel member a whole node at TP 8 (2 GPUs and TP 2 on
+the two-node cluster), and published each plan with its measured seconds per iteration and peak memory
+(github.com/eth-easl/sailor, ``sailor/Planner/simulations/validation/mit/N*/plan_config_*.json``). Those
+rows name their stages' nodes (``nodes``) and blocks per stage (``blocks``, over the embedding, the 24
+layers and the head) instead of DeepSpeed boundaries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["AMP", "GPT2_MEDIUM", "LayoutCluster", "LayoutRun", "CLUSTERS", "transformer_layers"]
+__all__ = ["AMP", "SAILOR", "GPT2_MEDIUM", "OPT_350M", "LayoutCluster", "LayoutRun", "CLUSTERS", "layers_per_stage",
+           "transformer_layers"]
 
 AMP = ("Li et al., AMP, NeurIPS 2022 (arXiv:2210.07297); measured layouts in github.com/DachengLi1/AMP "
        "src/results/{name}_results.txt")
+
+SAILOR = ("Strati et al., Sailor, SOSP 2025 (arXiv:2504.17096); measured plans in github.com/eth-easl/sailor "
+          "sailor/Planner/simulations/validation/mit/{name}/plan_config_*.json")
+
+# OPT-350M as Sailor trained it (its 512-wide embedding projections left out), in the zoo's GPT fields.
+OPT_350M = dict(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=50272, seq_len=2048,
+                tie_embeddings=True)
 
 # GPT-2 medium as AMP trained it, in the zoo's GPT family's fields.
 GPT2_MEDIUM = dict(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=52256, seq_len=1024,
@@ -35,9 +52,12 @@ class LayoutRun:
     tp: int
     dp: int
     pp: int
-    boundaries: tuple[int, ...]       # DeepSpeed layer index where each stage starts, then 30
-    source_predicted_s: float         # the source's own cost model
-    measured_s: float | None          # None: did not run (out of memory)
+    boundaries: tuple[int, ...] | None   # DeepSpeed layer index where each stage starts, then 30
+    source_predicted_s: float | None     # the source's own cost model
+    measured_s: float | None             # None: did not run (out of memory)
+    nodes: tuple[tuple[int, ...], ...] | None = None   # per stage, the node of each member (a TP group)
+    blocks: tuple[int, ...] | None = None              # per stage, its blocks (with ``nodes``)
+    measured_peak_bytes: int | None = None             # the source's largest rank's peak memory
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,13 @@ class LayoutCluster:
     runs: tuple[LayoutRun, ...]
     notes: tuple[str, ...] = field(default=())
     precision: str = "fp16"
+
+
+def layers_per_stage(run: LayoutRun) -> tuple[int, ...]:
+    """Transformer layers of each stage of ``run``."""
+    if run.blocks is not None:   # embedding, layers, head: the first and last stage hold one more
+        return tuple(b - (s == 0) - (s == len(run.blocks) - 1) for s, b in enumerate(run.blocks))
+    return transformer_layers(run.boundaries)
 
 
 def transformer_layers(boundaries: tuple[int, ...]) -> tuple[int, ...]:
@@ -174,6 +201,24 @@ _AWS = ("p3.8xlarge: 4 x V100-SXM2-16GB on NVLink, up to 10 Gbit/s network; g4dn
 # Each instance's one network interface, shared by its 4 GPUs' flows to other nodes.
 _P3_8XLARGE = {"device": "V100-16GB", "count": 4, "network_bandwidth_GBps": 1.25}
 _G4DN_12XLARGE = {"device": "T4-16GB", "count": 4, "network_bandwidth_GBps": 6.25}
+# Sailor's MIT cluster: k1 (8 x RTX 3090), n2-n3 (8 x TITAN RTX each), r4-r6 (8 x RTX 2080 Ti each), one
+# 1 Gbit/s link per node (the source's measured cross-node bandwidth: about 115 MB/s between nodes of two
+# types, sailor/providers/multizone_bandwidths.json). Inside a node, the source's measured all-reduce bus
+# bandwidth over the node's GPUs (sailor/providers/intra_node_bandwidths.json: 8 GPUs 5.3, 24.3 and 24.6
+# GB/s; 2 GPUs 49.8 and 10.8 GB/s, an RTX 3090 pair on its NVLink bridge).
+_INTRA_GBPS = {8: {"RTX3090-24GB": 5.3, "TitanRTX-24GB": 24.3, "RTX2080-Ti-11GB": 24.6},
+               2: {"RTX3090-24GB": 49.8, "TitanRTX-24GB": 10.8}}
+
+
+def _mit(devices: tuple[str, ...], count: int = 8) -> dict:
+    return {"nodes": [{"device": d, "count": count, "network_bandwidth_GBps": 0.125,
+                       "intra_bandwidth_GBps": _INTRA_GBPS[count][d]} for d in devices],
+            "network": {"latency_us": 50}}
+
+
+_MIT_NOTES = ("nodes of 8 consumer GPUs, one 1 Gbit/s network link each",
+              "Sailor's own framework (Megatron-DeepSpeed), fp16, no recomputation")
+_3090, _TITAN, _2080TI = "RTX3090-24GB", "TitanRTX-24GB", "RTX2080-Ti-11GB"
 CLUSTERS: tuple[LayoutCluster, ...] = (
     LayoutCluster(
         name="amp-3xv100-1xt4", source=AMP.format(name="het_cluster"), global_batch=32, shape=GPT2_MEDIUM,
@@ -184,5 +229,23 @@ CLUSTERS: tuple[LayoutCluster, ...] = (
     LayoutCluster(
         name="amp-4xt4", source=AMP.format(name="homogeneous"), global_batch=32, shape=GPT2_MEDIUM,
         cluster={"name": "amp-4xt4", "nodes": [_G4DN_12XLARGE | {"repeat": 4}], "network": {"latency_us": 30}},
-        runs=tuple(LayoutRun(*r) for r in _T4_16), notes=_AWS[:1]),
+        runs=tuple(LayoutRun(*r) for r in _T4_16), notes=_AWS),
+    LayoutCluster(   # k1, n2, r4, r5
+        name="sailor-mit-4", source=SAILOR.format(name="N4"), global_batch=256, shape=OPT_350M,
+        cluster=_mit((_3090, _TITAN, _2080TI, _2080TI)), notes=_MIT_NOTES,
+        runs=(LayoutRun(2, 8, 1, 4, None, None, 83.76622, ((0,), (2,), (1,), (3,)), (5, 7, 7, 7), 6233784320),
+              LayoutRun(2, 8, 2, 2, None, None, 66.06712, ((0, 2), (1, 3)), (12, 14), 6818889728),
+              LayoutRun(2, 8, 4, 1, None, None, 83.45238, ((0, 2, 1, 3),), (26,), 9387900928))),
+    LayoutCluster(   # k1, n2, n3, r4, r5, r6
+        name="sailor-mit-6", source=SAILOR.format(name="N6"), global_batch=288, shape=OPT_350M,
+        cluster=_mit((_3090, _TITAN, _TITAN, _2080TI, _2080TI, _2080TI)),
+        notes=(*_MIT_NOTES, "the source's 3-stage plan repeats the 3-node cluster's measured figures exactly"),
+        runs=(LayoutRun(2, 8, 2, 3, None, None, 59.45533, ((0, 3), (4, 1), (5, 2)), (8, 9, 9), 6305087488),
+              LayoutRun(2, 8, 3, 2, None, None, 54.2392, ((0, 3, 4), (1, 5, 2)), (12, 14), 6835666944),
+              LayoutRun(2, 8, 6, 1, None, None, 70.78508, ((0, 3, 4, 1, 5, 2),), (26,), 9371123712))),
+    LayoutCluster(   # k1 and n2 with 2 GPUs each
+        name="sailor-mit-2", source=SAILOR.format(name="N2"), global_batch=256, shape=OPT_350M,
+        cluster=_mit((_3090, _TITAN), count=2), notes=_MIT_NOTES[1:],
+        runs=(LayoutRun(2, 2, 1, 2, None, None, 119.83914, ((0,), (1,)), (12, 14), 4130340864),
+              LayoutRun(2, 2, 2, 1, None, None, 91.78, ((1, 0),), (26,), 5946474496))),
 )

@@ -46,12 +46,23 @@ def prepared(lc: LayoutCluster):
     return cluster, prepare(case.model, cluster, case.example_inputs, precision=lc.precision).costs
 
 
-def layout_stages(run: LayoutRun, global_batch: int, num_heads: int):
+def layout_stages(run: LayoutRun, global_batch: int, num_heads: int, cluster=None):
     """The stages of ``run`` as its engine laid them out, or a string saying why autopar cannot state it.
-    Rank of (stage s, data member d, TP rank m) = (s * dp + d) * tp + m (DeepSpeed's topology)."""
+    Rank of (stage s, data member d, TP rank m) = (s * dp + d) * tp + m (DeepSpeed's topology), or where
+    the run names its nodes, each member the TP group of its node's devices (``cluster`` needed)."""
     from autopar.ir.plan import Stage
 
     micro = global_batch // (run.dp * run.micro_batch)
+    if run.nodes is not None:
+        stages, start = [], 0
+        for members, k in zip(run.nodes, run.blocks):
+            groups = tuple(cluster.ranks_of_node(n) for n in members)
+            stages.append(Stage(
+                block_start=start, block_stop=start + k, groups=groups,
+                micro_batches=tuple((run.micro_batch,) * micro for _ in groups),
+                tp_shares=tuple((num_heads // len(g),) * len(g) for g in groups) if run.tp > 1 else ()))
+            start += k
+        return tuple(stages)
     stages = []
     for s, (a, b) in enumerate(zip(run.boundaries, run.boundaries[1:])):
         blocks = sorted({_BLOCK_OF[i] for i in range(a, b) if i in _BLOCK_OF})
@@ -71,7 +82,7 @@ def price(run: LayoutRun, lc: LayoutCluster, cluster, costs) -> dict:
     from autopar.cost.pipeline import plan_timeline
     from autopar.ir.plan import Plan, Predicted
 
-    stages = layout_stages(run, lc.global_batch, lc.shape["num_heads"])
+    stages = layout_stages(run, lc.global_batch, lc.shape["num_heads"], cluster)
     if isinstance(stages, str):
         return dict(predicted_s=None, fits=None, peak_gib=None, why=stages)
     memory = stage_memory_bytes(costs, stages, "1f1b", 0)
@@ -91,6 +102,8 @@ def ranking(rows: list[dict], key: str) -> dict:
     from scipy.stats import kendalltau, spearmanr
 
     ran = [r for r in rows if r["measured_s"] is not None and r[key] is not None]
+    if not ran:
+        return None
     pred, meas = [r[key] for r in ran], [r["measured_s"] for r in ran]
     candidates = [r for r in rows if r[key] is not None and r.get("fits", True) is not False] \
         if key == "predicted_s" else [r for r in rows if r[key] is not None]
@@ -104,9 +117,9 @@ def ranking(rows: list[dict], key: str) -> dict:
 
 
 def layout_name(run: LayoutRun) -> str:
-    from layout_runs import transformer_layers
+    from layout_runs import layers_per_stage
 
-    split = "/".join(map(str, transformer_layers(run.boundaries))) if run.pp > 1 else "-"
+    split = "/".join(map(str, layers_per_stage(run))) if run.pp > 1 else "-"
     return f"mb{run.micro_batch} tp{run.tp} dp{run.dp} pp{run.pp} [{split}]"
 
 
@@ -115,8 +128,11 @@ def run_cluster(lc: LayoutCluster) -> tuple[list[dict], dict]:
     rows = []
     for run in lc.runs:
         rows.append(dict(layout=layout_name(run), micro_batch=run.micro_batch, tp=run.tp, dp=run.dp, pp=run.pp,
-                         boundaries=list(run.boundaries), measured_s=run.measured_s,
-                         source_predicted_s=run.source_predicted_s, **price(run, lc, cluster, costs)))
+                         boundaries=list(run.boundaries) if run.boundaries else None,
+                         nodes=[list(m) for m in run.nodes] if run.nodes else None, measured_s=run.measured_s,
+                         source_predicted_s=run.source_predicted_s,
+                         measured_peak_gib=run.measured_peak_bytes / 2**30 if run.measured_peak_bytes else None,
+                         **price(run, lc, cluster, costs)))
     stats = dict(autopar=ranking(rows, "predicted_s"), source=ranking(rows, "source_predicted_s"))
     ooms = [r for r in rows if r["measured_s"] is None]
     stats["did_not_run"] = len(ooms)
@@ -139,25 +155,27 @@ def markdown(results: dict, command: str) -> str:
     for name, res in results.items():
         lc = next(c for c in CLUSTERS if c.name == name)
         a, s = res["stats"]["autopar"], res["stats"]["source"]
-        out.append(f"## {name}\n\nSource: {lc.source}. " + " ".join(f"{n}." for n in lc.notes) + "\n")
+        out.append(f"## {name}\n\nSource: {lc.source}. " + " ".join(f"{n[0].upper()}{n[1:]}." for n in lc.notes)
+                   + "\n")
         out.append(md_table(
             ["ranking", "layouts", "Spearman", "Kendall", "ranked first", "its measured / best",
              "predicted / measured (median, range)"],
             [[who, x["layouts"], f"{x['spearman']:.2f}", f"{x['kendall']:.2f}", x["pick"],
               _f(x["pick_over_best"], ".2f") if x["pick_ran"] else "did not run",
               f"{x['ratio_median']:.2f} ({x['ratio_min']:.2f}-{x['ratio_max']:.2f})"]
-             for who, x in (("autopar", a), ("the source's model", s))]))
+             for who, x in (("autopar", a), ("the source's model", s)) if x is not None]))
         st = res["stats"]
         out.append(f"\nDid not run (out of memory): {st['did_not_run']}, of which autopar predicts "
                    f"{st['did_not_run_predicted_to_fit']} to fit; ran but predicted not to fit: "
                    f"{st['ran_predicted_not_to_fit']}.\n")
         rows = sorted(res["rows"], key=lambda r: (r["measured_s"] is None, r["measured_s"] or 0))
         out.append(md_table(
-            ["layout (blocks per stage)", "measured s", "predicted s", "pred / meas", "fits (peak GiB)",
-             "source's s"],
+            ["layout (layers per stage)", "measured s", "predicted s", "pred / meas", "fits (peak GiB)",
+             "measured peak GiB", "source's s"],
             [[r["layout"], _f(r["measured_s"]), _f(r["predicted_s"]),
               _f(r["predicted_s"] / r["measured_s"] if r["measured_s"] and r["predicted_s"] else None, ".2f"),
-              r["why"] or f"{'yes' if r['fits'] else 'no'} ({r['peak_gib']:.1f})", _f(r["source_predicted_s"])]
+              r["why"] or f"{'yes' if r['fits'] else 'no'} ({r['peak_gib']:.1f})",
+              _f(r["measured_peak_gib"], ".1f"), _f(r["source_predicted_s"])]
              for r in rows]) + "\n")
     return "\n".join(out)
 
@@ -174,7 +192,8 @@ def plot(results: dict, path: Path) -> None:
         ran = [r for r in res["rows"] if r["measured_s"] is not None and r["predicted_s"] is not None]
         m = [r["measured_s"] for r in ran]
         ax.scatter(m, [r["predicted_s"] for r in ran], label="autopar", s=18)
-        ax.scatter(m, [r["source_predicted_s"] for r in ran], label="the source's model", s=18, marker="x")
+        if all(r["source_predicted_s"] is not None for r in ran):
+            ax.scatter(m, [r["source_predicted_s"] for r in ran], label="the source's model", s=18, marker="x")
         lo, hi = min(m + [r["predicted_s"] for r in ran]) * 0.8, max(m) * 1.6
         ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="measured step (s)", ylabel="predicted step (s)",
@@ -206,8 +225,8 @@ def main(argv=None) -> int:
         rows, stats = run_cluster(lc)
         results[lc.name] = dict(rows=rows, stats=stats)
         a = stats["autopar"]
-        print(f"{lc.name}: {a['layouts']} layouts ran; Spearman {a['spearman']:.2f} (the source's model "
-              f"{stats['source']['spearman']:.2f}); ranked first: {a['pick']}, measures "
+        src = f" (the source's model {stats['source']['spearman']:.2f})" if stats["source"] else ""
+        print(f"{lc.name}: {a['layouts']} layouts ran; Spearman {a['spearman']:.2f}{src}; ranked first: {a['pick']}, measures "
               f"{_f(a['pick_over_best'], '.2f')} x the best; predicted / measured {a['ratio_median']:.2f} "
               f"({a['ratio_min']:.2f}-{a['ratio_max']:.2f})", flush=True)
     from _common import RESULTS, write_results

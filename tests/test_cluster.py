@@ -253,7 +253,10 @@ def test_signature_is_stable_and_sensitive():
     ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090-24GB"),
     ("AMD Instinct MI210", 64.0, "MI210-64GB"),
     ("Tesla V100-SXM2-32GB", 31.7, None),           # no preset of that memory size
-    ("NVIDIA GeForce RTX 3090", 23.6, None),
+    ("NVIDIA GeForce RTX 3090", 23.6, "RTX3090-24GB"),
+    ("NVIDIA TITAN RTX", 23.6, "TitanRTX-24GB"),
+    ("NVIDIA GeForce RTX 2080 Ti", 10.8, "RTX2080-Ti-11GB"),
+    ("NVIDIA GeForce RTX 2080", 7.8, None),          # not the Ti
 ])
 def test_match_preset(name, mem_gib, expected):
     got = match_preset(name, int(mem_gib * GiB))

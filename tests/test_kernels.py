@@ -239,7 +239,7 @@ def test_device_peaks_come_from_the_preset_table():
     assert match_preset("NVIDIA H100 80GB HBM3", int(79.1 * GiB)).mem_bandwidth_Bps == 3.35e12
     assert match_preset("NVIDIA H100 PCIe", int(79.6 * GiB)).peak_flops_bf16 == 756.5e12
     assert match_preset("NVIDIA A100-SXM4-80GB", int(79.2 * GiB)).mem_bandwidth_Bps == pytest.approx(2.0e12, rel=0.03)
-    assert match_preset("NVIDIA GeForce RTX 3090", int(23.6 * GiB)) is None
+    assert match_preset("NVIDIA GeForce RTX 3080", int(9.8 * GiB)) is None          # no preset for it
 
 
 def test_tune_reports_the_fraction_of_the_given_peak(monkeypatch, tmp_path):

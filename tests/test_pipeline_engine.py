@@ -230,11 +230,12 @@ def _run_plans(rank: int, runs):
         if option == "bridge":   # ranks 0 and 2 pretend to be GPUs: pairs 0-1 and 1-2 and the world are bridged
             comm = Communicator(rank, 3, ["nccl", "gloo", "nccl"], torch.device("cpu"),
                                 backend_impl={"nccl": "gloo", "gloo": "gloo"}, force_bridge=True)
-        engine = _engine(name, plan, optimizer, rank, 3, comm, perturb=option == "perturb")
+        engine = _engine(name, plan, optimizer, rank, dist.get_world_size(), comm, perturb=option == "perturb")
         data = _toy_batches() if name == "toy" else batches(name, B, STEPS)
         losses = [engine.step(inp, tgt) for inp, tgt in data]
         out[key] = {"state": engine.state_dict(), "losses": losses,
                     "bridged_bytes": engine.comm.stats.bridged_bytes, "num_shards": len(engine._shards),
+                    "sends": engine.comm.stats.calls.get("send", 0),
                     "zero": engine.zero_stage_applied, "stage_numel": sum(p.numel() for p in engine.params),
                     "tied_numel": engine.programs[0].gm.get_parameter("wte.weight").numel() if name == "gpt-tiny" else 0,
                     "opt_numel": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
@@ -303,6 +304,12 @@ def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device(
     # the TP ranks really hold shards (attention and MLP pairs), the others none
     assert [r["tp-first"]["num_shards"] > 0 for r in results] == [True, True, False]
     assert [r["tp-last"]["num_shards"] > 0 for r in results] == [False, True, True]
+    # TP member to TP member: each TP rank sends its own copy to its peer (rank k to rank k), both ways
+    tp_both = pp_plan([(3, {(0, 1): (4, 3, 3)}, ((2, 2),)), (6, {(2, 3): (4, 3, 3)}, ((3, 1),))], "1f1b")
+    runs = [("tp-both", "gpt-tiny", tp_both, "adamw", "")]
+    results = autopar.launch(_run_plans, _cluster(4), runs, timeout_s=240)
+    _check(results, "tp-both", "gpt-tiny", "adamw")
+    assert all(r["tp-both"]["sends"] > 0 for r in results)     # rank 1 and rank 3 send too
 
 
 @pytest.mark.launch

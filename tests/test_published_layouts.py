@@ -16,22 +16,31 @@ import published_layouts as pl  # noqa: E402
 
 
 def test_the_clusters_hold_many_measured_layouts_each_citing_its_source():
-    assert len(layout_runs.CLUSTERS) >= 2
-    assert any(len({n["device"] for n in c.cluster["nodes"]}) > 1 for c in layout_runs.CLUSTERS)   # a mixed one
+    mixed = [c for c in layout_runs.CLUSTERS if len({n["device"] for n in c.cluster["nodes"]}) > 1]
+    assert len(mixed) >= 2 and max(len(c.runs) for c in mixed) >= 10
     for c in layout_runs.CLUSTERS:
-        assert c.source and sum(r.measured_s is not None for r in c.runs) >= 10
+        assert c.source and sum(r.measured_s is not None for r in c.runs) >= 2
         gpus = sum(n["count"] * n.get("repeat", 1) for n in c.cluster["nodes"])
         for r in c.runs:
-            assert r.tp * r.dp * r.pp == gpus and c.global_batch % (r.dp * r.micro_batch) == 0
-            assert len(r.boundaries) == r.pp + 1 and r.boundaries[0] == 0 and r.boundaries[-1] == 30
-            assert sum(layout_runs.transformer_layers(r.boundaries)) == c.shape["num_layers"]
+            assert c.global_batch % (r.dp * r.micro_batch) == 0
+            assert sum(layout_runs.layers_per_stage(r)) == c.shape["num_layers"]
+            if r.nodes is None:       # DeepSpeed's topology over every GPU
+                assert r.tp * r.dp * r.pp == gpus
+                assert len(r.boundaries) == r.pp + 1 and r.boundaries[0] == 0 and r.boundaries[-1] == 30
+            else:                     # whole nodes as TP members, each node in one stage
+                assert len(r.nodes) == len(r.blocks) == r.pp and all(len(m) == r.dp for m in r.nodes)
+                used = [n for m in r.nodes for n in m]
+                assert len(set(used)) == len(used) and r.tp * len(used) == gpus
 
 
 def test_every_layout_is_built_as_it_ran_or_says_why_not():
+    import autopar
+
     for c in layout_runs.CLUSTERS:
         gpus = sum(n["count"] * n.get("repeat", 1) for n in c.cluster["nodes"])
+        cluster = autopar.Cluster.from_dict(c.cluster)
         for r in c.runs:
-            stages = pl.layout_stages(r, c.global_batch, c.shape["num_heads"])
+            stages = pl.layout_stages(r, c.global_batch, c.shape["num_heads"], cluster)
             if isinstance(stages, str):          # a stage of DeepSpeed's free layers only: those did not run
                 assert r.measured_s is None and "no block" in stages
                 continue

@@ -86,9 +86,11 @@ def _durations_member_by_member(costs, cluster, stages, rho):
             links = min(len(st.groups), len(nxt.groups))
             per_sample = float(costs.out_bytes[st.block_stop - 1])
             sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
+            t = len(st.groups[0]) if st.tp_shares else 1        # TP ranks send a copy each to their peers
+            u = len(nxt.groups[0]) if nxt.tp_shares else 1
             for m, size in enumerate(sizes + [0] * (M - len(sizes))):
                 comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0],
-                                        per_sample * math.ceil(size / links))
+                                        per_sample * math.ceil(size / links) * -(-u // t))
     return fwd, bwd, comm
 
 

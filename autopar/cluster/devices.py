@@ -151,6 +151,18 @@ _PRESET_LIST: tuple[DeviceSpec, ...] = (
     # FP32 accumulate 165.2 TFLOPS (330.4 sparse), FP32 82.6 TFLOPS, 24GB GDDR6X at 1,008 GB/s;
     # no NVLink, PCIe Gen4 x16 -> 32 per direction.
     _gpu("RTX4090-24GB",  "nvidia",  165.2,  82.6,  24, 1008,  32),
+    # NVIDIA Ampere GA102 GPU Architecture whitepaper, GeForce RTX 3090: peak BF16 / FP16 Tensor with
+    # FP32 accumulate 71 TFLOPS (142 sparse), FP32 35.6 TFLOPS, 24GB GDDR6X at 936 GB/s; NVLink bridges
+    # pair two cards only -> PCIe Gen4 x16, 32 per direction.
+    _gpu("RTX3090-24GB",  "nvidia",   71.0,  35.6,  24,  936,  32),
+    # NVIDIA Turing GPU Architecture whitepaper and the TITAN RTX product page: no bf16 -> FP16 Tensor
+    # with FP32 accumulate 130 TFLOPS, FP32 16.3 TFLOPS, 24GB GDDR6 at 672 GB/s; NVLink bridges pair two
+    # cards only -> PCIe Gen3 x16, 16 per direction.
+    _gpu("TitanRTX-24GB", "nvidia",  130.0,  16.3,  24,  672,  16),
+    # NVIDIA Turing GPU Architecture whitepaper, GeForce RTX 2080 Ti (reference clocks): no bf16 -> FP16
+    # Tensor with FP32 accumulate 53.8 TFLOPS (107.6 with FP16 accumulate), FP32 13.4 TFLOPS, 11GB
+    # GDDR6 at 616 GB/s; NVLink bridges pair two cards only -> PCIe Gen3 x16, 16 per direction.
+    _gpu("RTX2080-Ti-11GB", "nvidia", 53.8,  13.4,  11,  616,  16),
     # AMD Instinct MI210 Accelerator datasheet: peak FP16/BF16 181.0 TFLOPS, FP32 vector 22.6 TFLOPS,
     # 64GB HBM2e at 1.6 TB/s (1,638.4 GB/s), Infinity Fabric up to 3 links, 300 GB/s peak aggregate
     # -> 150 per direction.
@@ -173,10 +185,10 @@ CPU_NOMINAL = DeviceSpec("CPU", "cpu", 0.2 * _T, 0.2 * _T, 16 * GiB, 20 * _G, SH
 PRESETS: dict[str, DeviceSpec] = {spec.name: spec for spec in (*_PRESET_LIST, CPU_NOMINAL)}
 
 # Presets without bf16 math (their datasheets list FP16 but no BF16 Tensor Core figure: NVIDIA V100 and
-# V100S Tensor Core GPU datasheet, NVIDIA T4 Tensor Core GPU datasheet; Volta and Turing predate bf16,
-# which NVIDIA introduced with Ampere). Their ``peak_flops_bf16`` holds the FP16 peak; bf16 runs there
-# at fp32 speed (``autopar.cost.precision.peak_flops``).
-NO_BF16: frozenset[str] = frozenset({"V100-16GB", "V100S-32GB", "T4-16GB"})
+# V100S Tensor Core GPU datasheet, NVIDIA T4 Tensor Core GPU datasheet, the Turing whitepaper; Volta and
+# Turing predate bf16, which NVIDIA introduced with Ampere). Their ``peak_flops_bf16`` holds the FP16
+# peak; bf16 runs there at fp32 speed (``autopar.cost.precision.peak_flops``).
+NO_BF16: frozenset[str] = frozenset({"V100-16GB", "V100S-32GB", "T4-16GB", "TitanRTX-24GB", "RTX2080-Ti-11GB"})
 
 
 def preset_names() -> tuple[str, ...]:

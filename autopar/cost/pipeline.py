@@ -273,14 +273,19 @@ def _stage_rows(costs, cluster, st: Stage, fwd: np.ndarray, bwd: np.ndarray, rep
 
 
 def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
-    """Seconds of each micro-batch's transfer from ``st`` to ``nxt`` (``stage_durations``' comm row)."""
+    """Seconds of each micro-batch's transfer from ``st`` to ``nxt`` (``stage_durations``' comm row). Every
+    rank of a member of t ranks sends its copy of the rows to the ranks of the receiving member of u ranks
+    whose index is its own mod t (``runtime.pipeline_msg``): ceil(u / t) copies over each sender's link,
+    min(t, u) senders at once (the gradients come back alike, priced the same)."""
     links = min(len(st.groups), len(nxt.groups))
+    t, u = (len(st.groups[0]) if st.tp_shares else 1), (len(nxt.groups[0]) if nxt.tp_shares else 1)
+    copies = -(-u // t)
     per_sample = float(costs.out_bytes[st.block_stop - 1])
     devices = cluster.devices
     src, dst = devices[st.groups[0][0]].node, devices[nxt.groups[0][0]].node
-    # the member links that leave the first link's node at once (they share its declared network)
-    flows = sum(1 for i in range(links) if devices[st.groups[i][0]].node == src
-                and devices[nxt.groups[i][0]].node != src) if src != dst else 1
+    # the senders that leave the first link's node at once (they share its declared network)
+    flows = min(t, u) * sum(1 for i in range(links) if devices[st.groups[i][0]].node == src
+                            and devices[nxt.groups[i][0]].node != src) if src != dst else 1
     sent: dict[float, float] = {}   # bytes -> seconds over this boundary
     if len({len(mb) for mb in st.micro_batches}) == 1:
         sizes = np.array(st.micro_batches).sum(axis=0).tolist()
@@ -289,7 +294,7 @@ def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
     sizes += [0] * (M - len(sizes))
     of_size: dict = {}   # samples of a micro-batch -> seconds over this boundary
     for size in dict.fromkeys(sizes):
-        nbytes = per_sample * math.ceil(size / links)
+        nbytes = per_sample * math.ceil(size / links) * copies
         if nbytes not in sent:
             sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes, concurrent=max(flows, 1))
         of_size[size] = sent[nbytes]

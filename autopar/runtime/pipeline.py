@@ -351,9 +351,8 @@ class PipelineEngine(PipelineMessages):
                         loss_sum += out.detach().to(torch.float64)
                 else:
                     st["outputs"] = tuple(out)
-            elif kind == "SEND_F":
-                if self.tp_index == 0:
-                    self._send_forward(s, m, st["outputs"])
+            elif kind == "SEND_F":      # every TP rank sends its copy to its peers (``_targets``)
+                self._send_forward(s, m, st["outputs"])
                 self._posted_b[(s, m)] = self._post_backward(s, m, st["outputs"])
             elif kind == "RECV_B":
                 st["grads"] = self._recv_backward(s, m, st["outputs"])
@@ -378,8 +377,7 @@ class PipelineEngine(PipelineMessages):
                         backward_weight(handle)
             elif kind == "SEND_B":
                 pieces = st.pop("pieces")
-                if self.tp_index == 0:
-                    self._send_backward(s, m, pieces)
+                self._send_backward(s, m, pieces)
                 st.pop("received", None)
             trace.append((kind, m, t_action - t_step, time.perf_counter() - t_step))
         self.last_trace = tuple(trace)   # (action kind, micro-batch, start s, end s) of this step

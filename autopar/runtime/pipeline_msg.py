@@ -30,7 +30,17 @@ class PipelineMessages:
         return ((2 * micro + int(backward)) * self.num_stages + boundary) * TAG_MICRO + index
 
     def _peer(self, stage: int, member: int) -> int:
-        return self.plan.stages[stage].groups[member][0]
+        """The rank of ``member`` of ``stage`` this rank exchanges values with: rank k of a TP member talks
+        to rank k mod t of a neighbouring member of t ranks, so every TP rank sends its own copy over its
+        own link (``_targets``) instead of the first rank sending them all."""
+        group = self.plan.stages[stage].groups[member]
+        return group[self.tp_index % len(group)]
+
+    def _targets(self, stage: int, member: int, own: Sequence[int]) -> list[int]:
+        """The ranks of ``member`` of ``stage`` that this rank, of its TP member ``own``, sends to: those
+        whose index k has k mod len(own) == this rank's TP index (``_peer`` from their side)."""
+        group = self.plan.stages[stage].groups[member]
+        return [r for k, r in enumerate(group) if k % len(own) == self.tp_index]
 
     def _send_forward(self, s: int, m: int, outputs: Sequence[torch.Tensor]) -> None:
         names = self._prog(s).sent
@@ -51,7 +61,7 @@ class PipelineMessages:
                 payload.append(piece)
             head = torch.tensor([len(header)] + header, dtype=torch.int64)
             size = torch.tensor([head.numel()], dtype=torch.int64)
-            for dst in self.plan.stages[s + 1].groups[tr.receiver]:   # every rank of a TP member
+            for dst in self._targets(s + 1, tr.receiver, self.plan.stages[s].groups[self.member]):
                 if not self._known:      # the receiver does not know this signature's shapes yet
                     self._send(self.comm.isend(size, dst, self._tag(s, m, False, 0)))
                     self._send(self.comm.isend(head, dst, self._tag(s, m, False, 1)))
@@ -151,7 +161,7 @@ class PipelineMessages:
 
     def _send_backward(self, s: int, m: int, by_sender) -> None:
         for sender, leaves in by_sender:
-            for dst in self.plan.stages[s - 1].groups[sender]:   # every rank of a TP member
+            for dst in self._targets(s - 1, sender, self.plan.stages[s].groups[self.member]):
                 for i, t in enumerate(leaves):
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
                     self._send(self.comm.isend(g, dst, self._tag(s - 1, m, True, i)))
