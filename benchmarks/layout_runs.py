@@ -196,7 +196,7 @@ _T4_16 = (   # micro-batch, TP, DP, PP, layer boundaries, AMP's prediction s, me
 )
 
 # Hostfile order: AMP's cluster description (src/het_cluster.py) puts the T4 node last.
-_AWS = ("p3.8xlarge: 4 x V100-SXM2-16GB on NVLink, up to 10 Gbit/s network; g4dn.12xlarge: 4 x T4 on PCIe "
+_AWS = ("AWS p3.8xlarge: 4 x V100-SXM2-16GB on NVLink, up to 10 Gbit/s network; g4dn.12xlarge: 4 x T4 on PCIe "
         "Gen3, 50 Gbit/s network (AWS instance pages); one cluster placement group, TCP sockets (no EFA)",)
 # Each instance's one network interface, shared by its 4 GPUs' flows to other nodes.
 _P3_8XLARGE = {"device": "V100-16GB", "count": 4, "network_bandwidth_GBps": 1.25}
@@ -216,7 +216,7 @@ def _mit(devices: tuple[str, ...], count: int = 8) -> dict:
             "network": {"latency_us": 50}}
 
 
-_MIT_NOTES = ("nodes of 8 consumer GPUs, one 1 Gbit/s network link each",
+_MIT_NOTES = ("Nodes of 8 consumer GPUs, one 1 Gbit/s network link each",
               "Sailor's own framework (Megatron-DeepSpeed), fp16, no recomputation")
 _3090, _TITAN, _2080TI = "RTX3090-24GB", "TitanRTX-24GB", "RTX2080-Ti-11GB"
 CLUSTERS: tuple[LayoutCluster, ...] = (
@@ -239,7 +239,7 @@ CLUSTERS: tuple[LayoutCluster, ...] = (
     LayoutCluster(   # k1, n2, n3, r4, r5, r6
         name="sailor-mit-6", source=SAILOR.format(name="N6"), global_batch=288, shape=OPT_350M,
         cluster=_mit((_3090, _TITAN, _TITAN, _2080TI, _2080TI, _2080TI)),
-        notes=(*_MIT_NOTES, "the source's 3-stage plan repeats the 3-node cluster's measured figures exactly"),
+        notes=(*_MIT_NOTES, "The source's 3-stage plan repeats the 3-node cluster's measured figures exactly"),
         runs=(LayoutRun(2, 8, 2, 3, None, None, 59.45533, ((0, 3), (4, 1), (5, 2)), (8, 9, 9), 6305087488),
               LayoutRun(2, 8, 3, 2, None, None, 54.2392, ((0, 3, 4), (1, 5, 2)), (12, 14), 6835666944),
               LayoutRun(2, 8, 6, 1, None, None, 70.78508, ((0, 3, 4, 1, 5, 2),), (26,), 9371123712))),

@@ -155,7 +155,7 @@ def markdown(results: dict, command: str) -> str:
     for name, res in results.items():
         lc = next(c for c in CLUSTERS if c.name == name)
         a, s = res["stats"]["autopar"], res["stats"]["source"]
-        out.append(f"## {name}\n\nSource: {lc.source}. " + " ".join(f"{n[0].upper()}{n[1:]}." for n in lc.notes)
+        out.append(f"## {name}\n\nSource: {lc.source}. " + " ".join(f"{n}." for n in lc.notes)
                    + "\n")
         out.append(md_table(
             ["ranking", "layouts", "Spearman", "Kendall", "ranked first", "its measured / best",

@@ -236,6 +236,7 @@ def _run_plans(rank: int, runs):
         out[key] = {"state": engine.state_dict(), "losses": losses,
                     "bridged_bytes": engine.comm.stats.bridged_bytes, "num_shards": len(engine._shards),
                     "sends": engine.comm.stats.calls.get("send", 0),
+                    "gathers": engine.comm.stats.calls.get("all_gather", 0),
                     "zero": engine.zero_stage_applied, "stage_numel": sum(p.numel() for p in engine.params),
                     "tied_numel": engine.programs[0].gm.get_parameter("wte.weight").numel() if name == "gpt-tiny" else 0,
                     "opt_numel": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
@@ -304,12 +305,15 @@ def test_launch_tensor_parallel_members_inside_pipeline_stages_match_one_device(
     # the TP ranks really hold shards (attention and MLP pairs), the others none
     assert [r["tp-first"]["num_shards"] > 0 for r in results] == [True, True, False]
     assert [r["tp-last"]["num_shards"] > 0 for r in results] == [False, True, True]
-    # TP member to TP member: each TP rank sends its own copy to its peer (rank k to rank k), both ways
+    # TP member to TP member of the same degree: rank k sends chunk k of every value to rank k, which
+    # all-gathers them in its member (values forward, gradients back)
     tp_both = pp_plan([(3, {(0, 1): (4, 3, 3)}, ((2, 2),)), (6, {(2, 3): (4, 3, 3)}, ((3, 1),))], "1f1b")
+    # no all-gather where the degrees differ (tp-first: 2 ranks to 1; tp-last: 1 to 2): whole copies
+    assert all(r["tp-first"]["gathers"] == 0 and r["tp-last"]["gathers"] == 0 for r in results)
     runs = [("tp-both", "gpt-tiny", tp_both, "adamw", "")]
     results = autopar.launch(_run_plans, _cluster(4), runs, timeout_s=240)
     _check(results, "tp-both", "gpt-tiny", "adamw")
-    assert all(r["tp-both"]["sends"] > 0 for r in results)     # rank 1 and rank 3 send too
+    assert all(r["tp-both"]["sends"] > 0 and r["tp-both"]["gathers"] > 0 for r in results)
 
 
 @pytest.mark.launch

@@ -16,7 +16,7 @@ import pytest
 from autopar.cluster.model import Cluster
 from autopar.cost import comm
 from autopar.cost import tp as tp_cost
-from autopar.cost.comm import p2p_time_s
+from autopar.cost.comm import allgather_time_s, p2p_time_s
 from autopar.cost.joint import StagePrep, joint_cost_tensor, joint_split_feasible, prepare_stages
 from autopar.cost.pipeline import stage_durations, stage_optimizer_s
 from autopar.ir.costs import ModelCosts
@@ -86,11 +86,15 @@ def _durations_member_by_member(costs, cluster, stages, rho):
             links = min(len(st.groups), len(nxt.groups))
             per_sample = float(costs.out_bytes[st.block_stop - 1])
             sizes = [sum(col) for col in itertools.zip_longest(*st.micro_batches, fillvalue=0)]
-            t = len(st.groups[0]) if st.tp_shares else 1        # TP ranks send a copy each to their peers
-            u = len(nxt.groups[0]) if nxt.tp_shares else 1
+            t = len(st.groups[0]) if st.tp_shares else 1        # TP ranks send a copy each to their peers,
+            u = len(nxt.groups[0]) if nxt.tp_shares else 1      # or a chunk each between equal degrees
             for m, size in enumerate(sizes + [0] * (M - len(sizes))):
-                comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0],
-                                        per_sample * math.ceil(size / links) * -(-u // t))
+                nbytes = per_sample * math.ceil(size / links)
+                if t == u > 1:
+                    comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes / t) + (
+                        allgather_time_s(cluster, nxt.groups[0], nbytes) if nbytes > 0 else 0.0)
+                else:
+                    comm[s, m] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes * -(-u // t))
     return fwd, bwd, comm
 
 

@@ -273,13 +273,16 @@ def _stage_rows(costs, cluster, st: Stage, fwd: np.ndarray, bwd: np.ndarray, rep
 
 
 def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
-    """Seconds of each micro-batch's transfer from ``st`` to ``nxt`` (``stage_durations``' comm row). Every
-    rank of a member of t ranks sends its copy of the rows to the ranks of the receiving member of u ranks
-    whose index is its own mod t (``runtime.pipeline_msg``): ceil(u / t) copies over each sender's link,
-    min(t, u) senders at once (the gradients come back alike, priced the same)."""
+    """Seconds of each micro-batch's transfer from ``st`` to ``nxt`` (``stage_durations``' comm row), as
+    ``runtime.pipeline_msg`` moves it (the gradients come back alike, priced the same). Between TP members
+    of one degree t > 1, rank k sends chunk k of the rows to rank k, t senders at once, and the receiving
+    member all-gathers the chunks; otherwise every rank of a member of t ranks sends its whole copy to the
+    ranks of the receiving member of u ranks whose index is its own mod t: ceil(u / t) copies over each
+    sender's link, min(t, u) senders at once."""
     links = min(len(st.groups), len(nxt.groups))
     t, u = (len(st.groups[0]) if st.tp_shares else 1), (len(nxt.groups[0]) if nxt.tp_shares else 1)
-    copies = -(-u // t)
+    split = t if t == u > 1 else 1
+    copies = 1 if split > 1 else -(-u // t)
     per_sample = float(costs.out_bytes[st.block_stop - 1])
     devices = cluster.devices
     src, dst = devices[st.groups[0][0]].node, devices[nxt.groups[0][0]].node
@@ -296,7 +299,10 @@ def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
     for size in dict.fromkeys(sizes):
         nbytes = per_sample * math.ceil(size / links) * copies
         if nbytes not in sent:
-            sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes, concurrent=max(flows, 1))
+            sent[nbytes] = p2p_time_s(cluster, st.groups[0][0], nxt.groups[0][0], nbytes / split,
+                                      concurrent=max(flows, 1))
+            if split > 1 and nbytes > 0:
+                sent[nbytes] += allgather_time_s(cluster, nxt.groups[0], nbytes)
         of_size[size] = sent[nbytes]
     return [of_size[x] for x in sizes]
 

@@ -13,7 +13,10 @@ Terms
   ``passes.split.batched_values``) whole from its *primary* sender, the sender holding its first row.
 - message: per transfer a small int64 header (per value: dtype code, requires-grad flag, shape), then
   one tensor per value. Gradients travel back along the same transfers without a header (the sender
-  knows their shapes). Tags keep the streams of different micro-batches and directions apart.
+  knows their shapes). Tags keep the streams of different micro-batches and directions apart. Between
+  tensor-parallel members every TP rank holds the values: rank k of a member sends to the ranks of the
+  other member whose index is k mod its size, and between TP members of one degree only chunk k of
+  every value, which the receiving member all-gathers (``pipeline_msg``; ``cost.pipeline`` prices both).
 - input signature: the dtypes and shapes of the step's flat graph inputs (every rank holds the whole
   global batch, so every rank computes the same one; with ``local=True`` every rank takes the
   example's, ``data.stand_in_inputs``, and ranks given inputs check theirs are like it). The shapes of the values a stage receives

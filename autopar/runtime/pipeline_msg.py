@@ -8,10 +8,12 @@ rank can hold several stages (virtual stages, ``Plan.virtual_stages``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from autopar.runtime.communicator import pg_all_gather
 from autopar.runtime.pipeline_rows import primary_sender, transfers
 
 __all__ = ["PipelineMessages", "DTYPES", "TAG_MICRO"]
@@ -42,6 +44,33 @@ class PipelineMessages:
         group = self.plan.stages[stage].groups[member]
         return [r for k, r in enumerate(group) if k % len(own) == self.tp_index]
 
+    def _split(self, stage: int, sender: int, receiver: int) -> int:
+        """t where member ``sender`` of ``stage`` and member ``receiver`` of the next stage are TP members
+        of t > 1 ranks each: rank k of the sender then sends only chunk k of every value to rank k of the
+        receiver, which all-gathers the chunks inside its member (Megatron's scatter-gather: 1/t of the
+        bytes over each link); else 0 (every rank sends its whole copy to its peers)."""
+        a, b = self.plan.stages[stage], self.plan.stages[stage + 1]
+        t = len(a.groups[sender])
+        return t if t > 1 and a.tp_shares and b.tp_shares and len(b.groups[receiver]) == t else 0
+
+    def _chunk(self, v: torch.Tensor, t: int) -> torch.Tensor:
+        """This rank's chunk of ``v`` flattened: elements [k c, (k + 1) c) with c = ceil(numel / t)."""
+        lo, hi = _bounds(v.numel(), t, self.tp_index)
+        return v.detach().reshape(-1)[lo:hi].contiguous()
+
+    def _gather(self, chunk: torch.Tensor, shape, t: int) -> torch.Tensor:
+        """The whole value of ``shape`` from this TP member's chunks (``_chunk`` on every rank of it)."""
+        numel = math.prod(shape)
+        c = -(-numel // t)
+        padded = torch.zeros(c, dtype=chunk.dtype, device=chunk.device)
+        padded[:chunk.numel()] = chunk.reshape(-1)
+        parts = [torch.empty_like(padded) for _ in range(t)]
+        pg_all_gather(parts, padded, group=self.tp_group.pg)        # in ascending global rank order
+        self.comm.stats.count("all_gather", padded.numel() * padded.element_size() * t, False)
+        at = {r: p for r, p in zip(sorted(self.tp_group.ranks), parts)}
+        order = self.plan.stages[self.stage].groups[self.member]      # the TP ranks in chunk order
+        return torch.cat([at[r] for r in order])[:numel].reshape(shape)
+
     def _send_forward(self, s: int, m: int, outputs: Sequence[torch.Tensor]) -> None:
         names = self._prog(s).sent
         start = self.layout[s][self.member][m][0]
@@ -61,12 +90,19 @@ class PipelineMessages:
                 payload.append(piece)
             head = torch.tensor([len(header)] + header, dtype=torch.int64)
             size = torch.tensor([head.numel()], dtype=torch.int64)
-            for dst in self._targets(s + 1, tr.receiver, self.plan.stages[s].groups[self.member]):
+            t = self._split(s, self.member, tr.receiver)
+            if t:
+                dsts = [self.plan.stages[s + 1].groups[tr.receiver][self.tp_index]]
+                payload = [self._chunk(p, t) for p in payload]
+            else:
+                dsts = self._targets(s + 1, tr.receiver, self.plan.stages[s].groups[self.member])
+            for dst in dsts:
                 if not self._known:      # the receiver does not know this signature's shapes yet
                     self._send(self.comm.isend(size, dst, self._tag(s, m, False, 0)))
                     self._send(self.comm.isend(head, dst, self._tag(s, m, False, 1)))
                 for i, piece in enumerate(payload):
-                    self._send(self.comm.isend(piece, dst, self._tag(s, m, False, 2 + i)))
+                    if piece.numel() or not t:
+                        self._send(self.comm.isend(piece, dst, self._tag(s, m, False, 2 + i)))
 
     def _irecv(self, shape, dtype: torch.dtype, src: int, tag: int):
         """Post a receive now (a ``PendingRecv``) where the pair is gloo on unstaged tensors, else None:
@@ -96,17 +132,32 @@ class PipelineMessages:
                 continue
             src = self._peer(s, tr.sender)
             primary = primary_sender(self.layout, s, m, self.member) == tr.sender
+            t = self._split(s, tr.sender, self.member)
             got, i = [], 0
             for name in self._prog(stage).received:
                 if not self._batched[name] and not primary:
                     continue
                 dtype, grad, shape = meta[name]
                 shape = (tr.stop - tr.start, *shape) if self._batched[name] else shape
-                tag = self._tag(s, m, False, 2 + i)
-                got.append((name, grad, (shape, dtype, src, tag, self._irecv(shape, dtype, src, tag))))
+                got.append((name, grad, self._spec(shape, dtype, src, self._tag(s, m, False, 2 + i), t), shape, t))
                 i += 1
             out.append((tr.sender, got))
         return out
+
+    def _spec(self, shape, dtype: torch.dtype, src: int, tag: int, t: int):
+        """A receive spec (``_take``) of a value of ``shape``, or of this rank's chunk of it where ``t``
+        (``_split``); an empty chunk is never sent: its spec holds the empty tensor itself."""
+        if t:
+            lo, hi = _bounds(math.prod(shape), t, self.tp_index)
+            if hi == lo:
+                return torch.empty(0, dtype=dtype)
+            shape = (hi - lo,)
+        return (shape, dtype, src, tag, self._irecv(shape, dtype, src, tag))
+
+    def _value(self, spec, shape, t: int) -> torch.Tensor:
+        """The received value of a ``_spec``: taken, and gathered inside this member where split."""
+        got = spec if isinstance(spec, torch.Tensor) else self._take(spec)
+        return self._gather(got, shape, t) if t else got
 
     def _recv_forward(self, stage: int, m: int):
         """The received values of micro-batch m (rows assembled in order) and, per sender, the leaf
@@ -120,8 +171,8 @@ class PipelineMessages:
             posted = self._posted_f.pop((stage, m), None)
             for sender, got in posted if posted is not None else self._post_forward(stage, m):
                 mine = []
-                for name, grad, spec in got:
-                    t = self._take(spec)
+                for name, grad, spec, shape, split in got:
+                    t = self._value(spec, shape, split)
                     if grad:
                         t.requires_grad_(True)
                         mine.append(t)
@@ -136,6 +187,7 @@ class PipelineMessages:
                 size = self.comm.recv((1,), torch.int64, src, self._tag(s, m, False, 0))
                 head = self.comm.recv((int(size[0]),), torch.int64, src, self._tag(s, m, False, 1)).tolist()[1:]
                 primary = primary_sender(self.layout, s, m, self.member) == tr.sender
+                split = self._split(s, tr.sender, self.member)
                 mine, at, i = [], 0, 0
                 for name in names:
                     if not self._batched[name] and not primary:
@@ -143,7 +195,8 @@ class PipelineMessages:
                     code, grad, ndim = head[at:at + 3]
                     shape = head[at + 3:at + 3 + ndim]
                     at += 3 + ndim
-                    t = self.comm.recv(shape, DTYPES[code], src, self._tag(s, m, False, 2 + i))
+                    spec = self._spec(tuple(shape), DTYPES[code], src, self._tag(s, m, False, 2 + i), split)
+                    t = self._value(spec, tuple(shape), split)
                     meta[name] = (DTYPES[code], bool(grad), tuple(shape[1:]) if self._batched[name] else tuple(shape))
                     i += 1
                     if grad:
@@ -161,9 +214,16 @@ class PipelineMessages:
 
     def _send_backward(self, s: int, m: int, by_sender) -> None:
         for sender, leaves in by_sender:
-            for dst in self._targets(s - 1, sender, self.plan.stages[s].groups[self.member]):
-                for i, t in enumerate(leaves):
-                    g = t.grad if t.grad is not None else torch.zeros_like(t)
+            t = self._split(s - 1, sender, self.member)
+            dsts = ([self.plan.stages[s - 1].groups[sender][self.tp_index]] if t else
+                    self._targets(s - 1, sender, self.plan.stages[s].groups[self.member]))
+            for dst in dsts:
+                for i, leaf in enumerate(leaves):
+                    g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    if t:
+                        g = self._chunk(g, t)
+                        if not g.numel():
+                            continue
                     self._send(self.comm.isend(g, dst, self._tag(s - 1, m, True, i)))
 
     def _post_backward(self, s: int, m: int, outputs: Sequence[torch.Tensor]) -> list | None:
@@ -178,6 +238,7 @@ class PipelineMessages:
                 continue
             primary = primary_sender(self.layout, s, m, tr.receiver) == self.member
             src = self._peer(s + 1, tr.receiver)
+            t = self._split(s, self.member, tr.receiver)
             i = 0
             for k, (name, v) in enumerate(zip(names, outputs)):
                 if not v.requires_grad:
@@ -188,8 +249,7 @@ class PipelineMessages:
                     shape = tuple(v.shape)
                 else:
                     continue
-                tag = self._tag(s, m, True, i)
-                out.append((k, (shape, v.dtype, src, tag, self._irecv(shape, v.dtype, src, tag))))
+                out.append((k, self._spec(shape, v.dtype, src, self._tag(s, m, True, i), t), shape, t))
                 i += 1
         return out
 
@@ -197,8 +257,8 @@ class PipelineMessages:
         names = self._prog(s).sent
         parts: list[list[torch.Tensor]] = [[] for _ in names]
         posted = self._posted_b.pop((s, m), None)
-        for k, spec in posted if posted is not None else self._post_backward(s, m, outputs):
-            parts[k].append(self._take(spec))
+        for k, spec, shape, t in posted if posted is not None else self._post_backward(s, m, outputs):
+            parts[k].append(self._value(spec, shape, t))
         grads: list[torch.Tensor | None] = []
         for k, (name, v) in enumerate(zip(names, outputs)):
             if not v.requires_grad or not parts[k]:
@@ -208,3 +268,10 @@ class PipelineMessages:
             else:
                 grads.append(torch.stack(parts[k]).sum(0) if len(parts[k]) > 1 else parts[k][0])
         return grads
+
+
+def _bounds(numel: int, t: int, k: int) -> tuple[int, int]:
+    """Elements [lo, hi) of chunk k of t of a flat value of ``numel`` elements (chunks of ceil(numel / t))."""
+    c = -(-numel // t)
+    lo = min(k * c, numel)
+    return lo, min(lo + c, numel)
