@@ -7,7 +7,6 @@ analytic counts. Big models are analysed on the meta device (no weights allocate
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import json

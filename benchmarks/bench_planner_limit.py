@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         return sum(r[key] for r in last["stages"]) / n / step if n and step else 0.0
 
     mfu_gap = last["mfu"] / last["homogeneous_mfu"] - 1 if last["homogeneous_mfu"] else float("nan")
-    md = [f"# Planner against the physical limit (PREDICTED by the cost model)", "",
+    md = ["# Planner against the physical limit (PREDICTED by the cost model)", "",
           f"{args.model} on {Path(args.cluster).name}, global batch {args.global_batch}; {result['machine']}; "
           f"commit {commit}; `python benchmarks/bench_planner_limit.py --repeats {args.repeats}`. Every figure "
           f"but the planning wall time is predicted (roofline tables, the planner's simulator); nothing runs "
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
           f"| {last['mfu']:.1%} | {last['homogeneous_mfu']:.1%} | {mfu_gap:+.1%} | {last['compute_efficiency']:.1%} | "
           f"{last['efficiency']:.1%} | {last['samples_per_s']:.4g} | {statistics.median(times):.1f} "
           f"({q[0]:.1f}-{q[2]:.1f}) | >= 65% vs compute, MFU within 5% of homog., <= 5 s |", "",
-          f"Parts of the last cold run (s): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result["parts_s"].items()),
+          "Parts of the last cold run (s): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result["parts_s"].items()),
           "", f"Chosen: {last['chosen'][0] if last['chosen'] else '-'}; sequence parallelism on "
           f"{last.get('sp_stages', 0)} of its {len(last['stages'])} stages", ""]
     md += [f"- {x}" for x in last.get("bound_notes") or []]

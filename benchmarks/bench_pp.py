@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import RESULTS, md_table, write_results  # noqa: E402
+from _common import md_table, write_results  # noqa: E402
 
 CLUSTERS = ["mixed-3", "poplar-a100", "poplar-v100-t4", "poplar-a800-v100s"]
 MODELS = {"llama-7b": 256, "gpt2-xl": 512}   # name -> global batch (sequences)

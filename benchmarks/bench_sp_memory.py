@@ -15,7 +15,6 @@ backward).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections import Counter

@@ -481,7 +481,6 @@ def _shard_heads(new: fx.GraphModule, gm: fx.GraphModule, heads: tuple[str, ...]
                  shards: list) -> tuple[str, ...]:
     """Shard each head of ``new`` (``passes.tp_head``): its rows of the weight and bias, f on its input,
     the gather after it; appends the ``ParamShard``s to ``shards``; the heads sharded."""
-    graph = new.graph
     done = []
     for k, node, source, ranges in _rows_of(new, gm, heads, lambda n: linear_use(gm, n).out_features,
                                             shares, granularity):

@@ -114,7 +114,6 @@ def resharded_run(rank: int, world_size: int, plan_a: Plan, plan_b: Plan, *, nam
 
 
 def _dp_stage(shares, micro, blocks=12):
-    import dataclasses
 
     (stage,) = stages_of([(blocks, micro)])
     return dataclasses.replace(stage, zero_shares=tuple(shares))

@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 from importlib import import_module
 
 import autopar

@@ -172,7 +172,6 @@ def test_zero_auto_prefers_fewest_bytes_on_a_tie_and_zero3_pays_per_micro_step()
     bottleneck = max(rank_time, key=rank_time.get)
     assert z3.predicted.breakdown["comm_s"] == pytest.approx(
         zc.per_micro_step_s * len(_micro(z3)[bottleneck]) + zc.per_step_s, rel=1e-12)
-    grad = costs.params.sum() * 4
     # ZeRO-3 as the engine runs it: per block, two gathers (forward, backward) and a chunked reduce-scatter
     block = int(costs.params[0])
     ag = comm.zero_gather_s(cluster, (0, 1, 2), block, 4)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from autopar import kernels
 from autopar.kernels import cache, tune
-from autopar.kernels.check import TOLERANCE, compare
+from autopar.kernels.check import compare
 from autopar.kernels.configs import ElementwiseConfig, MatmulConfig, RowConfig, config_from_dict
 from autopar.kernels.timing import kernel_time_s
 

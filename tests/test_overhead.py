@@ -8,7 +8,6 @@ from __future__ import annotations
 from importlib import import_module
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.testing._internal.common_utils import run_tests
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 
 from autopar.planner.split import min_bottleneck, split_blocks
 

@@ -6,7 +6,7 @@ import pytest
 
 import autopar.models as zoo
 from autopar.cluster.model import Cluster, builtin
-from autopar.cost.profile import Efficiency, calibrate, roofline_features
+from autopar.cost.profile import calibrate, roofline_features
 from autopar.measure.blocks import measure_blocks
 from autopar.measure.tables import model_costs
 from autopar.passes.analyze import analyze

@@ -62,7 +62,7 @@ def test_recompute_stage_time_adds_one_forward():
 
 
 def test_recompute_stage_memory():
-    cluster, costs = _cluster(2, 80), _costs(act=2e8, out=1e7, param=1e8)
+    costs = _costs(act=2e8, out=1e7, param=1e8)
     state = 3 * costs.state_bytes(slice(0, 1), 0)
     M, x = 4, 2
     for sched in ("1f1b", "gpipe"):

@@ -36,10 +36,8 @@ import importlib.util
 import threading
 import unittest
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch import nn
 from torch.testing._internal.common_utils import run_tests
 
@@ -49,7 +47,7 @@ from autopar.runtime.emulate import NullClock
 from autopar.runtime.engine import EngineInputs, select_engine
 from autopar.runtime.pipeline import PipelineEngine
 from autopar.runtime.tp import TensorParallelEngine
-from oracle import train_and_check as _oracle_train_and_check, batches, optimizer_factory, prepared_case, \
+from oracle import train_and_check as _oracle_train_and_check, optimizer_factory, prepared_case, \
     stages_of, threaded_ranks
 
 _LOCK = threading.Lock()

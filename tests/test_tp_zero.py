@@ -9,7 +9,6 @@ Plans: two members of two ranks, ((0, 1), (2, 3)), global batch 23 in micro-batc
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import threading
 

@@ -15,7 +15,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from torch.testing._internal.common_utils import run_tests
 

@@ -33,11 +33,15 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from autopar.cluster.rendezvous import loopback_store
 from autopar.ir.cache_files import private_dir
+
+if TYPE_CHECKING:  # pragma: no cover
+    from autopar.cluster.links import EmulatedLink
 
 __all__ = ["measure_emulated_link", "emulated_link_for", "EMULATED_LINK_ENV", "LINK_SIZES", "LINK_VERSION",
            "link_shape", "fit_alpha_beta"]
@@ -226,7 +230,6 @@ def _time_ops_processes(cores: list[int], sizes, reps: dict) -> list | None:
     import multiprocessing as mp
     from datetime import timedelta
 
-    import torch.distributed as dist
 
     if "fork" not in mp.get_all_start_methods():
         return None

@@ -30,7 +30,6 @@ engine changing those names breaks the tests of ``tests/test_checkpoint_reshard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
