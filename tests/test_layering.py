@@ -27,21 +27,22 @@ SOURCES = {"autopar": ROOT / "autopar", "autopar.passes": ROOT / "passes", "auto
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors"},
+    "env": set(),            # autopar/env.py: the environment variables, read in one place
     "kernels": set(),
     "ir": {"errors", "config"},
-    "cluster": {"errors", "config"},
+    "cluster": {"errors", "config", "env"},
     "models": {"errors", "ir"},
     "passes": {"errors", "config", "ir", "kernels"},
     "cost": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "planner": {"errors", "config", "ir", "cluster", "cost"},
-    "measure": {"errors", "config", "ir", "cluster", "passes", "kernels", "cost"},
-    "planning": {"errors", "config", "ir", "cluster", "cost", "planner"},
+    "measure": {"errors", "config", "ir", "cluster", "passes", "kernels", "cost", "env"},
+    "planning": {"errors", "config", "ir", "cluster", "cost", "planner", "env"},
     "lowering": {"errors", "config", "ir", "cluster", "passes", "kernels"},
     "checkpoint": {"errors", "config", "ir"},
-    "runtime": {"errors", "config", "ir", "cluster", "lowering", "passes", "kernels", "checkpoint"},
-    "api": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
+    "runtime": {"errors", "config", "ir", "cluster", "lowering", "passes", "kernels", "checkpoint", "env"},
+    "api": {"errors", "config", "env", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
             "runtime", "checkpoint", "measure", "planning"},
-    "cli": {"errors", "config", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
+    "cli": {"errors", "config", "env", "ir", "cluster", "models", "passes", "kernels", "cost", "planner", "lowering",
             "runtime", "checkpoint", "api", "measure", "planning"},
     "package": {"errors"},     # autopar/__init__.py: everything else lazily, by name
     "main": {"cli"},           # autopar/__main__.py

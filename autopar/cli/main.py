@@ -384,6 +384,13 @@ def cmd_demo(args) -> int:
 BENCHES = ("published", "published_layouts")   # benchmarks/NAME.py scripts ``autopar bench NAME`` runs
 
 
+def cmd_env(args) -> int:
+    from autopar import env
+
+    print(env.table())
+    return 0
+
+
 def cmd_bench(rest: list[str]) -> int:
     """``autopar bench NAME [ARGS]``: ``main(ARGS)`` of ``benchmarks/NAME.py`` in the source tree this
     package was installed from (an editable install or a checkout; a wheel carries no benchmarks)."""
@@ -449,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("models", help="list the model zoo")
+    sub.add_parser("env", help="the environment variables autopar reads: value in force, default, meaning")
 
     a = sub.add_parser("analyze", help="per-block parameters, FLOPs, activations and time per device type")
     a.add_argument("--model", required=True, help="zoo name or package.module:factory")
@@ -556,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"models": cmd_models, "analyze": cmd_analyze, "plan": cmd_plan, "train": cmd_train,
+    handler = {"models": cmd_models, "env": cmd_env, "analyze": cmd_analyze, "plan": cmd_plan, "train": cmd_train,
                "demo": cmd_demo, "checkpoint": _cmd_checkpoint, "check": _cmd_check}[args.command]
     try:
         return handler(args)
@@ -570,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-_QUICK_EXIT = ("plan", "analyze", "models")   # commands that only compute and print
+_QUICK_EXIT = ("plan", "analyze", "models", "env")   # commands that only compute and print
 
 
 def run() -> None:

@@ -45,6 +45,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from autopar import env
 from autopar.cluster.links import EmulatedLink
 from autopar.cluster.model import Cluster
 
@@ -90,7 +91,7 @@ def cpu_shares(cluster, cores: Sequence[int] | None = None) -> tuple[CpuShare | 
 
 def machine_cores() -> int:
     """The number of cores this machine's ranks share (see the module docstring)."""
-    value = os.environ.get(NUM_CORES_ENV, "")
+    value = env.read(NUM_CORES_ENV)
     if value.isdigit() and int(value) > 0:
         return int(value)
     return len(allowed_cores())
@@ -112,9 +113,9 @@ def emulation_time_scale(num_ranks: int, num_cores: int | None = None) -> float:
 
 def _slowdown() -> float:
     try:
-        value = float(os.environ.get(SLOWDOWN_ENV, "1") or 1)
+        value = float(env.read(SLOWDOWN_ENV))
     except ValueError:
-        raise ValueError(f"{SLOWDOWN_ENV}: {os.environ.get(SLOWDOWN_ENV)!r} is not a number >= 1") from None
+        raise ValueError(f"{SLOWDOWN_ENV}: {env.read(SLOWDOWN_ENV)!r} is not a number >= 1") from None
     if not value >= 1:
         raise ValueError(f"{SLOWDOWN_ENV}: {value!r} is not a number >= 1")
     return value
@@ -134,7 +135,7 @@ STEADY_ENV = "AUTOPAR_EMULATION_STEADY"
 def steady_emulation() -> bool:
     """Whether the emulated clocks of a run (``autopar.runtime.emulate.clock_for``) are steady (default
     yes; ``AUTOPAR_EMULATION_STEADY=0`` charges every block its own CPU time)."""
-    return os.environ.get(STEADY_ENV, "1").lower() not in ("0", "off", "false", "no")
+    return not env.is_off(STEADY_ENV)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

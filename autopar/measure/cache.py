@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from autopar import env
 from autopar.ir.cache_files import read_json_object, write_private
 
 __all__ = ["cache_dir", "measure_cache_path", "load_json", "save_json", "tile_batch", "machine_id",
@@ -53,7 +54,7 @@ def cpu_regime() -> str:
 
 def cache_dir() -> Path:
     """The folder of autopar's measurement caches (``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``)."""
-    root = os.environ.get("AUTOPAR_CACHE_DIR")
+    root = env.read("AUTOPAR_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "autopar"
 
 
@@ -126,7 +127,7 @@ def calibration_path() -> Path:
 def load_calibration(machine: str | None = None) -> dict[str, dict[str, float]]:
     """This machine's calibration factors {device key: {term: factor}} (``{}`` when none, or when
     ``AUTOPAR_CALIBRATION=off``)."""
-    if os.environ.get(CALIBRATION_ENV, "").lower() in ("off", "0", "false", "no"):
+    if env.is_off(CALIBRATION_ENV):
         return {}
     return dict(load_json(calibration_path()).get(machine or machine_id(), {}))
 

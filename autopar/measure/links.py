@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopar import env
 from autopar.cluster.rendezvous import loopback_store
 from autopar.ir.cache_files import private_dir
 
@@ -63,13 +64,12 @@ def _layout_key(layout: tuple[int, ...], cores: int) -> str:
 
 def emulated_link_for(cluster):
     """This machine's measured link for ``cluster``'s emulated ranks (see the module docstring)."""
-    import os
 
     from autopar.cluster.emulation import emulated_link_nodes, link_layout, machine_cores
     from autopar.cluster.links import EmulatedLink
     from autopar.measure.cache import load_link, save_link
 
-    if os.environ.get(EMULATED_LINK_ENV, "").lower() in ("nominal", "off", "0", "no"):
+    if env.read(EMULATED_LINK_ENV).lower() in ("nominal", *env.OFF):
         return None
     nodes = emulated_link_nodes(cluster)
     if not nodes:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import warnings
 from pathlib import Path
 
+from autopar import env
 from autopar.errors import PlanError
 from autopar.ir.cache_files import CacheFileWarning, evict_oldest, mark_used, read_json_object, write_private
 from autopar.ir.plan import Plan
@@ -26,7 +26,7 @@ MAX_PLANS = 256   # plan files kept; the least recently used beyond this are rem
 
 def plan_cache_dir() -> Path:
     """``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
-    root = os.environ.get("AUTOPAR_CACHE_DIR")
+    root = env.read("AUTOPAR_CACHE_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "autopar"
     return base / "plans"
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 
+from autopar import env
 from autopar.errors import LaunchError, PlanError
 
 __all__ = ["CheckpointPolicy", "Resume", "Elastic", "checkpoint_policy", "step_path", "current_cluster",
@@ -95,7 +96,7 @@ def current_cluster():
 def restart_count() -> int:
     """This attempt's number: 0 for the first run, n after the n-th restart (launch or torchrun)."""
     for name in (_launch().RESTART_ENV, "TORCHELASTIC_RESTART_COUNT"):
-        value = os.environ.get(name, "").strip()
+        value = env.read(name) if name in env.VARIABLES else os.environ.get(name, "").strip()
         if value:
             try:
                 return int(value)
@@ -106,7 +107,7 @@ def restart_count() -> int:
 
 def stopped_at() -> float | None:
     """``time.time()`` at which ``launch`` stopped the failed attempt before this one (None: first run)."""
-    value = os.environ.get(_launch().STOPPED_AT_ENV, "").strip()
+    value = env.read(_launch().STOPPED_AT_ENV)
     return float(value) if value else None
 
 

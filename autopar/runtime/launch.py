@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar import env
 from autopar.errors import LaunchError
 from autopar.cluster.emulation import allowed_cores
 from autopar.cluster.rendezvous import LOOPBACK, loopback_store
@@ -75,9 +76,8 @@ __all__ = [
     "FAILED_ENV", "RESTART_ENV", "STOPPED_AT_ENV", "planning_group", "PLANNING_TIMEOUT_S", "subgroup_timeout",
 ]
 
-FAILED_ENV = "AUTOPAR_FAILED_DEVICES"     # ranks of the full cluster that failed, comma-separated
-RESTART_ENV = "AUTOPAR_RESTART_COUNT"     # this attempt's number, 0 for the first
-STOPPED_AT_ENV = "AUTOPAR_STOPPED_AT"     # time.time() when launch stopped the failed attempt
+# what launch sets for a restarted attempt (their meanings: autopar.env.VARIABLES)
+FAILED_ENV, RESTART_ENV, STOPPED_AT_ENV = "AUTOPAR_FAILED_DEVICES", "AUTOPAR_RESTART_COUNT", "AUTOPAR_STOPPED_AT"
 
 _HOST = LOOPBACK
 _GRACE_S = 3.0            # how long to wait for peers to report once only secondary errors are seen
@@ -239,7 +239,7 @@ def planning_group() -> Any:
 
 def failed_devices(cluster) -> tuple[int, ...]:
     """The ranks of ``cluster`` that AUTOPAR_FAILED_DEVICES names (none when it is unset or empty)."""
-    text = os.environ.get(FAILED_ENV, "").strip()
+    text = env.read(FAILED_ENV)
     try:
         failed = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
