@@ -389,10 +389,9 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     tables price the loss too (``autopar.measure.loss``), else they hold the model alone."""
     import torch.distributed as dist
 
-    from importlib import import_module
-
     from autopar.cost.comm import grad_bucket_bytes
     from autopar.lowering import lower
+    from autopar.runtime import checkpointing, elastic, launcher, recorder
     from autopar.lowering import materialize as mat
     from autopar.lowering.weights import open_weights
     from autopar.passes.analyze import analyze
@@ -412,7 +411,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     elif (optimizer, use_triton, measure, zero3_granularity) != (None, False, None, "block"):
         raise PlanError("run: given together with optimizer/use_triton/measure/zero3_granularity keywords; "
                         "set those fields in the RunConfig")
-    checkpoints = import_module("autopar.runtime.elastic").checkpoint_policy(
+    checkpoints = elastic.checkpoint_policy(
         checkpoint_dir, checkpoint_every, checkpoint_keep)
     if replan not in ("off", "auto"):
         raise PlanError(f"replan: {replan!r} is not one of 'off', 'auto'")
@@ -427,9 +426,9 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
     if weights is not None and not on_meta:
         raise PlanError("weights: given for a model that is not on meta; build the model under "
                         "torch.device('meta') so that no rank allocates weights it then overwrites")
-    weights = import_module("autopar.runtime.checkpointing").weight_source(weights)   # or an autopar checkpoint
+    weights = checkpointing.weight_source(weights)   # or an autopar checkpoint
     weights = open_weights(weights)     # reads the headers only: a bad path fails on every rank, early
-    _launch = import_module("autopar.runtime.launch")  # the module (the package re-exports the function)
+    _launch = launcher
     optimizer = optimizer or _default_optimizer
     model, example_inputs, input_layout = flat_inputs(model, example_inputs)   # passes.inputs
     if not _launch.is_initialized():
@@ -439,7 +438,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                                "under torchrun")
         _launch.init(cluster, rank=0, world_size=1, store=dist.HashStore())
     ctx = _launch.context()
-    cluster = import_module("autopar.runtime.elastic").cluster_in_force(cluster)   # after a restart
+    cluster = elastic.cluster_in_force(cluster)   # after a restart
     if len(cluster) != ctx.world_size:
         raise ClusterError(f"cluster: has {len(cluster)} devices but {ctx.world_size} ranks are running")
     # Plan on rank 0 and broadcast it: measured timings differ between processes.
@@ -499,7 +498,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                                            optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
                                            device=ctx.device, clock=clock, precision=precision), program,
                               zero3_granularity=zero3_granularity, overlap=run.overlap, **engine_options)
-    import_module("autopar.runtime.recorder").record_engine(engine, ctx.rank)     # compiled.profile()'s recorder
+    recorder.record_engine(engine, ctx.rank)     # compiled.profile()'s recorder
     compiled = Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter, cluster=cluster,
                         costs=prepared.costs if ctx.rank == 0 and prepared is not None else None,
                         input_layout=input_layout)
@@ -515,7 +514,7 @@ def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size:
                            precision=precision)
 
         compiled.replanner = _replanner(compiled, plan_options, time.perf_counter() - compile_t0, rebuild)
-    return import_module("autopar.runtime.elastic").attach(compiled, checkpoints)   # resumes, if it can
+    return elastic.attach(compiled, checkpoints)   # resumes, if it can
 
 
 def _replanner(compiled: Compiled, config, build_s: float, rebuild):

@@ -27,7 +27,7 @@ def _no_rank_context_left():
     yield
     import sys
 
-    launch = sys.modules.get("autopar.runtime.launch")
+    launch = sys.modules.get("autopar.runtime.launcher")
     if launch is not None and launch.is_initialized():
         launch.shutdown()
 

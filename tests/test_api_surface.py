@@ -27,7 +27,7 @@ ONE = {"nodes": [{"device": {"name": "cpu", "emulate": "cpu", "speed": 1.0, "mem
 def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     yield
-    import_module("autopar.runtime.launch").shutdown()   # compile on one device starts a group
+    import_module("autopar.runtime.launcher").shutdown()   # compile on one device starts a group
 
 
 # -- cluster -------------------------------------------------------------------------------------

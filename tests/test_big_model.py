@@ -224,4 +224,4 @@ def test_zero3_data_parallelism_trains_a_model_too_big_for_one_device(tmp_path, 
 
 
 def teardown_module(module):
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()

@@ -21,7 +21,7 @@ ONE = Cluster.from_dict({"nodes": [{"device": {"name": "cpu", "emulate": "cpu", 
 def _fresh_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     yield
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
 
 
 def _train(use_triton: bool, steps=2, gb=8, **options):
@@ -74,7 +74,7 @@ def test_use_triton_trains_to_the_same_state():
     finally:
         triton_patterns._layer_norm = orig
     assert calls, "the substituted graph did not call the kernels"
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
     plain, plain_losses = _train(False)
     assert_state_close(compiled.state_dict(), plain.state_dict(), 1e-4)
     assert losses == pytest.approx(plain_losses, rel=1e-4)

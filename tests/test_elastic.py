@@ -25,7 +25,7 @@ from autopar.errors import LaunchError, PlanError
 from autopar.runtime import elastic
 from oracle import RTOL, assert_state_close, batches, single_device_run
 
-launch_mod = importlib.import_module("autopar.runtime.launch")
+launch_mod = importlib.import_module("autopar.runtime.launcher")
 ENV = (launch_mod.FAILED_ENV, launch_mod.RESTART_ENV, launch_mod.STOPPED_AT_ENV, "TORCHELASTIC_RESTART_COUNT")
 
 

@@ -27,11 +27,11 @@ from autopar.cluster.model import Cluster
 from autopar.errors import LaunchError
 from autopar.runtime import emulate
 from autopar.runtime.emulate import ClockStats, CpuShare, EmulatedClock, NullClock, clock_for, cpu_shares
-from autopar.runtime.launch import (context, default_backend, init, is_initialized, launch, shutdown,
+from autopar.runtime.launcher import (context, default_backend, init, is_initialized, launch, shutdown,
                                     subgroup_backend)
 
 # The package re-exports the function ``launch``, which shadows the module of the same name.
-launch_mod = importlib.import_module("autopar.runtime.launch")
+launch_mod = importlib.import_module("autopar.runtime.launcher")
 
 
 def _slow_cluster(count: int = 3, speed: float = 0.5) -> Cluster:

@@ -34,7 +34,7 @@ GB, STEPS = 4, 2
 def _fresh_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     yield
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
 
 
 def _meta(name="gpt-tiny", **overrides):
@@ -230,7 +230,7 @@ def test_compile_meta_model_and_weights_equal_the_oracle(tmp_path):
     _save_state(initial, tmp_path / "shards", shards=3)
     ref7, ref7_losses = oracle_run("gpt-tiny", 7)
     for path in (tmp_path / "w.safetensors", tmp_path / "shards"):
-        import_module("autopar.runtime.launch").shutdown()
+        import_module("autopar.runtime.launcher").shutdown()
         compiled, losses = _compile_one(seed=0, weights=path)
         assert_state_close(compiled.state_dict(), ref7, RTOL["sgd"])
         assert losses == pytest.approx(ref7_losses, rel=1e-5)

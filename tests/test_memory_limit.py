@@ -33,7 +33,7 @@ def _cluster(memory_gb: float, emulate: bool = True) -> Cluster:
 def _fresh_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     yield
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
 
 
 def test_tracked_bytes_count_each_storage_once_until_freed():
@@ -137,7 +137,7 @@ def test_compiled_run_is_tracked_and_a_plan_that_does_not_fit_fails_at_run_time(
     plan = Plan(strategy="dp", global_batch_size=8, zero_stage=0, schedule="none",
                 stages=(Stage(0, compiled.plan.stages[0].block_stop, groups=((0,),), micro_batches=((8,),)),),
                 predicted=Predicted(step_time_s=0.0, samples_per_s=0.0, memory_bytes={}))
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
     case = autopar.models.build("mlp-tiny")
     with pytest.raises(MemoryLimitError, match=r"rank 0 \(cpu-small\): out of memory"):
         tight = autopar.compile(case.model, _cluster(state / 2 / 2**30), case.example_inputs, 8, case.loss_fn,

@@ -25,7 +25,7 @@ _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor
 def _fresh_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     yield
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])

@@ -425,7 +425,7 @@ def test_compile_bf16_one_device_equals_the_oracle(tmp_path, monkeypatch):
         init, ref, _, _ = autocast_run("mlp-tiny", 16, STEPS, "sgd", "bf16")
         assert max(update_rel_errors(compiled.state_dict(), ref, init).values()) == 0.0
     finally:
-        import_module("autopar.runtime.launch").shutdown()
+        import_module("autopar.runtime.launcher").shutdown()
 
 
 if __name__ == "__main__":

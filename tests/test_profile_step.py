@@ -96,7 +96,7 @@ def test_sleep_is_folded_into_the_compute_it_stretches():
 def _fresh_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     yield
-    import_module("autopar.runtime.launch").shutdown()
+    import_module("autopar.runtime.launcher").shutdown()
 
 
 def test_compiled_profile_of_a_recorded_run_that_trains_exactly(_fresh_group):

@@ -122,4 +122,4 @@ def test_compile_of_a_meta_model_at_zero3_defers_to_the_engine(tmp_path, monkeyp
         assert_state_close(compiled.state_dict(), ref_state, RTOL["adamw"])
         assert losses == pytest.approx(ref_losses, rel=1e-5)
     finally:
-        import_module("autopar.runtime.launch").shutdown()
+        import_module("autopar.runtime.launcher").shutdown()

@@ -130,7 +130,7 @@ class Communicator:
     def from_context(cls, ctx=None, **kwargs) -> "Communicator":
         """From ``autopar.runtime.context()``: native backends from the cluster's devices."""
         if ctx is None:
-            from autopar.runtime.launch import context
+            from autopar.runtime.launcher import context
 
             ctx = context()
         backends = [d.spec.backend for d in ctx.cluster.devices]
@@ -140,7 +140,7 @@ class Communicator:
     def for_engine(cls, rank: int, world_size: int, device: torch.device, group: Any = None) -> "Communicator":
         """An engine's communicator: native backends from the launched cluster when it matches
         ``world_size``, otherwise every rank on the backend of ``group`` (the default group)."""
-        from autopar.runtime.launch import context, is_initialized
+        from autopar.runtime.launcher import context, is_initialized
 
         if is_initialized():
             ctx = context()
@@ -397,10 +397,10 @@ def pg_is_initialized() -> bool:
 
 
 def _subgroup_timeout():
-    """The step timeout ``autopar.runtime.launch.init`` set (None: torch's default). torch's ``new_group``
+    """The step timeout ``autopar.runtime.launcher.init`` set (None: torch's default). torch's ``new_group``
     otherwise waits its own 30 minutes whatever the default group's timeout, so a rank hung in a TP,
     pipeline, pair, precision or async-save group stalled its peers that long."""
-    from autopar.runtime.launch import subgroup_timeout
+    from autopar.runtime.launcher import subgroup_timeout
 
     return subgroup_timeout()
 

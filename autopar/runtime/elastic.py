@@ -12,7 +12,7 @@ Terms (docs/elastic.md has the whole story)
   choice, so every rank loads the same one; ``compiled.load`` then reshards it onto the new plan and
   restores the step count, so a training loop written as ``for s in range(compiled.step_count, steps)``
   re-does exactly the steps lost since that checkpoint.
-- cluster in force: the full cluster less the devices that failed (``autopar.runtime.launch``'s
+- cluster in force: the full cluster less the devices that failed (``autopar.runtime.launcher``'s
   present-devices rule). ``current_cluster()`` returns it inside a rank; ``compile`` given the full
   cluster plans for the cluster in force (``cluster_in_force``), so the same ``train`` re-plans after a
   restart whether it passes ``autopar.current_cluster()`` or the cluster it was launched with.
@@ -27,18 +27,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from importlib import import_module
 from pathlib import Path
 
 from autopar import env
 from autopar.errors import LaunchError, PlanError
+from autopar.runtime import launcher
 
 __all__ = ["CheckpointPolicy", "Resume", "Elastic", "checkpoint_policy", "step_path", "current_cluster",
            "restart_count", "stopped_at", "cluster_in_force", "attach"]
-
-
-def _launch():
-    return import_module("autopar.runtime.launch")   # the module (the package re-exports the function)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +82,15 @@ def step_path(directory, step: int) -> Path:
 
 def current_cluster():
     """The cluster in force in this rank: the one it was started on less the devices that failed."""
-    launch = _launch()
-    if not launch.is_initialized():
+    if not launcher.is_initialized():
         raise LaunchError("current_cluster(): no job is running in this process; call it inside "
                           "autopar.launch's function or after autopar.init(cluster)")
-    return launch.context().cluster
+    return launcher.context().cluster
 
 
 def restart_count() -> int:
     """This attempt's number: 0 for the first run, n after the n-th restart (launch or torchrun)."""
-    for name in (_launch().RESTART_ENV, "TORCHELASTIC_RESTART_COUNT"):
+    for name in (launcher.RESTART_ENV, "TORCHELASTIC_RESTART_COUNT"):
         value = env.read(name) if name in env.VARIABLES else os.environ.get(name, "").strip()
         if value:
             try:
@@ -107,17 +102,16 @@ def restart_count() -> int:
 
 def stopped_at() -> float | None:
     """``time.time()`` at which ``launch`` stopped the failed attempt before this one (None: first run)."""
-    value = env.read(_launch().STOPPED_AT_ENV)
+    value = env.read(launcher.STOPPED_AT_ENV)
     return float(value) if value else None
 
 
 def cluster_in_force(cluster):
     """The cluster ``compile`` plans for: the cluster in force when ``cluster`` is the full cluster the
     running job was started on (a restart dropped devices), else ``cluster`` as given."""
-    launch = _launch()
-    if not launch.is_initialized():
+    if not launcher.is_initialized():
         return cluster
-    ctx = launch.context()
+    ctx = launcher.context()
     if ctx.full_cluster is not None and cluster is not ctx.cluster and cluster == ctx.full_cluster:
         return ctx.cluster
     return cluster
@@ -153,13 +147,12 @@ def _newest(directory: Path) -> Path | None:
     from autopar.checkpoint.store import latest
     from autopar.runtime.communicator import pg_broadcast_objects, pg_is_initialized
 
-    launch = _launch()
-    rank = launch.context().rank if launch.is_initialized() else 0
+    rank = launcher.context().rank if launcher.is_initialized() else 0
     found = [None]
     if rank == 0:
         newest = latest(directory)
         found = [None if newest is None else str(newest)]
-    if launch.is_initialized() and launch.context().world_size > 1 and pg_is_initialized():
+    if launcher.is_initialized() and launcher.context().world_size > 1 and pg_is_initialized():
         pg_broadcast_objects(found, src=0)
     return None if found[0] is None else Path(found[0])
 
