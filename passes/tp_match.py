@@ -40,10 +40,6 @@ class TPPair:
     # v one head each); empty: every column has the row's
     column_unit_features: tuple[int, ...] = ()
 
-    @property
-    def part_features(self) -> int:
-        return self.num_units * self.unit_features
-
     def column_features(self, j: int) -> int:
         """Features per unit of column ``j``'s part."""
         return self.column_unit_features[j] if self.column_unit_features else self.unit_features

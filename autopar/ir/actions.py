@@ -78,11 +78,6 @@ class PipelineSchedule:
     def has_comm(self) -> bool:
         return any(not a.is_compute for acts in self.actions for a in acts)
 
-    @property
-    def splits_backward(self) -> bool:
-        """Whether backwards are split into I and W (zero-bubble)."""
-        return any(a.kind == "BW" for acts in self.actions for a in acts)
-
     def __repr__(self) -> str:
         rows = "; ".join(" ".join(map(repr, acts)) for acts in self.actions)
         v = f", virtual={self.virtual_stages}" if self.virtual_stages > 1 else ""

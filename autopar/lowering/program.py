@@ -79,10 +79,6 @@ class RankProgram:
     zero3_gm: fx.GraphModule | None = None    # ``gm`` with the units' (unbound) gather / free hooks
     zero3_params: tuple[Any, ...] = ()
 
-    @property
-    def is_idle(self) -> bool:
-        return self.stage is None
-
     def __repr__(self) -> str:
         parts = [f"rank={self.rank}", f"kind={self.kind!r}", f"stage={self.stage}", f"member={self.member}"]
         if self.tp_index:

@@ -64,10 +64,6 @@ def _cache():
     return path, load_json(path), save_json
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
 def measure_optimizer(optimizer: str = "adamw", shapes=None, *, repeats: int = 7, use_cache: bool = True,
                       concurrent: int = 1) -> float:
     """CPU seconds per parameter of one ``optimizer.step()`` on this CPU (with the threads torch uses

@@ -127,16 +127,6 @@ class Communicator:
         self._world: CommGroup | None = None
 
     @classmethod
-    def from_context(cls, ctx=None, **kwargs) -> "Communicator":
-        """From ``autopar.runtime.context()``: native backends from the cluster's devices."""
-        if ctx is None:
-            from autopar.runtime.launcher import context
-
-            ctx = context()
-        backends = [d.spec.backend for d in ctx.cluster.devices]
-        return cls(ctx.rank, ctx.world_size, backends, ctx.device, **kwargs)
-
-    @classmethod
     def for_engine(cls, rank: int, world_size: int, device: torch.device, group: Any = None) -> "Communicator":
         """An engine's communicator: native backends from the launched cluster when it matches
         ``world_size``, otherwise every rank on the backend of ``group`` (the default group)."""
@@ -208,10 +198,6 @@ class Communicator:
                                  f"rank first")
             self._pairs[key] = CommGroup(key, backend, bridged, self.default_group)
         return self._pairs[key]
-
-    def pair_group(self, peer: int) -> CommGroup:
-        """The group point-to-point messages with ``peer`` travel on."""
-        return self._pair(peer)
 
     # -- staging ------------------------------------------------------------------------------------
     def _wire_device(self, device: torch.device, group: CommGroup) -> torch.device | None:
