@@ -52,28 +52,24 @@ def layout_stages(run: LayoutRun, global_batch: int, num_heads: int, cluster=Non
     the run names its nodes, each member the TP group of its node's devices (``cluster`` needed)."""
     from autopar.ir.plan import Stage
 
-    micro = global_batch // (run.dp * run.micro_batch)
+    parts = []   # (first block, block stop, members) per stage
     if run.nodes is not None:
-        stages, start = [], 0
+        start = 0
         for members, k in zip(run.nodes, run.blocks):
-            groups = tuple(cluster.ranks_of_node(n) for n in members)
-            stages.append(Stage(
-                block_start=start, block_stop=start + k, groups=groups,
-                micro_batches=tuple((run.micro_batch,) * micro for _ in groups),
-                tp_shares=tuple((num_heads // len(g),) * len(g) for g in groups) if run.tp > 1 else ()))
+            parts.append((start, start + k, tuple(cluster.ranks_of_node(n) for n in members)))
             start += k
-        return tuple(stages)
-    stages = []
-    for s, (a, b) in enumerate(zip(run.boundaries, run.boundaries[1:])):
-        blocks = sorted({_BLOCK_OF[i] for i in range(a, b) if i in _BLOCK_OF})
-        if not blocks or (stages and blocks[0] < stages[-1].block_stop):
-            return f"stage {s} (DeepSpeed layers {a}-{b - 1}) holds no block of its own"
-        groups = tuple(tuple((s * run.dp + d) * run.tp + m for m in range(run.tp)) for d in range(run.dp))
-        stages.append(Stage(
-            block_start=blocks[0], block_stop=blocks[-1] + 1, groups=groups,
-            micro_batches=tuple((run.micro_batch,) * micro for _ in groups),
-            tp_shares=tuple((num_heads // run.tp,) * run.tp for _ in groups) if run.tp > 1 else ()))
-    return tuple(stages)
+    else:
+        for s, (a, b) in enumerate(zip(run.boundaries, run.boundaries[1:])):
+            blocks = sorted({_BLOCK_OF[i] for i in range(a, b) if i in _BLOCK_OF})
+            if not blocks or (parts and blocks[0] < parts[-1][1]):
+                return f"stage {s} (DeepSpeed layers {a}-{b - 1}) holds no block of its own"
+            parts.append((blocks[0], blocks[-1] + 1, tuple(tuple((s * run.dp + d) * run.tp + m for m in range(run.tp))
+                                                             for d in range(run.dp))))
+    micro = global_batch // (run.dp * run.micro_batch)
+    return tuple(Stage(block_start=a, block_stop=b, groups=groups,
+                       micro_batches=tuple((run.micro_batch,) * micro for _ in groups),
+                       tp_shares=tuple((num_heads // len(g),) * len(g) for g in groups) if run.tp > 1 else ())
+                 for a, b, groups in parts)
 
 
 def price(run: LayoutRun, lc: LayoutCluster, cluster, costs) -> dict:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "LinkModel", "DEFAULT_LINK", "EmulatedLink", "LINK_OPS", "emulated_link_of", "LinkKind", "family", "check_rank",
-    "link_kind", "pair_bandwidth_Bps", "pair_latency_s", "node_flow_Bps",
+    "link_kind", "pair_bandwidth_Bps", "pair_latency_s", "node_flow_Bps", "network_edge_Bps",
 ]
 
 LinkKind = Literal["intra", "network", "bridge"]
@@ -211,6 +211,13 @@ def node_flow_Bps(cluster: "Cluster", node: int, flows: int = 1, link: LinkModel
     return _network(cluster, link)[0] if nic is None else nic / max(flows, 1)
 
 
+def network_edge_Bps(cluster: "Cluster", src_node: int, dst_node: int, out_flows: int = 1, in_flows: int = 1,
+                     link: LinkModel = DEFAULT_LINK) -> float:
+    """Per-direction bandwidth of one flow from ``src_node`` to ``dst_node`` while ``out_flows`` leave the
+    one and ``in_flows`` enter the other (``node_flow_Bps`` on each side), before link efficiency."""
+    return min(node_flow_Bps(cluster, src_node, out_flows, link), node_flow_Bps(cluster, dst_node, in_flows, link))
+
+
 def pair_bandwidth_Bps(cluster: "Cluster", a: int, b: int, link: LinkModel = DEFAULT_LINK) -> float:
     """Per-direction bandwidth between two ranks (infinite from a rank to itself); across nodes, of one
     flow alone (``node_flow_Bps``)."""
@@ -221,11 +228,11 @@ def pair_bandwidth_Bps(cluster: "Cluster", a: int, b: int, link: LinkModel = DEF
     if kind == "intra":
         bw = cluster.node_intra_bandwidth_Bps(da.node, (da.spec, db.spec))
     elif kind == "network":
-        bw = min(node_flow_Bps(cluster, da.node, 1, link), node_flow_Bps(cluster, db.node, 1, link))
+        bw = network_edge_Bps(cluster, da.node, db.node, link=link)
     else:
         bw = min(_host_side_Bps(da.spec, link), _host_side_Bps(db.spec, link))
         if da.node != db.node:
-            bw = min(bw, node_flow_Bps(cluster, da.node, 1, link), node_flow_Bps(cluster, db.node, 1, link))
+            bw = min(bw, network_edge_Bps(cluster, da.node, db.node, link=link))
     return bw * link.bandwidth_efficiency
 
 

@@ -65,7 +65,7 @@ import numpy as np
 
 from autopar.config import GRAD_BUCKET_BYTES, UNHIDDEN_BUCKET_BYTES
 from autopar.cluster.links import (
-    DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, node_flow_Bps,
+    DEFAULT_LINK, LinkKind, LinkModel, check_rank, emulated_link_of, family, link_kind, network_edge_Bps,
     pair_bandwidth_Bps, pair_latency_s,
 )
 from autopar.errors import ClusterError
@@ -102,8 +102,7 @@ def p2p_time_s(cluster: "Cluster", src: int, dst: int, nbytes: float,
     bw = pair_bandwidth_Bps(cluster, src, dst, link)
     a, b = cluster.devices[src].node, cluster.devices[dst].node
     if concurrent > 1 and a != b:
-        bw = min(bw, link.bandwidth_efficiency * min(node_flow_Bps(cluster, a, concurrent, link),
-                                                     node_flow_Bps(cluster, b, concurrent, link)))
+        bw = min(bw, link.bandwidth_efficiency * network_edge_Bps(cluster, a, b, concurrent, concurrent, link))
     return pair_latency_s(cluster, src, dst, link) + nbytes / bw
 
 
@@ -207,8 +206,7 @@ def _shared_network_Bps(cluster, ranks: tuple[int, ...], link: LinkModel, concur
     if not edges:
         return math.inf
     return link.bandwidth_efficiency * min(
-        min(node_flow_Bps(cluster, na, concurrent * out[na], link),
-            node_flow_Bps(cluster, nb, concurrent * into[nb], link)) for na, nb in set(edges))
+        network_edge_Bps(cluster, na, nb, concurrent * out[na], concurrent * into[nb], link) for na, nb in set(edges))
 
 
 def _ring_steps_time_s(cluster, ranks: tuple[int, ...], nbytes: float, steps_per_rank: int,

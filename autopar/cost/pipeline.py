@@ -286,9 +286,11 @@ def _transfer_row(costs, cluster, st: Stage, nxt: Stage, M: int) -> list[float]:
     per_sample = float(costs.out_bytes[st.block_stop - 1])
     devices = cluster.devices
     src, dst = devices[st.groups[0][0]].node, devices[nxt.groups[0][0]].node
-    # the senders that leave the first link's node at once (they share its declared network)
-    flows = min(t, u) * sum(1 for i in range(links) if devices[st.groups[i][0]].node == src
-                            and devices[nxt.groups[i][0]].node != src) if src != dst else 1
+    # the senders that leave the first link's node at once, counted where they share a declared network
+    flows = 1
+    if src != dst and (cluster.node_network_Bps[src] is not None or cluster.node_network_Bps[dst] is not None):
+        flows = min(t, u) * sum(1 for i in range(links) if devices[st.groups[i][0]].node == src
+                                and devices[nxt.groups[i][0]].node != src)
     sent: dict[float, float] = {}   # bytes -> seconds over this boundary
     if len({len(mb) for mb in st.micro_batches}) == 1:
         sizes = np.array(st.micro_batches).sum(axis=0).tolist()

@@ -40,7 +40,8 @@ class PipelineMessages:
 
     def _targets(self, stage: int, member: int, own: Sequence[int]) -> list[int]:
         """The ranks of ``member`` of ``stage`` that this rank, of its TP member ``own``, sends to: those
-        whose index k has k mod len(own) == this rank's TP index (``_peer`` from their side)."""
+        whose index k has k mod len(own) == this rank's TP index (``_peer`` from their side); between
+        members of one size, the rank of its own index alone."""
         group = self.plan.stages[stage].groups[member]
         return [r for k, r in enumerate(group) if k % len(own) == self.tp_index]
 
@@ -65,9 +66,9 @@ class PipelineMessages:
         padded = torch.zeros(c, dtype=chunk.dtype, device=chunk.device)
         padded[:chunk.numel()] = chunk.reshape(-1)
         parts = [torch.empty_like(padded) for _ in range(t)]
-        pg_all_gather(parts, padded, group=self.tp_group.pg)        # in ascending global rank order
+        pg_all_gather(parts, padded, group=self.tp_group.pg)   # in the group's (ascending) rank order
         self.comm.stats.count("all_gather", padded.numel() * padded.element_size() * t, False)
-        at = {r: p for r, p in zip(sorted(self.tp_group.ranks), parts)}
+        at = dict(zip(self.tp_group.ranks, parts))
         order = self.plan.stages[self.stage].groups[self.member]      # the TP ranks in chunk order
         return torch.cat([at[r] for r in order])[:numel].reshape(shape)
 
@@ -92,11 +93,8 @@ class PipelineMessages:
             size = torch.tensor([head.numel()], dtype=torch.int64)
             t = self._split(s, self.member, tr.receiver)
             if t:
-                dsts = [self.plan.stages[s + 1].groups[tr.receiver][self.tp_index]]
                 payload = [self._chunk(p, t) for p in payload]
-            else:
-                dsts = self._targets(s + 1, tr.receiver, self.plan.stages[s].groups[self.member])
-            for dst in dsts:
+            for dst in self._targets(s + 1, tr.receiver, self.plan.stages[s].groups[self.member]):
                 if not self._known:      # the receiver does not know this signature's shapes yet
                     self._send(self.comm.isend(size, dst, self._tag(s, m, False, 0)))
                     self._send(self.comm.isend(head, dst, self._tag(s, m, False, 1)))
@@ -215,9 +213,7 @@ class PipelineMessages:
     def _send_backward(self, s: int, m: int, by_sender) -> None:
         for sender, leaves in by_sender:
             t = self._split(s - 1, sender, self.member)
-            dsts = ([self.plan.stages[s - 1].groups[sender][self.tp_index]] if t else
-                    self._targets(s - 1, sender, self.plan.stages[s].groups[self.member]))
-            for dst in dsts:
+            for dst in self._targets(s - 1, sender, self.plan.stages[s].groups[self.member]):
                 for i, leaf in enumerate(leaves):
                     g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                     if t:
