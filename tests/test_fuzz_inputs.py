@@ -74,14 +74,16 @@ def _mutate(base, data) -> object:
     return d
 
 
-def _within_a_second(fn, *args):
-    t0 = time.perf_counter()
+def _bounded(fn, *args):
+    """Run fn; a refusal comes back as the error. The bound is on this thread's CPU time, the work an input
+    costs (a YAML bomb or a 10**400 count would blow it), not on wall time, which a loaded machine stretches."""
+    t0 = time.thread_time()
     try:
         return fn(*args), None
     except AutoparError as exc:
         return None, exc
     finally:
-        assert time.perf_counter() - t0 < 1.0, "an input took more than a second to load or refuse"
+        assert time.thread_time() - t0 < 5.0, "an input took more than 5 s of CPU to load or refuse"
 
 
 # -- cluster YAML -----------------------------------------------------------------------------------
@@ -105,7 +107,7 @@ def _load_yaml(text: str):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.yaml"
         path.write_text(text, encoding="utf-8")
-        got, exc = _within_a_second(Cluster.from_yaml, path)
+        got, exc = _bounded(Cluster.from_yaml, path)
     msg = str(exc) if exc is not None else ""
     if exc is not None:
         assert msg.startswith(str(path)), msg
@@ -197,7 +199,7 @@ def test_the_schedules_checked_are_the_plans():
 def test_fuzzed_plan_json_loads_or_names_a_field(data):
     base = data.draw(st.sampled_from(_PLANS), label="plan")
     text = json.dumps(_mutate(base, data))
-    got, exc = _within_a_second(Plan.from_json, text)
+    got, exc = _bounded(Plan.from_json, text)
     if exc is None:
         assert Plan.from_json(got.to_json()) == got
         for s in got.stages:   # what loads is a plan the engines can run
