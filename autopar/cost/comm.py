@@ -185,9 +185,19 @@ def _ring_link(cluster, ranks, link, op, concurrent=1) -> tuple[float, float]:
             distinct[key] = (a, b)
     bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in distinct.values())
     lat = max(pair_latency_s(cluster, a, b, link) for a, b in distinct.values())
-    if any(x is not None for x in cluster.node_network_Bps):
+    if declares_network(cluster):
         bw = min(bw, _shared_network_Bps(cluster, ranks, link, concurrent))
     return bw, lat
+
+
+def declares_network(cluster) -> bool:
+    """Whether some node of ``cluster`` declares its network (``Cluster.node_network_Bps``), remembered
+    per cluster object (a tuple of thousands of nodes, asked per ring)."""
+    memo = cluster_memo(cluster)
+    got = memo.get("declares_network")
+    if got is None:
+        got = memo["declares_network"] = any(x is not None for x in cluster.node_network_Bps)
+    return got
 
 
 def _shared_network_Bps(cluster, ranks: tuple[int, ...], link: LinkModel, concurrent: int) -> float:

@@ -58,7 +58,8 @@ def plan_table(plan, cluster=None) -> str:
             dev = ", ".join(sorted({cluster.devices[r].spec.name for r in members})) if cluster is not None else ""
             mem = max((plan.predicted.memory_bytes.get(r, 0) for r in members), default=0)
             tp = tuple(stage.tp_shares[g]) if stage.tp_shares and len(members) > 1 else ()
-            key = (dev, stage.micro_batches[g], tp, mem, len(members))
+            # micro-batches as a multiset: members that differ only in where an empty one sits read alike
+            key = (dev, tuple(sorted(stage.micro_batches[g], reverse=True)), tp, mem, len(members))
             if rows and rows[-1][0] == key:
                 rows[-1][1].append(members)
             else:
@@ -72,7 +73,7 @@ def plan_table(plan, cluster=None) -> str:
                     f"{len(ranks)} ranks from {min(ranks)}"
                 who = f"{len(groups)} members x {size}: {span}"
             tp_txt = f" tp{tp}" if tp else ""
-            mb_txt = f"{len(mbs)} x {max(mbs) if mbs else 0}" if len(set(mbs)) <= 1 else " ".join(map(str, mbs))
+            mb_txt = _micro_text(mbs)
             t.add_row(str(s), blocks, who + tp_txt, dev, str(sum(mbs)) + (" each" if len(groups) > 1 else ""),
                       mb_txt, fmt_bytes(mem))
     p = plan.predicted
@@ -95,6 +96,16 @@ def plan_table(plan, cluster=None) -> str:
         lines.append("why this plan:")
         lines.extend(f"  {n}" for n in plan.notes)
     return "\n".join(head + [""] if head else []) + render(t) + "\n".join(lines) + "\n"
+
+
+def _micro_text(mbs) -> str:
+    """Micro-batch sizes by count, largest first: ``85 x 1``, ``84 x 1, 1 x 0``."""
+    if not mbs:
+        return "0 x 0"
+    runs: dict[int, int] = {}
+    for m in sorted(mbs, reverse=True):
+        runs[m] = runs.get(m, 0) + 1
+    return ", ".join(f"{n} x {m}" for m, n in runs.items())
 
 
 def analysis_table(analysis, costs, batch: int) -> str:

@@ -125,22 +125,31 @@ def _is_monotone(T: np.ndarray) -> bool:
 
 def _greedy(tables: list[np.ndarray], remaining: int) -> list[int]:
     """Optimal shares when every table is non-decreasing: threshold search, then greedy fill."""
+    # Ranks of one device type share one table (views of one array): the threshold search runs over
+    # the distinct tables, each counted once per rank that holds it.
+    distinct: dict[tuple, int] = {}
+    of_rank = np.array([distinct.setdefault((T.__array_interface__["data"][0], T.shape, T.strides), len(distinct))
+                        for T in tables])
+    uniq = [None] * len(distinct)
+    for T, u in zip(tables, of_rank):
+        uniq[u] = T
+    weight = np.bincount(of_rank, minlength=len(uniq))
     # Threshold: the least candidate time tau at which the ranks can absorb the batch, capacity
     # c_r(tau) = max{s : T_r(s) <= tau}. The optimum is one of the table values, hence tau.
-    cand = np.unique(np.concatenate(tables))
+    cand = np.unique(np.concatenate(uniq))
     cand = cand[np.isfinite(cand)]
 
     def capacity(tau: float) -> np.ndarray:
-        return np.array([np.searchsorted(T, tau, side="right") - 1 for T in tables])
+        return np.array([np.searchsorted(T, tau, side="right") - 1 for T in uniq])
 
     lo, hi = 0, len(cand) - 1   # capacity(cand[-1]) covers the batch: every s <= remaining is finite
     while lo < hi:
         mid = (lo + hi) // 2
-        if capacity(cand[mid]).sum() >= remaining:
+        if int(capacity(cand[mid]) @ weight) >= remaining:
             hi = mid
         else:
             lo = mid + 1
-    caps = capacity(cand[lo])
+    caps = capacity(cand[lo])[of_rank]
     # Greedy fill within the caps: each sample goes where it makes that rank's time the least.
     shares = [0] * len(tables)
     heap = [(float(T[1]), i) for i, T in enumerate(tables) if caps[i] >= 1]

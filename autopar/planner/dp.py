@@ -111,6 +111,20 @@ def zero_comm(costs: ModelCosts, cluster: "Cluster", ranks: Sequence[int], zero_
     reduce-scatters in rounds of one staging buffer, ZeRO-3 unit by unit (``recompute``: one unit)."""
     check_zero_stage(zero_stage)
     ranks = tuple(ranks)
+    # The dp strategies and their baselines ask for the same collectives (thousands of ranks: seconds
+    # each): kept per cluster object, for this costs object.
+    memo = comm.cluster_memo(cluster)
+    key = ("zero_comm", ranks, zero_stage, link, algorithm,
+           None if fractions is None else tuple(float(f) for f in fractions), recompute)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    got = _zero_comm(costs, cluster, ranks, zero_stage, link, algorithm, fractions, recompute)
+    memo[key] = (costs, got)
+    return got
+
+
+def _zero_comm(costs, cluster, ranks, zero_stage, link, algorithm, fractions, recompute) -> ZeroComm:
     n = len(ranks)
     grad_bytes = float(costs.params.sum()) * costs.grad_bytes_per_param
     param_bytes = float(costs.param_bytes.sum())
