@@ -319,7 +319,7 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
     import itertools
     import random
 
-    from autopar.planner.dp import _lockstep_allocations, _round_split
+    from autopar.planner.allocate import lockstep_allocations, round_split
 
     rng = random.Random(0)
     for _ in range(200):   # one micro-batch per rank: greedy equals the brute-force min-max
@@ -329,7 +329,7 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
         fns = [lambda b, a=a, c=c: c + a * b for a, c in zip(rates, fixed)]
         caps = [rng.randint(0, 6) for _ in range(n)]
         total = rng.randint(1, 10)
-        got = _round_split(fns, caps, total)
+        got = round_split(fns, caps, total)
         splits = [x for x in itertools.product(*[range(c + 1) for c in caps]) if sum(x) == total]
         if not splits:
             assert got is None
@@ -338,7 +338,7 @@ def test_round_split_is_the_min_max_and_zero3_rounds_are_priced_in_lockstep():
         assert sum(got) == total and all(b <= c for b, c in zip(got, caps))
         assert cost(got) == pytest.approx(min(cost(x) for x in splits))
     fns = [lambda b: 1.0 + b, lambda b: 1.0 + 3 * b]
-    for shares, micro in _lockstep_allocations(fns, [4, 4], 23):
+    for shares, micro in lockstep_allocations(fns, [4, 4], 23):
         assert sum(shares) == 23 and all(b <= 4 for m in micro for b in m)
 
     costs, cluster = _costs(), _cluster()

@@ -120,8 +120,9 @@ def _ring(cluster: "Cluster", ranks: Sequence[int]) -> tuple[int, ...]:
         return ranks
     if not ranks:
         raise ClusterError("ranks: empty; a collective needs at least one rank")
-    for r in ranks:
-        check_rank(cluster, r, "ranks")
+    if not (set(map(type, ranks)) == _INT_TYPE and 0 <= min(ranks) and max(ranks) < len(cluster.devices)):
+        for r in ranks:     # the one that is no rank, named
+            check_rank(cluster, r, "ranks")
     if len(set(ranks)) != len(ranks):
         raise ClusterError(f"ranks: {ranks} repeats a rank")
     if len(checked) >= _RING_CHECKED_MAX:
@@ -174,13 +175,15 @@ def _ring_link(cluster, ranks, link, op, concurrent=1) -> tuple[float, float]:
     measured = emulated_link_of(cluster, ranks)
     if measured is not None:
         return measured.bandwidth(op), measured.latency(op)
-    # Pairs of the same (node if shared, device types) have the same link: price each such pair once.
+    # Pairs of the same (intra-node link figure if they share a node, device types) have the same link:
+    # price each such pair once (a ring over thousands of nodes has a handful of distinct pairs).
     distinct: dict = {}
     devices = cluster.devices
+    intra = cluster.node_intra_Bps
     for i, a in enumerate(ranks):
         b = ranks[(i + 1) % len(ranks)]
         da, db = devices[a], devices[b]
-        key = (da.node if da.node == db.node else None, da.spec.name, db.spec.name)
+        key = (("intra", intra[da.node]) if da.node == db.node else None, da.spec.name, db.spec.name)
         if key not in distinct:
             distinct[key] = (a, b)
     bw = min(pair_bandwidth_Bps(cluster, a, b, link) for a, b in distinct.values())

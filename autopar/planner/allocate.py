@@ -26,7 +26,7 @@ import numpy as np
 
 from autopar.errors import PlanError
 
-__all__ = ["Allocation", "allocate", "balanced_split", "rank_time_table"]
+__all__ = ["Allocation", "allocate", "balanced_split", "rank_time_table", "round_split", "lockstep_allocations"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,3 +244,41 @@ def allocate(time_fns: Sequence[Callable[[int], float]], max_micro: Sequence[int
         times.append(float(T[s]))
     return Allocation(shares=tuple(shares), micro_batches=tuple(micro), rank_time_s=tuple(times),
                       step_time_s=max(times))
+
+
+def round_split(fns, caps, total: int) -> list[int] | None:
+    """Min-max split of ``total`` samples into one micro-batch per rank (``x_r <= caps[r]``): greedy,
+    each sample to the rank whose micro-step would end first (exact for non-decreasing times)."""
+    if total > sum(caps):
+        return None
+    x = [0] * len(fns)
+    heap = [(fns[r](1), r) for r in range(len(fns)) if caps[r] > 0]
+    heapq.heapify(heap)
+    for _ in range(total):
+        _, r = heapq.heappop(heap)
+        x[r] += 1
+        if x[r] < caps[r]:
+            heapq.heappush(heap, (fns[r](x[r] + 1), r))
+    return x
+
+
+def lockstep_allocations(fns, caps, global_batch: int):
+    """(shares, micro-batch lists) of R rounds of one micro-batch per rank, for a ladder of R from the
+    fewest rounds the caps allow: the first ``B mod R`` rounds take one sample more."""
+    fewest = max(1, -(-global_batch // max(1, sum(caps))))
+    counts = {fewest, fewest + 1}
+    r = float(fewest)
+    while r < min(global_batch, 64 * fewest):
+        counts.add(int(r))
+        r *= 1.5
+    for R in sorted(c for c in counts if 1 <= c <= global_batch):
+        q, rem = divmod(global_batch, R)
+        big = round_split(fns, caps, q + 1) if rem else None
+        small = round_split(fns, caps, q) if q else [0] * len(fns)
+        if small is None or (rem and big is None):
+            continue
+        micro = []
+        for i in range(len(fns)):
+            sizes = ([big[i]] * rem if rem else []) + [small[i]] * (R - rem)
+            micro.append(tuple(b for b in sizes if b > 0))
+        yield [sum(m) for m in micro], micro

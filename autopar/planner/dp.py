@@ -50,7 +50,6 @@ Upper bound, compute bound and efficiency are ``autopar.planner.bounds``'; ``pla
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -66,7 +65,7 @@ from autopar.cost.memory import (  # re-exported: the data-parallel planner's me
 from autopar.errors import PlanError
 from autopar.ir.costs import ModelCosts
 from autopar.ir.plan import Plan, Predicted, Stage
-from autopar.planner.allocate import allocate, balanced_split
+from autopar.planner.allocate import allocate, balanced_split, lockstep_allocations
 
 if TYPE_CHECKING:  # pragma: no cover
     from scipy.interpolate import PchipInterpolator
@@ -453,7 +452,7 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
     if zc.per_micro_step_s > 0 and not fixed:
         # ZeRO-2/3 rounds run in lockstep: also try R rounds of one micro-batch per rank each, sized
         # so that every round's micro-steps end together.
-        for shares, micro in _lockstep_allocations(fns, caps, global_batch):
+        for shares, micro in lockstep_allocations(fns, caps, global_batch):
             alt = evaluate(shares, micro, note="lockstep rounds")
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
                 best = alt
@@ -470,44 +469,6 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
                 best = replace(alt, note=f"{other}'s allocation predicted faster; kept it")
     return best
-
-
-def _round_split(fns, caps, total: int) -> list[int] | None:
-    """Min-max split of ``total`` samples into one micro-batch per rank (``x_r <= caps[r]``): greedy,
-    each sample to the rank whose micro-step would end first (exact for non-decreasing times)."""
-    if total > sum(caps):
-        return None
-    x = [0] * len(fns)
-    heap = [(fns[r](1), r) for r in range(len(fns)) if caps[r] > 0]
-    heapq.heapify(heap)
-    for _ in range(total):
-        _, r = heapq.heappop(heap)
-        x[r] += 1
-        if x[r] < caps[r]:
-            heapq.heappush(heap, (fns[r](x[r] + 1), r))
-    return x
-
-
-def _lockstep_allocations(fns, caps, global_batch: int):
-    """(shares, micro-batch lists) of R rounds of one micro-batch per rank, for a ladder of R from the
-    fewest rounds the caps allow: the first ``B mod R`` rounds take one sample more."""
-    fewest = max(1, -(-global_batch // max(1, sum(caps))))
-    counts = {fewest, fewest + 1}
-    r = float(fewest)
-    while r < min(global_batch, 64 * fewest):
-        counts.add(int(r))
-        r *= 1.5
-    for R in sorted(c for c in counts if 1 <= c <= global_batch):
-        q, rem = divmod(global_batch, R)
-        big = _round_split(fns, caps, q + 1) if rem else None
-        small = _round_split(fns, caps, q) if q else [0] * len(fns)
-        if small is None or (rem and big is None):
-            continue
-        micro = []
-        for i in range(len(fns)):
-            sizes = ([big[i]] * rem if rem else []) + [small[i]] * (R - rem)
-            micro.append(tuple(b for b in sizes if b > 0))
-        yield [sum(m) for m in micro], micro
 
 
 def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strategy: DpStrategy = "dp",
