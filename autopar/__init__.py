@@ -22,7 +22,7 @@ _LAZY = {
     "Cluster": ("autopar.cluster.model", "Cluster"),
     "Plan": ("autopar.ir.plan", "Plan"),
     "plan": ("autopar.api", "plan"),
-    "compile": ("autopar.api", "compile"),
+    "compile": ("autopar.compiling", "compile"),
     "launch": ("autopar.runtime.launcher", "launch"),
     "init": ("autopar.runtime.launcher", "init"),
     "models": ("autopar.models", None),

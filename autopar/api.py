@@ -1,4 +1,5 @@
-"""The public entry points: ``autopar.plan`` and ``autopar.compile`` (see shared/spec/api.md).
+"""The public entry point ``autopar.plan`` (see shared/spec/api.md), and what ``autopar.compile``
+(``autopar.compiling``, in named phases) builds on: ``prepare``, the planner's runs and ``Compiled``.
 
 ``plan`` runs the pipeline of the design card: capture -> analysis -> per-device cost tables ->
 the planner of the requested strategy -> bounds. ``compile`` does the same on every rank (rank 0
@@ -11,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from autopar.config import STRATEGIES, PlanConfig, RunConfig, Zero3Granularity
-from autopar.errors import ClusterError, PlanError, RuntimeInputError
+from autopar.config import STRATEGIES, PlanConfig
+from autopar.errors import PlanError, RuntimeInputError
 from autopar.ir.plan import Plan
 from autopar.passes.inputs import Inputs, flat_inputs, flatten_like
 
@@ -328,207 +329,3 @@ class Compiled:
             self._data_position = None
         self._loader = loader                  # compiled.save records its position
         return loader
-
-
-def _default_optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-def _optimizer_kind(factory) -> str:
-    try:
-        probe = factory([nn.Parameter(torch.zeros(1))])
-    except Exception:  # noqa: BLE001 - unknown factory: assume Adam-like state
-        return "adamw"
-    name = type(probe).__name__.lower()
-    if name.startswith("sgd"):
-        return "sgd" if probe.defaults.get("momentum", 0) else "sgd-nomomentum"
-    return "adamw"
-
-
-def compile(model: nn.Module, cluster, example_inputs: tuple, global_batch_size: int, loss_fn=None, *,
-            optimizer: Callable | None = None, strategy="auto", zero_stage="auto", schedule="auto",
-            pp_layers=None, dp_batch=None, use_triton: bool = False, measure: bool | None = None,
-            recompute: bool = True, zero3_granularity: Zero3Granularity = "block",
-            config: PlanConfig | None = None, run: RunConfig | None = None, seed: int = 0,
-            init="reset_parameters", weights=None, precision: str = "fp32", pin=None,
-            checkpoint_dir=None, checkpoint_every: int | None = None, replan: str = "off",
-            example_targets=None, checkpoint_keep: int | None = None) -> Compiled:
-    """Plan (on rank 0, broadcast) and build this rank's execution engine. Call on every rank, inside
-    ``autopar.launch`` or after ``autopar.init`` (a one-device cluster needs neither).
-
-    ``zero3_granularity`` (a data-parallel plan at ZeRO stage 3 only; other plans ignore it): when
-    parameters are gathered. ``"block"`` (the default) gathers each block's parameters right before
-    its use and frees them right after (a recomputed block again when backward re-runs it), where the
-    captured graph carries block annotations (otherwise it falls back to ``"micro_step"``); ``"micro_step"``
-    gathers every parameter once per micro-step: fewer, larger collectives for a higher peak memory.
-    Both train to the same state (``autopar.runtime.dp_sync``). Anything else raises ``PlanError``.
-
-    The planner's options are one ``PlanConfig`` (``config``, or the keywords as for ``plan``); compile's
-    own (optimizer, use_triton, measure, zero3_granularity) one ``RunConfig`` (``run``, or the keywords).
-    Both are validated on every rank before any collective.
-
-    A ``model`` on ``meta`` (api.md, "Models larger than one device") is planned on meta (ordinary CPU
-    example inputs are fine) and each rank materialises only the tensors its program holds (a pipeline
-    rank its stage's; data- and tensor-parallel ranks the whole model, sharded afterwards), each
-    owner module initialised by ``init`` (``"reset_parameters"`` or a callable ``init(module)``) under a
-    generator seeded from ``seed`` and its qualified name, or read from ``weights`` (a safetensors file
-    or a directory of shards; each rank reads only its tensors): the weights of
-    ``autopar.materialize(model, seed=seed, init=init, weights=weights)`` on one device, with no
-    broadcast to make them equal (``autopar.lowering.materialize``). ``weights`` needs a meta model.
-
-    ``checkpoint_dir`` / ``checkpoint_every`` (api.md, "Elastic runs"): save into ``checkpoint_dir/step-N``
-    every ``checkpoint_every`` steps, and resume from the newest valid checkpoint there, resharded onto
-    this plan (``autopar.runtime.elastic``); ``checkpoint_keep=N`` keeps the newest N of them. Under a
-    restarted ``launch``, a ``cluster`` that is the one the job was started on means the cluster in force
-    (``autopar.current_cluster()``).
-
-    ``replan="auto"`` (api.md): after a few steps, re-plan on costs calibrated from the measured profile
-    and switch in place when that pays (``autopar.runtime.replan``; reports in ``compiled.replans``).
-
-    ``example_targets`` (optional): targets of ``example_inputs``' rows; with ``loss_fn``, the cost
-    tables price the loss too (``autopar.measure.loss``), else they hold the model alone."""
-    import torch.distributed as dist
-
-    from autopar.cost.comm import grad_bucket_bytes
-    from autopar.lowering import lower
-    from autopar.runtime import checkpointing, elastic, launcher, recorder
-    from autopar.lowering import materialize as mat
-    from autopar.lowering.weights import open_weights
-    from autopar.passes.analyze import analyze
-    from autopar.passes.capture import retarget_device
-    from autopar.runtime import emulate
-    from autopar.runtime import memory as rank_memory
-    from autopar.runtime.communicator import pg_broadcast_objects
-    from autopar.runtime.engine import EngineInputs, build_engine
-    from autopar.runtime.dp import defers_materialization
-
-    # On every rank, before any collective: the options, validated once.
-    if run is None:
-        run = RunConfig(optimizer=optimizer, use_triton=use_triton, measure=measure,
-                        zero3_granularity=zero3_granularity)
-    elif not isinstance(run, RunConfig):
-        raise PlanError(f"run: {run!r} is not an autopar.RunConfig")
-    elif (optimizer, use_triton, measure, zero3_granularity) != (None, False, None, "block"):
-        raise PlanError("run: given together with optimizer/use_triton/measure/zero3_granularity keywords; "
-                        "set those fields in the RunConfig")
-    checkpoints = elastic.checkpoint_policy(
-        checkpoint_dir, checkpoint_every, checkpoint_keep)
-    if replan not in ("off", "auto"):
-        raise PlanError(f"replan: {replan!r} is not one of 'off', 'auto'")
-    plan_options = plan_config(config, strategy=strategy, zero_stage=zero_stage, schedule=schedule,
-                               pp_layers=pp_layers, dp_batch=dp_batch, recompute=recompute, precision=precision,
-                               pin=pin) \
-        if not isinstance(strategy, Plan) else None
-    precision = plan_options.precision if plan_options is not None else precision   # autopar.runtime.precision
-    optimizer, use_triton, zero3_granularity = run.optimizer, run.use_triton, run.zero3_granularity
-    on_meta = mat.has_meta_tensors(model)
-    mat.check_init(init)
-    if weights is not None and not on_meta:
-        raise PlanError("weights: given for a model that is not on meta; build the model under "
-                        "torch.device('meta') so that no rank allocates weights it then overwrites")
-    weights = checkpointing.weight_source(weights)   # or an autopar checkpoint
-    weights = open_weights(weights)     # reads the headers only: a bad path fails on every rank, early
-    _launch = launcher
-    optimizer = optimizer or _default_optimizer
-    model, example_inputs, input_layout = flat_inputs(model, example_inputs)   # passes.inputs
-    if not _launch.is_initialized():
-        if len(cluster) != 1:
-            raise ClusterError(f"cluster: has {len(cluster)} devices but no job is running; call compile on "
-                               "every rank inside autopar.launch(fn, cluster) or after autopar.init(cluster) "
-                               "under torchrun")
-        _launch.init(cluster, rank=0, world_size=1, store=dist.HashStore())
-    ctx = _launch.context()
-    cluster = elastic.cluster_in_force(cluster)   # after a restart
-    if len(cluster) != ctx.world_size:
-        raise ClusterError(f"cluster: has {len(cluster)} devices but {ctx.world_size} ranks are running")
-    # Plan on rank 0 and broadcast it: measured timings differ between processes.
-    payload = [None]
-    prepared = None
-    if ctx.rank == 0:
-        try:        # the cost tables are kept on rank 0 for profile()'s predicted phases
-            if plan_options is not None:
-                from autopar.planner.entry import check_request
-
-                check_request(cluster, global_batch_size)   # before the costly analysis, as plan does
-                prepared = prepare(model, cluster, example_inputs, optimizer=_optimizer_kind(optimizer),
-                                   measure=run.measure, precision=plan_options.precision,
-                                   loss_fn=loss_fn, example_targets=example_targets,   # loss priced with targets
-                                   track_memory=run.track_memory)   # as plan() measures for the same arguments
-            p = plan(model, cluster, example_inputs, global_batch_size, loss_fn,
-                     optimizer=_optimizer_kind(optimizer), measure=run.measure, prepared=prepared,
-                     **({"strategy": strategy} if plan_options is None else {"config": plan_options}))
-            payload = [p.to_json(indent=None)]   # compact: the indented form is encoded in Python, 7x slower
-        except Exception as exc:  # noqa: BLE001 - every rank must raise the same error, not hang
-            payload = [exc]
-    if ctx.world_size > 1:   # the others wait while rank 0 plans: longer than a step's timeout allows
-        pg_broadcast_objects(payload, src=0, group=_launch.planning_group())
-    if isinstance(payload[0], BaseException):
-        raise payload[0]
-    the_plan = Plan.from_json(payload[0])
-    compile_t0 = time.perf_counter()     # building this plan's engine: what a re-plan's switch repeats
-    if ctx.device.type != "cpu" and not on_meta:
-        model = model.to(ctx.device)
-    analysis = analyze(model, tuple(t.to(ctx.device) if isinstance(t, torch.Tensor) else t for t in example_inputs))
-    gm = analysis.captured.gm
-    meter = rank_memory.meter_for(cluster.devices[ctx.rank], ctx.rank, ctx.device, track=run.track_memory)
-    meter.track(rank_memory.module_tensors(model))     # what the rank holds already (a model not on meta)
-    # the data-parallel engine's gradient buckets, as the planner priced them, and its deferred ZeRO-3
-    # materialisation, if any
-    engine_options: dict = {"bucket_bytes": grad_bucket_bytes(cluster, the_plan.stages[0].ranks)}
-    with meter:   # an emulated device's memory_GB is a limit from here on (autopar.runtime.memory)
-        if on_meta:   # this rank's tensors only, the same values on every rank: no broadcast needed
-            retarget_device(gm, "meta", ctx.device)     # an exported graph baked the meta inputs' device in
-            tensors = mat.rank_tensors(the_plan, gm, ctx.rank, model)
-            if defers_materialization(the_plan):   # ZeRO-3: the engine materialises unit by unit, keeps its shard
-                tensors = [t for t in tensors if not (isinstance(t, nn.Parameter) and t.requires_grad)]
-                engine_options["materialize"] = lambda ts, roots=(): mat.materialize_tensors(
-                    model, ts, seed=seed, init=init, device=ctx.device, weights=weights, roots=(gm, *roots))
-            mat.materialize_tensors(model, tensors, seed=seed, init=init,
-                                    device=ctx.device, weights=weights, roots=(gm,))
-            mat.mark_deterministic(model)
-        program = lower(the_plan, gm, ctx.rank, use_triton=use_triton,
-                        params=[p for p in model.parameters() if p.requires_grad], tp_overlap=run.overlap,
-                        tp_overlap_forward=run.overlap_forward, backends=[d.spec.backend for d in cluster.devices])
-        # the clock stretches this rank's CPU time less what the memory tracking itself cost
-        clock = emulate.clock_for(cluster.devices[ctx.rank],
-                                  time_scale=emulate.emulation_time_scale(ctx.world_size),
-                                  cpu_time=rank_memory.cpu_time_less_tracking(meter)) \
-            if cluster.devices[ctx.rank].spec.is_emulated else emulate.NullClock()
-        engine = build_engine(EngineInputs(gm=program.gm, model=model, plan=the_plan, loss_fn=loss_fn,
-                                           optimizer_factory=optimizer, rank=ctx.rank, world_size=ctx.world_size,
-                                           device=ctx.device, clock=clock, precision=precision), program,
-                              zero3_granularity=zero3_granularity, overlap=run.overlap, **engine_options)
-    recorder.record_engine(engine, ctx.rank)     # compiled.profile()'s recorder
-    compiled = Compiled(plan=the_plan, engine=engine, rank=ctx.rank, memory=meter, cluster=cluster,
-                        costs=prepared.costs if ctx.rank == 0 and prepared is not None else None,
-                        input_layout=input_layout)
-    if replan == "auto":
-        if plan_options is not None and prepared is not None:     # rank 0 re-plans: the model's facts, as plan()
-            plan_options = plan_options.with_(
-                num_heads=plan_options.num_heads if plan_options.num_heads is not None else model_num_heads(model),
-                replicated_fraction=(plan_options.replicated_fraction if plan_options.replicated_fraction is not None
-                                     else prepared.replicated_fraction))
-        def rebuild(plan_json: str) -> Compiled:     # the switch: this rank's engine for the new plan, no planning
-            return compile(model, cluster, example_inputs, global_batch_size, loss_fn,
-                           strategy=Plan.from_json(plan_json), run=run, seed=seed, init=init, weights=weights,
-                           precision=precision)
-
-        compiled.replanner = _replanner(compiled, plan_options, time.perf_counter() - compile_t0, rebuild)
-    return elastic.attach(compiled, checkpoints)   # resumes, if it can
-
-
-def _replanner(compiled: Compiled, config, build_s: float, rebuild):
-    """compile(replan="auto")'s ``autopar.runtime.replan.Replanner``: rank 0 proposes with the planner."""
-    from autopar.planner.replan import propose
-    from autopar.runtime.replan import Proposal, Replanner, ReplanPolicy
-
-    policy = ReplanPolicy()
-    config = config or PlanConfig()
-
-    from autopar.measure.machine import machine_cluster
-
-    def proposal(profile):
-        return Proposal(**propose(profile, compiled.plan, compiled.costs, machine_cluster(compiled.cluster),
-                                  compiled.plan.global_batch_size, config, run_planner,
-                                  detect_ratio=policy.detect_ratio))
-    return Replanner(policy, proposal, rebuild, build_s)
