@@ -375,20 +375,50 @@ def _evaluate(shares, micro, fns, zc: ZeroComm, ranks, mems, note="", optimizer_
     )
 
 
+def _rank_memories(costs, specs, zero_stage, fractions, memory_fraction, workspace_bytes, recompute) -> list:
+    """Each rank's memory model: a rank's memory depends on its spec and shard alone, so once per (type, shard)."""
+    n = len(specs)
+    kw = dict(workspace_bytes=workspace_bytes, recompute=recompute)
+    per: dict = {}
+    for s, f in zip(specs, fractions if fractions is not None else [None] * n):
+        if (s, f) not in per:
+            per[s, f] = rank_memory(costs, s, zero_stage, n, memory_fraction, **kw) if f is None else \
+                shard_memory(costs, s, zero_stage, f, memory_fraction, **kw)
+    return [per[s, f] for s, f in zip(specs, fractions if fractions is not None else [None] * n)]
+
+
+def _baseline_split(strategy, cluster, ranks, caps, global_batch, zero_stage) -> tuple[list, list]:
+    """(shares, micro-batches) of a baseline: "uniform-dp" even shares in micro-batches every rank holds,
+    "proportional-dp" shares by peak FLOP/s (largest remainder) on the ranks that hold a sample."""
+    n = len(ranks)
+    if strategy == "uniform-dp":
+        if global_batch < n:
+            raise PlanError(f"uniform-dp gives every rank work: needs a global batch of at least "
+                            f"{n} samples for {n} ranks, got {global_batch}")
+        micro_size = min(caps)
+        if micro_size == 0:
+            r = ranks[caps.index(0)]
+            raise PlanError(f"ZeRO-{zero_stage}: uniform-dp needs every rank to hold a micro-batch; "
+                            f"rank {r} ({cluster.devices[r].spec.name}) cannot hold 1 sample")
+        micro_size = min(micro_size, -(-global_batch // n))
+        base, extra = divmod(global_batch, n)
+        shares = [base + (1 if i < extra else 0) for i in range(n)]
+        return shares, [_uniform_split(s, micro_size) for s in shares]
+    able = [i for i in range(n) if caps[i] > 0]
+    got = _largest_remainder([cluster.devices[ranks[i]].spec.peak_flops_bf16 for i in able], global_batch)
+    shares = [0] * n
+    for i, s in zip(able, got):
+        shares[i] = s
+    return shares, [balanced_split(s, -(-s // caps[i])) if s else () for i, s in enumerate(shares)]
+
+
 def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinned, memory_fraction,
                 workspace_bytes, link, algorithm, recompute: bool = False,
                 fractions: tuple[float, ...] | None = None, overlap: bool = True) -> _Candidate:
     """The best allocation of one strategy at one ZeRO stage, with shard ``fractions`` per rank
     (None: even 1/N); ``overlap``: ZeRO-0/1 reduce gradients during the last backward."""
-    n = len(ranks)
     specs = [cluster.devices[r].spec for r in ranks]
-    kw = dict(workspace_bytes=workspace_bytes, recompute=recompute)
-    per: dict = {}   # a rank's memory depends on its spec and shard alone: once per (type, shard)
-    for s, f in zip(specs, fractions if fractions is not None else [None] * n):
-        if (s, f) not in per:
-            per[s, f] = rank_memory(costs, s, zero_stage, n, memory_fraction, **kw) if f is None else \
-                shard_memory(costs, s, zero_stage, f, memory_fraction, **kw)
-    mems = [per[s, f] for s, f in zip(specs, fractions if fractions is not None else [None] * n)]
+    mems = _rank_memories(costs, specs, zero_stage, fractions, memory_fraction, workspace_bytes, recompute)
     why = _fit_error(costs, cluster, ranks, mems, zero_stage)
     if why:
         raise PlanError(why)
@@ -419,27 +449,8 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
         return replace(_evaluate(shares, micro, fns, zc, ranks, mems, note, opt_s, recompute, bwds, restarts),
                        zero_shares=kept)
 
-    if strategy == "uniform-dp":
-        if global_batch < n:
-            raise PlanError(f"uniform-dp gives every rank work: needs a global batch of at least "
-                            f"{n} samples for {n} ranks, got {global_batch}")
-        micro_size = min(caps)
-        if micro_size == 0:
-            r = ranks[caps.index(0)]
-            raise PlanError(f"ZeRO-{zero_stage}: uniform-dp needs every rank to hold a micro-batch; "
-                            f"rank {r} ({cluster.devices[r].spec.name}) cannot hold 1 sample")
-        micro_size = min(micro_size, -(-global_batch // n))
-        base, extra = divmod(global_batch, n)
-        shares = [base + (1 if i < extra else 0) for i in range(n)]
-        return evaluate(shares, [_uniform_split(s, micro_size) for s in shares])
-    if strategy == "proportional-dp":
-        able = [i for i in range(n) if caps[i] > 0]
-        got = _largest_remainder([specs[i].peak_flops_bf16 for i in able], global_batch)
-        shares = [0] * n
-        for i, s in zip(able, got):
-            shares[i] = s
-        return evaluate(shares, [balanced_split(s, -(-s // caps[i])) if s else () for i, s in
-                                 enumerate(shares)])
+    if strategy in ("uniform-dp", "proportional-dp"):
+        return evaluate(*_baseline_split(strategy, cluster, ranks, caps, global_batch, zero_stage))
     for r, s in pinned.items():
         m = mems[ranks.index(r)]
         if s > 0 and m.max_micro == 0:
@@ -469,6 +480,49 @@ def _plan_stage(costs, cluster, ranks, global_batch, strategy, zero_stage, pinne
             if alt.step_time_s < best.step_time_s * (1 - 1e-12):
                 best = replace(alt, note=f"{other}'s allocation predicted faster; kept it")
     return best
+
+
+def _variant_candidates(costs, cluster, ranks, global_batch, strategy, variants, pinned, memory_fraction,
+                        workspace_bytes, link, algorithm, overlap) -> tuple[dict, dict]:
+    """(the best ``_Candidate`` per (ZeRO stage, recompute) variant that fits, why the others do not).
+    "dp" also chooses each rank's ZeRO shard (uneven shards): every candidate is planned with its own
+    memory caps, and the fastest kept; the baselines keep even shards."""
+    found: dict[tuple[int, bool], _Candidate] = {}
+    failed: dict[tuple[int, bool], str] = {}
+    for z, rc in variants:
+        shares = (_share_candidates(costs, cluster, ranks, z, memory_fraction, workspace_bytes, rc)
+                  if strategy == "dp" else [None])
+        for fractions in shares:
+            try:
+                c = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
+                                memory_fraction, workspace_bytes, link, algorithm, rc, fractions, overlap)
+            except PlanError as e:
+                if fractions is None:
+                    failed[(z, rc)] = str(e)
+                continue
+            old = found.get((z, rc))
+            if old is None or c.step_time_s < old.step_time_s * (1 - 1e-12):
+                found[(z, rc)] = c
+                failed.pop((z, rc), None)
+    return found, failed
+
+
+def _variant_notes(variants, found: dict, failed: dict, best: _Candidate) -> list[str]:
+    """One line per variant: its predicted step and where it goes, or why it does not fit."""
+    notes = []
+    for z, rc in variants:
+        name = f"zero-{z}{' recompute' if rc else ''}"
+        if (z, rc) in found:
+            c = found[(z, rc)]
+            mark = " (chosen)" if c is best else ""
+            notes.append(f"{name}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
+                         f"comm {c.comm_s:.4g} s, optimizer {c.optimizer_s:.4g} s, "
+                         f"{c.bytes_moved:.4g} B sent per rank)"
+                         + (f"; ZeRO shards {', '.join(f'{x:.3f}' for x in c.zero_shares)}" if c.zero_shares else "")
+                         + (f"; {c.note}" if c.note else ""))
+        else:
+            notes.append(f"{name}: does not fit: {failed[(z, rc)]}")
+    return notes
 
 
 def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strategy: DpStrategy = "dp",
@@ -520,25 +574,8 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
         variants = [(z, True) for z in stages]
     elif recompute and strategy == "dp":
         variants += [(z, True) for z in stages]
-    found: dict[tuple[int, bool], _Candidate] = {}
-    failed: dict[tuple[int, bool], str] = {}
-    for z, rc in variants:
-        # "dp" also chooses each rank's ZeRO shard (uneven shards): every candidate is planned with its
-        # own memory caps, and the fastest kept; the baselines keep even shards.
-        shares = (_share_candidates(costs, cluster, ranks, z, memory_fraction, workspace_bytes, rc)
-                  if strategy == "dp" else [None])
-        for fractions in shares:
-            try:
-                c = _plan_stage(costs, cluster, ranks, global_batch, strategy, z, pinned,
-                                memory_fraction, workspace_bytes, link, algorithm, rc, fractions, overlap)
-            except PlanError as e:
-                if fractions is None:
-                    failed[(z, rc)] = str(e)
-                continue
-            old = found.get((z, rc))
-            if old is None or c.step_time_s < old.step_time_s * (1 - 1e-12):
-                found[(z, rc)] = c
-                failed.pop((z, rc), None)
+    found, failed = _variant_candidates(costs, cluster, ranks, global_batch, strategy, variants, pinned,
+                                        memory_fraction, workspace_bytes, link, algorithm, overlap)
     if not found:
         kept = [v for (_, rc), v in failed.items() if rc == force_recompute]
         if len(kept) == 1:
@@ -548,20 +585,7 @@ def plan_dp(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, strateg
     tied = [c for c in found.values() if c.step_time_s <= best_time * (1 + 1e-9)]
     best = min(tied, key=lambda c: (c.recompute, c.bytes_moved, c.zero_stage))
 
-    notes = []
-    for z, rc in variants:
-        name = f"zero-{z}{' recompute' if rc else ''}"
-        if (z, rc) in found:
-            c = found[(z, rc)]
-            mark = " (chosen)" if c is best else ""
-            notes.append(f"{name}{mark}: {c.step_time_s:.6g} s/step (compute {c.compute_s:.4g} s, "
-                         f"comm {c.comm_s:.4g} s, optimizer {c.optimizer_s:.4g} s, "
-                         f"{c.bytes_moved:.4g} B sent per rank)"
-                         + (f"; ZeRO shards {', '.join(f'{x:.3f}' for x in c.zero_shares)}" if c.zero_shares else "")
-                         + (f"; {c.note}" if c.note else ""))
-        else:
-            notes.append(f"{name}: does not fit: {failed[(z, rc)]}")
-
+    notes = _variant_notes(variants, found, failed, best)
     stage = Stage(block_start=0, block_stop=max(costs.num_blocks, 1),
                   groups=tuple((r,) for r in ranks), micro_batches=best.micro, recompute=best.recompute,
                   zero_shares=best.zero_shares)

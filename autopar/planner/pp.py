@@ -288,48 +288,10 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     n = costs.num_blocks
     pinned = tuple(int(x) for x in pp_layers) if pp_layers is not None else None
 
-    if uniform:
-        k = len(pinned) if pinned else min(len(ranks), n)
-        groupings = [StageGrouping("uniform", tuple(((r,),) for r in ranks[:k]))]
-        if pinned is None:
-            q, rem = divmod(n, k)
-            pinned = tuple(q + (1 if s < rem else 0) for s in range(k))
-    else:
-        groupings = [g for g in stage_groupings(cluster, ranks) if g.num_stages <= n]
-        # The pipeline strategy pipelines: a one-stage grouping is data parallelism (strategy "dp"),
-        # kept only when nothing else applies (one rank, one block).
-        groupings = [g for g in groupings if g.num_stages >= 2] or groupings
-        if pinned is not None:
-            groupings = [g for g in groupings if g.num_stages == len(pinned)] or [_chunk_grouping(ranks, len(pinned))]
-
+    groupings, pinned = _groupings(cluster, ranks, n, pinned, uniform)
     dp_schedule = "1f1b" if schedule == "auto" else schedule
-    tensors = []          # (grouping, M, cost tensor, recompute flags) of every (grouping, count) that fits
-    tried = 0
-    for grouping in groupings:
-        S = grouping.num_stages
-        counts = ((num_micro,) if num_micro is not None else
-                  micro_candidates(ctx.global_batch, S, grouping.max_members))
-        # The uniform (Megatron-style) baseline keeps every activation, as it did.
-        one_type = all(len({ctx.type_of(m[0]) for m in st}) == 1 for st in grouping.stages)
-        rc_ok = recompute and not uniform
-        fits = {M: pipeline_split_feasible(ctx, grouping.stages, M, dp_schedule, recompute=rc_ok)
-                for M in counts[-1:] if dp_schedule == "1f1b" and M >= S and one_type}
-        # From M = S on, 1F1B keeps S - s micro-batches in flight on stage s, and on a stage of one
-        # device type each member's part of one, ceil(b / members), only shrinks as M grows: an entry
-        # that fits at some count fits at every larger one. Where no split fits at the largest, none
-        # fits at any count >= S, and those tensors are not built (they would add no candidate).
-        full = all(fits.values())
-        for M in counts:
-            tried += 1
-            if not full and M >= S:
-                continue
-            # a tensor with no split whose every stage is finite adds no candidate, pinned or not
-            ok = fits.get(M)
-            if not (ok if ok is not None else pipeline_split_feasible(ctx, grouping.stages, M, dp_schedule,
-                                                                      recompute=rc_ok)):
-                continue
-            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=rc_ok)
-            tensors.append((grouping, M, cost, rc))
+    # The uniform (Megatron-style) baseline keeps every activation, as it did.
+    tensors, tried = _cost_tensors(ctx, groupings, num_micro, dp_schedule, recompute and not uniform)
     chosen = tuple(PIPELINE_SCHEDULES if schedules is None else schedules) if schedule == "auto" else (schedule,)
     bad = [x for x in chosen if x not in ALL_SCHEDULES]
     if bad or not chosen:
@@ -367,20 +329,73 @@ def plan_pipeline(costs: ModelCosts, cluster: "Cluster", global_batch: int, *, s
     if idle:
         notes.append(f"unused ranks (more devices than blocks): {idle}")
     notes += [f"runner-up: {_describe(x)}" for x in scored[1:6]]
-    breakdown = {
+    return _make_plan(ctx, "uniform-pp" if uniform else "pp", best.schedule, best.stages, best.step_time_s,
+                      _breakdown(ctx, best, zero_stage), best.memory_bytes, tuple(notes), best.virtual_stages)
+
+
+def _breakdown(ctx: PipelineContext, best: _Scored, zero_stage: int) -> dict:
+    """The predicted step's parts of the chosen pipeline plan (``Predicted.breakdown``)."""
+    return {
         "bubble_fraction": best.timeline.bubble_fraction,
         "pipeline_s": best.timeline.step_time_s,
         "allreduce_s": best.step_time_s - best.timeline.step_time_s,   # everything after the schedule
-        "optimizer_s": max(stage_optimizer_s(costs, cluster, st, zero_stage) for st in best.stages),
+        "optimizer_s": max(stage_optimizer_s(ctx.costs, ctx.cluster, st, zero_stage) for st in best.stages),
         "estimate_s": best.candidate.estimate_s,
         "num_micro": float(best.candidate.num_micro),
         "num_stages": float(len(best.stages)),
         "virtual_stages": float(best.virtual_stages),
         "max_busy_s": max(best.timeline.busy_s),
     }
-    strategy = "uniform-pp" if uniform else "pp"
-    return _make_plan(ctx, strategy, best.schedule, best.stages, best.step_time_s, breakdown,
-                      best.memory_bytes, tuple(notes), best.virtual_stages)
+
+
+def _groupings(cluster, ranks, n: int, pinned, uniform: bool) -> tuple[list[StageGrouping], tuple | None]:
+    """(the stage groupings to try, the pinned blocks per stage): the uniform baseline's one (equal
+    blocks, one device per stage in rank order), else every grouping of at least two stages that has
+    no more stages than blocks (one stage only where nothing else applies), of the pinned depth."""
+    if uniform:
+        k = len(pinned) if pinned else min(len(ranks), n)
+        if pinned is None:
+            q, rem = divmod(n, k)
+            pinned = tuple(q + (1 if s < rem else 0) for s in range(k))
+        return [StageGrouping("uniform", tuple(((r,),) for r in ranks[:k]))], pinned
+    groupings = [g for g in stage_groupings(cluster, ranks) if g.num_stages <= n]
+    # The pipeline strategy pipelines: a one-stage grouping is data parallelism (strategy "dp"),
+    # kept only when nothing else applies (one rank, one block).
+    groupings = [g for g in groupings if g.num_stages >= 2] or groupings
+    if pinned is not None:
+        groupings = [g for g in groupings if g.num_stages == len(pinned)] or [_chunk_grouping(ranks, len(pinned))]
+    return groupings, pinned
+
+
+def _cost_tensors(ctx: PipelineContext, groupings, num_micro, dp_schedule: str, rc_ok: bool) -> tuple[list, int]:
+    """((grouping, M, cost tensor, recompute flags) of every (grouping, micro-batch count) with a split
+    that fits, how many pairs were tried)."""
+    tensors = []
+    tried = 0
+    for grouping in groupings:
+        S = grouping.num_stages
+        counts = ((num_micro,) if num_micro is not None else
+                  micro_candidates(ctx.global_batch, S, grouping.max_members))
+        one_type = all(len({ctx.type_of(m[0]) for m in st}) == 1 for st in grouping.stages)
+        fits = {M: pipeline_split_feasible(ctx, grouping.stages, M, dp_schedule, recompute=rc_ok)
+                for M in counts[-1:] if dp_schedule == "1f1b" and M >= S and one_type}
+        # From M = S on, 1F1B keeps S - s micro-batches in flight on stage s, and on a stage of one
+        # device type each member's part of one, ceil(b / members), only shrinks as M grows: an entry
+        # that fits at some count fits at every larger one. Where no split fits at the largest, none
+        # fits at any count >= S, and those tensors are not built (they would add no candidate).
+        full = all(fits.values())
+        for M in counts:
+            tried += 1
+            if not full and M >= S:
+                continue
+            # a tensor with no split whose every stage is finite adds no candidate, pinned or not
+            ok = fits.get(M)
+            if not (ok if ok is not None else pipeline_split_feasible(ctx, grouping.stages, M, dp_schedule,
+                                                                      recompute=rc_ok)):
+                continue
+            cost, rc = pipeline_cost_tensor(ctx, grouping.stages, M, dp_schedule, recompute=rc_ok)
+            tensors.append((grouping, M, cost, rc))
+    return tensors, tried
 
 
 def _interleave(ctx: PipelineContext, scored: list[_Scored], schedule: str, virtual_stages) -> list[_Scored]:

@@ -107,19 +107,28 @@ from autopar.lowering.materialize import is_deterministic
 from autopar.lowering.program import RankProgram
 from autopar.lowering.zero3_units import block_param_units
 from autopar.passes.split import batched_values, flat_inputs
-from autopar.passes.tp import load_shards
 from autopar.runtime.base import EngineInputs, compute_loss, run_recomputed_blocks
 from autopar.runtime.communicator import Communicator, pg_ranks
 from autopar.runtime.data import StepRows, check_like, local_inputs, rank_rows, stand_in_inputs
 from autopar.runtime.pipeline_msg import PipelineMessages
+from autopar.runtime.pipeline_setup import bind_tp_chunks, make_groups, neighbour_pairs, tensor_users
 from autopar.runtime.pipeline_rows import Transfer, check_pipeline_plan, primary_sender, row_layout, transfers
 from autopar.runtime.pipeline_zb import backward_input, backward_weight
 from autopar.runtime.dp_flat import merged_optimizer
 from autopar.runtime.dp_sync import DataParallelSync, KeptGrads
 from autopar.passes.grad_fusion import fuse_linear_grads
-from autopar.runtime.tp import bind_tp_group, gather_full_params, tp_layout, tp_zero_groups
+from autopar.runtime.tp import gather_full_params, tp_zero_groups
 
 __all__ = ["PipelineEngine", "Transfer", "row_layout", "transfers", "primary_sender"]   # rows: pipeline_rows
+
+def _engine_schedule(plan) -> tuple[str, Any]:
+    """(schedule name, its action lists with communication) of a pipeline plan ("none": gpipe)."""
+    name = plan.schedule if plan.schedule != "none" else "gpipe"
+    if name == "zb-h1" and any(len(g) > 1 for st in plan.stages for g in st.groups):
+        raise PlanError("plan.schedule: 'zb-h1' splits backwards on one-rank members; this plan has "
+                        "tensor-parallel members")
+    return name, with_comm(make_schedule(name, plan.num_stages, plan.num_micro_batches, plan.virtual_stages))
+
 
 class PipelineEngine(PipelineMessages):
     """Executes a pipeline ``Plan`` on this rank (see the module docstring): this rank's ``program``
@@ -146,11 +155,7 @@ class PipelineEngine(PipelineMessages):
         self.num_stages = plan.num_stages
         self.num_micro = plan.num_micro_batches
         self.layout = row_layout(plan)
-        name = plan.schedule if plan.schedule != "none" else "gpipe"
-        if name == "zb-h1" and any(len(g) > 1 for st in plan.stages for g in st.groups):
-            raise PlanError("plan.schedule: 'zb-h1' splits backwards on one-rank members; this plan has "
-                            "tensor-parallel members")
-        self.schedule = with_comm(make_schedule(name, self.num_stages, self.num_micro, plan.virtual_stages))
+        name, self.schedule = _engine_schedule(plan)
         self.programs = list(program.stages)
         self.program = self.programs[self.stage] if self.stage is not None else None
         self._locals: dict[int, Any] = {}        # stage -> this rank's TP shard of it (TP members only)
@@ -159,48 +164,13 @@ class PipelineEngine(PipelineMessages):
         self.comm = comm if comm is not None else Communicator.for_engine(inputs.rank, inputs.world_size,
                                                                           inputs.device, inputs.group)
 
-        # Parameters and buffers: which stages use each (by identity; every rank split the same way).
-        users: dict[int, list[int]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        order: list[int] = []
-        for prog in self.programs:
-            for t in list(prog.gm.parameters()) + list(prog.gm.buffers()):
-                if id(t) not in users:
-                    users[id(t)] = []
-                    tensors[id(t)] = t
-                    order.append(id(t))
-                if prog.index not in users[id(t)]:
-                    users[id(t)].append(prog.index)
+        users, tensors, order = tensor_users(self.programs)
         self._owner = {i: users[i][0] for i in order}
         self._tensors = tensors
         self._order = order
-
-        # Groups, created in the same order on every rank: tensor-parallel members, then gradients.
-        self.tp_group = None
-        for st in plan.stages:
-            for members in st.groups:
-                if len(members) > 1:
-                    group = self.comm.new_group(members)
-                    if inputs.rank in members:
-                        self.tp_group = group
-        trainable = [i for i in order if isinstance(tensors[i], torch.nn.Parameter) and tensors[i].requires_grad]
-        by_stages: dict[tuple[int, ...], list[int]] = {}
-        for i in trainable:
-            by_stages.setdefault(tuple(sorted(users[i])), []).append(i)
-        self._grad_groups = []
-        for stages, ids in sorted(by_stages.items()):
-            ranks = sorted({r for s in stages for r in plan.stages[s].ranks})
-            group = self.comm.new_group(ranks) if len(ranks) > 1 else None
-            if set(stages) & set(self.chunks):
-                self._grad_groups.append((group, [tensors[i] for i in ids]))
-
-        # Point-to-point pairs between neighbouring stages.
-        pairs = []
-        for s in range(self.num_stages - 1):
-            for a in plan.stages[s].ranks:
-                for b in plan.stages[s + 1].ranks:
-                    pairs.append((a, b))
-        self.comm.prepare_pairs(pairs)
+        self.tp_group, self._grad_groups = make_groups(self.comm, plan, inputs.rank, self.chunks, users, tensors,
+                                                       order)
+        self.comm.prepare_pairs(neighbour_pairs(plan))
 
         # Every rank starts from the first rank's weights (as DDP does): members of a stage and the
         # copies of a tied parameter must agree even if the model was built without a common seed.
@@ -212,64 +182,21 @@ class PipelineEngine(PipelineMessages):
         # A tensor-parallel member runs its shard of the stage (after the broadcast: shards are copies).
         self._shards: dict[int, tuple[Any, torch.nn.Parameter]] = {}   # id(source param) -> (ParamShard, local)
         if self.stage is not None and len(plan.stages[self.stage].groups[self.member]) > 1:
-            if len(program.local_chunks) != len(self.chunks) - 1:
-                raise PlanError(f"plan.virtual_stages: rank {self.rank} holds chunks {self.chunks} of a "
-                                f"tensor-parallel member but its program has {len(program.local_chunks) + 1}")
-            for s, chunk in zip(self.chunks, (program.local_stage, *program.local_chunks)):
-                local = chunk.gm.to(self.device)
-                load_shards(local, self.programs[s].gm)     # cut again from the broadcast weights
-                bind_tp_group(local, self.tp_group.pg)      # every chunk: the same member, the same group
-                self._locals[s] = chunk
-                if s != self.stage:
-                    self._chunk_precision(chunk, s)
-                for shard in tp_layout(local).params:
-                    source = self.programs[s].gm.get_parameter(shard.source)
-                    if id(source) in self._shards:
-                        raise PlanError(f"plan.stages[{s}]: a parameter sharded in chunk {s} is sharded in "
-                                        f"another chunk of rank {self.rank} too (tied across its chunks)")
-                    self._shards[id(source)] = (shard, local.get_parameter(shard.local))
+            self._locals, self._shards = bind_tp_chunks(program, self.programs, self.chunks, self.stage, self.rank,
+                                                        self.device, self.tp_group, self._chunk_precision)
             self.program = self._locals[self.stage]
         # Every parameter of this rank's chunks, once (a weight tied across its chunks is one tensor).
         self.params = list({id(p): p for s in self.chunks for p in self._prog(s).gm.parameters()
                             if p.requires_grad}.values())
         # The data-parallel sync (runtime.dp_sync) of the parameters only this rank's stage holds: their
         # gradient group leaves _grad_groups for it; shared (tied) ones stay there.
-        self.sync: DataParallelSync | None = None
-        self.zero_stage_applied = 0
-        peers = tp_zero_groups(self.comm.new_group, plan)      # every rank: groups are collective
-        synced = self._sync_params(peers)
-        self._unit_of_block: dict[int, int] = {}    # ZeRO-3 by block: block -> its unit in the sync
-        if synced is not None:
-            params, group, zero, shares = synced
-            units = block_param_units(program.local_blocks, list(params)) \
-                if zero == 3 and program.local_blocks else None
-            self.sync = DataParallelSync(params, inputs.optimizer_factory(params), zero_stage=zero, group=group,
-                                         position=pg_ranks(group).index(inputs.rank), device=self.device,
-                                         shares=shares, overlap=units is not None,
-                                         units=None if units is None else units.units)
-            self.zero_stage_applied = zero
-            if units is not None:     # each recomputed block gathers its unit (``_step_by_block``)
-                self.sync.track_units(units.blocks)
-                self._unit_of_block = {b: u for u, b in enumerate(units.blocks) if b is not None}
-        skip = {id(p) for p in (self.sync.params if self.sync is not None else ())}
-        stepped = [p for p in self.params if id(p) not in skip]
-        self._kept = KeptGrads(stepped)
-        self.optimizer = inputs.optimizer_factory(stepped) if stepped else None
-        if self.sync is not None:       # one optimizer over the sync's shards and the rest: one step
-            self.optimizer = self.sync.optimizer = merged_optimizer(self.sync.optimizer, self.optimizer)
-        # Activation recomputation (``Stage.recompute``): each micro-batch's forward runs under
-        # torch.utils.checkpoint, so only its inputs stay in flight and backward re-runs the forward
-        # (on every rank of a tensor-parallel member alike, collectives included, in the same order).
+        self._build_sync(program, tp_zero_groups(self.comm.new_group, plan))   # every rank: groups are collective
+        self._build_optimizer()
+        # ``Stage.recompute``: each micro-batch's forward under torch.utils.checkpoint (its inputs in flight; backward
+        # re-runs it, on every rank of a tensor-parallel member alike, collectives included, in the same order).
         self.recompute = self.stage is not None and bool(plan.stages[self.stage].recompute)
         self._recompute = {s: bool(plan.stages[s].recompute) for s in self.chunks}
-        self._batched: dict[str, bool] | None = None
-        self._sends: list = []
-        self._signatures: set = set()            # input signatures whose headers have travelled
-        self._meta: dict = {}                    # signature -> {value name: (dtype, grad, shape)}
-        self._signature = None
-        self._known = False                      # this step's signature is in _signatures
-        self._posted_f: dict[tuple, list] = {}   # (stage, micro) -> pre-posted forward receives
-        self._posted_b: dict[tuple, list] = {}   # (stage, micro) -> pre-posted gradient receives
+        self._init_messages()
         # local=True: the rows this rank is given (inputs where its stage reads graph inputs, targets
         # on the last stage) and stand-ins for the inputs it is not given (autopar.runtime.data).
         # With chunks, the rows follow the rank stages (stage s is rank stage s % R; the last chunk is
@@ -289,30 +216,50 @@ class PipelineEngine(PipelineMessages):
                 if kept is not None:
                     self.fused_linears += fuse_linear_grads(gms, kept)
 
+    def _build_optimizer(self) -> None:
+        """One optimizer over the sync's shards and the parameters stepped outside it (kept gradients)."""
+        skip = {id(p) for p in (self.sync.params if self.sync is not None else ())}
+        stepped = [p for p in self.params if id(p) not in skip]
+        self._kept = KeptGrads(stepped)
+        self.optimizer = self.inputs.optimizer_factory(stepped) if stepped else None
+        if self.sync is not None:       # one optimizer over the sync's shards and the rest: one step
+            self.optimizer = self.sync.optimizer = merged_optimizer(self.sync.optimizer, self.optimizer)
+
+    def _init_messages(self) -> None:
+        """The state of the point-to-point messages (``runtime.pipeline_msg``), kept from step to step."""
+        self._batched: dict[str, bool] | None = None
+        self._sends: list = []
+        self._signatures: set = set()            # input signatures whose headers have travelled
+        self._meta: dict = {}                    # signature -> {value name: (dtype, grad, shape)}
+        self._signature = None
+        self._known = False                      # this step's signature is in _signatures
+        self._posted_f: dict[tuple, list] = {}   # (stage, micro) -> pre-posted forward receives
+        self._posted_b: dict[tuple, list] = {}   # (stage, micro) -> pre-posted gradient receives
+
+    def _build_sync(self, program: RankProgram, peers: dict) -> None:
+        """``self.sync``: the data-parallel sync of this rank's own parameters, if any (``_sync_params``);
+        under ZeRO-3 of a stage with blocks, one unit per block (``_step_by_block``)."""
+        self.sync: DataParallelSync | None = None
+        self.zero_stage_applied = 0
+        self._unit_of_block: dict[int, int] = {}    # ZeRO-3 by block: block -> its unit in the sync
+        synced = self._sync_params(peers)
+        if synced is None:
+            return
+        params, group, zero, shares = synced
+        units = block_param_units(program.local_blocks, list(params)) if zero == 3 and program.local_blocks else None
+        self.sync = DataParallelSync(params, self.inputs.optimizer_factory(params), zero_stage=zero, group=group,
+                                     position=pg_ranks(group).index(self.rank), device=self.device, shares=shares,
+                                     overlap=units is not None, units=None if units is None else units.units)
+        self.zero_stage_applied = zero
+        if units is not None:     # each recomputed block gathers its unit (``_step_by_block``)
+            self.sync.track_units(units.blocks)
+            self._unit_of_block = {b: u for u, b in enumerate(units.blocks) if b is not None}
+
     # -- one step -----------------------------------------------------------------------------------
     def step(self, inputs: tuple, targets: torch.Tensor | None, local: bool = False) -> float:
         """One optimizer step on the global batch (``local``: on this rank's rows of it, as
         ``self.local_rows`` says: ranks that read no inputs or compute no loss are given None)."""
-        B = self.plan.global_batch_size
-        if local:
-            flat, in_rows, tgt_rows = self._local_step_inputs(inputs, targets)
-        else:
-            flat = flat_inputs(self.rank_program.gm, inputs if isinstance(inputs, (tuple, list)) else (inputs,))
-            for i, t in enumerate(flat):
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
-                    raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
-            in_rows = tgt_rows = StepRows(B)
-        if self._batched is None and self.stage is not None:
-            names = sorted({n for p in self.programs for n in p.sent})
-            self._batched = batched_values(self.rank_program.gm, flat, names, device=self.device) if names else {}
-
-        self._signature = _signature(flat if not local else stand_in_inputs(self.rank_program.gm, B))
-        self._known = self._signature in self._signatures
-        if self._known:
-            for s in self.chunks:
-                if s > 0:
-                    for m in range(self.num_micro):
-                        self._posted_f[(s, m)] = self._post_forward(s, m)
+        flat, in_rows, tgt_rows = self._step_inputs(inputs, targets, local)
         state: dict[tuple[int, int], dict[str, Any]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t_step = time.perf_counter()
@@ -327,70 +274,105 @@ class PipelineEngine(PipelineMessages):
             loss_sum += self._step_by_block(flat, in_rows, tgt_rows, targets)
             actions = ()
         for action in actions:
-            m, s = action.micro, action.stage
-            a, b = self.layout[s][self.member][m]
+            a, b = self.layout[action.stage][self.member][action.micro]
             if a == b:
                 continue
-            st = state.setdefault((s, m), {})
-            prog = self._prog(s)
-            kind = action.kind
             t_action = time.perf_counter()
-            if kind == "RECV_F":
-                st["received"], st["pieces"] = self._recv_forward(s, m)
-            elif kind == "F":
-                rows = slice(a, b)
-                local = [in_rows.take(t, rows, self.device) for t in flat] if self._reads[s] else [None] * len(flat)
-                tgt = tgt_rows.take(targets, rows, self.device) if prog.is_last else None
-                received = st.get("received", ())
-                with self.clock.compute():
-                    args = (s, (b - a) / B, len(local), len(received), *local, *received, tgt)
-                    if self._recompute[s]:    # save only the inputs; backward re-runs the forward
-                        out = checkpoint(self._forward, *args, use_reentrant=False)
-                    else:
-                        out = self._forward(*args)
-                if prog.is_last:
-                    st["loss"] = out
-                    if self.tp_index == 0:      # a tensor-parallel member's loss counts once
-                        loss_sum += out.detach().to(torch.float64)
-                else:
-                    st["outputs"] = tuple(out)
-            elif kind == "SEND_F":      # every TP rank sends its copy to its peers (``_targets``)
-                self._send_forward(s, m, st["outputs"])
-                self._posted_b[(s, m)] = self._post_backward(s, m, st["outputs"])
-            elif kind == "RECV_B":
-                st["grads"] = self._recv_backward(s, m, st["outputs"])
-            elif kind == "B" or kind == "BI":
-                if prog.is_last:
-                    outs, grads = [st.pop("loss")], None
-                else:
-                    pairs = [(o, g) for o, g in zip(st.pop("outputs"), st.pop("grads")) if g is not None]
-                    outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
-                if outs:
-                    with self.clock.compute():
-                        if kind == "B":
-                            torch.autograd.backward(outs, grads)
-                        else:   # zero-bubble: the input gradient now, the weights' at this BW
-                            leaves = [t for _, ts in st.get("pieces", ()) for t in ts]
-                            st["wgrad"] = backward_input(outs, grads, leaves, self._prog(s).gm.parameters())
-                st["outputs"] = None
-            elif kind == "BW":
-                handle = st.pop("wgrad", None)
-                if handle is not None:
-                    with self.clock.compute():
-                        backward_weight(handle)
-            elif kind == "SEND_B":
-                pieces = st.pop("pieces")
-                self._send_backward(s, m, pieces)
-                st.pop("received", None)
-            trace.append((kind, m, t_action - t_step, time.perf_counter() - t_step))
+            st = state.setdefault((action.stage, action.micro), {})
+            self._act(action.kind, action.stage, action.micro, st, slice(a, b), flat, in_rows, tgt_rows, targets,
+                      loss_sum)
+            trace.append((action.kind, action.micro, t_action - t_step, time.perf_counter() - t_step))
         self.last_trace = tuple(trace)   # (action kind, micro-batch, start s, end s) of this step
         for work in self._sends:
             work.wait()
         self._sends = []
         self._signatures.add(self._signature)      # headers of this signature have travelled
+        self._finish_step()
+        self.comm.all_reduce([loss_sum])
+        return float(loss_sum)
 
-        # Gradients, the optimizer steps and the sync's all-gathers, then the loss: a stage that
-        # finishes early steps its optimizer while the others still compute.
+    def _step_inputs(self, inputs, targets, local: bool) -> tuple[list, StepRows, StepRows]:
+        """(flat inputs, their rows, the targets' rows) of a step, checked; the batched values and the
+        step's signature, and the forward receives posted where the signature is known."""
+        B = self.plan.global_batch_size
+        if local:
+            flat, in_rows, tgt_rows = self._local_step_inputs(inputs, targets)
+        else:
+            flat = flat_inputs(self.rank_program.gm, inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+            for i, t in enumerate(flat):
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != B:
+                    raise ValueError(f"step: input {i} has {t.shape[0]} rows but the plan's global batch is {B}")
+            in_rows = tgt_rows = StepRows(B)
+        if self._batched is None and self.stage is not None:
+            names = sorted({n for p in self.programs for n in p.sent})
+            self._batched = batched_values(self.rank_program.gm, flat, names, device=self.device) if names else {}
+        self._signature = _signature(flat if not local else stand_in_inputs(self.rank_program.gm, B))
+        self._known = self._signature in self._signatures
+        if self._known:
+            for s in self.chunks:
+                if s > 0:
+                    for m in range(self.num_micro):
+                        self._posted_f[(s, m)] = self._post_forward(s, m)
+        return flat, in_rows, tgt_rows
+
+    def _act(self, kind: str, s: int, m: int, st: dict, rows: slice, flat, in_rows: StepRows, tgt_rows: StepRows,
+             targets, loss_sum: torch.Tensor) -> None:
+        """One schedule action of micro-batch ``m`` on stage ``s`` (``st``: its state, ``rows``: this
+        member's rows of it); a last stage's forward adds its loss into ``loss_sum``."""
+        prog = self._prog(s)
+        if kind == "RECV_F":
+            st["received"], st["pieces"] = self._recv_forward(s, m)
+        elif kind == "F":
+            local = [in_rows.take(t, rows, self.device) for t in flat] if self._reads[s] else [None] * len(flat)
+            tgt = tgt_rows.take(targets, rows, self.device) if prog.is_last else None
+            received = st.get("received", ())
+            B = self.plan.global_batch_size
+            with self.clock.compute():
+                args = (s, (rows.stop - rows.start) / B, len(local), len(received), *local, *received, tgt)
+                if self._recompute[s]:    # save only the inputs; backward re-runs the forward
+                    out = checkpoint(self._forward, *args, use_reentrant=False)
+                else:
+                    out = self._forward(*args)
+            if prog.is_last:
+                st["loss"] = out
+                if self.tp_index == 0:      # a tensor-parallel member's loss counts once
+                    loss_sum += out.detach().to(torch.float64)
+            else:
+                st["outputs"] = tuple(out)
+        elif kind == "SEND_F":      # every TP rank sends its copy to its peers (``_targets``)
+            self._send_forward(s, m, st["outputs"])
+            self._posted_b[(s, m)] = self._post_backward(s, m, st["outputs"])
+        elif kind == "RECV_B":
+            st["grads"] = self._recv_backward(s, m, st["outputs"])
+        elif kind == "B" or kind == "BI":
+            self._backward(kind, s, st, prog.is_last)
+        elif kind == "BW":
+            handle = st.pop("wgrad", None)
+            if handle is not None:
+                with self.clock.compute():
+                    backward_weight(handle)
+        elif kind == "SEND_B":
+            self._send_backward(s, m, st.pop("pieces"))
+            st.pop("received", None)
+
+    def _backward(self, kind: str, s: int, st: dict, is_last: bool) -> None:
+        """B: a micro-batch's whole backward; BI (zero-bubble): its input gradient now, the weights' at BW."""
+        if is_last:
+            outs, grads = [st.pop("loss")], None
+        else:
+            pairs = [(o, g) for o, g in zip(st.pop("outputs"), st.pop("grads")) if g is not None]
+            outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if outs:
+            with self.clock.compute():
+                if kind == "B":
+                    torch.autograd.backward(outs, grads)
+                else:
+                    leaves = [t for _, ts in st.get("pieces", ()) for t in ts]
+                    st["wgrad"] = backward_input(outs, grads, leaves, self._prog(s).gm.parameters())
+        st["outputs"] = None
+
+    def _finish_step(self) -> None:
+        """Gradients, optimizer steps, the sync's gathers: an early stage steps while the others compute."""
         self._reduce_gradients()
         if self.sync is not None:
             if self.sync.zero_stage >= 2 and not self._unit_of_block:    # (by block: inside each round)
@@ -401,8 +383,6 @@ class PipelineEngine(PipelineMessages):
         elif self.optimizer is not None:
             with self.clock.compute():
                 self.optimizer.step()
-        self.comm.all_reduce([loss_sum])
-        return float(loss_sum)
 
     def _step_by_block(self, flat, in_rows: StepRows, tgt_rows: StepRows, targets) -> torch.Tensor:
         """The micro-batches of one recomputing stage of TP members at ZeRO-3 (``ir.plan.zero3_by_block``;
