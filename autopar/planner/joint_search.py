@@ -128,6 +128,54 @@ class GroupingState:
     feasible: bool | None = None
 
 
+def _search_items(ctx: JointContext, entries: list[GroupingState], num_micro: int | None) -> tuple[list, list]:
+    """((split lower bound, entry index, M) of every (grouping, micro-batch count), per entry its largest count)."""
+    items = []
+    largest = []
+    for e, entry in enumerate(entries):
+        S = len(entry.prep)
+        counts = ((num_micro,) if num_micro is not None else
+                  micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
+        largest.append(counts[-1])
+        items += [(bound, e, M) for bound, M in zip(split_lower_bounds(ctx, entry.prep, counts), counts)]
+    return items, largest
+
+
+def _tail(ctx: JointContext, tails: dict, e: int, entry: GroupingState, M: int, sizes) -> float:
+    """What follows the schedule (``cost.pipeline`` ``_finish_s``: gradient all-reduce, optimizer
+    step, ZeRO gather) on the slowest stage: the split estimate leaves it out, so ranking by the
+    estimate alone would favour many members per stage (whose all-reduce it ignores). ``tails``: the
+    stages' tails priced so far in this search."""
+    z = ctx.zero_for(M)
+    out, start = 0.0, 0
+    for s, k in enumerate(sizes):
+        key = (e, s, start, start + k, z)
+        if key not in tails:
+            tails[key] = stage_tail_s(ctx, entry.grouping.stages[s], start, start + k, z)
+        out = max(out, tails[key])
+        start += k
+    return out
+
+
+def _solve(ctx: JointContext, entry: GroupingState, M: int, schedule: str, limit):
+    """The exact split of ``entry`` at M micro-batches: (sizes, estimate, recompute flags); "infeasible"
+    where no split fits, None where its bound exceeds ``limit()`` or no split is found."""
+    if not joint_split_feasible(ctx, entry.prep, M, schedule, ctx.recompute):
+        return "infeasible"   # most (grouping, M) of a large model: no tensor needed to know
+    cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
+    floor = min_bottleneck(cost)
+    if not math.isfinite(floor):
+        return "infeasible"
+    if M * floor > limit():
+        return None
+    got = split_blocks(cost, M)
+    if got is None:
+        return None
+    bounds = np.concatenate([[0], np.cumsum(got[0])])
+    flags = tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in range(len(got[0])))
+    return got[0], got[1], flags
+
+
 def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_micro: int | None,
            best_s: float, keep: int | None = None, stats: dict | None = None) -> tuple[list[tuple[float, int, int, tuple[int, ...],
                                                                        tuple[bool, ...]]], int]:
@@ -149,14 +197,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
     ``stats``, when given, receives ``candidates`` (every (grouping, micro-batch count)), ``unfit``
     (those skipped because their grouping cannot hold the model) and ``solved`` (the split DP ran);
     the others were pruned by their lower bounds."""
-    items = []
-    largest = []              # per entry: its largest micro-batch count
-    for e, entry in enumerate(entries):
-        S = len(entry.prep)
-        counts = ((num_micro,) if num_micro is not None else
-                  micro_candidates(ctx.global_batch, S, entry.grouping.max_members))
-        largest.append(counts[-1])
-        items += [(bound, e, M) for bound, M in zip(split_lower_bounds(ctx, entry.prep, counts), counts)]
+    items, largest = _search_items(ctx, entries, num_micro)
     best_est = best_s
     found = []
     solved = 0
@@ -168,35 +209,8 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
 
     tails: dict = {}
 
-    def tail(e, entry, M, sizes) -> float:
-        """What follows the schedule (``cost.pipeline`` ``_finish_s``: gradient all-reduce, optimizer
-        step, ZeRO gather) on the slowest stage: the split estimate leaves it out, so ranking by the
-        estimate alone would favour many members per stage (whose all-reduce it ignores)."""
-        z = ctx.zero_for(M)
-        out, start = 0.0, 0
-        for s, k in enumerate(sizes):
-            key = (e, s, start, start + k, z)
-            if key not in tails:
-                tails[key] = stage_tail_s(ctx, entry.grouping.stages[s], start, start + k, z)
-            out = max(out, tails[key])
-            start += k
-        return out
-
     def solve(entry, M):
-        if not joint_split_feasible(ctx, entry.prep, M, schedule, ctx.recompute):
-            return "infeasible"   # most (grouping, M) of a large model: no tensor needed to know
-        cost, rc = joint_cost_tensor(ctx, entry.prep, M, schedule, ctx.recompute)
-        floor = min_bottleneck(cost)
-        if not math.isfinite(floor):
-            return "infeasible"
-        if M * floor > limit():
-            return None
-        got = split_blocks(cost, M)
-        if got is None:
-            return None
-        bounds = np.concatenate([[0], np.cumsum(got[0])])
-        flags = tuple(bool(rc[s, bounds[s], bounds[s + 1]]) for s in range(len(got[0])))
-        return got[0], got[1], flags
+        return _solve(ctx, entry, M, schedule, limit)
 
     # the tail bound is costly: only for what the split bound alone does not prune
     order = best_first(items, lambda e, M: tail_lower_bound(ctx, entries[e], M), limit)
@@ -218,7 +232,7 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
         if got is None or got == "infeasible":
             continue
         sizes, est, flags = got
-        est += tail(e, entry, M, sizes)
+        est += _tail(ctx, tails, e, entry, M, sizes)
         found.append((est, e, M, sizes, flags))
         best_est = min(best_est, est)
         if keep is not None:

@@ -168,48 +168,8 @@ class DataParallelEngine:
         self._check_plan()
 
         stage = plan.stages[0]
-        self._members = tuple(g[0] for g in stage.groups)
-        group_ranks = self._group_ranks()
-        outside = sorted(set(self._members) - set(group_ranks))
-        if outside:
-            raise DataParallelError(f"plan: ranks {outside} are not in the process group (ranks "
-                                    f"{group_ranks}); pass EngineInputs.group over the plan's ranks")
-        if inputs.rank not in group_ranks:
-            raise DataParallelError(f"rank: {inputs.rank} is not in the process group {group_ranks}")
-        self._position = group_ranks.index(inputs.rank)
-        # Alone in the group: no collective, no flat buffer, the user's optimizer (module docstring).
-        self._solo = len(group_ranks) == 1 and self.zero_stage < 3
-        self._src_rank = self._members[0]
-        if inputs.rank in self._members:
-            member = self._members.index(inputs.rank)
-            self._share = share_slices(plan)[member]
-            self._micro = micro_slices(stage.micro_batches[member], self._share.start)
-        else:                                         # an idle rank: no samples, no shard
-            self._share, self._micro = slice(0, 0), []
-        self._rounds = max(len(m) for m in stage.micro_batches)
-        # The rows a local=True step is given (autopar.runtime.data), and how this step's tensors hold them.
-        self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None)
-        self._rows = StepRows(plan.global_batch_size)
-        # Shares by position (zero_shares are given per member, in member order; idle ranks get 0).
-        shares = [0.0] * len(group_ranks)
-        for g, r in enumerate(self._members):
-            shares[group_ranks.index(r)] = float(stage.zero_shares[g]) if stage.zero_shares else 1.0
-
-        deferred = materialize is not None and self.zero_stage == 3 and \
-            any(p.is_meta for p in inputs.model.parameters() if p.requires_grad)
-        if materialize is not None and not deferred and any(p.is_meta for p in inputs.model.parameters()):
-            raise DataParallelError("materialize: only ZeRO-3 materialises parameters unit by unit; this plan "
-                                    f"runs ZeRO-{self.zero_stage} (materialise the model before building the engine)")
-        # .to() cannot move meta tensors: a deferred model moves once every unit is materialised.
-        self.model = inputs.model if deferred else inputs.model.to(self.device)
-        self.gm = (program.gm if deferred else program.gm.to(self.device)) if program.gm is not None else self.model
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        if not trainable:
-            raise DataParallelError("model: has no trainable parameters")
-        dtypes = {p.dtype for p in trainable}
-        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-            raise DataParallelError(f"model: trainable parameters must share one floating dtype, got {dtypes}")
-        self.dtype = next(iter(dtypes))
+        shares = self._place_rank(stage)
+        deferred, trainable = self._place_model(materialize)
         self.recompute = bool(getattr(stage, "recompute", False))
         self._block_programs = list(program.blocks) if self.recompute else None
         for prog in (self._block_programs or ()) if not deferred else ():
@@ -263,6 +223,59 @@ class DataParallelEngine:
         gms = [b.gm for b in self._block_programs] if self._block_programs is not None else [self.gm]
         self.fused_linears = fuse_linear_grads(gms, kept) \
             if kept is not None and all(isinstance(g, fx.GraphModule) for g in gms) else 0
+
+    def _place_model(self, materialize) -> tuple[bool, list]:
+        """(whether ZeRO-3 materialises the model unit by unit, its trainable parameters): the model and
+        graph on this rank's device (.to() cannot move meta tensors: a deferred model moves once every
+        unit is materialised), the parameters checked to share one floating dtype."""
+        inputs, program = self.inputs, self.program
+        deferred = materialize is not None and self.zero_stage == 3 and \
+            any(p.is_meta for p in inputs.model.parameters() if p.requires_grad)
+        if materialize is not None and not deferred and any(p.is_meta for p in inputs.model.parameters()):
+            raise DataParallelError("materialize: only ZeRO-3 materialises parameters unit by unit; this plan "
+                                    f"runs ZeRO-{self.zero_stage} (materialise the model before building the engine)")
+        self.model = inputs.model if deferred else inputs.model.to(self.device)
+        self.gm = (program.gm if deferred else program.gm.to(self.device)) if program.gm is not None else self.model
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not trainable:
+            raise DataParallelError("model: has no trainable parameters")
+        dtypes = {p.dtype for p in trainable}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise DataParallelError(f"model: trainable parameters must share one floating dtype, got {dtypes}")
+        self.dtype = next(iter(dtypes))
+        return deferred, trainable
+
+    def _place_rank(self, stage) -> list[float]:
+        """This rank's place in the plan: its position in the group, its rows and micro-batches (none on
+        an idle rank), the rows a local=True step is given; returns the ZeRO shares by position
+        (``zero_shares`` are given per member, in member order; idle ranks get 0)."""
+        inputs, plan = self.inputs, self.plan
+        self._members = tuple(g[0] for g in stage.groups)
+        group_ranks = self._group_ranks()
+        outside = sorted(set(self._members) - set(group_ranks))
+        if outside:
+            raise DataParallelError(f"plan: ranks {outside} are not in the process group (ranks "
+                                    f"{group_ranks}); pass EngineInputs.group over the plan's ranks")
+        if inputs.rank not in group_ranks:
+            raise DataParallelError(f"rank: {inputs.rank} is not in the process group {group_ranks}")
+        self._position = group_ranks.index(inputs.rank)
+        # Alone in the group: no collective, no flat buffer, the user's optimizer (module docstring).
+        self._solo = len(group_ranks) == 1 and self.zero_stage < 3
+        self._src_rank = self._members[0]
+        if inputs.rank in self._members:
+            member = self._members.index(inputs.rank)
+            self._share = share_slices(plan)[member]
+            self._micro = micro_slices(stage.micro_batches[member], self._share.start)
+        else:                                         # an idle rank: no samples, no shard
+            self._share, self._micro = slice(0, 0), []
+        self._rounds = max(len(m) for m in stage.micro_batches)
+        # The rows a local=True step is given (autopar.runtime.data), and how this step's tensors hold them.
+        self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None)
+        self._rows = StepRows(plan.global_batch_size)
+        shares = [0.0] * len(group_ranks)
+        for g, r in enumerate(self._members):
+            shares[group_ranks.index(r)] = float(stage.zero_shares[g]) if stage.zero_shares else 1.0
+        return shares
 
     def _materialize_unit(self, params: list, materialize: "Materializer", name_of: dict,
                           program: RankProgram) -> list:

@@ -102,26 +102,7 @@ class DataParallelSync:
         if self.zero_stage >= 1:
             check_elementwise(probe, self.zero_stage)
 
-        # Each unit: made (prepare_unit), flattened, broadcast from src, this rank's shard kept;
-        # ZeRO 0-2 keep the flat buffer as the parameters' storage, ZeRO-3 frees the full weights.
-        shards, self.param_flats = [], []
-        self.full_buffers: list[torch.Tensor] = []      # ZeRO-3: each unit's full buffer, freed or gathered
-        for u in range(len(self.units)):
-            if prepare_unit is not None:
-                idx = self.unit_params[u]
-                for i, p in zip(idx, prepare_unit(u, [self.params[i] for i in idx])):
-                    self.params[i] = p
-            flat = self._flatten(u)
-            if self.zero_stage < 3:
-                self.param_flats.append(flat)
-                self._bind_param_views(u, flat)
-            if src is not None:
-                pg_broadcast(flat, src=src, group=group)
-            lo, hi = self.units[u].shard(self.position)
-            shards.append(flat[lo:hi].clone() if self.zero_stage == 3 else flat[lo:hi])
-            del flat
-            if self.zero_stage == 3:
-                self._hold_unit(u)
+        shards = self._flatten_units(src, prepare_unit)
         self.where = {id(self.params[i]): (u, k) for u, idx in enumerate(self.unit_params)
                       for k, i in enumerate(idx)}
         # (flat shard Parameter, unit, [start, stop) in the unit's flat buffer)
@@ -132,25 +113,7 @@ class DataParallelSync:
             self.optimizer, self.shard_params = sharded_optimizer(
                 probe, self.units, shards, self.position, self.zero_stage, self.dtype, self.device)
         del shards
-        new = dict(dtype=self.dtype, device=self.device)
-        self.grad_flats = self.shard_grads = None
-        self.buckets = self._grads = None
-        if self.zero_stage in (0, 1):
-            self.grad_flats = [torch.zeros(layout.total_numel, **new) for layout in self.units]
-            if self.overlap and n > 1:
-                self.buckets = GradBuckets(self.unit_params, self.units, self.grad_flats, group, pause, bucket_bytes)
-            views: list = [None] * len(self.params)     # each .grad's place in its unit's flat gradient
-            for u, flat in enumerate(self.grad_flats):
-                for i, o, k in zip(self.unit_params[u], self.units[u].offsets, self.units[u].numels):
-                    views[i] = flat[o:o + k].view(self.shapes[i])
-            # each step's first gradient is copied into its view, which .grad then is (KeptGrads)
-            self._grads = KeptGrads(self.params, into=views,
-                                    then=self.buckets.grad_ready if self.buckets is not None else None)
-        if self.zero_stage >= 2 or (self.zero_stage == 1 and self.buckets is None):
-            # the shard's gradient sum (ZeRO-1 without buckets reduce-scatters into it, as Megatron's
-            # distributed optimizer: the bytes of the all-reduce it replaces, half of them moved)
-            self.shard_grads = [torch.zeros(hi - lo, **new)
-                                for lo, hi in (layout.shard(self.position) for layout in self.units)]
+        self._gradient_buffers(n, pause, bucket_bytes)
         # ZeRO-3 state
         self._gathered = [False] * len(self.units)
         self._inflight: dict[int, PendingCollective] = {}
@@ -163,6 +126,53 @@ class DataParallelSync:
         self._in_backward = False
         self._blocks: tuple = (None,) * len(self.units)
         self._unpacks = False
+
+    def _flatten_units(self, src: int | None, prepare_unit) -> list[torch.Tensor]:
+        """This rank's shard of every unit: made (``prepare_unit``), flattened, broadcast from ``src``.
+        ZeRO 0-2 keep the flat buffer as the parameters' storage, ZeRO-3 frees the full weights."""
+        shards, self.param_flats = [], []
+        self.full_buffers: list[torch.Tensor] = []      # ZeRO-3: each unit's full buffer, freed or gathered
+        for u in range(len(self.units)):
+            if prepare_unit is not None:
+                idx = self.unit_params[u]
+                for i, p in zip(idx, prepare_unit(u, [self.params[i] for i in idx])):
+                    self.params[i] = p
+            flat = self._flatten(u)
+            if self.zero_stage < 3:
+                self.param_flats.append(flat)
+                self._bind_param_views(u, flat)
+            if src is not None:
+                pg_broadcast(flat, src=src, group=self.group)
+            lo, hi = self.units[u].shard(self.position)
+            shards.append(flat[lo:hi].clone() if self.zero_stage == 3 else flat[lo:hi])
+            del flat
+            if self.zero_stage == 3:
+                self._hold_unit(u)
+        return shards
+
+    def _gradient_buffers(self, n: int, pause, bucket_bytes: int) -> None:
+        """ZeRO 0/1: the flat gradients (each .grad a view of it, bucketed over ``n`` ranks with
+        overlap); ZeRO >= 2, and ZeRO-1 without buckets: the shard's gradient sum."""
+        new = dict(dtype=self.dtype, device=self.device)
+        self.grad_flats = self.shard_grads = None
+        self.buckets = self._grads = None
+        if self.zero_stage in (0, 1):
+            self.grad_flats = [torch.zeros(layout.total_numel, **new) for layout in self.units]
+            if self.overlap and n > 1:
+                self.buckets = GradBuckets(self.unit_params, self.units, self.grad_flats, self.group, pause,
+                                           bucket_bytes)
+            views: list = [None] * len(self.params)     # each .grad's place in its unit's flat gradient
+            for u, flat in enumerate(self.grad_flats):
+                for i, o, k in zip(self.unit_params[u], self.units[u].offsets, self.units[u].numels):
+                    views[i] = flat[o:o + k].view(self.shapes[i])
+            # each step's first gradient is copied into its view, which .grad then is (KeptGrads)
+            self._grads = KeptGrads(self.params, into=views,
+                                    then=self.buckets.grad_ready if self.buckets is not None else None)
+        if self.zero_stage >= 2 or (self.zero_stage == 1 and self.buckets is None):
+            # the shard's gradient sum (ZeRO-1 without buckets reduce-scatters into it, as Megatron's
+            # distributed optimizer: the bytes of the all-reduce it replaces, half of them moved)
+            self.shard_grads = [torch.zeros(hi - lo, **new)
+                                for lo, hi in (layout.shard(self.position) for layout in self.units)]
 
     # -- layout ----------------------------------------------------------------------------------
     @property

@@ -291,21 +291,7 @@ class TensorParallelEngine:
         self.local_rows = rank_rows(plan, inputs.rank, targets=inputs.loss_fn is not None)
         self._rows = StepRows(plan.global_batch_size)
 
-        # Sub-groups: every rank creates every group, in the same order.
-        self.tp_group = None
-        for m in self._members:
-            if len(m) > 1:
-                pg = pg_new_group(m)
-                if inputs.rank in m:
-                    self.tp_group = pg
-        self._equal = len(set(shares)) == 1
-        self.dp_group = None
-        if self._equal and len(self._members) > 1:
-            for i in range(len(self._members[0])):
-                pg = pg_new_group([m[i] for m in self._members])
-                if i == self._tp_index:
-                    self.dp_group = pg
-
+        self._make_groups(shares)
         self.model = _to_device(inputs.model, self.device)
         source = _to_device(program.gm, self.device) if program.gm is not None else None
         if source is None or program.tp_module is None:
@@ -325,18 +311,7 @@ class TensorParallelEngine:
         self._load_shards(source)
         if self._member is not None:
             bind_tp_group(self.gm, self.tp_group)
-        # The full weights of sharded Linears are no longer needed on this rank: free them (as ZeRO-3
-        # does; state_dict() rebuilds them from the shards). From a meta model they were never made.
-        with torch.no_grad():
-            for s in self.layout.params:
-                p = source.get_parameter(s.source)
-                if not p.is_meta:
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        # model state_dict keys of each parameter of the source graph (tied parameters have several)
-        keys_of: dict[int, list[str]] = {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            keys_of.setdefault(id(t), []).append(key)
-        self._source_keys = {name: keys_of.get(id(p), []) for name, p in source.named_parameters()}
+        self._free_sources(source)
         self._params = [p for p in self.gm.parameters() if p.requires_grad]
         # The data-parallel sync over this TP index's ranks of every member (``runtime.dp_sync``), when
         # every member has the same shares (so their local tensors lay out alike); else full-model buffers.
@@ -348,6 +323,38 @@ class TensorParallelEngine:
                                          group=self.dp_group, position=pg_ranks(self.dp_group).index(inputs.rank),
                                          device=self.device, overlap=False)
             self.optimizer = self.sync.optimizer
+
+    def _make_groups(self, shares) -> None:
+        """Sub-groups, every rank creating every group in the same order: each TP member's, then, when
+        every member has the same shares, one data-parallel group per TP index."""
+        rank = self.inputs.rank
+        self.tp_group = None
+        for m in self._members:
+            if len(m) > 1:
+                pg = pg_new_group(m)
+                if rank in m:
+                    self.tp_group = pg
+        self._equal = len(set(shares)) == 1
+        self.dp_group = None
+        if self._equal and len(self._members) > 1:
+            for i in range(len(self._members[0])):
+                pg = pg_new_group([m[i] for m in self._members])
+                if i == self._tp_index:
+                    self.dp_group = pg
+
+    def _free_sources(self, source: fx.GraphModule) -> None:
+        """The full weights of sharded Linears are no longer needed on this rank: freed (as ZeRO-3 does;
+        state_dict() rebuilds them from the shards; from a meta model they were never made). Keeps the
+        model's state_dict keys of each source parameter (tied parameters have several)."""
+        with torch.no_grad():
+            for s in self.layout.params:
+                p = source.get_parameter(s.source)
+                if not p.is_meta:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        keys_of: dict[int, list[str]] = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            keys_of.setdefault(id(t), []).append(key)
+        self._source_keys = {name: keys_of.get(id(p), []) for name, p in source.named_parameters()}
 
     def _load_shards(self, source: fx.GraphModule) -> None:
         """Each sharded parameter's values, cut from its full parameter of ``source``; a full parameter
