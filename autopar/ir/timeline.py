@@ -128,22 +128,13 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
     done plus the transfer. Raises ``ScheduleError`` on a malformed schedule or a deadlock, naming
     the stuck actions."""
     S, M, nw = schedule.num_stages, schedule.num_micro, schedule.num_workers
-    fwd = _as_matrix(fwd_time_s, (S, M), "fwd_time_s").tolist()   # lists of floats: fast scalar access
-    bwd_a = _as_matrix(bwd_time_s, (S, M), "bwd_time_s")
-    bwd = bwd_a.tolist()
-    comm_f = (np.zeros((S - 1, M)) if comm_time_s is None
-              else _as_matrix(comm_time_s, (S - 1, M), "comm_time_s")).tolist()
-    comm_b = comm_f if comm_bwd_time_s is None else _as_matrix(comm_bwd_time_s, (S - 1, M), "comm_bwd_time_s").tolist()
-    wgr = (bwd_a / 2 if wgrad_time_s is None else np.minimum(_as_matrix(wgrad_time_s, (S, M), "wgrad_time_s"),
-                                                               bwd_a)).tolist()
+    fwd, bwd, comm_f, comm_b, wgr = _durations(S, M, fwd_time_s, bwd_time_s, comm_time_s, comm_bwd_time_s,
+                                               wgrad_time_s)
     explicit = _validate(schedule, M)
-
     # done[kind][s][m]: end time (issue time for sends) or None; "G": when stage s's gradient of
     # micro-batch m's input exists (its B or I ended)
     done: dict[str, list[list[float | None]]] = {
         k: [[None] * M for _ in range(S)] for k in COMPUTE_KINDS + COMM_KINDS + ("G",)}
-    d_f, d_g, d_bi = done["F"], done["G"], done["BI"]
-    d_recv_f, d_recv_b, d_send_f, d_send_b = done["RECV_F"], done["RECV_B"], done["SEND_F"], done["SEND_B"]
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(nw)]
     transfers: list[list[tuple[Action, float, float]]] = [[] for _ in range(nw)]
     busy = [0.0] * nw
@@ -154,107 +145,17 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
     # the implied receives' Actions of the transfers (shared rows, not one new Action per transfer)
     recv_f = [action_row(s, "RECV_F", M) if s > 0 else None for s in range(S)] if not explicit else None
     recv_b = [action_row(s, "RECV_B", M) if s < last else None for s in range(S)] if not explicit else None
+    run = (fwd, bwd, wgr, comm_f, comm_b, explicit, last, recv_f, recv_b, done, done["F"], done["G"], done["BI"],
+           done["RECV_F"], done["RECV_B"])
 
     queue = deque(range(nw))
     queued = [True] * nw
     while queue:
         w = queue.popleft()
         queued[w] = False
-        acts = lists[w]
-        n_acts = len(acts)
-        ev, tr = events[w], transfers[w]
-        i0 = i = ptr[w]
-        fw, bz = free[w], busy[w]   # the worker's free time and busy seconds, written back below
-        while i < n_acts:
-            action = acts[i]
-            s, k, m = action.stage, action.kind, action.micro
-            # when the inputs of the action are available on its worker (break: a dependency is not done)
-            if k == "F":
-                if s == 0:
-                    t_ready = 0.0
-                elif explicit:
-                    t_ready = d_recv_f[s][m]
-                    if t_ready is None:
-                        break
-                else:
-                    t0 = d_f[s - 1][m]
-                    if t0 is None:
-                        break
-                    t_ready = t0 + comm_f[s - 1][m]
-                start = fw if fw > t_ready else t_ready
-                dur = fwd[s][m]
-                end = start + dur
-                bz += dur
-                fw = end
-                ev.append((action, start, end))
-                if s > 0 and not explicit:
-                    tr.append((recv_f[s][m], t0, t_ready))
-                d_f[s][m] = end
-            elif k == "B" or k == "BI":
-                t_f = d_f[s][m]
-                if t_f is None:
-                    break
-                if s == last:
-                    t_ready = t_f
-                elif explicit:
-                    t = d_recv_b[s][m]
-                    if t is None:
-                        break
-                    t_ready = t_f if t_f > t else t
-                else:
-                    t0 = d_g[s + 1][m]
-                    if t0 is None:
-                        break
-                    t = t0 + comm_b[s][m]
-                    t_ready = t_f if t_f > t else t
-                start = fw if fw > t_ready else t_ready
-                dur = bwd[s][m] if k == "B" else bwd[s][m] - wgr[s][m]
-                end = start + dur
-                bz += dur
-                fw = end
-                ev.append((action, start, end))
-                d_g[s][m] = end
-                if s < last and not explicit:
-                    tr.append((recv_b[s][m], t0, t))
-                done[k][s][m] = end
-            elif k == "BW":
-                t_ready = d_bi[s][m]
-                if t_ready is None:
-                    break
-                start = fw if fw > t_ready else t_ready
-                dur = wgr[s][m]
-                end = start + dur
-                bz += dur
-                fw = end
-                ev.append((action, start, end))
-                done[k][s][m] = end
-            else:
-                if k == "SEND_F":
-                    t_ready = d_f[s][m]
-                elif k == "SEND_B":
-                    t_ready = d_g[s][m]
-                elif k == "RECV_F":
-                    t = d_send_f[s - 1][m]
-                    t_ready = None if t is None else t + comm_f[s - 1][m]
-                else:   # RECV_B
-                    t = d_send_b[s + 1][m]
-                    t_ready = None if t is None else t + comm_b[s][m]
-                if t_ready is None:
-                    break
-                if k == "SEND_F" or k == "SEND_B":
-                    end = start = fw if fw > t_ready else t_ready   # asynchronous: issued, no worker time
-                    ev.append((action, start, end))
-                else:   # a blocking receive: the worker waits until the data has arrived
-                    start = fw
-                    end = fw if fw > t_ready else t_ready
-                    fw = end
-                    ev.append((action, start, end))
-                    comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
-                    tr.append((action, t_ready - comm, t_ready))
-                done[k][s][m] = end
-            i += 1
-        ptr[w], free[w], busy[w] = i, fw, bz
-        if i > i0:
+        i0 = ptr[w]
+        ptr[w], free[w], busy[w] = _advance(run, lists[w], i0, free[w], busy[w], events[w], transfers[w])
+        if ptr[w] > i0:
             for n in ((w - 1) % nw, (w + 1) % nw):
                 if n != w and not queued[n] and ptr[n] < len(lists[n]):
                     queue.append(n)
@@ -268,6 +169,126 @@ def simulate(schedule: PipelineSchedule, fwd_time_s, bwd_time_s, comm_time_s=Non
     step = max((max(map(_END, ev)) for ev in events if ev), default=0.0)
     return Timeline(events=tuple(map(tuple, events)), transfers=tuple(map(tuple, transfers)),
                     step_time_s=float(step), busy_s=tuple(map(float, busy)), schedule_name=schedule.name)
+
+
+def _durations(S: int, M: int, fwd_time_s, bwd_time_s, comm_time_s, comm_bwd_time_s, wgrad_time_s) -> tuple:
+    """simulate's duration tables as lists of lists of floats (fast scalar access): forward, backward,
+    forward transfer, backward transfer (None: the forward's), the W part of a split backward (None: half)."""
+    fwd = _as_matrix(fwd_time_s, (S, M), "fwd_time_s").tolist()
+    bwd_a = _as_matrix(bwd_time_s, (S, M), "bwd_time_s")
+    comm_f = (np.zeros((S - 1, M)) if comm_time_s is None
+              else _as_matrix(comm_time_s, (S - 1, M), "comm_time_s")).tolist()
+    comm_b = comm_f if comm_bwd_time_s is None else _as_matrix(comm_bwd_time_s, (S - 1, M), "comm_bwd_time_s").tolist()
+    wgr = (bwd_a / 2 if wgrad_time_s is None else np.minimum(_as_matrix(wgrad_time_s, (S, M), "wgrad_time_s"),
+                                                               bwd_a)).tolist()
+    return fwd, bwd_a.tolist(), comm_f, comm_b, wgr
+
+
+def _advance(run: tuple, acts, i: int, fw: float, bz: float, ev: list, tr: list) -> tuple[int, float, float]:
+    """Run one worker's actions from ``acts[i]`` on, until one waits on a dependency not done yet:
+    (its next action's index, its free time, its busy seconds). An action starts when its worker is
+    free and its inputs are available on its worker (a transfer after their producer)."""
+    fwd, bwd, wgr, comm_f, comm_b, explicit, last, recv_f, recv_b, done, d_f, d_g, d_bi, d_recv_f, d_recv_b = run
+    n_acts = len(acts)
+    while i < n_acts:
+        action = acts[i]
+        s, k, m = action.stage, action.kind, action.micro
+        if k == "F":
+            if s == 0:
+                t_ready = 0.0
+            elif explicit:
+                t_ready = d_recv_f[s][m]
+                if t_ready is None:
+                    break
+            else:
+                t0 = d_f[s - 1][m]
+                if t0 is None:
+                    break
+                t_ready = t0 + comm_f[s - 1][m]
+            start = fw if fw > t_ready else t_ready
+            dur = fwd[s][m]
+            end = start + dur
+            bz += dur
+            fw = end
+            ev.append((action, start, end))
+            if s > 0 and not explicit:
+                tr.append((recv_f[s][m], t0, t_ready))
+            d_f[s][m] = end
+        elif k == "B" or k == "BI":
+            t_f = d_f[s][m]
+            if t_f is None:
+                break
+            if s == last:
+                t_ready = t_f
+            elif explicit:
+                t = d_recv_b[s][m]
+                if t is None:
+                    break
+                t_ready = t_f if t_f > t else t
+            else:
+                t0 = d_g[s + 1][m]
+                if t0 is None:
+                    break
+                t = t0 + comm_b[s][m]
+                t_ready = t_f if t_f > t else t
+            start = fw if fw > t_ready else t_ready
+            dur = bwd[s][m] if k == "B" else bwd[s][m] - wgr[s][m]
+            end = start + dur
+            bz += dur
+            fw = end
+            ev.append((action, start, end))
+            d_g[s][m] = end
+            if s < last and not explicit:
+                tr.append((recv_b[s][m], t0, t))
+            done[k][s][m] = end
+        elif k == "BW":
+            t_ready = d_bi[s][m]
+            if t_ready is None:
+                break
+            start = fw if fw > t_ready else t_ready
+            dur = wgr[s][m]
+            end = start + dur
+            bz += dur
+            fw = end
+            ev.append((action, start, end))
+            done[k][s][m] = end
+        else:
+            got = _communicate(action, fw, comm_f, comm_b, done, ev, tr)
+            if got is None:
+                break
+            fw = got
+        i += 1
+    return i, fw, bz
+
+
+def _communicate(action: Action, fw: float, comm_f, comm_b, done: dict, ev: list, tr: list) -> float | None:
+    """An explicit send or receive at worker free time ``fw``: the worker's free time after it, or None
+    while its data is not there yet. A send is asynchronous (issued, no worker time); a receive blocks
+    until the data has arrived."""
+    s, k, m = action.stage, action.kind, action.micro
+    if k == "SEND_F":
+        t_ready = done["F"][s][m]
+    elif k == "SEND_B":
+        t_ready = done["G"][s][m]
+    elif k == "RECV_F":
+        t = done["SEND_F"][s - 1][m]
+        t_ready = None if t is None else t + comm_f[s - 1][m]
+    else:   # RECV_B
+        t = done["SEND_B"][s + 1][m]
+        t_ready = None if t is None else t + comm_b[s][m]
+    if t_ready is None:
+        return None
+    if k == "SEND_F" or k == "SEND_B":
+        end = start = fw if fw > t_ready else t_ready
+        ev.append((action, start, end))
+    else:
+        start = fw
+        end = fw = fw if fw > t_ready else t_ready
+        ev.append((action, start, end))
+        comm = comm_f[s - 1][m] if k == "RECV_F" else comm_b[s][m]
+        tr.append((action, t_ready - comm, t_ready))
+    done[k][s][m] = end
+    return fw
 
 
 def dry_run(schedule: PipelineSchedule) -> Timeline:
