@@ -91,6 +91,61 @@ def tp_collective_phases(costs, alpha_s: float, beta_s_per_byte: float, micro_ba
     return {k: v for k, v in out.items() if v > 0}
 
 
+def _pipeline_allreduces(plan, costs, cluster) -> dict[int, dict[str, float]]:
+    """A pipeline's tied parameters' and loss sum's all-reduces per rank (cost.pipeline._finish_s)."""
+    from autopar.cost.pipeline import pipeline_loss_allreduce_s, tied_allreduces_s
+
+    out: dict[int, dict[str, float]] = {}
+    loss = pipeline_loss_allreduce_s(plan, cluster)
+    for r in sorted(set(plan.ranks)):
+        _add(out.setdefault(r, {}), "all_reduce", loss)
+    for r, t in tied_allreduces_s(plan, costs, cluster).items():
+        _add(out.setdefault(r, {}), "all_reduce", t)
+    return out
+
+
+def _add_micro_steps(d: dict, plan, costs, cluster, s: int, g: int, r: int, i: int, tp: tuple | None,
+                     rho: float) -> None:
+    """Into ``d``, rank ``r``'s forward, backward, TP collectives and pipeline transfers of every
+    micro-batch of member ``g`` of stage ``s`` (``i``: its TP index; ``tp``: the member's (alpha, beta,
+    types, shares, sequence parallel, SP link, hides) when it is a TP group)."""
+    from autopar.cost import comm
+    from autopar.cost import tp as tp_cost
+
+    st = plan.stages[s]
+    single = plan.num_stages == 1
+    blocks = slice(st.block_start, st.block_stop)
+    t = cluster.devices[r].spec.name
+    call_f = costs.call_overhead(t, "micro_step" if single else "forward")
+    call_b = 0.0 if single else costs.call_overhead(t, "backward")
+    for x in st.micro_batches[g]:
+        if x <= 0:
+            continue
+        if tp is not None:
+            alpha, beta, types, shares, sp_on, sp_link, hides = tp
+            fr, br = tp_cost.rank_block_times(costs, types, shares, x, rho, sp_on)
+            f, b = float(fr[i, blocks].sum()), float(br[i, blocks].sum())
+        else:
+            f, b = float(costs.fwd_time(t, x)[blocks].sum()), float(costs.bwd_time(t, x)[blocks].sum())
+        if st.recompute:
+            b += f
+        # a micro-step is one call, its cold start paid in the forward it begins with (where the
+        # recorder measures it, autopar.measure.engine_call); a pipeline's F and B one call each
+        _add(d, "forward", f + call_f)
+        _add(d, "backward", b + call_b)
+        if tp is not None:                           # Megatron's f / g collectives, both directions
+            for op, sec in tp_collective_phases(costs, alpha, beta, x, types, shares, sp_on,
+                                                blocks, sp_link, hides).items():
+                _add(d, op, sec)
+        if not single and s + 1 < plan.num_stages:
+            _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
+                                           float(costs.out_bytes[st.block_stop - 1]) * x))
+        if not single and s > 0:
+            prev = plan.stages[s - 1]
+            _add(d, "p2p", comm.p2p_time_s(cluster, prev.groups[0][0], r,
+                                           float(costs.out_bytes[prev.block_stop - 1]) * x))
+
+
 def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
     """Per rank of ``plan`` (an ``autopar.ir.Plan`` priced with ``costs`` on ``cluster``), the predicted
     seconds of each phase of one step (see the module docstring)."""
@@ -100,15 +155,7 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
     rho = plan.predicted.breakdown.get("tp_replicated_fraction", tp_cost.DEFAULT_REPLICATED_FRACTION)
     zero = plan.zero_stage
     single = plan.num_stages == 1
-    out: dict[int, dict[str, float]] = {}
-    if not single:     # a pipeline's tied parameters' and loss sum's all-reduces (cost.pipeline._finish_s)
-        from autopar.cost.pipeline import pipeline_loss_allreduce_s, tied_allreduces_s
-
-        loss = pipeline_loss_allreduce_s(plan, cluster)
-        for r in sorted(set(plan.ranks)):
-            _add(out.setdefault(r, {}), "all_reduce", loss)
-        for r, t in tied_allreduces_s(plan, costs, cluster).items():
-            _add(out.setdefault(r, {}), "all_reduce", t)
+    out: dict[int, dict[str, float]] = {} if single else _pipeline_allreduces(plan, costs, cluster)
     for s, st in enumerate(plan.stages):
         blocks = slice(st.block_start, st.block_stop)
         params = float(costs.params[blocks].sum())
@@ -125,42 +172,17 @@ def predicted_phases(plan, costs, cluster) -> dict[int, dict[str, float]]:
             shares = st.tp_shares[g] if st.tp_shares and len(st.tp_shares) > g else (1,) * len(members)
             tp_group = len(members) > 1               # priced with the pieces the plan is priced with
             sp_on = bool(getattr(st, "sequence_parallel", False)) and tp_group
+            tp = None
             if tp_group:
                 kind = tp_cost.group_kind(cluster, members, shares)   # its links and overlap rule
-                alpha, beta, sp_link, hides = kind.alpha_s, kind.beta_s_per_byte, kind.sp_link, kind.hides_comm
                 types = tuple(cluster.devices[r].spec.name for r in members)
+                tp = (kind.alpha_s, kind.beta_s_per_byte, types, shares, sp_on, kind.sp_link, kind.hides_comm)
                 held = tp_cost.tp_rank_params(costs, blocks, np.asarray(shares, float) / sum(shares), rho)
             for i, r in enumerate(members):
                 t = cluster.devices[r].spec.name
                 d = out.setdefault(r, {})
                 call = costs.call_overhead(t)
-                call_f = costs.call_overhead(t, "micro_step" if single else "forward")
-                call_b = 0.0 if single else costs.call_overhead(t, "backward")
-                for x in st.micro_batches[g]:
-                    if x <= 0:
-                        continue
-                    if tp_group:
-                        fr, br = tp_cost.rank_block_times(costs, types, shares, x, rho, sp_on)
-                        f, b = float(fr[i, blocks].sum()), float(br[i, blocks].sum())
-                    else:
-                        f, b = float(costs.fwd_time(t, x)[blocks].sum()), float(costs.bwd_time(t, x)[blocks].sum())
-                    if st.recompute:
-                        b += f
-                    # a micro-step is one call, its cold start paid in the forward it begins with (where the
-                    # recorder measures it, autopar.measure.engine_call); a pipeline's F and B one call each
-                    _add(d, "forward", f + call_f)
-                    _add(d, "backward", b + call_b)
-                    if tp_group:                           # Megatron's f / g collectives, both directions
-                        for op, sec in tp_collective_phases(costs, alpha, beta, x, types, shares, sp_on,
-                                                            blocks, sp_link, hides).items():
-                            _add(d, op, sec)
-                    if not single and s + 1 < plan.num_stages:
-                        _add(d, "p2p", comm.p2p_time_s(cluster, r, plan.stages[s + 1].groups[0][0],
-                                                       float(costs.out_bytes[st.block_stop - 1]) * x))
-                    if not single and s > 0:
-                        prev = plan.stages[s - 1]
-                        _add(d, "p2p", comm.p2p_time_s(cluster, prev.groups[0][0], r,
-                                                       float(costs.out_bytes[prev.block_stop - 1]) * x))
+                _add_micro_steps(d, plan, costs, cluster, s, g, r, i, tp, rho)
                 # the optimizer: every parameter, a ZeRO shard (data parallelism: one flat buffer) or a TP
                 # shard (a piece of every tensor; flat under the TP ZeRO-1); unflattened, its tensors each
                 # add the per-tensor term (cost.pipeline.stage_optimizer_s prices it alike)
