@@ -193,6 +193,88 @@ def _single_could_meet(strategy: str, pin: Pin) -> bool:
     return pin.pp in one and pin.dp in one     # tp: one group of every rank
 
 
+class _Best:
+    """The fastest plan offered that meets the pin, and why the others did not."""
+
+    def __init__(self, pin, cluster, pp_layers):
+        self.pin, self.cluster, self.pp_layers = pin, cluster, pp_layers
+        self.plan: Plan | None = None
+        self.misses: list[str] = []
+
+    def offer(self, p: Plan) -> None:
+        why = pin_violation(p, self.pin, self.cluster) or _layers_violation(p, self.pp_layers)
+        if why is not None:
+            self.misses.append(why)
+        elif self.plan is None or p.predicted.step_time_s < self.plan.predicted.step_time_s:
+            self.plan = p
+
+
+def _offer_singles(found: "_Best", costs, cluster, global_batch: int, cfg: PlanConfig, pin, strategy: str,
+                   common: dict) -> None:
+    """Offer the plan of every single strategy that could meet the pin (an interleaved or pipeline-only
+    pin plans the pipeline at its schedule and chunk count)."""
+    may_recompute = common["recompute"]
+    singles = SINGLE_STRATEGIES if strategy == "auto" else (strategy,)
+    for s in singles:
+        if not _single_could_meet(s, pin) or (cfg.pp_layers is not None and s not in PP_STRATEGIES):
+            continue
+        try:
+            if (_pipeline_only(pin) or _interleaved(pin)) and s == "pp":
+                v = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else None
+                sched = pin.schedule or "interleaved-1f1b"
+                found.offer(plan_pipeline(costs, cluster, global_batch, schedule=sched, schedules=(sched,),
+                                          virtual_stages=v, zero_stage=0 if cfg.zero_stage == "auto" else cfg.zero_stage,
+                                          memory_fraction=cfg.memory_fraction, recompute=may_recompute,
+                                          pp_layers=cfg.pp_layers, num_micro=pin.num_micro_batches))
+            else:
+                pp = s in PP_STRATEGIES
+                found.offer(plan_strategy(costs, cluster, global_batch, s, **common,
+                                          pp_layers=cfg.pp_layers if pp else None,
+                                          num_micro=pin.num_micro_batches if pp else None,
+                                          force_recompute=bool(pin.recompute)))
+        except PlanError as e:
+            found.misses.append(f"{s}: {str(e)[:120]}")
+
+
+def _offer_hybrids(found: "_Best", costs, cluster, global_batch: int, cfg: PlanConfig, pin, rho: float,
+                   common: dict) -> None:
+    """Offer the hybrid plans on the member layouts and groupings the pin allows (the joint search per
+    layout, bounded by the best plan offered so far unless interleaving may beat it)."""
+    tp_pin = pin.tp
+    degrees = (tp_pin,) if isinstance(tp_pin, int) else TP_DEGREES
+    layouts = member_layouts(costs, cluster, num_heads=cfg.num_heads, degrees=degrees, replicated_fraction=rho,
+                             type_degrees=dict(tp_pin) if isinstance(tp_pin, tuple) else None)
+    bound = math.inf if found.plan is None else found.plan.predicted.step_time_s
+    hybrid = dict(common)
+    if _interleaved(pin):     # the flat 1F1B plans, each interleaved at the pinned chunk count
+        hybrid.update(schedule="1f1b", virtual_counts=(pin.virtual_stages,) if (pin.virtual_stages or 1) > 1
+                      else VIRTUAL_COUNTS)
+        bound = math.inf      # an interleaved variant may beat the flat plans it comes from
+    if cfg.pp_layers is not None:   # that split, on groupings of as many stages
+        hybrid["pp_layers"] = cfg.pp_layers
+    if pin.sequence_parallel:       # SP wherever it can run, priced slower or not
+        hybrid["force_sequence_parallel"] = True
+    pp = pin.pp if pin.pp is not None else (len(cfg.pp_layers) if cfg.pp_layers is not None else None)
+    for lay in layouts:
+        groupings = None
+        if pp is not None or pin.dp is not None:
+            groupings = pinned_groupings(lay, costs.num_blocks, pp, pin.dp)
+        elif _interleaved(pin):
+            groupings = member_groupings(cluster, lay, costs.num_blocks)
+        if groupings is not None:
+            if _interleaved(pin):   # two rank stages or more, each with a block for every chunk
+                V = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else min(VIRTUAL_COUNTS)
+                groupings = [g for g in groupings if 2 <= len(g.stages) <= costs.num_blocks // V]
+            if not groupings:
+                continue
+        for x in plan_hybrid(costs, cluster, global_batch, layouts=[lay], groupings=groupings,
+                             num_micro=pin.num_micro_batches, best_s=bound,
+                             force_recompute=bool(pin.recompute), **hybrid):
+            found.offer(x.plan)
+            if found.plan is not None and not _interleaved(pin):
+                bound = min(bound, found.plan.predicted.step_time_s)
+
+
 def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config: PlanConfig) -> Plan:
     """The fastest predicted plan of ``config.resolved_strategy`` that meets ``config.pin`` (see the
     module docstring); ``PlanError`` naming the pin when none does."""
@@ -214,71 +296,11 @@ def plan_pinned(costs: ModelCosts, cluster: "Cluster", global_batch: int, config
     may_recompute = bool(cfg.recompute)
     common = dict(num_heads=cfg.num_heads, zero_stage=cfg.zero_stage, schedule=cfg.schedule,
                   memory_fraction=cfg.memory_fraction, replicated_fraction=rho, recompute=may_recompute)
-    best: Plan | None = None
-    misses: list[str] = []
-
-    def offer(p: Plan) -> None:
-        nonlocal best
-        why = pin_violation(p, pin, cluster) or _layers_violation(p, cfg.pp_layers)
-        if why is not None:
-            misses.append(why)
-        elif best is None or p.predicted.step_time_s < best.predicted.step_time_s:
-            best = p
-
-    singles = SINGLE_STRATEGIES if strategy == "auto" else (strategy,)
-    for s in singles:
-        if not _single_could_meet(s, pin) or (cfg.pp_layers is not None and s not in PP_STRATEGIES):
-            continue
-        try:
-            if (_pipeline_only(pin) or _interleaved(pin)) and s == "pp":
-                v = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else None
-                sched = pin.schedule or "interleaved-1f1b"
-                offer(plan_pipeline(costs, cluster, global_batch, schedule=sched, schedules=(sched,),
-                                    virtual_stages=v, zero_stage=0 if cfg.zero_stage == "auto" else cfg.zero_stage,
-                                    memory_fraction=cfg.memory_fraction, recompute=may_recompute,
-                                    pp_layers=cfg.pp_layers, num_micro=pin.num_micro_batches))
-            else:
-                pp = s in PP_STRATEGIES
-                offer(plan_strategy(costs, cluster, global_batch, s, **common,
-                                    pp_layers=cfg.pp_layers if pp else None,
-                                    num_micro=pin.num_micro_batches if pp else None,
-                                    force_recompute=bool(pin.recompute)))
-        except PlanError as e:
-            misses.append(f"{s}: {str(e)[:120]}")
+    found = _Best(pin, cluster, cfg.pp_layers)
+    _offer_singles(found, costs, cluster, global_batch, cfg, pin, strategy, common)
     if strategy == "auto" and not _pipeline_only(pin):
-        tp_pin = pin.tp
-        degrees = (tp_pin,) if isinstance(tp_pin, int) else TP_DEGREES
-        layouts = member_layouts(costs, cluster, num_heads=cfg.num_heads, degrees=degrees, replicated_fraction=rho,
-                                 type_degrees=dict(tp_pin) if isinstance(tp_pin, tuple) else None)
-        bound = math.inf if best is None else best.predicted.step_time_s
-        hybrid = dict(common)
-        if _interleaved(pin):     # the flat 1F1B plans, each interleaved at the pinned chunk count
-            hybrid.update(schedule="1f1b", virtual_counts=(pin.virtual_stages,) if (pin.virtual_stages or 1) > 1
-                          else VIRTUAL_COUNTS)
-            bound = math.inf      # an interleaved variant may beat the flat plans it comes from
-        if cfg.pp_layers is not None:   # that split, on groupings of as many stages
-            hybrid["pp_layers"] = cfg.pp_layers
-        if pin.sequence_parallel:       # SP wherever it can run, priced slower or not
-            hybrid["force_sequence_parallel"] = True
-        pp = pin.pp if pin.pp is not None else (len(cfg.pp_layers) if cfg.pp_layers is not None else None)
-        for lay in layouts:
-            groupings = None
-            if pp is not None or pin.dp is not None:
-                groupings = pinned_groupings(lay, costs.num_blocks, pp, pin.dp)
-            elif _interleaved(pin):
-                groupings = member_groupings(cluster, lay, costs.num_blocks)
-            if groupings is not None:
-                if _interleaved(pin):   # two rank stages or more, each with a block for every chunk
-                    V = pin.virtual_stages if (pin.virtual_stages or 1) > 1 else min(VIRTUAL_COUNTS)
-                    groupings = [g for g in groupings if 2 <= len(g.stages) <= costs.num_blocks // V]
-                if not groupings:
-                    continue
-            for x in plan_hybrid(costs, cluster, global_batch, layouts=[lay], groupings=groupings,
-                                 num_micro=pin.num_micro_batches, best_s=bound,
-                                 force_recompute=bool(pin.recompute), **hybrid):
-                offer(x.plan)
-                if best is not None and not _interleaved(pin):
-                    bound = min(bound, best.predicted.step_time_s)
+        _offer_hybrids(found, costs, cluster, global_batch, cfg, pin, rho, common)
+    best, misses = found.plan, found.misses
     if best is None:
         why = "; ".join(dict.fromkeys(misses))[:600]
         raise PlanError(f"pin: no plan meets {pin} on {len(cluster)} devices (it does not fit in memory, "
