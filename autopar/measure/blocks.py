@@ -156,17 +156,7 @@ def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock
                 plain_fwd.clear()
                 plain_bwd.clear()
                 continue
-            f = np.zeros(n)
-            marks = sorted(fwd_marks) + [(t1, -1)]
-            f[marks[0][1]] += marks[0][0] - t0        # before the first block: the graph's own glue
-            for (ta, i), (tb, _) in zip(marks, marks[1:]):
-                f[i] += tb - ta
-            g = np.zeros(n)
-            order = sorted((t, i) for i, t in grad_marks.items())   # last block first
-            if order:
-                g[order[0][1]] += order[0][0] - t1    # the outputs' gradients up to the last block's
-                for (ta, i), (tb, _) in zip(order, order[1:] + [(t2, -1)]):
-                    g[i] += tb - ta
+            f, g = _block_rows(n, fwd_marks, grad_marks, t0, t1, t2)
             fwd_runs.append(f)
             bwd_runs.append(g)
             fwd_total.append(t1 - t0)
@@ -177,10 +167,33 @@ def _in_situ(split, subs: dict, n: int, inputs: tuple, repeats: int, sync, clock
         split.zero_grad(set_to_none=True)
         if whole is not None:
             whole.zero_grad(set_to_none=True)
-    pick = np.min if stat == "min" else np.median
-    res = np.stack([pick(np.stack(fwd_runs), axis=0), pick(np.stack(bwd_runs), axis=0)])
     if plain_fwd:       # hooks and the split's calls cost time a step does not spend: the totals unhooked
         fwd_total, bwd_total = plain_fwd, plain_bwd
+    return _scaled_rows(fwd_runs, bwd_runs, fwd_total, bwd_total, stat)
+
+
+def _block_rows(n: int, fwd_marks, grad_marks, t0: float, t1: float, t2: float) -> tuple[np.ndarray, np.ndarray]:
+    """One run's per-block forward and backward seconds from its marks: forward from each block's start
+    to the next's (the graph's glue before the first block counted in it), backward from each block's
+    last output gradient to the next (last block first; the outputs' gradients in the last block's)."""
+    f = np.zeros(n)
+    marks = sorted(fwd_marks) + [(t1, -1)]
+    f[marks[0][1]] += marks[0][0] - t0
+    for (ta, i), (tb, _) in zip(marks, marks[1:]):
+        f[i] += tb - ta
+    g = np.zeros(n)
+    order = sorted((t, i) for i, t in grad_marks.items())
+    if order:
+        g[order[0][1]] += order[0][0] - t1
+        for (ta, i), (tb, _) in zip(order, order[1:] + [(t2, -1)]):
+            g[i] += tb - ta
+    return f, g
+
+
+def _scaled_rows(fwd_runs, bwd_runs, fwd_total, bwd_total, stat: str) -> np.ndarray:
+    """(2, n): the runs' per-block rows by ``stat`` (min or median), each row scaled to its totals'."""
+    pick = np.min if stat == "min" else np.median
+    res = np.stack([pick(np.stack(fwd_runs), axis=0), pick(np.stack(bwd_runs), axis=0)])
     for row, total in ((0, fwd_total), (1, bwd_total)):
         s = res[row].sum()
         if s > 0:

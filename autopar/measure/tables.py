@@ -143,12 +143,8 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         if measure and need_cpu and not on_meta:
             measured = measure_blocks(analysis, model, example_inputs, [int(b) for b in batches], progress=progress)
         emu_scale = emulation_time_scale(len(cluster))
-        adjust = {}
-        if use_kernel_times:
-            for t in types:
-                spec = cluster.spec_of(t)
-                if is_mixed_precision(spec):
-                    adjust[t] = kernel_adjustments(analysis, spec.name, spec, efficiency or DEFAULT_GPU_EFFICIENCY)
+        adjust = {t: kernel_adjustments(analysis, t, cluster.spec_of(t), efficiency or DEFAULT_GPU_EFFICIENCY)
+                  for t in types if use_kernel_times and is_mixed_precision(cluster.spec_of(t))}
         fwd_table, bwd_table, sources, speeds = time_tables(analysis, cluster, batches, measured=measured,
                                                             emulation_scale=emu_scale, efficiency=efficiency,
                                                             kernel_adjust=adjust)
@@ -171,13 +167,19 @@ def model_costs(analysis, cluster, *, model=None, example_inputs=None, optimizer
         times = TimeTables(sample_batches=batches, fwd_table=fwd_table, bwd_table=bwd_table, sources=sources, **terms)
         costs = costs_of(analysis, cluster, times, optimizer=optimizer, precision=precision,
                          example_inputs=example_inputs)
-        if calibration == "auto":
-            from autopar.measure.cache import load_calibration
+        return _with_calibration(costs, cluster, types, emu_scale, calibration)
 
-            calibration = load_calibration()
-        if calibration:
-            from autopar.cost.calibrate import calibrated, device_key
 
-            keys = {t: device_key(cluster.spec_of(t), emu_scale) for t in types}
-            costs = calibrated(costs, calibration, keys)
+def _with_calibration(costs: ModelCosts, cluster, types, emu_scale: float, calibration) -> ModelCosts:
+    """``costs`` with the correction factors of ``calibration`` applied ("auto": this machine's, from the
+    profile cache; None or empty: as they are)."""
+    if calibration == "auto":
+        from autopar.measure.cache import load_calibration
+
+        calibration = load_calibration()
+    if not calibration:
         return costs
+    from autopar.cost.calibrate import calibrated, device_key
+
+    keys = {t: device_key(cluster.spec_of(t), emu_scale) for t in types}
+    return calibrated(costs, calibration, keys)
