@@ -121,14 +121,7 @@ def split_stages(gm: fx.GraphModule, block_ranges: Sequence[tuple[int, int]]) ->
     S = len(ranges)
     stage_of_block = {b: s for s, (a, z) in enumerate(ranges) for b in range(a, z)}
 
-    home: dict[fx.Node, int] = {}
-    for n in blocked:
-        if n.op == "get_attr":
-            continue
-        home[n] = stage_of_block[_block_of(n)]
-        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
-                and n.args[0] in home and home[n.args[0]] < home[n]:
-            home[n] = home[n.args[0]]
+    home = _homes(blocked, stage_of_block)
     home[output] = S - 1
     portable = {n for n in home if n is not output and not _is_tensor_valued(n)}
 
@@ -159,7 +152,39 @@ def split_stages(gm: fx.GraphModule, block_ranges: Sequence[tuple[int, int]]) ->
         elif n in portable and not n.users:   # side-effect nodes (guards, asserts) stay at home
             demand(home[n], n, n)
 
-    # Crossing values: what stage s sends on = what later stages need and stages <= s make.
+    sent = _crossing(S, needs, home, order)
+    codegen = gm.graph._codegen
+    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    programs = []
+    for s in range(S):
+        used = [p for p in placeholders if p in inputs_used[s]]
+        received = sent[s - 1] if s > 0 else []
+        g = _stage_graph(nodes, used, received, members[s], output if s == S - 1 else None, sent[s])
+        programs.append(StageProgram(
+            index=s, block_start=ranges[s][0], block_stop=ranges[s][1], gm=fx.GraphModule(gm, g, class_name=f"Stage{s}"),
+            graph_inputs=tuple(placeholders.index(p) for p in used),
+            received=tuple(v.name for v in received), sent=tuple(v.name for v in sent[s]),
+            is_last=s == S - 1, out_spec=out_spec if s == S - 1 else None))
+    return programs
+
+
+def _homes(blocked, stage_of_block: dict) -> dict:
+    """Each node's home stage: its block's, a getitem of an earlier stage's value at that value's home
+    (get_attr nodes have none: every stage that reads one holds it)."""
+    home: dict[fx.Node, int] = {}
+    for n in blocked:
+        if n.op == "get_attr":
+            continue
+        home[n] = stage_of_block[_block_of(n)]
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and n.args[0] in home and home[n.args[0]] < home[n]:
+            home[n] = home[n.args[0]]
+    return home
+
+
+def _crossing(S: int, needs, home: dict, order: dict) -> list[list[fx.Node]]:
+    """Crossing values: what stage s sends on = what later stages need and stages <= s make, in graph
+    order; ``SplitError`` for one that is not a tensor."""
     sent: list[list[fx.Node]] = [[] for _ in range(S)]
     for s in range(S - 1):
         later = set().union(*needs[s + 1:])
@@ -169,36 +194,29 @@ def split_stages(gm: fx.GraphModule, block_ranges: Sequence[tuple[int, int]]) ->
             if not _is_tensor_valued(v):
                 raise SplitError(f"value {v.format_node()} crosses from stage {home[v]} to a later stage "
                                  f"but is not a tensor")
+    return sent
 
-    codegen = gm.graph._codegen
-    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
-    programs = []
-    for s in range(S):
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        used = [p for p in placeholders if p in inputs_used[s]]
-        for p in used:
-            env[p] = g.placeholder(p.name)
-            env[p].meta = dict(p.meta)
-        received = sent[s - 1] if s > 0 else []
-        for v in received:
-            env[v] = g.placeholder(v.name)
-            env[v].meta = dict(v.meta)
-        for n in nodes:
-            if n in members[s]:
-                env[n] = g.node_copy(n, lambda a: env[a])
-        if s == S - 1:
-            g.output(fx.map_arg(output.args[0], lambda a: env[a]))
-        else:
-            g.output(tuple(env[v] for v in sent[s]))
-        g.lint()
-        stage_gm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
-        programs.append(StageProgram(
-            index=s, block_start=ranges[s][0], block_stop=ranges[s][1], gm=stage_gm,
-            graph_inputs=tuple(placeholders.index(p) for p in used),
-            received=tuple(v.name for v in received), sent=tuple(v.name for v in sent[s]),
-            is_last=s == S - 1, out_spec=out_spec if s == S - 1 else None))
-    return programs
+
+def _stage_graph(nodes, used, received, members: set, output: fx.Node | None, sent) -> fx.Graph:
+    """One stage's graph: the graph inputs it uses and the values it receives as placeholders, its
+    members copied in order, and the model's output (``output``, on the last stage) or what it sends."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in used:
+        env[p] = g.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+    for v in received:
+        env[v] = g.placeholder(v.name)
+        env[v].meta = dict(v.meta)
+    for n in nodes:
+        if n in members:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    if output is not None:
+        g.output(fx.map_arg(output.args[0], lambda a: env[a]))
+    else:
+        g.output(tuple(env[v] for v in sent))
+    g.lint()
+    return g
 
 
 def flat_inputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> list[Any]:

@@ -311,6 +311,71 @@ def _drop_unread_attrs(new: fx.GraphModule, gm: fx.GraphModule) -> None:
             delattr(owner, field_name)
 
 
+def _rewrite_pair(new: fx.GraphModule, gm: fx.GraphModule, nodes: dict, orig: dict, k: int, pair: TPPair,
+                  ranges, rank_index: int, all_reduce, shards: list) -> None:
+    """Shard pair ``k`` in ``new`` for member ``rank_index`` (its unit ``ranges``): the literals it
+    scales, its column Linears' output rows, its row Linear's input columns with g (the reduce) after
+    it and the bias added once, f before the columns' input. Appends the ``ParamShard``s to ``shards``."""
+    u0, u1 = ranges[rank_index]
+    for name, where, value, stride in pair.literals:
+        _set_literal(nodes[name], where, value * (u1 - u0) // pair.num_units)
+    # columns: rows of each part (grouped-query k and v: fewer features per unit than q)
+    for j, (cname, parts) in enumerate(zip(pair.column_nodes, pair.parts)):
+        lin = linear_use(gm, orig[cname])
+        cuf = pair.column_features(j)
+        width = pair.num_units * cuf
+        runs = tuple(tuple((p * width + a * cuf, p * width + b * cuf) for p in range(parts)) for a, b in ranges)
+        w = attr_value(gm, lin.weight)
+        bias = attr_value(gm, lin.bias) if lin.bias else None
+        local_w = torch.cat([w.detach()[a:b] for a, b in runs[rank_index]])
+        local_b = torch.cat([bias.detach()[a:b] for a, b in runs[rank_index]]) if bias is not None else None
+        names = _install_linear(new, nodes[cname], lin, f"_tp{k}_c{j}", local_w, local_b, like=w)
+        shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 0, runs))
+        if bias is not None:
+            shards.append(ParamShard(names[1], lin.bias, tuple(bias.shape), 0, runs))
+    # row: input columns; bias added once after the reduce
+    lin = linear_use(gm, orig[pair.row_node])
+    uf = pair.unit_features
+    runs = tuple(((a * uf, b * uf),) for a, b in ranges)
+    a, b = runs[rank_index][0]
+    w = attr_value(gm, lin.weight)
+    names = _install_linear(new, nodes[pair.row_node], lin, f"_tp{k}_r", w.detach()[:, a:b], None, like=w)
+    shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 1, runs))
+    _reduce_after_row(new, gm, nodes[pair.row_node], lin, k, all_reduce)
+    # f on the columns' input
+    x = nodes[pair.input_node]
+    f = _f_before(new, x, nodes[pair.column_nodes[0]], f"_tp_f{k}", all_reduce)
+    for cname in pair.column_nodes:
+        nodes[cname].replace_input_with(x, f)
+
+
+def _reduce_after_row(new: fx.GraphModule, gm: fx.GraphModule, row: fx.Node, lin, k: int, all_reduce) -> None:
+    """g after the row Linear ``row`` of pair ``k`` (``ReduceFromGroup``), then its bias (replicated:
+    ``gm``'s Parameter, or the bias read the functional form had) added once; ``row``'s users read it."""
+    graph = new.graph
+    users = list(row.users)
+    new.add_submodule(f"_tp_g{k}", ReduceFromGroup(all_reduce))
+    with graph.inserting_after(row):
+        out = graph.call_module(f"_tp_g{k}", (row,))
+    out.meta = {key: v for key, v in row.meta.items() if key != COST}
+    if lin.bias is not None:
+        if lin.module is not None:
+            bias_name = f"_tp{k}_r_bias"
+            new.register_parameter(bias_name, attr_value(gm, lin.bias))   # replicated: gm's Parameter
+            with graph.inserting_after(out):
+                battr = graph.get_attr(bias_name)
+            battr.meta = {BLOCK: row.meta[BLOCK]} if BLOCK in row.meta else {}
+        else:
+            battr = row.args[2]                       # the bias read, kept (replicated)
+            row.args = row.args[:2]
+        with graph.inserting_after(out if lin.module is None else battr):
+            added = graph.call_function(operator.add, (out, battr))
+        added.meta = dict(out.meta)
+        out = added
+    for u in users:
+        u.replace_input_with(row, out)
+
+
 def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
                all_reduce: AllReduce | None = None, granularity: int = 8,
                pairs: list[TPPair] | None = None, keep_whole: frozenset = frozenset()) -> fx.GraphModule:
@@ -339,60 +404,7 @@ def tp_rewrite(gm: fx.GraphModule, shares: tuple[int, ...], rank_index: int, *,
             continue  # a member would own nothing: keep the pair replicated
         kept.append(pair)
         all_ranges.append(ranges)
-        uf = pair.unit_features
-        u0, u1 = ranges[rank_index]
-        local_units = u1 - u0
-        for name, where, value, stride in pair.literals:
-            _set_literal(nodes[name], where, value * local_units // pair.num_units)
-        # columns: rows of each part (grouped-query k and v: fewer features per unit than q)
-        for j, (cname, parts) in enumerate(zip(pair.column_nodes, pair.parts)):
-            lin = linear_use(gm, orig[cname])
-            cuf = pair.column_features(j)
-            width = pair.num_units * cuf
-            runs = tuple(tuple((p * width + a * cuf, p * width + b * cuf) for p in range(parts)) for a, b in ranges)
-            w = attr_value(gm, lin.weight)
-            bias = attr_value(gm, lin.bias) if lin.bias else None
-            local_w = torch.cat([w.detach()[a:b] for a, b in runs[rank_index]])
-            local_b = torch.cat([bias.detach()[a:b] for a, b in runs[rank_index]]) if bias is not None else None
-            names = _install_linear(new, nodes[cname], lin, f"_tp{k}_c{j}", local_w, local_b, like=w)
-            shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 0, runs))
-            if bias is not None:
-                shards.append(ParamShard(names[1], lin.bias, tuple(bias.shape), 0, runs))
-        # row: input columns; bias added once after the reduce
-        lin = linear_use(gm, orig[pair.row_node])
-        runs = tuple(((a * uf, b * uf),) for a, b in ranges)
-        a, b = runs[rank_index][0]
-        w = attr_value(gm, lin.weight)
-        names = _install_linear(new, nodes[pair.row_node], lin, f"_tp{k}_r", w.detach()[:, a:b], None, like=w)
-        shards.append(ParamShard(names[0], lin.weight, tuple(w.shape), 1, runs))
-        row = nodes[pair.row_node]
-        users = list(row.users)
-        new.add_submodule(f"_tp_g{k}", ReduceFromGroup(all_reduce))
-        with graph.inserting_after(row):
-            out = graph.call_module(f"_tp_g{k}", (row,))
-        out.meta = {key: v for key, v in row.meta.items() if key != COST}
-        if lin.bias is not None:
-            if lin.module is not None:
-                bias_name = f"_tp{k}_r_bias"
-                new.register_parameter(bias_name, attr_value(gm, lin.bias))   # replicated: gm's Parameter
-                with graph.inserting_after(out):
-                    battr = graph.get_attr(bias_name)
-                battr.meta = {BLOCK: row.meta[BLOCK]} if BLOCK in row.meta else {}
-            else:
-                battr = row.args[2]                       # the bias read, kept (replicated)
-                row.args = row.args[:2]
-            with graph.inserting_after(out if lin.module is None else battr):
-                added = graph.call_function(operator.add, (out, battr))
-            added.meta = dict(out.meta)
-            out = added
-        for u in users:
-            u.replace_input_with(row, out)
-        # f on the columns' input
-        x = nodes[pair.input_node]
-        first = nodes[pair.column_nodes[0]]
-        f = _f_before(new, x, first, f"_tp_f{k}", all_reduce)
-        for cname in pair.column_nodes:
-            nodes[cname].replace_input_with(x, f)
+        _rewrite_pair(new, gm, nodes, orig, k, pair, ranges, rank_index, all_reduce, shards)
     heads = _shard_heads(new, gm, find_tp_heads(gm, pairs, keep_whole) if len(shares) > 1 else (), shares,
                          rank_index, granularity, all_reduce, shards)
     embeddings = _shard_embeddings(new, gm, find_tp_embeddings(gm, keep_whole) if len(shares) > 1 else (), shares,

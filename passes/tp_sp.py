@@ -406,6 +406,73 @@ def sp_supported_blocks(gm: fx.GraphModule, num_blocks: int) -> np.ndarray:
 # The rewrite
 
 
+def _seq_len(local: fx.GraphModule, x: fx.Node, dim: int = SEQ_DIM) -> int:
+    """The stream of ``x``: its full length along ``dim`` in the analysed graph (0 where unknown)."""
+    shape = _shape(x, local)
+    return int(shape[dim]) if shape is not None and len(shape) > dim else 0
+
+
+class _Inserter:
+    """Adds numbered SP modules to ``local`` and calls them after a node (``_sp_<kind><n>``)."""
+
+    def __init__(self, local: fx.GraphModule):
+        self.local, self.count = local, 0
+
+    def name(self) -> str:
+        self.count += 1
+        return str(self.count - 1)
+
+    def __call__(self, kind: str, module: nn.Module, arg: fx.Node, after: fx.Node, meta_from: fx.Node) -> fx.Node:
+        name = f"_sp_{kind}{self.name()}"
+        self.local.add_submodule(name, module)
+        with self.local.graph.inserting_after(after):
+            node = self.local.graph.call_module(name, (arg,))
+        node.meta = {k: v for k, v in meta_from.meta.items() if k != COST}
+        return node
+
+
+def _rewrite_flow(local: fx.GraphModule, fl, ctx: SeqContext, gs: set) -> list[str]:
+    """Rewrite ``local`` along the sequence-parallel flow ``fl``: g -> reduce-scatter, f -> all-gather,
+    scatters where the region is entered, gradient sums, length probes, gathers where a value leaks,
+    norm modules made functional. Returns the names whose gradients are summed over the group."""
+    graph = local.graph
+    add = _Inserter(local)
+    for g in gs & set(fl.sp):     # g -> reduce-scatter
+        local.add_submodule(g.target, SeqReduceScatter(ctx, SEQ_DIM, _seq_len(local, g)))
+    for f in fl.to_f:              # f -> all-gather to the group
+        local.add_submodule(f.target, SeqGatherToGroup(ctx, SEQ_DIM, _seq_len(local, f.args[0])))
+    scattered = {a: {u for u in a.users if u in fl.sp} for a in fl.entries}
+    for a, users in fl.scatter.items():
+        scattered.setdefault(a, set()).update(users)
+    for a, users in scattered.items():
+        if not users:
+            continue
+        s = add("scatter", SeqScatter(ctx, SEQ_DIM, _seq_len(local, a)), a, a, a)
+        for u in users:
+            u.replace_input_with(a, s)
+    summed_names = []
+    for a, users in fl.summed.items():
+        s = add("sum", SumGradOverGroup(ctx), a, a, a)
+        summed_names.append(a.name)
+        for u in users:
+            u.replace_input_with(a, s)
+    for probe, x in fl.lengths.items():
+        with graph.inserting_before(probe):
+            name = f"_sp_len{add.name()}"
+            local.add_submodule(name, SeqLength(ctx, fl.sp[x], _seq_len(local, x, fl.sp[x])))
+            node = graph.call_module(name, (x,))
+        probe.replace_all_uses_with(node)
+        graph.erase_node(probe)
+    for x, users in fl.leaks.items():
+        gnode = add("gather", SeqGather(ctx, fl.sp[x], _seq_len(local, x, fl.sp[x])), x, x, x)
+        for u in users:
+            u.replace_input_with(x, gnode)
+    for n in list(fl.sp):          # norm modules -> functional, so their weights' gradients are summed
+        if n.op == "call_module" and _kind(local, n) == "norm_module":
+            summed_names += _functional_norm(local, n, ctx, add)
+    return summed_names
+
+
 def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
                supported: np.ndarray | None = None, *, defer_param_grads: bool = False) -> fx.GraphModule:
     """Sequence parallelism on a ``passes.tp.tp_rewrite`` result ``local`` (member ``rank_index`` of
@@ -439,55 +506,7 @@ def sp_rewrite(local: fx.GraphModule, shares: tuple[int, ...], rank_index: int,
         local.meta[SP_META_KEY] = SPLayout(shares, rank_index, (), (), ())
         return local
     ctx = SeqContext(shares, rank_index)
-    count = [0]
-
-    def key(x: fx.Node, dim: int = SEQ_DIM) -> int:   # the stream: its full length in the analysed graph
-        shape = _shape(x, local)
-        return int(shape[dim]) if shape is not None and len(shape) > dim else 0
-
-    def add(kind: str, module: nn.Module, arg: fx.Node, after: fx.Node, meta_from: fx.Node) -> fx.Node:
-        name = f"_sp_{kind}{count[0]}"
-        count[0] += 1
-        local.add_submodule(name, module)
-        with graph.inserting_after(after):
-            node = graph.call_module(name, (arg,))
-        node.meta = {k: v for k, v in meta_from.meta.items() if k != COST}
-        return node
-
-    for g in gs & set(fl.sp):     # g -> reduce-scatter
-        local.add_submodule(g.target, SeqReduceScatter(ctx, SEQ_DIM, key(g)))
-    for f in fl.to_f:              # f -> all-gather to the group
-        local.add_submodule(f.target, SeqGatherToGroup(ctx, SEQ_DIM, key(f.args[0])))
-    scattered = {a: {u for u in a.users if u in fl.sp} for a in fl.entries}
-    for a, users in fl.scatter.items():
-        scattered.setdefault(a, set()).update(users)
-    for a, users in scattered.items():
-        if not users:
-            continue
-        s = add("scatter", SeqScatter(ctx, SEQ_DIM, key(a)), a, a, a)
-        for u in users:
-            u.replace_input_with(a, s)
-    summed_names = []
-    for a, users in fl.summed.items():
-        s = add("sum", SumGradOverGroup(ctx), a, a, a)
-        summed_names.append(a.name)
-        for u in users:
-            u.replace_input_with(a, s)
-    for probe, x in fl.lengths.items():
-        with graph.inserting_before(probe):
-            name = f"_sp_len{count[0]}"
-            count[0] += 1
-            local.add_submodule(name, SeqLength(ctx, fl.sp[x], key(x, fl.sp[x])))
-            node = graph.call_module(name, (x,))
-        probe.replace_all_uses_with(node)
-        graph.erase_node(probe)
-    for x, users in fl.leaks.items():
-        gnode = add("gather", SeqGather(ctx, fl.sp[x], key(x, fl.sp[x])), x, x, x)
-        for u in users:
-            u.replace_input_with(x, gnode)
-    for n in list(fl.sp):          # norm modules -> functional, so their weights' gradients are summed
-        if n.op == "call_module" and _kind(local, n) == "norm_module":
-            summed_names += _functional_norm(local, n, ctx, add)
+    summed_names = _rewrite_flow(local, fl, ctx, gs)
     deferred = _defer(local) if defer_param_grads else ()
     graph.lint()
     local.recompile()
