@@ -37,7 +37,7 @@ from autopar.ir.plan import Plan
 from autopar.passes.inputs import flat_inputs
 
 __all__ = ["compile", "CompileRequest", "validate", "join", "plan_and_broadcast", "capture_on_device", "materialise",
-           "lower_program", "build_engine_for", "attach", "optimizer_kind"]
+           "lower_program", "build_engine_for", "attach"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _default_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def optimizer_kind(factory) -> str:
+def _optimizer_kind(factory) -> str:
     """The optimizer the cost tables price for ``factory``: "sgd", "sgd-nomomentum" or "adamw"."""
     try:
         probe = factory([nn.Parameter(torch.zeros(1))])
@@ -144,7 +144,7 @@ def plan_and_broadcast(request: CompileRequest, ctx, model, cluster, example_inp
     prepared = None
     if ctx.rank == 0:
         try:        # the cost tables are kept on rank 0 for profile()'s predicted phases
-            kind = optimizer_kind(request.optimizer)
+            kind = _optimizer_kind(request.optimizer)
             options = request.plan_options
             if options is not None:
                 from autopar.planner.entry import check_request

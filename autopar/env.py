@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["EnvVar", "VARIABLES", "OFF", "read", "is_off", "table"]
+__all__ = ["EnvVar", "VARIABLES", "OFF", "read", "is_off", "cache_root", "table"]
 
 OFF = frozenset({"off", "0", "false", "no"})   # the values that turn a switch off (any case)
 
@@ -61,6 +62,12 @@ def read(name: str) -> str:
 def is_off(name: str) -> bool:
     """Whether switch ``name`` is set to one of ``OFF``."""
     return read(name).lower() in OFF
+
+
+def cache_root() -> Path:
+    """The folder of autopar's caches: ``AUTOPAR_CACHE_DIR``, or ``~/.cache/autopar`` when unset."""
+    root = read("AUTOPAR_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "autopar"
 
 
 def table() -> str:

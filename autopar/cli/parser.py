@@ -63,13 +63,19 @@ def _add_plan(sub) -> None:
     q.add_argument("--timeline", metavar="OUT.png", help="write the simulated per-rank Gantt chart")
 
 
-def _add_train(sub, warmup_help: str) -> None:
+def _add_warmup(q) -> None:
     from autopar.cli.trainer import WARMUP_STEPS
 
+    q.add_argument("--warmup", type=int, default=WARMUP_STEPS,
+                   help="warm-up steps per strategy, excluded from the figures (an emulated clock's steady "
+                        "per-block minima settle over several steps)")
+
+
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="really train on this machine (emulated devices are CPU processes)")
     _plan_args(t)
     t.add_argument("--steps", type=int, default=5, help="measured steps per strategy, after the warm-up")
-    t.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=warmup_help)
+    _add_warmup(t)
     t.add_argument("--compare", help="comma-separated strategies to run after it in the same run, e.g. uniform-dp; "
                                      "STRATEGY:zero=K pins that one's ZeRO stage, e.g. dp:zero=0,dp:zero=3")
     t.add_argument("--consecutive", type=int, default=1, metavar="K",
@@ -96,23 +102,18 @@ def _add_train(sub, warmup_help: str) -> None:
                         "them in the profile cache (later plans use them)")
 
 
-def _add_demo(sub, warmup_help: str) -> None:
-    from autopar.cli.trainer import WARMUP_STEPS
-
+def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="plan and train a small GPT on the emulated demo cluster vs uniform-dp")
     d.add_argument("--model", default=None, help="default gpt-tiny")
     d.add_argument("--cluster", default=None, help="default the built-in demo cluster")
     d.add_argument("--global-batch", type=int, default=96)
     d.add_argument("--steps", type=int, default=24, help="measured steps per strategy, after the warm-up")
-    d.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=warmup_help)
+    _add_warmup(d)
     d.add_argument("--json", metavar="OUT")
     d.add_argument("--timeline", metavar="OUT.png", help="Gantt chart of the last measured step of both strategies")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    warmup_help = ("warm-up steps per strategy, excluded from the figures (an emulated clock's steady "
-                   "per-block minima settle over several steps)")
-
     p = argparse.ArgumentParser(prog="autopar", description=_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -126,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-' for stdout)")
 
     _add_plan(sub)
-    _add_train(sub, warmup_help)
-    _add_demo(sub, warmup_help)
+    _add_train(sub)
+    _add_demo(sub)
     sub.add_parser("tune", help="Triton kernel tuning runs on the local GPU (autopar tune --help)", add_help=False)
     sub.add_parser("bench", help="run a benchmark of the source tree: 'autopar bench published' pins published GPU "
                                  "runs as published and predicts them, 'autopar bench published_layouts' prices "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 __all__ = ["fmt_count", "fmt_bytes", "fmt_time", "plan_table", "analysis_table", "render"]
 
@@ -102,10 +103,7 @@ def _micro_text(mbs) -> str:
     """Micro-batch sizes by count, largest first: ``85 x 1``, ``84 x 1, 1 x 0``."""
     if not mbs:
         return "0 x 0"
-    runs: dict[int, int] = {}
-    for m in sorted(mbs, reverse=True):
-        runs[m] = runs.get(m, 0) + 1
-    return ", ".join(f"{n} x {m}" for m, n in runs.items())
+    return ", ".join(f"{n} x {m}" for m, n in Counter(sorted(mbs, reverse=True)).items())
 
 
 def analysis_table(analysis, costs, batch: int) -> str:

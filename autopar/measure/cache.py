@@ -54,8 +54,7 @@ def cpu_regime() -> str:
 
 def cache_dir() -> Path:
     """The folder of autopar's measurement caches (``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``)."""
-    root = env.read("AUTOPAR_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "autopar"
+    return env.cache_root()
 
 
 def measure_cache_path() -> Path:

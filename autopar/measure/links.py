@@ -64,7 +64,6 @@ def _layout_key(layout: tuple[int, ...], cores: int) -> str:
 
 def emulated_link_for(cluster):
     """This machine's measured link for ``cluster``'s emulated ranks (see the module docstring)."""
-
     from autopar.cluster.emulation import emulated_link_nodes, link_layout, machine_cores
     from autopar.cluster.links import EmulatedLink
     from autopar.measure.cache import load_link, save_link
@@ -229,7 +228,6 @@ def _time_ops_processes(cores: list[int], sizes, reps: dict) -> list | None:
     cannot fork or a rank failed (the caller then measures with threads)."""
     import multiprocessing as mp
     from datetime import timedelta
-
 
     if "fork" not in mp.get_all_start_methods():
         return None

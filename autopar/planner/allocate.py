@@ -123,13 +123,12 @@ def _is_monotone(T: np.ndarray) -> bool:
     return bool(np.all(np.diff(T) >= 0.0))
 
 
-def _greedy(tables: list[np.ndarray], remaining: int) -> list[int]:
-    """Optimal shares when every table is non-decreasing: threshold search, then greedy fill."""
-    # Ranks of one device type share one table (views of one array): the threshold search runs over
-    # the distinct tables, each counted once per rank that holds it.
-    distinct: dict[tuple, int] = {}
-    of_rank = np.array([distinct.setdefault((T.__array_interface__["data"][0], T.shape, T.strides), len(distinct))
-                        for T in tables])
+def _greedy(tables: list[np.ndarray], remaining: int, kinds: Sequence | None = None) -> list[int]:
+    """Optimal shares when every table is non-decreasing: threshold search, then greedy fill. ``kinds``:
+    per table a key, equal for equal tables (ranks of one device type share one); the threshold search
+    runs over the distinct tables, each counted once per rank that holds it (None: all distinct)."""
+    distinct: dict = {}
+    of_rank = np.array([distinct.setdefault(k, len(distinct)) for k in (range(len(tables)) if kinds is None else kinds)])
     uniq = [None] * len(distinct)
     for T, u in zip(tables, of_rank):
         uniq[u] = T
@@ -215,12 +214,13 @@ def allocate(time_fns: Sequence[Callable[[int], float]], max_micro: Sequence[int
     horizon = max([remaining] + list(fixed.values()))
     # Ranks sharing a (time_fn, max_micro) pair (one device type) share one table.
     memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    tables = []
+    tables, keys = [], []
     for r in range(n):
         key = (id(time_fns[r]), int(max_micro[r]))
         if key not in memo:
             memo[key] = rank_time_table(time_fns[r], int(max_micro[r]), horizon)
         tables.append(memo[key])
+        keys.append(key)
 
     shares = [0] * n
     for r, s in fixed.items():
@@ -229,7 +229,7 @@ def allocate(time_fns: Sequence[Callable[[int], float]], max_micro: Sequence[int
     if remaining > 0:
         free_tables = [tables[r][0][: remaining + 1] for r in free]
         if all(_is_monotone(T) for T in free_tables):
-            got = _greedy(free_tables, remaining)
+            got = _greedy(free_tables, remaining, [keys[r] for r in free])
         else:
             got = _minmax_dp(free_tables, remaining)
         for r, s in zip(free, got):

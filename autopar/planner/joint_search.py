@@ -209,9 +209,6 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
 
     tails: dict = {}
 
-    def solve(entry, M):
-        return _solve(ctx, entry, M, schedule, limit)
-
     # the tail bound is costly: only for what the split bound alone does not prune
     order = best_first(items, lambda e, M: tail_lower_bound(ctx, entries[e], M), limit)
     unfit = 0
@@ -223,11 +220,11 @@ def search(ctx: JointContext, entries: list[GroupingState], schedule: str, num_m
             # M grows: the largest count needs the least memory, so if it does not fit none does.
             if entry.feasible is None:
                 top = largest[e]
-                entry.feasible = top < S or solve(entry, top) != "infeasible"
+                entry.feasible = top < S or _solve(ctx, entry, top, schedule, limit) != "infeasible"
             if not entry.feasible:
                 unfit += 1
                 continue
-        got = solve(entry, M)
+        got = _solve(ctx, entry, M, schedule, limit)
         solved += 1
         if got is None or got == "infeasible":
             continue

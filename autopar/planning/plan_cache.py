@@ -26,9 +26,7 @@ MAX_PLANS = 256   # plan files kept; the least recently used beyond this are rem
 
 def plan_cache_dir() -> Path:
     """``$AUTOPAR_CACHE_DIR/plans`` or ``~/.cache/autopar/plans``."""
-    root = env.read("AUTOPAR_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "autopar"
-    return base / "plans"
+    return env.cache_root() / "plans"
 
 
 @functools.lru_cache(maxsize=1)
